@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# Installs what nopad needs on Debian/Ubuntu (build tools, libraries, the Python packages the tests use) and builds
+# it into build/. Safe to run again: installed packages are skipped, the build is incremental.
+#   NOPAD_SKIP_INSTALL=1  build only (for machines without package access, e.g. the GPU machine)
+#   NOPAD_BUILD_DIR=DIR   build folder (default build)
+#   NOPAD_CMAKE_ARGS=...  extra CMake arguments (e.g. -DNOPAD_CUDA=OFF)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+build_dir=${NOPAD_BUILD_DIR:-build}
+
+as_root() { if [ "$(id -u)" -eq 0 ]; then "$@"; else sudo "$@"; fi; }
+
+if [ "${NOPAD_SKIP_INSTALL:-0}" != 1 ]; then
+  packages=(build-essential cmake ninja-build pkg-config libhdf5-dev nlohmann-json3-dev libcli11-dev libgtest-dev
+            python3 python3-pip python3-venv xz-utils)
+  missing=()
+  for p in "${packages[@]}"; do dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p"); done
+  if [ ${#missing[@]} -gt 0 ]; then
+    echo "setup: installing ${missing[*]}"
+    as_root apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive as_root apt-get install -y -qq "${missing[@]}" >/dev/null
+  fi
+  # Python packages for the parity and format tests: numpy, h5py, tokenizers (Hugging Face's tokenizer, offline).
+  if ! python3 -c 'import numpy, h5py, tokenizers' 2>/dev/null; then
+    echo "setup: installing Python packages numpy h5py tokenizers"
+    python3 -m pip install -q numpy h5py tokenizers 2>/dev/null ||
+      python3 -m pip install -q --break-system-packages numpy h5py tokenizers
+  fi
+fi
+
+generator=()
+command -v ninja >/dev/null && generator=(-G Ninja)
+if [ ! -f "$build_dir/CMakeCache.txt" ]; then
+  # shellcheck disable=SC2086
+  cmake -S . -B "$build_dir" "${generator[@]}" -DCMAKE_BUILD_TYPE=Release ${NOPAD_CMAKE_ARGS:-}
+fi
+cmake --build "$build_dir" -j "$(nproc)"
+echo "setup: built $build_dir/nopad"

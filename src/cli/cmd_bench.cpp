@@ -1,0 +1,68 @@
+// nopad bench: benchmarks as programs. `bench loader` times the batch builder on one core (synchronous mode: the
+// calling thread does all the work) or with the background loader thread, and prints one JSON line.
+#include <chrono>
+#include <cstdio>
+#include <memory>
+#include <string>
+
+#include "cli/command.h"
+#include "core/error.h"
+#include "data/dataset.h"
+#include "data/loader.h"
+
+namespace {
+
+struct LoaderBenchOptions {
+  std::string data;
+  uint64_t batch = 256;
+  uint64_t steps = 2000;
+  bool background = false;
+  uint64_t seed = 1;
+};
+
+void run_loader_bench(const LoaderBenchOptions& o) {
+  const nopad::Dataset ds(o.data);
+  nopad::LoaderOptions lo;
+  lo.global_batch = o.batch;
+  lo.seed = o.seed;
+  lo.background = o.background;
+  nopad::Loader loader(ds, lo);
+  // Warm-up: touch the data once so the page cache, not the disk, is measured (as in a long training run).
+  for (int i = 0; i < 10; ++i) loader.next();
+  uint64_t seqs = 0, tokens = 0, masked = 0, checksum = 0;
+  const auto t0 = std::chrono::steady_clock::now();
+  for (uint64_t s = 0; s < o.steps; ++s) {
+    const nopad::HostBatch& b = loader.next();
+    seqs += static_cast<uint64_t>(b.num_seqs());
+    tokens += static_cast<uint64_t>(b.num_tokens());
+    masked += static_cast<uint64_t>(b.num_masked());
+    checksum += static_cast<uint64_t>(b.tokens[static_cast<size_t>(b.num_tokens()) / 2]);  // use the data
+  }
+  const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  NOPAD_CHECK(seqs == o.steps * o.batch, "loader returned ", seqs, " sequences, expected ", o.steps * o.batch);
+  std::printf(
+      "{\"bench\": \"loader\", \"mode\": \"%s\", \"batch\": %llu, \"steps\": %llu, \"seconds\": %.4f, "
+      "\"seqs_per_s\": %.0f, \"tokens_per_s\": %.0f, \"mean_length\": %.1f, \"mean_masked\": %.2f, "
+      "\"checksum\": %llu}\n",
+      o.background ? "background" : "sync", static_cast<unsigned long long>(o.batch),
+      static_cast<unsigned long long>(o.steps), secs, static_cast<double>(seqs) / secs,
+      static_cast<double>(tokens) / secs, static_cast<double>(tokens) / static_cast<double>(seqs),
+      static_cast<double>(masked) / static_cast<double>(seqs), static_cast<unsigned long long>(checksum));
+}
+
+void setup(CLI::App& sub) {
+  sub.require_subcommand(1);
+  auto lo = std::make_shared<LoaderBenchOptions>();
+  CLI::App* loader = sub.add_subcommand("loader", "sequences per second the loader builds into unpadded batches");
+  loader->add_option("--data", lo->data, "dataset folder")->required();
+  loader->add_option("--batch", lo->batch, "sequences per batch")->capture_default_str();
+  loader->add_option("--steps", lo->steps, "timed batches")->capture_default_str();
+  loader->add_option("--seed", lo->seed, "shuffle seed")->capture_default_str();
+  loader->add_flag("--background", lo->background,
+                   "build batches on the loader thread (default: on the calling thread, i.e. one core)");
+  loader->callback([lo] { run_loader_bench(*lo); });
+}
+
+NOPAD_REGISTER_COMMAND("bench", "benchmarks: loader (more with the GPU backend)", 70, setup);
+
+}  // namespace

@@ -1,0 +1,62 @@
+// nopad tokenize: one line of token ids (or word pieces with --pieces, or the words before WordPiece with --words)
+// per input line, stdin -> stdout, tokens separated by single spaces.
+#include <charconv>
+#include <iostream>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "cli/command.h"
+#include "data/tokenizer.h"
+
+namespace {
+
+struct TokenizeOptions {
+  std::string vocab;
+  bool pieces = false;
+  bool words = false;
+};
+
+void setup(CLI::App& sub) {
+  auto opt = std::make_shared<TokenizeOptions>();
+  sub.add_option("--vocab", opt->vocab, "WordPiece vocabulary (BERT vocab.txt)")->required()->check(CLI::ExistingFile);
+  sub.add_flag("--pieces", opt->pieces, "print word pieces instead of ids");
+  sub.add_flag("--words", opt->words, "print the basic tokens (lower-cased, split, before WordPiece) instead of ids");
+  sub.callback([opt] {
+    const nopad::Vocab vocab = nopad::Vocab::load(opt->vocab);
+    const nopad::WordPieceTokenizer tok(vocab);
+    std::ios::sync_with_stdio(false);
+    std::string line, out;
+    std::vector<int32_t> ids;
+    while (std::getline(std::cin, line)) {
+      out.clear();
+      if (opt->words) {
+        for (const std::string& w : tok.basic_tokens(line)) {
+          if (!out.empty()) out += ' ';
+          out += w;
+        }
+        out += '\n';
+        std::cout << out;
+        continue;
+      }
+      ids.clear();
+      tok.encode(line, ids);
+      for (int32_t id : ids) {
+        if (!out.empty()) out += ' ';
+        if (opt->pieces) {
+          out += vocab.token(id);
+        } else {
+          char buf[16];
+          out.append(buf, static_cast<size_t>(std::to_chars(buf, buf + sizeof buf, id).ptr - buf));
+        }
+      }
+      out += '\n';
+      std::cout << out;
+    }
+    std::cout.flush();
+  });
+}
+
+NOPAD_REGISTER_COMMAND("tokenize", "WordPiece-tokenize text from stdin, one line of ids per line", 10, setup);
+
+}  // namespace
