@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# Everything the GPU machine checks in one call: build with the CUDA backend, run the whole test suite, report the
+# GPUs, and run the Hugging Face compatibility check (transformers is installed there, not in CI).
+# Logs go to $OUT (or out/gpu when OUT is unset). Usage: bash scripts/gpu-tests.sh
+set -uo pipefail
+cd "$(dirname "$0")/.."
+out=${OUT:-out/gpu}
+mkdir -p "$out"
+export NOPAD_SKIP_INSTALL=1 NOPAD_BUILD_DIR=build-gpu
+status=0
+step() { echo "== $*" | tee -a "$out/summary.txt"; }
+
+step "build (CUDA on)"
+NOPAD_CMAKE_ARGS="-DNOPAD_CUDA=ON" bash scripts/setup.sh > "$out/build.log" 2>&1 || { tail -50 "$out/build.log"; exit 1; }
+./build-gpu/nopad info | tee -a "$out/summary.txt"
+
+step "ctest"
+ctest --test-dir build-gpu -j 8 --output-on-failure --timeout 1200 > "$out/ctest.log" 2>&1 || status=1
+tail -15 "$out/ctest.log" | tee -a "$out/summary.txt"
+
+if [ -f scripts/hf_compat.py ]; then
+  step "Hugging Face compatibility"
+  ./build-gpu/nopad prepare --input data/wiki-sample/wiki_00 --vocab data/vocab/bert-uncased-vocab.txt \
+    --output /tmp/nopad-hf/data --max-seq-length 128 --dupe-factor 1 --overwrite --quiet > "$out/hf.log" 2>&1
+  ./build-gpu/nopad train --config configs/bert-tiny-sample.toml --set run_dir=/tmp/nopad-hf/run \
+    --set data.train=/tmp/nopad-hf/data --set data.eval=/tmp/nopad-hf/data --set train.max_steps=20 \
+    --overwrite >> "$out/hf.log" 2>&1 || status=1
+  PYTHONPATH=python python3 scripts/hf_compat.py --nopad ./build-gpu/nopad --run-dir /tmp/nopad-hf/run \
+    --data /tmp/nopad-hf/data 2>&1 | tee -a "$out/hf.log" "$out/summary.txt" || status=1
+fi
+step "done, status $status"
+exit $status
