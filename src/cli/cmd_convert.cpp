@@ -1,0 +1,169 @@
+// nopad convert --from-hdf5 PATH... --output DIR: NVIDIA / MLPerf BERT HDF5 files -> nopad shards.
+// Input files are read in the order given (several at once with --threads) and their instances are written, in that
+// order, into DIR/shard_00000.nopad, shard_00001.nopad, ... of --seqs-per-shard sequences each, plus DIR/dataset.json.
+// All-or-nothing: shards are written into a staging folder inside DIR and moved into place only after every input
+// has converted; on any error the staging folder is removed and DIR is left as it was.
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdio>
+#include <memory>
+#include <nlohmann/json.hpp>
+#include <string>
+#include <vector>
+
+#include "cli/command.h"
+#include "core/error.h"
+#include "core/io.h"
+#include "core/progress.h"
+#include "core/threads.h"
+#include "data/hdf5_import.h"
+#include "data/shard.h"
+#include "data/vocab.h"
+
+namespace {
+
+namespace fs = std::filesystem;
+
+constexpr const char* kDefaultVocab = "data/vocab/bert-uncased-vocab.txt";
+
+struct ConvertOptions {
+  std::vector<std::string> inputs;
+  std::string output;
+  std::string vocab;
+  int64_t seqs_per_shard = 65536;
+  int threads = 0;
+};
+
+std::string shard_name(size_t index) {
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "shard_%05zu%s", index, nopad::kShardExtension);
+  return buf;
+}
+
+// Removes the staging folder unless released (the conversion succeeded).
+struct StagingDir {
+  fs::path path;
+  bool keep = false;
+  ~StagingDir() {
+    std::error_code ec;
+    if (!keep) fs::remove_all(path, ec);
+  }
+};
+
+void run_convert(const ConvertOptions& opt) {
+  using nopad::fail;
+  const auto t0 = std::chrono::steady_clock::now();
+  std::string vocab_path = opt.vocab;
+  if (vocab_path.empty()) {
+    std::error_code ec;
+    if (!fs::is_regular_file(kDefaultVocab, ec))
+      fail("no vocabulary given and the default ", kDefaultVocab,
+           " does not exist here: pass --vocab FILE (the vocab.txt the HDF5 files were made with)");
+    vocab_path = kDefaultVocab;
+  }
+  const nopad::Vocab vocab = nopad::Vocab::load(vocab_path);
+  NOPAD_CHECK(opt.seqs_per_shard > 0, "--seqs-per-shard must be positive, got ", opt.seqs_per_shard);
+  for (const std::string& in : opt.inputs) {
+    std::error_code ec;
+    NOPAD_CHECK(fs::is_regular_file(in, ec), "input ", in, " does not exist or is not a file");
+  }
+
+  const fs::path out_dir(opt.output);
+  nopad::ensure_writable_dir(out_dir);
+  // Refuse to mix with an existing dataset: its shards would silently join this one.
+  for (const auto& e : fs::directory_iterator(out_dir))
+    if (e.path().extension() == nopad::kShardExtension || e.path().filename() == "dataset.json")
+      fail("output folder ", out_dir.string(), " already holds a dataset (", e.path().filename().string(),
+           "): choose an empty folder or remove its shards and dataset.json first");
+
+  StagingDir staging{out_dir / (".convert-staging-" + std::to_string(::getpid()))};
+  fs::remove_all(staging.path);
+  fs::create_directories(staging.path);
+
+  nopad::Hdf5ImportOptions import;
+  import.vocab_size = vocab.size();
+  import.cls_id = vocab.special().cls;
+  import.sep_id = vocab.special().sep;
+
+  const int threads = opt.threads > 0 ? opt.threads : std::min(nopad::hardware_threads(), 8);
+  nopad::Progress progress("convert", static_cast<double>(opt.inputs.size()), "files");
+  std::vector<std::string> shard_names;
+  std::unique_ptr<nopad::ShardWriter> writer;
+  uint64_t num_seqs = 0, num_tokens = 0, num_masked = 0;
+  nlohmann::json inputs = nlohmann::json::array();
+
+  auto flush = [&] {
+    if (!writer) return;
+    writer->finish();
+    writer.reset();
+  };
+  auto add = [&](const nopad::Instance& inst) {
+    if (!writer) {
+      shard_names.push_back(shard_name(shard_names.size()));
+      writer = std::make_unique<nopad::ShardWriter>(staging.path / shard_names.back(), vocab.size(), vocab.checksum());
+    }
+    writer->add(inst);
+    ++num_seqs;
+    num_tokens += inst.tokens.size();
+    num_masked += inst.mlm_positions.size();
+    if (static_cast<int64_t>(writer->num_seqs()) >= opt.seqs_per_shard) flush();
+  };
+
+  // Files are read `threads` at a time and written in input order, so the shards do not depend on --threads.
+  for (size_t first = 0; first < opt.inputs.size(); first += static_cast<size_t>(threads)) {
+    const size_t count = std::min(opt.inputs.size() - first, static_cast<size_t>(threads));
+    std::vector<std::vector<nopad::Instance>> batch(count);
+    std::vector<nopad::Hdf5FileSummary> summaries(count);
+    nopad::parallel_for(count, threads, [&](size_t i) {
+      batch[i] = nopad::read_hdf5_file(opt.inputs[first + i], import, &summaries[i]);
+      progress.add(1);
+    });
+    for (size_t i = 0; i < count; ++i) {
+      for (const nopad::Instance& inst : batch[i]) add(inst);
+      batch[i] = {};
+      inputs.push_back({{"path", opt.inputs[first + i]},
+                        {"layout", nopad::hdf5_layout_name(summaries[i].layout)},
+                        {"rows", summaries[i].num_rows},
+                        {"seqs", summaries[i].num_seqs}});
+    }
+  }
+  flush();
+  progress.finish();
+  NOPAD_CHECK(num_seqs > 0, "the inputs hold no sequences; nothing to convert");
+
+  // Everything converted: move the shards into place, then write the manifest that marks the dataset complete.
+  for (const std::string& name : shard_names) fs::rename(staging.path / name, out_dir / name);
+  nopad::fsync_dir(out_dir);
+  const nlohmann::json manifest = {
+      {"format", "nopad-shards"}, {"version", 1},           {"source", "hdf5"},
+      {"inputs", inputs},         {"num_shards", shard_names.size()}, {"num_seqs", num_seqs},
+      {"num_tokens", num_tokens}, {"num_masked", num_masked}, {"vocab_size", vocab.size()},
+      {"vocab_checksum", vocab.checksum()}};
+  nopad::write_file_atomic(out_dir / "dataset.json", manifest.dump(2) + "\n");
+
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  std::printf(
+      "converted %zu files -> %zu shards in %s\n  sequences %llu, tokens %llu (%.1f per sequence), masked %llu\n"
+      "  time %s\n",
+      opt.inputs.size(), shard_names.size(), out_dir.string().c_str(), static_cast<unsigned long long>(num_seqs),
+      static_cast<unsigned long long>(num_tokens), static_cast<double>(num_tokens) / static_cast<double>(num_seqs),
+      static_cast<unsigned long long>(num_masked), nopad::format_duration(seconds).c_str());
+}
+
+void setup(CLI::App& sub) {
+  auto opt = std::make_shared<ConvertOptions>();
+  sub.add_option("--from-hdf5", opt->inputs, "NVIDIA/MLPerf BERT HDF5 files (fixed, variable-length or packed)")
+      ->required()
+      ->expected(1, -1);
+  sub.add_option("--output", opt->output, "output folder for shard_NNNNN.nopad and dataset.json")->required();
+  sub.add_option("--vocab", opt->vocab, std::string("vocabulary the files were made with (default ") + kDefaultVocab +
+                                            " when it exists)");
+  sub.add_option("--seqs-per-shard", opt->seqs_per_shard, "sequences per shard")->default_val(65536);
+  sub.add_option("--threads", opt->threads, "input files read at once (default: cores, at most 8)");
+  sub.callback([opt] { run_convert(*opt); });
+}
+
+NOPAD_REGISTER_COMMAND("convert", "convert NVIDIA/MLPerf BERT HDF5 files into nopad shards", 40, setup);
+
+}  // namespace
