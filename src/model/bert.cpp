@@ -1,0 +1,341 @@
+// BertForPreTraining on the ops interface (see bert.h for the network and the memory contract).
+#include "model/bert.h"
+
+#include <algorithm>
+
+#include "core/error.h"
+
+namespace nopad {
+
+template <class S>
+template <class U>
+U* BertModel<S>::alloc(size_t count) {
+  void* p = backend_.allocate_bytes(std::max<size_t>(count, 1) * sizeof(U));
+  allocations_.push_back(p);
+  return static_cast<U*>(p);
+}
+
+template <class S>
+BertModel<S>::BertModel(const BertConfig& config, ops::Backend<S>& backend, int32_t max_tokens, int32_t max_seqs,
+                        int32_t max_masked)
+    : config_(config), backend_(backend), layout_(config), max_tokens_(max_tokens), max_seqs_(max_seqs),
+      max_masked_(max_masked) {
+  NOPAD_CHECK(max_tokens > 0 && max_seqs > 0 && max_masked >= 0 && max_seqs <= max_tokens,
+              "BertModel: bad capacity (max_tokens ", max_tokens, ", max_seqs ", max_seqs, ", max_masked ",
+              max_masked, ")");
+  const size_t T = static_cast<size_t>(max_tokens), B = static_cast<size_t>(max_seqs),
+               M = static_cast<size_t>(max_masked), H = static_cast<size_t>(config.hidden_size),
+               I = static_cast<size_t>(config.intermediate_size), V = static_cast<size_t>(config.vocab_size),
+               NH = static_cast<size_t>(config.num_attention_heads);
+  params_ = alloc<S>(layout_.total_numel());
+  grads_ = alloc<S>(layout_.total_numel());
+  backend_.zero(params_, layout_.total_numel());
+  backend_.zero(grads_, layout_.total_numel());
+
+  for (int32_t l = 0; l < config.num_hidden_layers; ++l) {
+    const std::string p = "bert.encoder.layer." + std::to_string(l) + ".";
+    Layer L{};
+    L.off_w_qkv = layout_.offset(p + "attention.self.query.weight");
+    L.off_b_qkv = layout_.offset(p + "attention.self.query.bias");
+    // The fused QKV views rely on the layout keeping q, k, v adjacent (params.h).
+    NOPAD_CHECK(layout_.offset(p + "attention.self.value.weight") == L.off_w_qkv + 2 * H * H &&
+                    layout_.offset(p + "attention.self.value.bias") == L.off_b_qkv + 2 * H,
+                "parameter layout does not keep query/key/value adjacent");
+    L.off_w_attn_out = layout_.offset(p + "attention.output.dense.weight");
+    L.off_b_attn_out = layout_.offset(p + "attention.output.dense.bias");
+    L.off_ln1_gamma = layout_.offset(p + "attention.output.LayerNorm.weight");
+    L.off_ln1_beta = layout_.offset(p + "attention.output.LayerNorm.bias");
+    L.off_w_inter = layout_.offset(p + "intermediate.dense.weight");
+    L.off_b_inter = layout_.offset(p + "intermediate.dense.bias");
+    L.off_w_out = layout_.offset(p + "output.dense.weight");
+    L.off_b_out = layout_.offset(p + "output.dense.bias");
+    L.off_ln2_gamma = layout_.offset(p + "output.LayerNorm.weight");
+    L.off_ln2_beta = layout_.offset(p + "output.LayerNorm.bias");
+    L.w_qkv = params_ + L.off_w_qkv;
+    L.b_qkv = params_ + L.off_b_qkv;
+    L.w_attn_out = params_ + L.off_w_attn_out;
+    L.b_attn_out = params_ + L.off_b_attn_out;
+    L.ln1_gamma = params_ + L.off_ln1_gamma;
+    L.ln1_beta = params_ + L.off_ln1_beta;
+    L.w_inter = params_ + L.off_w_inter;
+    L.b_inter = params_ + L.off_b_inter;
+    L.w_out = params_ + L.off_w_out;
+    L.b_out = params_ + L.off_b_out;
+    L.ln2_gamma = params_ + L.off_ln2_gamma;
+    L.ln2_beta = params_ + L.off_ln2_beta;
+    L.qkv = alloc<S>(T * 3 * H);
+    L.ctx = alloc<S>(T * H);
+    L.lse = alloc<S>(NH * T);
+    L.attn_dense = alloc<S>(T * H);
+    L.out1 = alloc<S>(T * H);
+    L.ln1_mean = alloc<S>(T);
+    L.ln1_rstd = alloc<S>(T);
+    L.inter_pre = alloc<S>(T * I);
+    L.inter_act = alloc<S>(T * I);
+    L.ffn_dense = alloc<S>(T * H);
+    L.out2 = alloc<S>(T * H);
+    L.ln2_mean = alloc<S>(T);
+    L.ln2_rstd = alloc<S>(T);
+    layers_.push_back(L);
+  }
+  tokens_ = alloc<int32_t>(T);
+  positions_ = alloc<int32_t>(T);
+  segments_ = alloc<int32_t>(T);
+  cu_seqlens_ = alloc<int32_t>(B + 1);
+  mlm_positions_ = alloc<int32_t>(M);
+  mlm_labels_ = alloc<int32_t>(M);
+  nsp_labels_ = alloc<int32_t>(B);
+  sample_ids_ = alloc<uint64_t>(B);
+  emb_out_ = alloc<S>(T * H);
+  emb_mean_ = alloc<S>(T);
+  emb_rstd_ = alloc<S>(T);
+  mlm_saved_.gathered = alloc<S>(M * H);
+  mlm_saved_.transform_pre = alloc<S>(M * H);
+  mlm_saved_.transform_act = alloc<S>(M * H);
+  mlm_saved_.ln_mean = alloc<S>(M);
+  mlm_saved_.ln_rstd = alloc<S>(M);
+  mlm_saved_.ln_out = alloc<S>(M * H);
+  mlm_saved_.probs = alloc<S>(M * V);
+  nsp_saved_.cls = alloc<S>(B * H);
+  nsp_saved_.pooled = alloc<S>(B * H);
+  nsp_saved_.probs = alloc<S>(B * 2);
+  loss_sums_ = alloc<S>(2);
+  correct_ = alloc<int32_t>(2);
+  d_hidden_ = alloc<S>(T * H);
+  d_hidden2_ = alloc<S>(T * H);
+  d_tmp_ = alloc<S>(T * H);
+  d_ctx_ = alloc<S>(T * H);
+  d_qkv_ = alloc<S>(T * 3 * H);
+  d_inter_ = alloc<S>(T * I);
+}
+
+template <class S>
+BertModel<S>::~BertModel() {
+  for (void* p : allocations_) backend_.free_bytes(p);
+}
+
+template <class S>
+void BertModel<S>::init_params(uint64_t seed) {
+  std::vector<S> host(layout_.total_numel());
+  initialize_params(layout_, config_, seed, host.data());
+  set_params(host.data());
+}
+template <class S>
+void BertModel<S>::set_params(const S* host_params) {
+  backend_.upload_bytes(params_, host_params, layout_.total_numel() * sizeof(S));
+}
+template <class S>
+void BertModel<S>::get_params(S* host_params) const {
+  backend_.download_bytes(host_params, params_, layout_.total_numel() * sizeof(S));
+}
+template <class S>
+void BertModel<S>::get_grads(S* host_grads) const {
+  backend_.download_bytes(host_grads, grads_, layout_.total_numel() * sizeof(S));
+}
+template <class S>
+void BertModel<S>::zero_grad() {
+  backend_.zero(grads_, layout_.total_numel());
+}
+
+template <class S>
+ops::Dropout BertModel<S>::dropout(float p, uint32_t op_id) const {
+  ops::Dropout d;
+  d.p = train_ ? p : 0.0f;
+  d.seed = seed_;
+  d.step = step_;
+  d.op_id = op_id;
+  return d;
+}
+
+template <class S>
+ops::EmbeddingWeights<S> BertModel<S>::embedding_weights() {
+  ops::EmbeddingWeights<S> w;
+  w.word = param("bert.embeddings.word_embeddings.weight");
+  w.position = param("bert.embeddings.position_embeddings.weight");
+  w.token_type = param("bert.embeddings.token_type_embeddings.weight");
+  w.ln_gamma = param("bert.embeddings.LayerNorm.weight");
+  w.ln_beta = param("bert.embeddings.LayerNorm.bias");
+  w.vocab_size = config_.vocab_size;
+  w.max_positions = config_.max_position_embeddings;
+  w.type_vocab_size = config_.type_vocab_size;
+  w.hidden = config_.hidden_size;
+  w.ln_eps = config_.layer_norm_eps;
+  return w;
+}
+template <class S>
+ops::MlmHeadWeights<S> BertModel<S>::mlm_weights() {
+  ops::MlmHeadWeights<S> w;
+  w.transform_weight = param("cls.predictions.transform.dense.weight");
+  w.transform_bias = param("cls.predictions.transform.dense.bias");
+  w.ln_gamma = param("cls.predictions.transform.LayerNorm.weight");
+  w.ln_beta = param("cls.predictions.transform.LayerNorm.bias");
+  w.word_embeddings = param("bert.embeddings.word_embeddings.weight");  // tied decoder
+  w.output_bias = param("cls.predictions.bias");
+  w.hidden = config_.hidden_size;
+  w.vocab_size = config_.vocab_size;
+  w.ln_eps = config_.layer_norm_eps;
+  return w;
+}
+template <class S>
+ops::NspHeadWeights<S> BertModel<S>::nsp_weights() {
+  ops::NspHeadWeights<S> w;
+  w.pooler_weight = param("bert.pooler.dense.weight");
+  w.pooler_bias = param("bert.pooler.dense.bias");
+  w.classifier_weight = param("cls.seq_relationship.weight");
+  w.classifier_bias = param("cls.seq_relationship.bias");
+  w.hidden = config_.hidden_size;
+  return w;
+}
+
+template <class S>
+StepResult BertModel<S>::forward(const HostBatch& batch, bool train, uint64_t seed, uint64_t step,
+                                 LossDenominators denoms) {
+  const int32_t T = batch.num_tokens(), B = batch.num_seqs(), M = batch.num_masked();
+  NOPAD_CHECK(T <= max_tokens_ && B <= max_seqs_ && M <= max_masked_, "batch (", T, " tokens, ", B, " sequences, ",
+              M, " masked) exceeds the model's capacity (", max_tokens_, ", ", max_seqs_, ", ", max_masked_, ")");
+  NOPAD_CHECK(B >= 1, "empty batch");
+  NOPAD_CHECK(batch.positions.size() == static_cast<size_t>(T) && batch.segments.size() == static_cast<size_t>(T) &&
+                  batch.cu_seqlens.size() == static_cast<size_t>(B) + 1 &&
+                  batch.sample_ids.size() == static_cast<size_t>(B) &&
+                  batch.mlm_labels.size() == static_cast<size_t>(M),
+              "inconsistent batch: array sizes do not match");
+  NOPAD_CHECK(batch.max_seqlen <= config_.max_position_embeddings, "max_seqlen ", batch.max_seqlen,
+              " exceeds max_position_embeddings ", config_.max_position_embeddings);
+  for (int32_t i = 0; i < M; ++i)
+    NOPAD_CHECK(batch.mlm_positions[i] >= 0 && batch.mlm_positions[i] < T, "mlm position ", batch.mlm_positions[i],
+                " outside [0, ", T, ")");
+  backend_.upload_bytes(tokens_, batch.tokens.data(), sizeof(int32_t) * T);
+  backend_.upload_bytes(positions_, batch.positions.data(), sizeof(int32_t) * T);
+  backend_.upload_bytes(segments_, batch.segments.data(), sizeof(int32_t) * T);
+  backend_.upload_bytes(cu_seqlens_, batch.cu_seqlens.data(), sizeof(int32_t) * (B + 1));
+  backend_.upload_bytes(mlm_positions_, batch.mlm_positions.data(), sizeof(int32_t) * M);
+  backend_.upload_bytes(mlm_labels_, batch.mlm_labels.data(), sizeof(int32_t) * M);
+  backend_.upload_bytes(nsp_labels_, batch.nsp_labels.data(), sizeof(int32_t) * B);
+  backend_.upload_bytes(sample_ids_, batch.sample_ids.data(), sizeof(uint64_t) * B);
+
+  seqs_ = ops::SeqView{T, B, batch.max_seqlen, cu_seqlens_, sample_ids_};
+  num_masked_ = M;
+  train_ = train;
+  seed_ = seed;
+  step_ = step;
+  mlm_denom_ = denoms.mlm > 0 ? denoms.mlm : std::max(1, M);
+  nsp_denom_ = denoms.nsp > 0 ? denoms.nsp : B;
+  const float p_hidden = static_cast<float>(config_.hidden_dropout_prob);
+  const float p_attn = static_cast<float>(config_.attention_probs_dropout_prob);
+  const int32_t H = config_.hidden_size, I = config_.intermediate_size, NH = config_.num_attention_heads;
+  const double eps = config_.layer_norm_eps;
+
+  backend_.embed_layernorm_dropout_forward(tokens_, positions_, segments_, seqs_, embedding_weights(),
+                                           dropout(p_hidden, kOpIdEmbeddingDropout), emb_out_, emb_mean_, emb_rstd_);
+  const S* h = emb_out_;
+  for (int32_t l = 0; l < config_.num_hidden_layers; ++l) {
+    Layer& L = layers_[l];
+    backend_.dense_forward(h, L.w_qkv, L.b_qkv, T, H, 3 * H, ops::Activation::kNone, L.qkv, nullptr);
+    backend_.attention_forward(L.qkv, seqs_, NH, config_.head_dim(), dropout(p_attn, op_id_attention_probs(l)), L.ctx,
+                               L.lse);
+    backend_.dense_forward(L.ctx, L.w_attn_out, nullptr, T, H, H, ops::Activation::kNone, L.attn_dense, nullptr);
+    backend_.bias_dropout_residual_layernorm_forward(L.attn_dense, L.b_attn_out, h, L.ln1_gamma, L.ln1_beta, seqs_, H,
+                                                     eps, dropout(p_hidden, op_id_attention_output(l)), L.out1,
+                                                     L.ln1_mean, L.ln1_rstd);
+    backend_.dense_forward(L.out1, L.w_inter, L.b_inter, T, H, I, ops::Activation::kGelu, L.inter_act, L.inter_pre);
+    backend_.dense_forward(L.inter_act, L.w_out, nullptr, T, I, H, ops::Activation::kNone, L.ffn_dense, nullptr);
+    backend_.bias_dropout_residual_layernorm_forward(L.ffn_dense, L.b_out, L.out1, L.ln2_gamma, L.ln2_beta, seqs_, H,
+                                                     eps, dropout(p_hidden, op_id_ffn_output(l)), L.out2, L.ln2_mean,
+                                                     L.ln2_rstd);
+    h = L.out2;
+  }
+  if (M > 0) {
+    backend_.mlm_head_loss_forward(h, mlm_positions_, mlm_labels_, M, mlm_weights(), mlm_saved_, loss_sums_,
+                                   correct_);
+  } else {
+    backend_.zero(loss_sums_, 1);
+  }
+  backend_.nsp_head_loss_forward(h, seqs_, nsp_labels_, nsp_weights(), nsp_saved_, loss_sums_ + 1, correct_ + 1);
+
+  S sums[2];
+  int32_t correct[2] = {0, 0};
+  backend_.download_bytes(sums, loss_sums_, sizeof(sums));
+  backend_.download_bytes(correct, correct_, sizeof(correct));
+  if (M == 0) correct[0] = 0;
+  StepResult r;
+  r.mlm_loss = static_cast<double>(sums[0]) / mlm_denom_;
+  r.nsp_loss = static_cast<double>(sums[1]) / nsp_denom_;
+  r.loss = r.mlm_loss + r.nsp_loss;
+  r.mlm_correct = correct[0];
+  r.mlm_count = M;
+  r.nsp_correct = correct[1];
+  r.nsp_count = B;
+  have_forward_ = true;
+  return r;
+}
+
+template <class S>
+void BertModel<S>::backward(double loss_scale) {
+  NOPAD_CHECK(have_forward_, "BertModel::backward needs a forward first (and runs once per forward)");
+  have_forward_ = false;
+  const int32_t T = seqs_.num_tokens, H = config_.hidden_size, I = config_.intermediate_size,
+                NH = config_.num_attention_heads;
+  const float p_hidden = static_cast<float>(config_.hidden_dropout_prob);
+  const float p_attn = static_cast<float>(config_.attention_probs_dropout_prob);
+  S* g = grads_;
+
+  // Both heads scatter-add into d_hidden (the last layer's output gradient).
+  backend_.zero(d_hidden_, static_cast<size_t>(T) * H);
+  if (num_masked_ > 0) {
+    ops::MlmHeadGrads<S> mg;
+    mg.d_transform_weight = grad("cls.predictions.transform.dense.weight");
+    mg.d_transform_bias = grad("cls.predictions.transform.dense.bias");
+    mg.d_ln_gamma = grad("cls.predictions.transform.LayerNorm.weight");
+    mg.d_ln_beta = grad("cls.predictions.transform.LayerNorm.bias");
+    mg.d_word_embeddings = grad("bert.embeddings.word_embeddings.weight");
+    mg.d_output_bias = grad("cls.predictions.bias");
+    backend_.mlm_head_loss_backward(loss_scale / mlm_denom_, mlm_positions_, mlm_labels_, num_masked_, mlm_weights(),
+                                    mlm_saved_, mg, d_hidden_);
+  }
+  ops::NspHeadGrads<S> ng;
+  ng.d_pooler_weight = grad("bert.pooler.dense.weight");
+  ng.d_pooler_bias = grad("bert.pooler.dense.bias");
+  ng.d_classifier_weight = grad("cls.seq_relationship.weight");
+  ng.d_classifier_bias = grad("cls.seq_relationship.bias");
+  backend_.nsp_head_loss_backward(loss_scale / nsp_denom_, seqs_, nsp_labels_, nsp_weights(), nsp_saved_, ng,
+                                  d_hidden_);
+
+  for (int32_t l = config_.num_hidden_layers - 1; l >= 0; --l) {
+    Layer& L = layers_[l];
+    const S* h_in = l == 0 ? emb_out_ : layers_[l - 1].out2;
+    // d_hidden_ = d(out2). Output block: d_tmp = d(ffn_dense), d_hidden2_ = d(out1) (residual path).
+    backend_.bias_dropout_residual_layernorm_backward(d_hidden_, L.ffn_dense, L.b_out, L.out1, L.ln2_gamma,
+                                                      L.ln2_mean, L.ln2_rstd, seqs_, H,
+                                                      dropout(p_hidden, op_id_ffn_output(l)), d_tmp_, d_hidden2_,
+                                                      g + L.off_b_out, g + L.off_ln2_gamma, g + L.off_ln2_beta);
+    backend_.dense_backward(d_tmp_, L.inter_act, L.w_out, nullptr, T, I, H, ops::Activation::kNone, d_inter_, false,
+                            g + L.off_w_out, nullptr);
+    backend_.dense_backward(d_inter_, L.out1, L.w_inter, L.inter_pre, T, H, I, ops::Activation::kGelu, d_hidden2_,
+                            /*accumulate_dx=*/true, g + L.off_w_inter, g + L.off_b_inter);
+    // Attention block: d_tmp = d(attn_dense), d_hidden_ = d(h_in) from the residual path.
+    backend_.bias_dropout_residual_layernorm_backward(d_hidden2_, L.attn_dense, L.b_attn_out, h_in, L.ln1_gamma,
+                                                      L.ln1_mean, L.ln1_rstd, seqs_, H,
+                                                      dropout(p_hidden, op_id_attention_output(l)), d_tmp_,
+                                                      d_hidden_, g + L.off_b_attn_out, g + L.off_ln1_gamma,
+                                                      g + L.off_ln1_beta);
+    backend_.dense_backward(d_tmp_, L.ctx, L.w_attn_out, nullptr, T, H, H, ops::Activation::kNone, d_ctx_, false,
+                            g + L.off_w_attn_out, nullptr);
+    backend_.attention_backward(d_ctx_, L.qkv, L.ctx, L.lse, seqs_, NH, config_.head_dim(),
+                                dropout(p_attn, op_id_attention_probs(l)), d_qkv_);
+    backend_.dense_backward(d_qkv_, h_in, L.w_qkv, nullptr, T, H, 3 * H, ops::Activation::kNone, d_hidden_,
+                            /*accumulate_dx=*/true, g + L.off_w_qkv, g + L.off_b_qkv);
+  }
+  ops::EmbeddingGrads<S> eg;
+  eg.d_word = grad("bert.embeddings.word_embeddings.weight");
+  eg.d_position = grad("bert.embeddings.position_embeddings.weight");
+  eg.d_token_type = grad("bert.embeddings.token_type_embeddings.weight");
+  eg.d_ln_gamma = grad("bert.embeddings.LayerNorm.weight");
+  eg.d_ln_beta = grad("bert.embeddings.LayerNorm.bias");
+  backend_.embed_layernorm_dropout_backward(d_hidden_, tokens_, positions_, segments_, seqs_, embedding_weights(),
+                                            dropout(p_hidden, kOpIdEmbeddingDropout), emb_mean_, emb_rstd_, eg);
+}
+
+template class BertModel<float>;
+template class BertModel<double>;
+
+}  // namespace nopad

@@ -1,0 +1,116 @@
+// BertForPreTraining forward and backward, written once against the ops interface (ops/ops.h); the model never sees
+// which backend runs it. Post-LN encoder layers as Hugging Face's BertLayer:
+//   qkv = h Wqkv^T + bqkv;  ctx = attention(qkv);  a = LN1(dropout(ctx Wo^T + bo) + h)
+//   f = GELU(a Wi^T + bi);  h' = LN2(dropout(f Wf^T + bf) + a)
+// then the MLM head on the M masked rows only and the NSP head on the B CLS rows only.
+// loss = sum(MLM cross-entropy) / mlm_denominator + sum(NSP cross-entropy) / nsp_denominator, by default the batch's
+// M and B (mean MLM + mean NSP, as BERT's reference). Pass global denominators when a global batch is split across
+// micro-batches or ranks, so the summed gradients equal the full batch's.
+//
+// Memory: parameters, gradients (same layout, ParamLayout) and all activations for the largest batch
+// (max_tokens, max_seqs, max_masked) are allocated once, in backend memory, by the constructor; a step allocates
+// nothing. backward() ACCUMULATES into grads() (call zero_grad() to start a new accumulation).
+#pragma once
+#include <cstdint>
+#include <vector>
+
+#include "data/batch.h"
+#include "model/config.h"
+#include "model/params.h"
+#include "ops/ops.h"
+
+namespace nopad {
+
+// Dropout op ids (part of the dropout key, see core/philox.h): fixed by position in the network.
+constexpr uint32_t kOpIdEmbeddingDropout = 0;
+constexpr uint32_t op_id_attention_probs(int32_t layer) { return 1 + 3 * static_cast<uint32_t>(layer); }
+constexpr uint32_t op_id_attention_output(int32_t layer) { return 2 + 3 * static_cast<uint32_t>(layer); }
+constexpr uint32_t op_id_ffn_output(int32_t layer) { return 3 + 3 * static_cast<uint32_t>(layer); }
+
+struct StepResult {
+  double loss = 0;      // mlm_loss + nsp_loss
+  double mlm_loss = 0;  // sum of MLM cross-entropies / mlm denominator
+  double nsp_loss = 0;  // sum of NSP cross-entropies / nsp denominator
+  int64_t mlm_correct = 0, mlm_count = 0;
+  int64_t nsp_correct = 0, nsp_count = 0;
+};
+
+struct LossDenominators {
+  double mlm = 0;  // <= 0: this batch's number of masked rows
+  double nsp = 0;  // <= 0: this batch's number of sequences
+};
+
+template <class S>
+class BertModel {
+ public:
+  BertModel(const BertConfig& config, ops::Backend<S>& backend, int32_t max_tokens, int32_t max_seqs,
+            int32_t max_masked);
+  ~BertModel();
+  BertModel(const BertModel&) = delete;
+  BertModel& operator=(const BertModel&) = delete;
+
+  const BertConfig& config() const { return config_; }
+  const ParamLayout& layout() const { return layout_; }
+  size_t num_params() const { return layout_.total_numel(); }
+  S* params() { return params_; }  // backend memory [num_params()]
+  S* grads() { return grads_; }    // backend memory [num_params()], same layout
+
+  void init_params(uint64_t seed);           // BERT initialisation (params.h), uploaded
+  void set_params(const S* host_params);     // copy [num_params()] host values in
+  void get_params(S* host_params) const;     // copy out
+  void get_grads(S* host_grads) const;
+  void zero_grad();
+
+  // Runs the whole network on one batch. train = false turns dropout off (p = 0). Keeps what backward needs.
+  StepResult forward(const HostBatch& batch, bool train, uint64_t seed, uint64_t step, LossDenominators denoms = {});
+  // grads += loss_scale * d(loss)/d(params) for the last forward (once per forward).
+  void backward(double loss_scale = 1.0);
+
+ private:
+  struct Layer {  // parameter pointers (backend memory) and saved activations of one encoder layer
+    S *w_qkv, *b_qkv, *w_attn_out, *b_attn_out, *ln1_gamma, *ln1_beta;
+    S *w_inter, *b_inter, *w_out, *b_out, *ln2_gamma, *ln2_beta;
+    size_t off_w_qkv, off_b_qkv, off_w_attn_out, off_b_attn_out, off_ln1_gamma, off_ln1_beta;
+    size_t off_w_inter, off_b_inter, off_w_out, off_b_out, off_ln2_gamma, off_ln2_beta;
+    S *qkv, *ctx, *lse, *attn_dense, *out1, *ln1_mean, *ln1_rstd;
+    S *inter_pre, *inter_act, *ffn_dense, *out2, *ln2_mean, *ln2_rstd;
+  };
+  template <class U>
+  U* alloc(size_t count);
+  S* param(const std::string& name) { return params_ + layout_.offset(name); }
+  S* grad(const std::string& name) { return grads_ + layout_.offset(name); }
+  ops::Dropout dropout(float p, uint32_t op_id) const;
+  ops::EmbeddingWeights<S> embedding_weights();
+  ops::MlmHeadWeights<S> mlm_weights();
+  ops::NspHeadWeights<S> nsp_weights();
+
+  BertConfig config_;
+  ops::Backend<S>& backend_;
+  ParamLayout layout_;
+  int32_t max_tokens_, max_seqs_, max_masked_;
+  std::vector<void*> allocations_;
+  S *params_ = nullptr, *grads_ = nullptr;
+  std::vector<Layer> layers_;
+  // batch copies in backend memory
+  int32_t *tokens_, *positions_, *segments_, *cu_seqlens_, *mlm_positions_, *mlm_labels_, *nsp_labels_;
+  uint64_t* sample_ids_;
+  // embedding and head activations
+  S *emb_out_, *emb_mean_, *emb_rstd_;
+  ops::MlmHeadSaved<S> mlm_saved_;
+  ops::NspHeadSaved<S> nsp_saved_;
+  S* loss_sums_;        // [2]: MLM, NSP
+  int32_t* correct_;    // [2]
+  // gradient work buffers
+  S *d_hidden_, *d_hidden2_, *d_tmp_, *d_ctx_, *d_qkv_, *d_inter_;
+  // state of the last forward
+  ops::SeqView seqs_{};
+  int32_t num_masked_ = 0;
+  bool train_ = false, have_forward_ = false;
+  uint64_t seed_ = 0, step_ = 0;
+  double mlm_denom_ = 1, nsp_denom_ = 1;
+};
+
+extern template class BertModel<float>;
+extern template class BertModel<double>;
+
+}  // namespace nopad

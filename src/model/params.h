@@ -1,0 +1,53 @@
+// The parameter layout of BertForPreTraining: every tensor lives in ONE flat buffer, carved by a table of named
+// tensors whose names and shapes are exactly Hugging Face's state-dict names, so a checkpoint is a walk over the
+// table. Gradients and optimizer state use the same layout (same offsets).
+//
+// Layout rules:
+//  - Tensors are packed back to back in table order (no padding).
+//  - Per layer, query/key/value weights are adjacent (so [3H, H] at the query weight's offset is the fused QKV
+//    weight) and the three biases are adjacent (a [3H] fused bias).
+//  - The MLM decoder weight is tied to bert.embeddings.word_embeddings.weight; Hugging Face also lists
+//    cls.predictions.decoder.weight (the tied alias) and cls.predictions.decoder.bias (an alias of
+//    cls.predictions.bias) in its state dict. They are not separate tensors here; exporters write the aliases.
+#pragma once
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "model/config.h"
+
+namespace nopad {
+
+struct ParamTensor {
+  std::string name;            // Hugging Face state-dict name
+  std::vector<int64_t> shape;  // Hugging Face shape
+  size_t offset = 0;           // in elements, from the start of the flat buffer
+  size_t numel = 0;
+  bool no_weight_decay = false;  // biases and LayerNorm parameters
+  enum class Init { kNormal, kZeros, kOnes } init = Init::kNormal;
+};
+
+class ParamLayout {
+ public:
+  explicit ParamLayout(const BertConfig& config);
+
+  const std::vector<ParamTensor>& tensors() const { return tensors_; }
+  size_t total_numel() const { return total_; }
+  // Throws nopad::Error if there is no tensor of that name.
+  const ParamTensor& find(const std::string& name) const;
+  size_t offset(const std::string& name) const { return find(name).offset; }
+
+ private:
+  void add(std::string name, std::vector<int64_t> shape, ParamTensor::Init init, bool no_weight_decay);
+  std::vector<ParamTensor> tensors_;
+  size_t total_ = 0;
+};
+
+// Hugging Face / original BERT initialisation into host memory params[layout.total_numel()]: weights and embeddings
+// ~ normal(0, initializer_range) truncated at 2 standard deviations; biases 0; LayerNorm weight 1, bias 0.
+// Each tensor draws from its own stream keyed by (seed, tensor index), so the result does not depend on threads.
+template <class S>
+void initialize_params(const ParamLayout& layout, const BertConfig& config, uint64_t seed, S* params);
+
+}  // namespace nopad

@@ -1,0 +1,76 @@
+// The CPU reference backend: plain, readable implementations of every op in ops/ops.h, for float (training on a
+// machine without a GPU) and double (finite-difference gradient checks). Multi-threaded with parallel_for over rows,
+// sequences x heads, or GEMM tiles; every reduction has a fixed order, so results do not depend on the thread count.
+#pragma once
+#include <vector>
+
+#include "ops/ops.h"
+
+namespace nopad::ops {
+
+template <class S>
+class CpuBackend final : public Backend<S> {
+ public:
+  // num_threads <= 0: all hardware threads.
+  explicit CpuBackend(int num_threads = 0);
+  const char* name() const override { return "cpu"; }
+  int num_threads() const { return threads_; }
+
+  void* allocate_bytes(size_t bytes) override;
+  void free_bytes(void* ptr) override;
+  void upload_bytes(void* dst, const void* host_src, size_t bytes) override;
+  void download_bytes(void* host_dst, const void* src, size_t bytes) override;
+  void zero(S* x, size_t count) override;
+
+  void embed_layernorm_dropout_forward(const int32_t* tokens, const int32_t* positions, const int32_t* segments,
+                                       const SeqView& seqs, const EmbeddingWeights<S>& w, const Dropout& drop,
+                                       S* out, S* ln_mean, S* ln_rstd) override;
+  void embed_layernorm_dropout_backward(const S* d_out, const int32_t* tokens, const int32_t* positions,
+                                        const int32_t* segments, const SeqView& seqs, const EmbeddingWeights<S>& w,
+                                        const Dropout& drop, const S* ln_mean, const S* ln_rstd,
+                                        const EmbeddingGrads<S>& g) override;
+  void dense_forward(const S* x, const S* weight, const S* bias, int64_t rows, int32_t k, int32_t n, Activation act,
+                     S* y, S* pre_act) override;
+  void dense_backward(const S* dy, const S* x, const S* weight, const S* pre_act, int64_t rows, int32_t k, int32_t n,
+                      Activation act, S* dx, bool accumulate_dx, S* d_weight, S* d_bias) override;
+  void attention_forward(const S* qkv, const SeqView& seqs, int32_t num_heads, int32_t head_dim, const Dropout& drop,
+                         S* ctx, S* lse) override;
+  void attention_backward(const S* d_ctx, const S* qkv, const S* ctx, const S* lse, const SeqView& seqs,
+                          int32_t num_heads, int32_t head_dim, const Dropout& drop, S* d_qkv) override;
+  void bias_dropout_residual_layernorm_forward(const S* x, const S* bias, const S* residual, const S* ln_gamma,
+                                               const S* ln_beta, const SeqView& seqs, int32_t hidden, double ln_eps,
+                                               const Dropout& drop, S* out, S* ln_mean, S* ln_rstd) override;
+  void bias_dropout_residual_layernorm_backward(const S* d_out, const S* x, const S* bias, const S* residual,
+                                                const S* ln_gamma, const S* ln_mean, const S* ln_rstd,
+                                                const SeqView& seqs, int32_t hidden, const Dropout& drop, S* d_x,
+                                                S* d_residual, S* d_bias, S* d_ln_gamma, S* d_ln_beta) override;
+  void mlm_head_loss_forward(const S* hidden, const int32_t* mlm_positions, const int32_t* mlm_labels,
+                             int32_t num_masked, const MlmHeadWeights<S>& w, const MlmHeadSaved<S>& saved,
+                             S* loss_sum, int32_t* num_correct) override;
+  void mlm_head_loss_backward(double loss_scale, const int32_t* mlm_positions, const int32_t* mlm_labels,
+                              int32_t num_masked, const MlmHeadWeights<S>& w, const MlmHeadSaved<S>& saved,
+                              const MlmHeadGrads<S>& g, S* d_hidden) override;
+  void nsp_head_loss_forward(const S* hidden, const SeqView& seqs, const int32_t* nsp_labels,
+                             const NspHeadWeights<S>& w, const NspHeadSaved<S>& saved, S* loss_sum,
+                             int32_t* num_correct) override;
+  void nsp_head_loss_backward(double loss_scale, const SeqView& seqs, const int32_t* nsp_labels,
+                              const NspHeadWeights<S>& w, const NspHeadSaved<S>& saved, const NspHeadGrads<S>& g,
+                              S* d_hidden) override;
+
+ private:
+  // Grow-only scratch, one buffer per purpose so that an op holding one can call a helper that uses another.
+  enum Slot { kTranspose, kDpre, kOpA, kOpB, kPartials, kNumSlots };
+  S* scratch(Slot slot, size_t count);
+  const int32_t* row_to_seq(const SeqView& seqs);  // [T] sequence index of each row (validates cu_seqlens)
+  void layernorm_rows_backward(const S* dy, const S* z, const S* mean, const S* rstd, const S* gamma, int64_t rows,
+                               int32_t hidden, S* dz, S* d_gamma, S* d_beta);
+
+  int threads_;
+  std::vector<S> scratch_[kNumSlots];
+  std::vector<int32_t> row_seq_;
+};
+
+extern template class CpuBackend<float>;
+extern template class CpuBackend<double>;
+
+}  // namespace nopad::ops

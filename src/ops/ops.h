@@ -1,0 +1,201 @@
+// The fused-op interface the BERT model is written against (docs/ops.md). One abstract Backend per scalar type:
+// the CPU reference (ops/cpu, float for training, double for gradient checks) and, later, the CUDA backend implement it.
+//
+// Contracts common to every op:
+//  - All pointers are backend memory (host memory on the CPU, device memory on the GPU); shapes and element counts
+//    are passed explicitly, row-major, leading dimension = last extent unless stated. No op allocates per call in
+//    steady state (scratch grows to the largest size seen and is then reused).
+//  - Forward ops WRITE (=) their outputs and the saved statistics that their backward needs.
+//  - Backward ops WRITE (=) activation gradients and ACCUMULATE (+=) into parameter gradients, so gradient
+//    accumulation over micro-batches is just "call backward again". Exceptions are named in the op's comment
+//    (dense_backward's accumulate_dx, the heads' scatter-add into d_hidden).
+//  - Dropout is keyed by (seed, step, op_id, sample_id, element) through core/philox.h, with element built from the
+//    position within the sequence and feature/head indices, so masks do not depend on how samples are batched.
+//    Backward regenerates the mask; nothing is stored. p = 0 (evaluation) disables dropout exactly.
+//  - Layouts: hidden states [T, H]; fused qkv [T, 3H] = [q | k | v], each block head-major (head h owns columns
+//    h*hd .. h*hd+hd-1); linear weights [N, K] as Hugging Face nn.Linear (y = x W^T + b).
+#pragma once
+#include <cstddef>
+#include <cstdint>
+
+namespace nopad::ops {
+
+// Which rows belong to which sequence. Sequence b is rows [cu_seqlens[b], cu_seqlens[b+1]).
+struct SeqView {
+  int32_t num_tokens = 0;                // T
+  int32_t num_seqs = 0;                  // B
+  int32_t max_seqlen = 0;                // longest sequence (host value)
+  const int32_t* cu_seqlens = nullptr;   // [B+1], backend memory
+  const uint64_t* sample_ids = nullptr;  // [B], backend memory: dropout keys (see core/philox.h)
+};
+
+// Dropout of one op call: drop probability p (0 = off), kept values scaled by 1/(1-p).
+struct Dropout {
+  float p = 0.0f;
+  uint64_t seed = 0;
+  uint64_t step = 0;
+  uint32_t op_id = 0;  // distinct per op instance in the model (see model/bert.h)
+};
+
+enum class Activation { kNone, kGelu };  // kGelu: exact erf GELU, 0.5 x (1 + erf(x / sqrt 2))
+
+template <class S>
+struct EmbeddingWeights {
+  const S* word = nullptr;        // [vocab_size, H]
+  const S* position = nullptr;    // [max_positions, H]
+  const S* token_type = nullptr;  // [type_vocab_size, H]
+  const S* ln_gamma = nullptr;    // [H]
+  const S* ln_beta = nullptr;     // [H]
+  int32_t vocab_size = 0, max_positions = 0, type_vocab_size = 0, hidden = 0;
+  double ln_eps = 1e-12;
+};
+template <class S>
+struct EmbeddingGrads {  // all accumulated (+=)
+  S* d_word = nullptr;
+  S* d_position = nullptr;
+  S* d_token_type = nullptr;
+  S* d_ln_gamma = nullptr;
+  S* d_ln_beta = nullptr;
+};
+
+// MLM head: gather masked rows -> dense H->H + GELU -> LayerNorm -> decoder (tied word embeddings) + bias.
+template <class S>
+struct MlmHeadWeights {
+  const S* transform_weight = nullptr;  // [H, H]
+  const S* transform_bias = nullptr;    // [H]
+  const S* ln_gamma = nullptr;          // [H]
+  const S* ln_beta = nullptr;           // [H]
+  const S* word_embeddings = nullptr;   // [V, H], the tied decoder weight
+  const S* output_bias = nullptr;       // [V]
+  int32_t hidden = 0, vocab_size = 0;
+  double ln_eps = 1e-12;
+};
+template <class S>
+struct MlmHeadGrads {  // all accumulated (+=)
+  S* d_transform_weight = nullptr;
+  S* d_transform_bias = nullptr;
+  S* d_ln_gamma = nullptr;
+  S* d_ln_beta = nullptr;
+  S* d_word_embeddings = nullptr;
+  S* d_output_bias = nullptr;
+};
+// What mlm_head_loss_forward saves for its backward; the caller owns the memory (sizes for M masked rows).
+template <class S>
+struct MlmHeadSaved {
+  S* gathered = nullptr;       // [M, H] hidden rows at mlm_positions
+  S* transform_pre = nullptr;  // [M, H] dense output before GELU
+  S* transform_act = nullptr;  // [M, H] after GELU
+  S* ln_mean = nullptr;        // [M]
+  S* ln_rstd = nullptr;        // [M]
+  S* ln_out = nullptr;         // [M, H] decoder input
+  S* probs = nullptr;          // [M, V] softmax; backward overwrites it with d_logits
+};
+
+// NSP head: CLS rows -> pooler dense H->H + tanh -> classifier H->2.
+template <class S>
+struct NspHeadWeights {
+  const S* pooler_weight = nullptr;      // [H, H]
+  const S* pooler_bias = nullptr;        // [H]
+  const S* classifier_weight = nullptr;  // [2, H]
+  const S* classifier_bias = nullptr;    // [2]
+  int32_t hidden = 0;
+};
+template <class S>
+struct NspHeadGrads {  // all accumulated (+=)
+  S* d_pooler_weight = nullptr;
+  S* d_pooler_bias = nullptr;
+  S* d_classifier_weight = nullptr;
+  S* d_classifier_bias = nullptr;
+};
+template <class S>
+struct NspHeadSaved {
+  S* cls = nullptr;     // [B, H] hidden rows at cu_seqlens[b]
+  S* pooled = nullptr;  // [B, H] tanh output
+  S* probs = nullptr;   // [B, 2] softmax; backward overwrites it with d_logits
+};
+
+template <class S>
+class Backend {
+ public:
+  virtual ~Backend() = default;
+  virtual const char* name() const = 0;
+
+  // ---- memory (backend memory; upload/download copy from/to host memory) ----
+  virtual void* allocate_bytes(size_t bytes) = 0;
+  virtual void free_bytes(void* ptr) = 0;
+  virtual void upload_bytes(void* dst, const void* host_src, size_t bytes) = 0;
+  virtual void download_bytes(void* host_dst, const void* src, size_t bytes) = 0;
+  virtual void zero(S* x, size_t count) = 0;
+  virtual void synchronize() {}
+
+  // ---- embeddings ----
+  // out[t] = dropout(LN(word[tokens[t]] + position[positions[t]] + token_type[segments[t]]) * gamma + beta).
+  // Saves ln_mean[T], ln_rstd[T]. Dropout element key: (t - cu_seqlens[b], feature).
+  virtual void embed_layernorm_dropout_forward(const int32_t* tokens, const int32_t* positions,
+                                               const int32_t* segments, const SeqView& seqs,
+                                               const EmbeddingWeights<S>& w, const Dropout& drop, S* out,
+                                               S* ln_mean, S* ln_rstd) = 0;
+  // Scatters (+=) into the three tables and accumulates d_gamma/d_beta.
+  virtual void embed_layernorm_dropout_backward(const S* d_out, const int32_t* tokens, const int32_t* positions,
+                                                const int32_t* segments, const SeqView& seqs,
+                                                const EmbeddingWeights<S>& w, const Dropout& drop,
+                                                const S* ln_mean, const S* ln_rstd, const EmbeddingGrads<S>& g) = 0;
+
+  // ---- linear layer ----
+  // y[rows, n] = act(x[rows, k] W[n, k]^T + bias[n]); bias may be null. With kGelu, pre_act[rows, n] receives the
+  // value before the activation (needed by backward); with kNone pre_act is unused (may be null).
+  virtual void dense_forward(const S* x, const S* weight, const S* bias, int64_t rows, int32_t k, int32_t n,
+                             Activation act, S* y, S* pre_act) = 0;
+  // dx[rows, k] = dpre W (written, or added when accumulate_dx: used where x also feeds a residual path);
+  // d_weight[n, k] += dpre^T x; d_bias[n] += column sums of dpre, where dpre = dy * act'(pre_act).
+  // dx, d_bias may be null (not needed).
+  virtual void dense_backward(const S* dy, const S* x, const S* weight, const S* pre_act, int64_t rows, int32_t k,
+                              int32_t n, Activation act, S* dx, bool accumulate_dx, S* d_weight, S* d_bias) = 0;
+
+  // ---- attention ----
+  // Variable-length multi-head self-attention: each sequence attends only to its own rows. scale = 1/sqrt(head_dim).
+  // ctx[T, H] (head-major columns), lse[num_heads, T] = log-sum-exp of the scaled scores of each query row.
+  // Dropout on the probabilities, element key (head, query pos, key pos) within the sequence.
+  virtual void attention_forward(const S* qkv, const SeqView& seqs, int32_t num_heads, int32_t head_dim,
+                                 const Dropout& drop, S* ctx, S* lse) = 0;
+  // Writes d_qkv[T, 3H] (every element). Uses ctx and lse from forward.
+  virtual void attention_backward(const S* d_ctx, const S* qkv, const S* ctx, const S* lse, const SeqView& seqs,
+                                  int32_t num_heads, int32_t head_dim, const Dropout& drop, S* d_qkv) = 0;
+
+  // ---- residual block ----
+  // out[T, H] = LN(dropout(x + bias) + residual) * gamma + beta. Saves ln_mean[T], ln_rstd[T]; backward recomputes
+  // the LayerNorm input from x, bias and residual (which the caller keeps alive). Dropout key (pos, feature).
+  virtual void bias_dropout_residual_layernorm_forward(const S* x, const S* bias, const S* residual,
+                                                       const S* ln_gamma, const S* ln_beta, const SeqView& seqs,
+                                                       int32_t hidden, double ln_eps, const Dropout& drop, S* out,
+                                                       S* ln_mean, S* ln_rstd) = 0;
+  // Writes d_x[T, H] and d_residual[T, H] (d_residual is the gradient at the LayerNorm input; d_x = d_residual *
+  // mask / (1-p)); accumulates d_bias, d_gamma, d_beta.
+  virtual void bias_dropout_residual_layernorm_backward(const S* d_out, const S* x, const S* bias,
+                                                        const S* residual, const S* ln_gamma, const S* ln_mean,
+                                                        const S* ln_rstd, const SeqView& seqs, int32_t hidden,
+                                                        const Dropout& drop, S* d_x, S* d_residual, S* d_bias,
+                                                        S* d_ln_gamma, S* d_ln_beta) = 0;
+
+  // ---- heads ----
+  // Masked-LM loss over the M rows hidden[mlm_positions[i]] with labels mlm_labels[i] in [0, V).
+  // Writes loss_sum[0] = sum of cross-entropies, num_correct[0] = number of rows whose argmax equals the label.
+  virtual void mlm_head_loss_forward(const S* hidden, const int32_t* mlm_positions, const int32_t* mlm_labels,
+                                     int32_t num_masked, const MlmHeadWeights<S>& w, const MlmHeadSaved<S>& saved,
+                                     S* loss_sum, int32_t* num_correct) = 0;
+  // Gradient of loss_scale * loss_sum: ADDS (+=) into rows mlm_positions of d_hidden[T, H]; accumulates the head's
+  // parameter gradients (d_word_embeddings receives the decoder's share of the tied weight).
+  virtual void mlm_head_loss_backward(double loss_scale, const int32_t* mlm_positions, const int32_t* mlm_labels,
+                                      int32_t num_masked, const MlmHeadWeights<S>& w, const MlmHeadSaved<S>& saved,
+                                      const MlmHeadGrads<S>& g, S* d_hidden) = 0;
+  // Next-sentence loss over the CLS rows hidden[cu_seqlens[b]] with nsp_labels[b] in {0, 1}.
+  virtual void nsp_head_loss_forward(const S* hidden, const SeqView& seqs, const int32_t* nsp_labels,
+                                     const NspHeadWeights<S>& w, const NspHeadSaved<S>& saved, S* loss_sum,
+                                     int32_t* num_correct) = 0;
+  // Gradient of loss_scale * loss_sum: ADDS (+=) into the CLS rows of d_hidden; accumulates parameter gradients.
+  virtual void nsp_head_loss_backward(double loss_scale, const SeqView& seqs, const int32_t* nsp_labels,
+                                      const NspHeadWeights<S>& w, const NspHeadSaved<S>& saved,
+                                      const NspHeadGrads<S>& g, S* d_hidden) = 0;
+};
+
+}  // namespace nopad::ops

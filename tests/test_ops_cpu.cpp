@@ -1,0 +1,375 @@
+// CPU reference ops: finite-difference gradient checks of every op in double precision (dropout on, since masks are
+// deterministic), the GEMM against a naive loop, the sequence isolation of varlen attention, and the += / = contracts.
+//
+// Tolerance: central differences with h = 1e-6 in double have truncation error ~h^2 |f'''| ~ 1e-12 and rounding
+// error ~ eps |L| / h ~ 2e-16 * 10 / 1e-6 = 2e-9 for the O(10) test losses, so |numeric - analytic| <=
+// 1e-6 (|numeric| + |analytic|) + 1e-8 holds with margin for a correct gradient, while any wrong term (a missing
+// factor, a dropped row) gives errors of order the gradient itself.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <functional>
+#include <limits>
+#include <random>
+#include <vector>
+
+#include "core/error.h"
+#include "core/philox.h"
+#include "ops/cpu/cpu_backend.h"
+#include "ops/cpu/cpu_gemm.h"
+
+namespace nopad::ops {
+namespace {
+
+using Vec = std::vector<double>;
+constexpr double kNaN = std::numeric_limits<double>::quiet_NaN();
+
+Vec random_vec(size_t n, std::mt19937_64& rng, double scale = 1.0) {
+  std::normal_distribution<double> dist(0.0, scale);
+  Vec v(n);
+  for (auto& x : v) x = dist(rng);
+  return v;
+}
+Vec poison(size_t n) { return Vec(n, kNaN); }
+double dot(const Vec& a, const Vec& b) {
+  double s = 0;
+  for (size_t i = 0; i < a.size(); ++i) s += a[i] * b[i];
+  return s;
+}
+bool all_finite(const Vec& v) {
+  for (double x : v)
+    if (!std::isfinite(x)) return false;
+  return true;
+}
+
+// Compares analytic[i] with the central difference of loss() in x[i], for every element of x.
+void check_gradient(const char* what, Vec& x, const Vec& analytic, const std::function<double()>& loss) {
+  ASSERT_EQ(x.size(), analytic.size()) << what;
+  const double h = 1e-6;
+  int bad = 0;
+  for (size_t i = 0; i < x.size(); ++i) {
+    const double saved = x[i];
+    x[i] = saved + h;
+    const double up = loss();
+    x[i] = saved - h;
+    const double down = loss();
+    x[i] = saved;
+    const double numeric = (up - down) / (2 * h);
+    const double tol = 1e-6 * (std::fabs(numeric) + std::fabs(analytic[i])) + 1e-8;
+    if (!(std::fabs(numeric - analytic[i]) <= tol) && bad++ < 5)
+      ADD_FAILURE() << what << "[" << i << "]: analytic " << analytic[i] << " numeric " << numeric;
+  }
+  EXPECT_EQ(bad, 0) << what;
+}
+
+// Three sequences of lengths 1, 5, 9 (T = 15), H = 8, 2 heads of 4.
+struct Seqs {
+  std::vector<int32_t> cu{0, 1, 6, 15};
+  std::vector<uint64_t> sample_ids{1001, 7, 424242};
+  SeqView view() const { return SeqView{15, 3, 9, cu.data(), sample_ids.data()}; }
+};
+constexpr int32_t kT = 15, kH = 8, kHeads = 2, kHeadDim = 4;
+
+Dropout drop(float p, uint32_t op) {
+  Dropout d;
+  d.p = p;
+  d.seed = 2024;
+  d.step = 3;
+  d.op_id = op;
+  return d;
+}
+
+TEST(OpsCpu, GemmMatchesNaiveLoop) {
+  std::mt19937_64 rng(1);
+  for (bool transposed_a : {false, true}) {
+    const int64_t M = 70, N = 300, K = 131;
+    Vec A = random_vec(M * K, rng), B = random_vec(K * N, rng), C0 = random_vec(M * N, rng);
+    const int64_t a_row = transposed_a ? 1 : K, a_col = transposed_a ? M : 1;  // A stored [K, M] when transposed
+    Vec C = C0;
+    cpu::gemm<double>(M, N, K, A.data(), a_row, a_col, B.data(), N, C.data(), N, /*accumulate=*/true, 2);
+    std::vector<float> Af(A.begin(), A.end()), Bf(B.begin(), B.end()), Cf(M * N, std::nanf(""));
+    cpu::gemm<float>(M, N, K, Af.data(), a_row, a_col, Bf.data(), N, Cf.data(), N, /*accumulate=*/false, 2);
+    for (int64_t i = 0; i < M; ++i)
+      for (int64_t j = 0; j < N; ++j) {
+        double ref = 0;
+        for (int64_t k = 0; k < K; ++k) ref += A[i * a_row + k * a_col] * B[k * N + j];
+        ASSERT_NEAR(C[i * N + j], C0[i * N + j] + ref, 1e-11) << i << "," << j;
+        ASSERT_NEAR(Cf[i * N + j], ref, 1e-4) << i << "," << j;
+      }
+  }
+}
+
+TEST(OpsCpu, EmbedLayernormDropoutGradient) {
+  CpuBackend<double> be(2);
+  Seqs s;
+  std::mt19937_64 rng(2);
+  const int32_t V = 11, P = 12, TV = 2;
+  std::vector<int32_t> tokens(kT), positions(kT), segments(kT);
+  for (int b = 0; b < 3; ++b)
+    for (int t = s.cu[b]; t < s.cu[b + 1]; ++t) {
+      tokens[t] = static_cast<int32_t>(rng() % V);
+      positions[t] = t - s.cu[b];
+      segments[t] = (t - s.cu[b]) > 2 ? 1 : 0;
+    }
+  Vec word = random_vec(V * kH, rng), pos = random_vec(P * kH, rng), type = random_vec(TV * kH, rng);
+  Vec gamma = random_vec(kH, rng), beta = random_vec(kH, rng);
+  Vec R = random_vec(kT * kH, rng);
+  const Dropout d = drop(0.1f, 0);
+  auto weights = [&] {
+    EmbeddingWeights<double> w;
+    w.word = word.data(), w.position = pos.data(), w.token_type = type.data(), w.ln_gamma = gamma.data(),
+    w.ln_beta = beta.data(), w.vocab_size = V, w.max_positions = P, w.type_vocab_size = TV, w.hidden = kH;
+    return w;
+  };
+  Vec out, mean, rstd;
+  auto loss = [&] {
+    out = poison(kT * kH), mean = poison(kT), rstd = poison(kT);
+    be.embed_layernorm_dropout_forward(tokens.data(), positions.data(), segments.data(), s.view(), weights(), d,
+                                       out.data(), mean.data(), rstd.data());
+    EXPECT_TRUE(all_finite(out) && all_finite(mean) && all_finite(rstd));
+    return dot(out, R);
+  };
+  loss();
+  int dropped = 0;
+  for (double x : out) dropped += x == 0.0;
+  EXPECT_GT(dropped, 0);  // p = 0.1 over 120 elements: some are dropped
+  Vec d_word(V * kH, 0), d_pos(P * kH, 0), d_type(TV * kH, 0), d_gamma(kH, 0), d_beta(kH, 0);
+  EmbeddingGrads<double> g{d_word.data(), d_pos.data(), d_type.data(), d_gamma.data(), d_beta.data()};
+  be.embed_layernorm_dropout_backward(R.data(), tokens.data(), positions.data(), segments.data(), s.view(), weights(),
+                                      d, mean.data(), rstd.data(), g);
+  check_gradient("d_word", word, d_word, loss);
+  check_gradient("d_position", pos, d_pos, loss);
+  check_gradient("d_token_type", type, d_type, loss);
+  check_gradient("d_gamma", gamma, d_gamma, loss);
+  check_gradient("d_beta", beta, d_beta, loss);
+  // Parameter gradients accumulate: a second backward doubles them.
+  Vec d_gamma1 = d_gamma;
+  be.embed_layernorm_dropout_backward(R.data(), tokens.data(), positions.data(), segments.data(), s.view(), weights(),
+                                      d, mean.data(), rstd.data(), g);
+  for (int j = 0; j < kH; ++j) EXPECT_NEAR(d_gamma[j], 2 * d_gamma1[j], 1e-12);
+  // Out-of-range token ids are an error, not a wild read.
+  tokens[3] = V;
+  EXPECT_THROW(loss(), nopad::Error);
+}
+
+TEST(OpsCpu, DenseGradientWithAndWithoutGelu) {
+  CpuBackend<double> be(2);
+  std::mt19937_64 rng(3);
+  const int64_t rows = 15;
+  const int32_t k = 8, n = 6;
+  for (Activation act : {Activation::kNone, Activation::kGelu}) {
+    Vec x = random_vec(rows * k, rng), W = random_vec(n * k, rng, 0.5), b = random_vec(n, rng), R = random_vec(rows * n, rng);
+    Vec y, pre;
+    auto loss = [&] {
+      y = poison(rows * n), pre = poison(rows * n);
+      be.dense_forward(x.data(), W.data(), b.data(), rows, k, n, act, y.data(), pre.data());
+      EXPECT_TRUE(all_finite(y));
+      return dot(y, R);
+    };
+    loss();
+    Vec dx = poison(rows * k), dW(n * k, 0), db(n, 0);
+    be.dense_backward(R.data(), x.data(), W.data(), pre.data(), rows, k, n, act, dx.data(), false, dW.data(), db.data());
+    check_gradient("dx", x, dx, loss);
+    check_gradient("dW", W, dW, loss);
+    check_gradient("db", b, db, loss);
+    // accumulate_dx adds onto what is there (forward again: the checks left pre_act at a perturbed point).
+    loss();
+    Vec dx2(rows * k, 1.5);
+    be.dense_backward(R.data(), x.data(), W.data(), pre.data(), rows, k, n, act, dx2.data(), true, nullptr, nullptr);
+    for (size_t i = 0; i < dx.size(); ++i) EXPECT_NEAR(dx2[i], dx[i] + 1.5, 1e-12);
+  }
+}
+
+TEST(OpsCpu, AttentionVarlenGradientWithDropout) {
+  CpuBackend<double> be(2);
+  Seqs s;
+  std::mt19937_64 rng(4);
+  Vec qkv = random_vec(kT * 3 * kH, rng), R = random_vec(kT * kH, rng);
+  const Dropout d = drop(0.1f, 5);
+  Vec ctx, lse;
+  auto loss = [&] {
+    ctx = poison(kT * kH), lse = poison(kHeads * kT);
+    be.attention_forward(qkv.data(), s.view(), kHeads, kHeadDim, d, ctx.data(), lse.data());
+    EXPECT_TRUE(all_finite(ctx) && all_finite(lse));
+    return dot(ctx, R);
+  };
+  loss();
+  Vec dqkv = poison(kT * 3 * kH);
+  be.attention_backward(R.data(), qkv.data(), ctx.data(), lse.data(), s.view(), kHeads, kHeadDim, d, dqkv.data());
+  EXPECT_TRUE(all_finite(dqkv));
+  check_gradient("dqkv", qkv, dqkv, loss);
+}
+
+TEST(OpsCpu, AttentionSequencesOnlySeeThemselves) {
+  // The batch result equals running each sequence alone (same sample id, so the same dropout mask).
+  CpuBackend<double> be(2);
+  Seqs s;
+  std::mt19937_64 rng(5);
+  Vec qkv = random_vec(kT * 3 * kH, rng);
+  const Dropout d = drop(0.1f, 5);
+  Vec ctx = poison(kT * kH), lse = poison(kHeads * kT);
+  be.attention_forward(qkv.data(), s.view(), kHeads, kHeadDim, d, ctx.data(), lse.data());
+  for (int b = 0; b < 3; ++b) {
+    const int32_t L = s.cu[b + 1] - s.cu[b];
+    std::vector<int32_t> cu{0, L};
+    std::vector<uint64_t> ids{s.sample_ids[b]};
+    Vec q1(qkv.begin() + s.cu[b] * 3 * kH, qkv.begin() + s.cu[b + 1] * 3 * kH);
+    Vec c1 = poison(L * kH), l1 = poison(kHeads * L);
+    be.attention_forward(q1.data(), SeqView{L, 1, L, cu.data(), ids.data()}, kHeads, kHeadDim, d, c1.data(), l1.data());
+    for (int i = 0; i < L * kH; ++i) EXPECT_NEAR(c1[i], ctx[s.cu[b] * kH + i], 1e-14);
+  }
+}
+
+TEST(OpsCpu, BiasDropoutResidualLayernormGradient) {
+  CpuBackend<double> be(2);
+  Seqs s;
+  std::mt19937_64 rng(6);
+  Vec x = random_vec(kT * kH, rng), bias = random_vec(kH, rng), res = random_vec(kT * kH, rng);
+  Vec gamma = random_vec(kH, rng), beta = random_vec(kH, rng), R = random_vec(kT * kH, rng);
+  const Dropout d = drop(0.1f, 9);
+  Vec out, mean, rstd;
+  auto loss = [&] {
+    out = poison(kT * kH), mean = poison(kT), rstd = poison(kT);
+    be.bias_dropout_residual_layernorm_forward(x.data(), bias.data(), res.data(), gamma.data(), beta.data(), s.view(),
+                                               kH, 1e-12, d, out.data(), mean.data(), rstd.data());
+    EXPECT_TRUE(all_finite(out));
+    return dot(out, R);
+  };
+  loss();
+  Vec dx = poison(kT * kH), dres = poison(kT * kH), dbias(kH, 0), dgamma(kH, 0), dbeta(kH, 0);
+  be.bias_dropout_residual_layernorm_backward(R.data(), x.data(), bias.data(), res.data(), gamma.data(), mean.data(),
+                                              rstd.data(), s.view(), kH, d, dx.data(), dres.data(), dbias.data(),
+                                              dgamma.data(), dbeta.data());
+  check_gradient("dx", x, dx, loss);
+  check_gradient("dresidual", res, dres, loss);
+  check_gradient("dbias", bias, dbias, loss);
+  check_gradient("dgamma", gamma, dgamma, loss);
+  check_gradient("dbeta", beta, dbeta, loss);
+}
+
+TEST(OpsCpu, MlmHeadLossGradient) {
+  CpuBackend<double> be(2);
+  std::mt19937_64 rng(7);
+  const int32_t V = 11, M = 4;
+  std::vector<int32_t> positions{3, 0, 14, 3}, labels{2, 10, 0, 7};  // a repeated row: its gradients add up
+  Vec hidden = random_vec(kT * kH, rng), Wt = random_vec(kH * kH, rng, 0.5), bt = random_vec(kH, rng);
+  Vec gamma = random_vec(kH, rng), beta = random_vec(kH, rng), word = random_vec(V * kH, rng), obias = random_vec(V, rng);
+  Vec gathered, pre, act, mean, rstd, ln_out, probs;
+  auto weights = [&] {
+    MlmHeadWeights<double> w;
+    w.transform_weight = Wt.data(), w.transform_bias = bt.data(), w.ln_gamma = gamma.data(), w.ln_beta = beta.data(),
+    w.word_embeddings = word.data(), w.output_bias = obias.data(), w.hidden = kH, w.vocab_size = V;
+    return w;
+  };
+  auto saved = [&] {
+    return MlmHeadSaved<double>{gathered.data(), pre.data(), act.data(), mean.data(), rstd.data(), ln_out.data(),
+                                probs.data()};
+  };
+  int32_t correct = -1;
+  auto loss = [&] {
+    gathered = poison(M * kH), pre = poison(M * kH), act = poison(M * kH), mean = poison(M), rstd = poison(M),
+    ln_out = poison(M * kH), probs = poison(M * V);
+    double loss_sum = kNaN;
+    be.mlm_head_loss_forward(hidden.data(), positions.data(), labels.data(), M, weights(), saved(), &loss_sum,
+                             &correct);
+    EXPECT_TRUE(all_finite(probs) && all_finite(ln_out));
+    return 0.5 * loss_sum;
+  };
+  const double l0 = loss();
+  EXPECT_GT(l0, 0);
+  EXPECT_GE(correct, 0);
+  EXPECT_LE(correct, M);
+  Vec d_hidden(kT * kH, 0.25), dWt(kH * kH, 0), dbt(kH, 0), dgamma(kH, 0), dbeta(kH, 0), dword(V * kH, 0), dob(V, 0);
+  MlmHeadGrads<double> g{dWt.data(), dbt.data(), dgamma.data(), dbeta.data(), dword.data(), dob.data()};
+  be.mlm_head_loss_backward(0.5, positions.data(), labels.data(), M, weights(), saved(), g, d_hidden.data());
+  for (auto& v : d_hidden) v -= 0.25;  // d_hidden is added to
+  for (int t = 0; t < kT; ++t) {  // rows not in mlm_positions get nothing
+    if (t != 3 && t != 0 && t != 14) {
+      for (int j = 0; j < kH; ++j) EXPECT_EQ(d_hidden[t * kH + j], 0.0);
+    }
+  }
+  check_gradient("d_hidden", hidden, d_hidden, loss);
+  check_gradient("d_transform_weight", Wt, dWt, loss);
+  check_gradient("d_transform_bias", bt, dbt, loss);
+  check_gradient("d_ln_gamma", gamma, dgamma, loss);
+  check_gradient("d_ln_beta", beta, dbeta, loss);
+  check_gradient("d_word_embeddings", word, dword, loss);
+  check_gradient("d_output_bias", obias, dob, loss);
+}
+
+TEST(OpsCpu, MlmHeadCountsCorrectPredictions) {
+  // Make the decoder predict token (row index + 1) by construction: bias dominates.
+  CpuBackend<float> be(1);
+  const int32_t H = 4, V = 6, M = 3;
+  std::vector<float> hidden(5 * H, 0.1f), Wt(H * H, 0), bt(H, 0), gamma(H, 1), beta(H, 0), word(V * H, 0), ob(V, 0);
+  ob[4] = 10;  // every row predicts 4
+  std::vector<int32_t> positions{0, 2, 4}, labels{4, 1, 4};
+  std::vector<float> gathered(M * H), pre(M * H), act(M * H), mean(M), rstd(M), ln_out(M * H), probs(M * V);
+  MlmHeadWeights<float> w{Wt.data(), bt.data(), gamma.data(), beta.data(), word.data(), ob.data(), H, V, 1e-12};
+  MlmHeadSaved<float> s{gathered.data(), pre.data(), act.data(), mean.data(), rstd.data(), ln_out.data(), probs.data()};
+  float loss = 0;
+  int32_t correct = 0;
+  be.mlm_head_loss_forward(hidden.data(), positions.data(), labels.data(), M, w, s, &loss, &correct);
+  EXPECT_EQ(correct, 2);
+  // Rows labelled 4 cost ~0, the row labelled 1 costs ~10.
+  EXPECT_NEAR(loss, 10.0, 1e-3);
+}
+
+TEST(OpsCpu, NspHeadLossGradient) {
+  CpuBackend<double> be(2);
+  Seqs s;
+  std::mt19937_64 rng(8);
+  std::vector<int32_t> labels{1, 0, 1};
+  Vec hidden = random_vec(kT * kH, rng), Wp = random_vec(kH * kH, rng, 0.5), bp = random_vec(kH, rng);
+  Vec Wc = random_vec(2 * kH, rng), bc = random_vec(2, rng);
+  Vec cls, pooled, probs;
+  auto weights = [&] { return NspHeadWeights<double>{Wp.data(), bp.data(), Wc.data(), bc.data(), kH}; };
+  auto saved = [&] { return NspHeadSaved<double>{cls.data(), pooled.data(), probs.data()}; };
+  auto loss = [&] {
+    cls = poison(3 * kH), pooled = poison(3 * kH), probs = poison(6);
+    double loss_sum = kNaN;
+    int32_t correct = -1;
+    be.nsp_head_loss_forward(hidden.data(), s.view(), labels.data(), weights(), saved(), &loss_sum, &correct);
+    EXPECT_TRUE(correct >= 0 && correct <= 3);
+    return loss_sum;
+  };
+  loss();
+  Vec d_hidden(kT * kH, 0), dWp(kH * kH, 0), dbp(kH, 0), dWc(2 * kH, 0), dbc(2, 0);
+  NspHeadGrads<double> g{dWp.data(), dbp.data(), dWc.data(), dbc.data()};
+  be.nsp_head_loss_backward(1.0, s.view(), labels.data(), weights(), saved(), g, d_hidden.data());
+  check_gradient("d_hidden", hidden, d_hidden, loss);
+  check_gradient("d_pooler_weight", Wp, dWp, loss);
+  check_gradient("d_pooler_bias", bp, dbp, loss);
+  check_gradient("d_classifier_weight", Wc, dWc, loss);
+  check_gradient("d_classifier_bias", bc, dbc, loss);
+}
+
+TEST(OpsCpu, ResidualLayernormWithoutDropoutAndMaskRate) {
+  CpuBackend<float> be(2);
+  const int32_t T = 512, H = 64;
+  std::vector<int32_t> cu{0, 200, 512};
+  std::vector<uint64_t> ids{3, 4};
+  SeqView sv{T, 2, 312, cu.data(), ids.data()};
+  std::vector<float> x(T * H, 1.0f), bias(H, 0.0f), res(T * H, 0.0f), gamma(H, 1.0f), beta(H, 0.0f);
+  for (int i = 0; i < T * H; ++i) x[i] = static_cast<float>(i % 7);
+  std::vector<float> out(T * H), mean(T), rstd(T), out_p(T * H);
+  be.bias_dropout_residual_layernorm_forward(x.data(), bias.data(), res.data(), gamma.data(), beta.data(), sv, H, 1e-12,
+                                             drop(0.0f, 1), out.data(), mean.data(), rstd.data());
+  // With p = 0, the LN input is x itself.
+  for (int t = 0; t < T; t += 97) {
+    float m = 0;
+    for (int j = 0; j < H; ++j) m += x[t * H + j];
+    EXPECT_NEAR(mean[t], m / H, 1e-5);
+  }
+  // With p = 0.1 and a zero residual, dropped elements are exactly the zero LN inputs (x + bias = 0 only if dropped
+  // or x = 0): count the rate on elements with x != 0 through the mask function directly.
+  int kept = 0, total = 0;
+  for (int b = 0; b < 2; ++b)
+    for (int t = cu[b]; t < cu[b + 1]; ++t)
+      for (int j = 0; j < H; ++j, ++total)
+        kept += dropout_keep(2024, 3, 1, ids[b], element_hidden(t - cu[b], j), 0.1f);
+  EXPECT_NEAR(static_cast<double>(kept) / total, 0.9, 0.01);
+}
+
+}  // namespace
+}  // namespace nopad::ops
