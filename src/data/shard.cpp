@@ -175,7 +175,7 @@ ShardReader::ShardReader(const std::filesystem::path& path, const Options& optio
   const uint64_t n = header_.num_seqs, t = header_.num_tokens, m = header_.num_masked;
   // Counts larger than the file could hold are corruption (and would overflow the size arithmetic below).
   NOPAD_CHECK(n < size / 8 && t <= size / 2 && m <= size / 2, "shard ", name,
-              " is corrupted: header counts (", n, " sequences, ", t, " tokens, ", m,
+              " is truncated or corrupted: header counts (", n, " sequences, ", t, " tokens, ", m,
               " masked) do not fit its ", size, " bytes");
   const uint64_t tb = header_.token_bytes;
   const uint64_t expected_size[kShardNumSections + 1] = {0, (n + 1) * 8, (n + 1) * 8, n * 2, n, t * tb, m * 2, m * tb};
