@@ -1,0 +1,549 @@
+// The pre-training loop on the CPU backend (see trainer.h for the contract).
+#include "train/trainer.h"
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+
+#include "core/error.h"
+#include "core/progress.h"
+#include "data/loader.h"
+#include "ops/cpu/cpu_backend.h"
+#include "optim/optimizer.h"
+#include "optim/schedule.h"
+#include "train/checkpoint.h"
+#include "train/metrics.h"
+
+namespace nopad {
+
+ConfigSchema train_config_schema() {
+  ConfigSchema s;
+  s.add("run_dir", "", "output folder: config.toml, metrics.jsonl, checkpoints/ (required)");
+  s.add("init_from", "", "Hugging Face BertForPreTraining folder or .safetensors file to start from ('' = random init)");
+  s.add("model.config", "", "Hugging Face config.json of the BERT architecture (required)");
+  s.add("data.train", "", "folder of .nopad training shards (required)");
+  s.add("data.eval", "", "folder of .nopad evaluation shards, read in order ('' = no evaluation)");
+  s.add("train.global_batch", 32, "sequences per optimizer step");
+  s.add("train.grad_accumulation", 1, "micro-batches per step (must divide train.global_batch)");
+  s.add("train.max_steps", 1000, "stop after this many optimizer steps");
+  s.add("train.max_samples", 0, "stop after this many training samples (0 = unlimited)");
+  s.add("train.seed", 12345, "seed of initialisation, data order and dropout");
+  s.add("train.target_mlm_accuracy", 0.0, "stop once the eval masked-LM accuracy reaches this (0 = no target)");
+  s.add("train.threads", 0, "CPU threads (0 = all cores)");
+  s.add("optim.name", "lamb", "optimizer: lamb or adamw");
+  s.add("optim.lr", 1e-3, "peak learning rate");
+  s.add("optim.beta1", 0.9, "Adam beta1");
+  s.add("optim.beta2", 0.999, "Adam beta2");
+  s.add("optim.eps", 1e-6, "Adam epsilon");
+  s.add("optim.weight_decay", 0.01, "decoupled weight decay (not applied to biases and LayerNorm)");
+  s.add("optim.max_grad_norm", 1.0, "clip the global gradient norm to this (0 = no clipping)");
+  s.add("schedule.warmup_steps", 0, "linear warm-up steps");
+  s.add("schedule.start_warmup_step", 0, "step at which warm-up starts (MLPerf's start_warmup_step, may be negative)");
+  s.add("schedule.total_steps", 0, "steps of the polynomial decay to 0 (0 = train.max_steps)");
+  s.add("schedule.power", 1.0, "power of the polynomial decay");
+  s.add("eval.interval_samples", 0, "evaluate every this many training samples (0 = only at the end)");
+  s.add("eval.max_samples", 0, "evaluate on the first this many samples of data.eval (0 = all)");
+  s.add("log.interval_steps", 10, "write a metrics.jsonl line (and a plain log line) every this many steps");
+  s.add("checkpoint.interval_steps", 0, "write a checkpoint every this many steps (0 = only at the end)");
+  s.add("checkpoint.keep", 3, "newest checkpoints to keep (0 = all)");
+  return s;
+}
+
+uint32_t max_masked_per_sample(const Dataset& data) {
+  uint32_t most = 0;
+  for (size_t s = 0; s < data.num_shards(); ++s) {
+    const ShardReader& shard = data.shard(s);
+    for (uint64_t i = 0; i < shard.num_seqs(); ++i) most = std::max(most, shard.num_masked(i));
+  }
+  return most;
+}
+
+EvalResult evaluate(BertModel<float>& model, const Dataset& data, uint64_t max_samples, int32_t batch) {
+  NOPAD_CHECK(batch > 0, "evaluation batch must be positive, got ", batch);
+  const uint64_t n = max_samples > 0 ? std::min<uint64_t>(max_samples, data.size()) : data.size();
+  EvalResult r;
+  double mlm_sum = 0, nsp_sum = 0;
+  int64_t mlm_correct = 0, nsp_correct = 0;
+  HostBatch hb;
+  std::vector<uint64_t> ids;
+  for (uint64_t start = 0; start < n; start += static_cast<uint64_t>(batch)) {
+    const uint64_t end = std::min<uint64_t>(n, start + static_cast<uint64_t>(batch));
+    ids.clear();
+    for (uint64_t i = start; i < end; ++i) ids.push_back(i);
+    build_batch(data, ids, hb);
+    // Denominators of 1: the forward returns loss sums, averaged over the whole set below.
+    const StepResult s = model.forward(hb, /*train=*/false, 0, 0, LossDenominators{1.0, 1.0});
+    mlm_sum += s.mlm_loss;
+    nsp_sum += s.nsp_loss;
+    mlm_correct += s.mlm_correct;
+    nsp_correct += s.nsp_correct;
+    r.masked += static_cast<uint64_t>(s.mlm_count);
+    r.samples += static_cast<uint64_t>(s.nsp_count);
+  }
+  if (r.masked) {
+    r.mlm_loss = mlm_sum / static_cast<double>(r.masked);
+    r.mlm_accuracy = static_cast<double>(mlm_correct) / static_cast<double>(r.masked);
+  }
+  if (r.samples) {
+    r.nsp_loss = nsp_sum / static_cast<double>(r.samples);
+    r.nsp_accuracy = static_cast<double>(nsp_correct) / static_cast<double>(r.samples);
+  }
+  r.loss = r.mlm_loss + r.nsp_loss;
+  return r;
+}
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+double seconds_since(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
+
+// Copies sequences [b0, b1) of `global` into `out` (rows renumbered from 0). Within the capacity reserved at start
+// this allocates nothing.
+void slice_batch(const HostBatch& global, int32_t b0, int32_t b1, HostBatch& out) {
+  const int32_t row0 = global.cu_seqlens[static_cast<size_t>(b0)], row1 = global.cu_seqlens[static_cast<size_t>(b1)];
+  out.tokens.assign(global.tokens.begin() + row0, global.tokens.begin() + row1);
+  out.positions.assign(global.positions.begin() + row0, global.positions.begin() + row1);
+  out.segments.assign(global.segments.begin() + row0, global.segments.begin() + row1);
+  out.cu_seqlens.resize(static_cast<size_t>(b1 - b0 + 1));
+  out.max_seqlen = 0;
+  for (int32_t b = b0; b <= b1; ++b) {
+    out.cu_seqlens[static_cast<size_t>(b - b0)] = global.cu_seqlens[static_cast<size_t>(b)] - row0;
+    if (b < b1)
+      out.max_seqlen = std::max(out.max_seqlen, global.cu_seqlens[static_cast<size_t>(b) + 1] -
+                                                    global.cu_seqlens[static_cast<size_t>(b)]);
+  }
+  out.mlm_positions.clear();
+  out.mlm_labels.clear();
+  for (size_t m = 0; m < global.mlm_positions.size(); ++m) {
+    const int32_t row = global.mlm_positions[m];
+    if (row >= row0 && row < row1) {
+      out.mlm_positions.push_back(row - row0);
+      out.mlm_labels.push_back(global.mlm_labels[m]);
+    }
+  }
+  out.nsp_labels.assign(global.nsp_labels.begin() + b0, global.nsp_labels.begin() + b1);
+  out.sample_ids.assign(global.sample_ids.begin() + b0, global.sample_ids.begin() + b1);
+}
+
+void reserve_batch(HostBatch& b, size_t tokens, size_t seqs, size_t masked) {
+  b.tokens.reserve(tokens);
+  b.positions.reserve(tokens);
+  b.segments.reserve(tokens);
+  b.cu_seqlens.reserve(seqs + 1);
+  b.mlm_positions.reserve(masked);
+  b.mlm_labels.reserve(masked);
+  b.nsp_labels.reserve(seqs);
+  b.sample_ids.reserve(seqs);
+}
+
+// Opens a dataset, naming the config key in the error.
+std::unique_ptr<Dataset> open_data(const std::string& key, const std::string& path) {
+  std::error_code ec;
+  NOPAD_CHECK(fs::exists(path, ec), key, ": ", path, " does not exist (expected a folder of .nopad shards made by "
+              "`nopad prepare`)");
+  try {
+    return std::make_unique<Dataset>(path);
+  } catch (const Error& e) {
+    fail(key, ": cannot read the dataset ", path, ": ", e.what());
+  }
+}
+
+nlohmann::json eval_json(const EvalResult& e) {
+  return {{"mlm_accuracy", e.mlm_accuracy}, {"nsp_accuracy", e.nsp_accuracy}, {"eval_loss", e.loss},
+          {"mlm_loss", e.mlm_loss},         {"nsp_loss", e.nsp_loss},         {"samples", e.samples}};
+}
+
+}  // namespace
+
+struct Trainer::Impl {
+  Config cfg;
+  StartMode mode;
+  TrainHooks hooks;
+
+  // config values
+  fs::path run_dir;
+  int64_t global_batch = 0, grad_accumulation = 0, micro_batch = 0, max_steps = 0;
+  uint64_t max_samples = 0, seed = 0, eval_interval = 0, eval_max_samples = 0;
+  double target_accuracy = 0;
+  int64_t log_interval = 1, checkpoint_interval = 0, checkpoint_keep = 3;
+  int threads = 0;
+
+  BertConfig model_config;
+  std::unique_ptr<Dataset> train_data, eval_data;
+  std::unique_ptr<ops::CpuBackend<float>> backend;
+  std::unique_ptr<BertModel<float>> model;
+  std::unique_ptr<Optimizer> optimizer;
+  LrSchedule schedule;
+  TrainerState state;
+  double prior_elapsed_s = 0;
+  fs::path last_checkpoint;
+  HostBatch micro;
+  std::unique_ptr<MetricsLog> metrics;
+
+  Impl(const Config& c, StartMode m, TrainHooks h) : cfg(c), mode(m), hooks(std::move(h)) {}
+  void setup();
+  fs::path save_checkpoint();
+  EvalResult run_eval();
+};
+
+void Trainer::Impl::setup() {
+  // 1. Config values and their ranges.
+  run_dir = cfg.get_string("run_dir");
+  NOPAD_CHECK(!run_dir.empty(), "run_dir is not set: give the output folder (run_dir = \"...\" or --set run_dir=...)");
+  const std::string model_config_path = cfg.get_string("model.config");
+  NOPAD_CHECK(!model_config_path.empty(), "model.config is not set: give a Hugging Face config.json "
+              "(e.g. data/configs/bert-tiny.json)");
+  const std::string train_path = cfg.get_string("data.train");
+  NOPAD_CHECK(!train_path.empty(), "data.train is not set: give a folder of .nopad shards");
+  const std::string eval_path = cfg.get_string("data.eval");
+  const std::string init_from = cfg.get_string("init_from");
+
+  global_batch = cfg.get_int("train.global_batch");
+  grad_accumulation = cfg.get_int("train.grad_accumulation");
+  NOPAD_CHECK(global_batch > 0, "train.global_batch must be positive, got ", global_batch);
+  NOPAD_CHECK(grad_accumulation > 0, "train.grad_accumulation must be positive, got ", grad_accumulation);
+  NOPAD_CHECK(global_batch % grad_accumulation == 0, "train.global_batch (", global_batch,
+              ") must be a multiple of train.grad_accumulation (", grad_accumulation, ")");
+  micro_batch = global_batch / grad_accumulation;
+  max_steps = cfg.get_int("train.max_steps");
+  NOPAD_CHECK(max_steps > 0, "train.max_steps must be positive, got ", max_steps);
+  const int64_t max_samples_i = cfg.get_int("train.max_samples");
+  NOPAD_CHECK(max_samples_i >= 0, "train.max_samples must be >= 0, got ", max_samples_i);
+  max_samples = static_cast<uint64_t>(max_samples_i);
+  seed = static_cast<uint64_t>(cfg.get_int("train.seed"));
+  target_accuracy = cfg.get_double("train.target_mlm_accuracy");
+  NOPAD_CHECK(target_accuracy >= 0 && target_accuracy <= 1, "train.target_mlm_accuracy must be in [0, 1], got ",
+              target_accuracy);
+  NOPAD_CHECK(target_accuracy == 0 || !eval_path.empty(),
+              "train.target_mlm_accuracy is set but data.eval is not: the target is measured on the eval data");
+  threads = static_cast<int>(cfg.get_int("train.threads"));
+  NOPAD_CHECK(threads >= 0, "train.threads must be >= 0, got ", threads);
+
+  const std::string optim_name = cfg.get_string("optim.name");
+  NOPAD_CHECK(optim_name == "lamb" || optim_name == "adamw", "optim.name must be lamb or adamw, got \"", optim_name,
+              "\"");
+  OptimizerOptions oo;
+  const double lr = cfg.get_double("optim.lr");
+  NOPAD_CHECK(std::isfinite(lr) && lr > 0, "optim.lr must be a positive number, got ", lr);
+  oo.beta1 = cfg.get_double("optim.beta1");
+  oo.beta2 = cfg.get_double("optim.beta2");
+  NOPAD_CHECK(oo.beta1 >= 0 && oo.beta1 < 1, "optim.beta1 must be in [0, 1), got ", oo.beta1);
+  NOPAD_CHECK(oo.beta2 >= 0 && oo.beta2 < 1, "optim.beta2 must be in [0, 1), got ", oo.beta2);
+  oo.eps = cfg.get_double("optim.eps");
+  NOPAD_CHECK(oo.eps > 0, "optim.eps must be positive, got ", oo.eps);
+  oo.weight_decay = cfg.get_double("optim.weight_decay");
+  NOPAD_CHECK(oo.weight_decay >= 0, "optim.weight_decay must be >= 0, got ", oo.weight_decay);
+  oo.max_grad_norm = cfg.get_double("optim.max_grad_norm");
+  NOPAD_CHECK(oo.max_grad_norm >= 0, "optim.max_grad_norm must be >= 0 (0 = no clipping), got ", oo.max_grad_norm);
+  oo.threads = threads;
+
+  schedule.base_lr = lr;
+  schedule.warmup_steps = cfg.get_int("schedule.warmup_steps");
+  schedule.start_warmup_step = cfg.get_int("schedule.start_warmup_step");
+  const int64_t total_steps = cfg.get_int("schedule.total_steps");
+  NOPAD_CHECK(total_steps >= 0, "schedule.total_steps must be >= 0 (0 = train.max_steps), got ", total_steps);
+  schedule.total_steps = total_steps > 0 ? total_steps : max_steps;
+  schedule.power = cfg.get_double("schedule.power");
+  try {
+    schedule.validate();
+  } catch (const Error& e) {
+    fail("schedule: ", e.what());
+  }
+
+  const int64_t eval_interval_i = cfg.get_int("eval.interval_samples");
+  const int64_t eval_max_i = cfg.get_int("eval.max_samples");
+  NOPAD_CHECK(eval_interval_i >= 0, "eval.interval_samples must be >= 0, got ", eval_interval_i);
+  NOPAD_CHECK(eval_max_i >= 0, "eval.max_samples must be >= 0, got ", eval_max_i);
+  eval_interval = static_cast<uint64_t>(eval_interval_i);
+  eval_max_samples = static_cast<uint64_t>(eval_max_i);
+  log_interval = cfg.get_int("log.interval_steps");
+  NOPAD_CHECK(log_interval > 0, "log.interval_steps must be positive, got ", log_interval);
+  checkpoint_interval = cfg.get_int("checkpoint.interval_steps");
+  NOPAD_CHECK(checkpoint_interval >= 0, "checkpoint.interval_steps must be >= 0 (0 = only at the end), got ",
+              checkpoint_interval);
+  checkpoint_keep = cfg.get_int("checkpoint.keep");
+  NOPAD_CHECK(checkpoint_keep >= 0, "checkpoint.keep must be >= 0 (0 = keep all), got ", checkpoint_keep);
+
+  // 2. Model architecture.
+  try {
+    model_config = read_hf_config(model_config_path);
+  } catch (const Error& e) {
+    fail("model.config ", model_config_path, ": ", e.what());
+  }
+
+  // 3. Data: readable, and covered by the model's vocabulary and positions.
+  train_data = open_data("data.train", train_path);
+  NOPAD_CHECK(train_data->size() >= static_cast<uint64_t>(global_batch), "data.train ", train_path, " has ",
+              train_data->size(), " samples, fewer than train.global_batch (", global_batch, ")");
+  if (!eval_path.empty()) eval_data = open_data("data.eval", eval_path);
+  uint32_t max_len = 0, max_masked = 0;
+  for (const auto& [key, path, data] : {std::tuple{"data.train", train_path, train_data.get()},
+                                        std::tuple{"data.eval", eval_path, eval_data.get()}}) {
+    if (!data) continue;
+    NOPAD_CHECK(static_cast<uint64_t>(model_config.vocab_size) >= data->vocab_size(), "model.config ",
+                model_config_path, ": vocab_size ", model_config.vocab_size, " is smaller than the vocabulary of ",
+                key, " ", path, " (", data->vocab_size(), " tokens)");
+    NOPAD_CHECK(static_cast<uint64_t>(model_config.max_position_embeddings) >= data->max_seq_length(),
+                "model.config ", model_config_path, ": max_position_embeddings ",
+                model_config.max_position_embeddings, " is smaller than the longest sequence of ", key, " ", path,
+                " (", data->max_seq_length(), " tokens)");
+    NOPAD_CHECK(data->size() > 0, key, " ", path, " holds no samples");
+    max_len = std::max(max_len, data->max_seq_length());
+    max_masked = std::max(max_masked, max_masked_per_sample(*data));
+  }
+
+  // 4. Starting point: init_from weights (checked now), or the checkpoint to resume.
+  const ParamLayout layout(model_config);
+  std::vector<float> start_params;
+  std::unique_ptr<LoadedCheckpoint> resume_from;
+  std::error_code ec;
+  fs::path latest;
+  if (fs::is_directory(run_dir, ec)) latest = latest_checkpoint(run_dir);
+  if (!latest.empty() && mode == StartMode::kFresh)
+    fail("run_dir ", run_dir.string(), " already holds a run (checkpoints/latest -> ", latest.filename().string(),
+         "): pass --resume to continue it or --overwrite to start over");
+  if (mode == StartMode::kResume && !latest.empty()) {
+    resume_from = std::make_unique<LoadedCheckpoint>(load_checkpoint(latest, &model_config, true));
+    NOPAD_CHECK(resume_from->state.seed == seed, "train.seed ", seed, " differs from the seed of checkpoint ",
+                latest.string(), " (", resume_from->state.seed, "): a resumed run must keep its seed");
+    NOPAD_CHECK(resume_from->optimizer_kind == optim_name, "optim.name \"", optim_name,
+                "\" differs from the optimizer of checkpoint ", latest.string(), " (\"", resume_from->optimizer_kind,
+                "\")");
+  } else if (!init_from.empty()) {
+    start_params.resize(layout.total_numel());
+    try {
+      load_hf_weights(init_from, layout, start_params.data());
+    } catch (const Error& e) {
+      fail("init_from: ", e.what());
+    }
+  }
+
+  // 5. The output folder, last: nothing is written before everything above passed.
+  try {
+    ensure_writable_dir(run_dir);
+  } catch (const Error& e) {
+    fail("run_dir: ", e.what());
+  }
+
+  // 6. Backend, model, optimizer: every buffer sized once for the largest micro-batch.
+  backend = std::make_unique<ops::CpuBackend<float>>(threads);
+  const size_t cap_tokens = static_cast<size_t>(micro_batch) * max_len;
+  const size_t cap_masked = static_cast<size_t>(micro_batch) * max_masked;
+  NOPAD_CHECK(cap_tokens < static_cast<size_t>(INT32_MAX), "train.global_batch / train.grad_accumulation (",
+              micro_batch, ") x the longest sequence (", max_len, ") is too many tokens for one micro-batch");
+  model = std::make_unique<BertModel<float>>(model_config, *backend, static_cast<int32_t>(cap_tokens),
+                                             static_cast<int32_t>(micro_batch), static_cast<int32_t>(cap_masked));
+  reserve_batch(micro, cap_tokens, static_cast<size_t>(micro_batch), cap_masked);
+  std::vector<ParamView> views;
+  for (const ParamTensor& t : model->layout().tensors())
+    views.push_back({t.name, model->params() + t.offset, model->grads() + t.offset, t.numel, t.no_weight_decay});
+  optimizer = make_optimizer(optim_name, std::move(views), oo);
+
+  state.seed = seed;
+  state.optimizer = optim_name;
+  if (resume_from) {
+    model->set_params(resume_from->params.data());
+    optimizer->load_state(resume_from->optimizer_steps, resume_from->optimizer_state());
+    state = resume_from->state;
+    if (state.extra.contains("elapsed_s")) prior_elapsed_s = state.extra.at("elapsed_s").get<double>();
+    last_checkpoint = resume_from->dir;
+    std::fprintf(stderr, "resuming from %s (step %lld, %llu samples)\n", latest.string().c_str(),
+                 static_cast<long long>(state.step), static_cast<unsigned long long>(state.samples));
+  } else {
+    if (mode == StartMode::kResume) std::fprintf(stderr, "no checkpoint in %s: starting at step 0\n", run_dir.c_str());
+    if (!start_params.empty()) model->set_params(start_params.data());
+    else model->init_params(seed);
+  }
+  if (mode == StartMode::kOverwrite) {
+    fs::remove_all(checkpoints_dir(run_dir), ec);
+    fs::remove(run_dir / "metrics.jsonl", ec);
+  }
+  // Partial checkpoint folders of a crashed writer.
+  if (fs::is_directory(checkpoints_dir(run_dir), ec))
+    for (const auto& e : fs::directory_iterator(checkpoints_dir(run_dir)))
+      if (e.path().filename().string().find(".tmp") != std::string::npos) fs::remove_all(e.path(), ec);
+
+  write_file_atomic(run_dir / "config.toml", cfg.dump());
+  metrics = std::make_unique<MetricsLog>(run_dir / "metrics.jsonl", state.step);
+}
+
+fs::path Trainer::Impl::save_checkpoint() {
+  std::vector<float> host(model->num_params());
+  model->get_params(host.data());
+  state.optimizer_steps = optimizer->step_count();
+  state.schedule_steps = state.step;
+  metrics->sync();
+  CheckpointWriteOptions o;
+  o.keep = static_cast<int>(checkpoint_keep);
+  last_checkpoint = write_checkpoint(run_dir, model_config, model->layout(), host.data(), optimizer.get(), state, o);
+  return last_checkpoint;
+}
+
+EvalResult Trainer::Impl::run_eval() {
+  const EvalResult e = evaluate(*model, *eval_data, eval_max_samples, static_cast<int32_t>(micro_batch));
+  nlohmann::json j = {{"eval", true}, {"step", state.step}, {"samples", state.samples}};
+  j.update(eval_json(e));
+  metrics->write(j);
+  state.extra["last_eval"] = eval_json(e);
+  std::fprintf(stderr, "%seval at step %lld (%llu samples): mlm accuracy %.4f, nsp accuracy %.4f, loss %.4f\n",
+               Progress::stderr_is_terminal() ? "\n" : "", static_cast<long long>(state.step),
+               static_cast<unsigned long long>(state.samples), e.mlm_accuracy, e.nsp_accuracy, e.loss);
+  return e;
+}
+
+Trainer::Trainer(const Config& config, StartMode mode, TrainHooks hooks)
+    : impl_(std::make_unique<Impl>(config, mode, std::move(hooks))) {
+  impl_->setup();
+}
+
+Trainer::~Trainer() = default;
+
+const BertModel<float>& Trainer::model() const { return *impl_->model; }
+
+std::vector<float> Trainer::params() const {
+  std::vector<float> host(impl_->model->num_params());
+  impl_->model->get_params(host.data());
+  return host;
+}
+
+TrainSummary Trainer::run() {
+  Impl& m = *impl_;
+  TrainSummary summary;
+  summary.first_step = m.state.step;
+  const auto start = Clock::now();
+  const bool tty = Progress::stderr_is_terminal();
+
+  LoaderOptions lo;
+  lo.global_batch = static_cast<uint64_t>(m.global_batch);
+  lo.seed = m.seed;
+  lo.shuffle = true;
+  lo.start = m.state.cursor;
+  Loader loader(*m.train_data, lo);
+
+  auto done = [&] {
+    return m.state.step >= m.max_steps || (m.max_samples > 0 && m.state.samples >= m.max_samples);
+  };
+  int64_t last_eval_step = -1, last_checkpoint_step = m.last_checkpoint.empty() ? -1 : m.state.step;
+  double last_draw_s = -1;
+  while (!done()) {
+    const auto step_start = Clock::now();
+    const int64_t step_index = m.state.step;  // updates already taken: dropout key and schedule position
+    const HostBatch& global = loader.next();
+    const LossDenominators denoms{std::max(1.0, static_cast<double>(global.num_masked())),
+                                  static_cast<double>(global.num_seqs())};
+    m.model->zero_grad();
+    StepResult sum;
+    for (int64_t a = 0; a < m.grad_accumulation; ++a) {
+      const int32_t b0 = static_cast<int32_t>(a * m.micro_batch), b1 = static_cast<int32_t>((a + 1) * m.micro_batch);
+      slice_batch(global, b0, std::min(b1, global.num_seqs()), m.micro);
+      const StepResult r = m.model->forward(m.micro, /*train=*/true, m.seed, static_cast<uint64_t>(step_index), denoms);
+      sum.loss += r.loss;
+      sum.mlm_loss += r.mlm_loss;
+      sum.nsp_loss += r.nsp_loss;
+      sum.mlm_correct += r.mlm_correct;
+      sum.mlm_count += r.mlm_count;
+      sum.nsp_correct += r.nsp_correct;
+      sum.nsp_count += r.nsp_count;
+      if (!std::isfinite(r.loss)) break;
+      m.model->backward(1.0);
+    }
+    if (m.hooks.after_forward) m.hooks.after_forward(step_index + 1, sum);
+    const std::string keep_note =
+        m.last_checkpoint.empty() ? std::string(" (no checkpoint was written yet)")
+                                  : " (the last good checkpoint, " + m.last_checkpoint.string() + ", is kept; "
+                                    "restart from it with --resume)";
+    if (!std::isfinite(sum.loss)) {
+      m.metrics->sync();
+      fail("step ", step_index + 1, ": the loss is not finite (", sum.loss,
+           "): training diverged; lower optim.lr or add schedule.warmup_steps", keep_note);
+    }
+    const double lr = m.schedule.lr(step_index);
+    const StepStats stats = m.optimizer->step(lr, 1.0);
+    if (stats.skipped) {
+      m.metrics->sync();
+      fail("step ", step_index + 1, ": the gradients are not finite: training diverged; lower optim.lr or add "
+           "schedule.warmup_steps", keep_note);
+    }
+    m.state.step = step_index + 1;
+    m.state.samples += static_cast<uint64_t>(global.num_seqs());
+    m.state.cursor = loader.cursor();
+    m.state.lr = lr;
+    const double step_s = seconds_since(step_start);
+    const double elapsed_s = m.prior_elapsed_s + seconds_since(start);
+    m.state.extra["elapsed_s"] = elapsed_s;
+
+    StepRecord rec;
+    rec.step = m.state.step;
+    rec.samples = m.state.samples;
+    rec.loss = sum.loss;
+    rec.mlm_loss = sum.mlm_loss;
+    rec.nsp_loss = sum.nsp_loss;
+    rec.mlm_accuracy = sum.mlm_count ? static_cast<double>(sum.mlm_correct) / static_cast<double>(sum.mlm_count) : 0;
+    rec.lr = lr;
+    rec.grad_norm = stats.grad_norm;
+    summary.steps.push_back(rec);
+    const double seq_per_s = global.num_seqs() / step_s, tokens_per_s = global.num_tokens() / step_s;
+
+    const bool last = done();
+    if (rec.step % m.log_interval == 0 || last) {
+      m.metrics->write({{"step", rec.step},
+                        {"samples", rec.samples},
+                        {"loss", rec.loss},
+                        {"mlm_loss", rec.mlm_loss},
+                        {"nsp_loss", rec.nsp_loss},
+                        {"mlm_accuracy", rec.mlm_accuracy},
+                        {"lr", rec.lr},
+                        {"grad_norm", rec.grad_norm},
+                        {"seq_per_s", seq_per_s},
+                        {"tokens_per_s", tokens_per_s},
+                        {"elapsed_s", elapsed_s}});
+    }
+    // Progress: a live line on a terminal, plain lines at the log interval otherwise.
+    const double run_s = seconds_since(start);
+    const double steps_done = static_cast<double>(rec.step - summary.first_step);
+    const double eta_s = run_s / steps_done * static_cast<double>(m.max_steps - rec.step);
+    if (tty ? (run_s - last_draw_s >= 0.1 || last) : (rec.step % m.log_interval == 0 || last)) {
+      last_draw_s = run_s;
+      std::fprintf(stderr, "%sstep %lld/%lld  loss %.4f  mlm acc %.4f  lr %.3g  %.1f seq/s  ETA %s%s",
+                   tty ? "\r" : "", static_cast<long long>(rec.step), static_cast<long long>(m.max_steps), rec.loss,
+                   rec.mlm_accuracy, rec.lr, seq_per_s, format_duration(eta_s).c_str(), tty ? "\x1b[K" : "\n");
+      std::fflush(stderr);
+    }
+
+    // Evaluation every eval.interval_samples samples (crossing a multiple), and the target check.
+    const uint64_t before = m.state.samples - static_cast<uint64_t>(global.num_seqs());
+    if (m.eval_data && m.eval_interval > 0 && m.state.samples / m.eval_interval > before / m.eval_interval) {
+      summary.evals.push_back(m.run_eval());
+      last_eval_step = m.state.step;
+      if (m.target_accuracy > 0 && summary.evals.back().mlm_accuracy >= m.target_accuracy) {
+        summary.reached_target = true;
+        std::fprintf(stderr, "reached train.target_mlm_accuracy %.4f at step %lld\n", m.target_accuracy,
+                     static_cast<long long>(m.state.step));
+        break;
+      }
+    }
+    if (m.checkpoint_interval > 0 && m.state.step % m.checkpoint_interval == 0 && !last) {
+      m.save_checkpoint();
+      last_checkpoint_step = m.state.step;
+    }
+  }
+  if (tty) std::fprintf(stderr, "\n");
+  if (m.eval_data && last_eval_step != m.state.step) {
+    summary.evals.push_back(m.run_eval());
+    if (m.target_accuracy > 0 && summary.evals.back().mlm_accuracy >= m.target_accuracy) summary.reached_target = true;
+  }
+  if (last_checkpoint_step != m.state.step) m.save_checkpoint();
+  m.metrics->sync();
+  summary.final_checkpoint = m.last_checkpoint;
+  summary.final_step = m.state.step;
+  summary.samples = m.state.samples;
+  summary.elapsed_s = seconds_since(start);
+  std::fprintf(stderr, "done: step %lld, %llu samples, %.1f s; checkpoint %s\n", static_cast<long long>(m.state.step),
+               static_cast<unsigned long long>(m.state.samples), summary.elapsed_s,
+               summary.final_checkpoint.string().c_str());
+  return summary;
+}
+
+}  // namespace nopad

@@ -1,0 +1,88 @@
+// The pre-training loop: config -> validated run -> steps of (micro-batches, backward, LAMB/AdamW) -> metrics,
+// evaluation and checkpoints, resumable bit-exactly.
+//
+// Contract:
+//  - train_config_schema() declares every key (defaults, help); an unknown key is an error.
+//  - The Trainer constructor validates everything that could fail later (config values, model config, data folders,
+//    vocab and position coverage, batch sizes, init_from shapes, resume/overwrite state, run_dir writable) and
+//    writes nothing until all of it passed; then it writes RUN_DIR/config.toml.
+//  - A step: the loader's global batch is split into grad_accumulation micro-batches; each runs forward with the
+//    GLOBAL masked and sequence counts as loss denominators and backward accumulates, so the summed gradient is the
+//    full batch's; then one optimizer update with the schedule's lr for the steps already taken.
+//  - Dropout is keyed by (train.seed, step, sample id): a resumed run repeats exactly the steps of an uninterrupted
+//    one (same losses, same parameters).
+//  - Memory: the model's activations and the micro-batch buffers are sized once from the largest micro-batch
+//    (micro-batch x the data's longest sequence, micro-batch x its most masked positions per sequence).
+//  - A non-finite loss or gradient throws nopad::Error naming the step; checkpoints already written stay.
+#pragma once
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "core/io.h"
+#include "data/dataset.h"
+#include "model/bert.h"
+#include "train/config_file.h"
+
+namespace nopad {
+
+ConfigSchema train_config_schema();
+
+// Masked-LM / NSP evaluation of a whole dataset (or its first max_samples), in order, dropout off.
+struct EvalResult {
+  double mlm_accuracy = 0, nsp_accuracy = 0;
+  double mlm_loss = 0;  // mean cross-entropy over all masked positions
+  double nsp_loss = 0;  // mean over sequences
+  double loss = 0;      // mlm_loss + nsp_loss (Hugging Face BertForPreTraining's loss on the same samples)
+  uint64_t samples = 0, masked = 0;
+};
+
+// Batches of `batch` consecutive samples; the model must hold `batch` sequences of the dataset's longest length.
+EvalResult evaluate(BertModel<float>& model, const Dataset& data, uint64_t max_samples, int32_t batch);
+
+// The most masked positions any one sample of the dataset has.
+uint32_t max_masked_per_sample(const Dataset& data);
+
+enum class StartMode { kFresh, kResume, kOverwrite };
+
+// Test hooks.
+struct TrainHooks {
+  std::function<void(int64_t step, StepResult& result)> after_forward;  // may alter the step's summed result
+};
+
+struct StepRecord {
+  int64_t step = 0;  // 1-based: the update this record describes
+  uint64_t samples = 0;
+  double loss = 0, mlm_loss = 0, nsp_loss = 0, mlm_accuracy = 0, lr = 0, grad_norm = 0;
+};
+
+struct TrainSummary {
+  int64_t first_step = 0;  // steps already done when this run started (resume)
+  int64_t final_step = 0;
+  uint64_t samples = 0;
+  std::vector<StepRecord> steps;  // every step of this run
+  std::vector<EvalResult> evals;
+  bool reached_target = false;
+  fs::path final_checkpoint;
+  double elapsed_s = 0;
+};
+
+class Trainer {
+ public:
+  Trainer(const Config& config, StartMode mode, TrainHooks hooks = {});
+  ~Trainer();
+  Trainer(const Trainer&) = delete;
+  Trainer& operator=(const Trainer&) = delete;
+
+  TrainSummary run();
+  const BertModel<float>& model() const;
+  std::vector<float> params() const;  // host copy of the current parameters
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace nopad
