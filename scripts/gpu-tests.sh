@@ -18,15 +18,16 @@ step "ctest"
 ctest --test-dir build-gpu -j 8 --output-on-failure --timeout 1200 > "$out/ctest.log" 2>&1 || status=1
 tail -15 "$out/ctest.log" | tee -a "$out/summary.txt"
 
-if [ -f scripts/hf_compat.py ]; then
-  step "Hugging Face compatibility"
-  ./build-gpu/nopad prepare --input data/wiki-sample/wiki_00 --vocab data/vocab/bert-uncased-vocab.txt \
-    --output /tmp/nopad-hf/data --max-seq-length 128 --dupe-factor 1 --overwrite --quiet > "$out/hf.log" 2>&1
-  ./build-gpu/nopad train --config configs/bert-tiny-sample.toml --set run_dir=/tmp/nopad-hf/run \
-    --set data.train=/tmp/nopad-hf/data --set data.eval=/tmp/nopad-hf/data --set train.max_steps=20 \
-    --overwrite >> "$out/hf.log" 2>&1 || status=1
-  PYTHONPATH=python python3 scripts/hf_compat.py --nopad ./build-gpu/nopad --run-dir /tmp/nopad-hf/run \
-    --data /tmp/nopad-hf/data 2>&1 | tee -a "$out/hf.log" "$out/summary.txt" || status=1
-fi
+step "Hugging Face compatibility (transformers $(python3 -c 'import transformers; print(transformers.__version__)'))"
+hf=/tmp/nopad-hf
+./build-gpu/nopad prepare --input data/wiki-sample/wiki_00 --vocab data/vocab/bert-uncased-vocab.txt \
+  --output $hf/data --max-seq-length 128 --dupe-factor 1 --overwrite --quiet > "$out/hf.log" 2>&1
+./build-gpu/nopad train --config configs/bert-tiny-sample.toml --set run_dir=$hf/run --set data.train=$hf/data \
+  --set data.eval=$hf/data --set train.max_steps=20 --overwrite >> "$out/hf.log" 2>&1 || status=1
+ckpt=$hf/run/checkpoints/$(cat $hf/run/checkpoints/latest)
+for n in 8 32; do
+  python3 scripts/hf_compat.py --nopad ./build-gpu/nopad --checkpoint "$ckpt" --data $hf/data --samples $n \
+    2>&1 | tee -a "$out/hf.log" "$out/summary.txt" || status=1
+done
 step "done, status $status"
 exit $status
