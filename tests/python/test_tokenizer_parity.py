@@ -6,7 +6,7 @@ Compared against:
      strip_accents=None)` (Hugging Face's Rust implementation): word pieces on every line, ids on a subset.
   2. A compact pure-Python transcription of Google BERT's tokenization.py semantics (`reference_*` below), which uses
      this Python's unicodedata and str.lower() exactly as tokenization.py does: must match on every line.
-  3. `transformers.BertTokenizer` (slow, pure Python), only if transformers is importable.
+  3. `transformers.BertTokenizer`, only if transformers is importable (the GPU machine has it).
 
 Allowed divergence from `tokenizers` (counted and printed; any other mismatch fails):
   * final_sigma: Python's str.lower() (and so tokenization.py and nopad) lowers a word-final capital sigma to U+03C2
@@ -237,22 +237,29 @@ def main():
     print("ids on %d lines: %d mismatching lines" % (len(subset), id_mismatch))
     ok &= id_mismatch == 0
 
-    # 3. Optional: transformers' slow BertTokenizer.
+    # 3. Optional: transformers' BertTokenizer (pure Python before transformers 5; backed by `tokenizers` since,
+    # which lower-cases character by character: the same final-sigma class as above is allowed, nothing else).
     try:
+        import transformers
         from transformers import BertTokenizer
     except ImportError:
-        print("transformers not importable: slow BertTokenizer comparison skipped (optional)")
+        print("transformers not importable: BertTokenizer comparison skipped (optional)")
     else:
         slow = BertTokenizer(vocab_path, do_lower_case=True)
-        slow_mismatch = 0
+        slow_unexplained, slow_sigma = 0, 0
         for i, line in enumerate(lines):
             want = slow.tokenize(line)
-            if got[i] != want:
-                slow_mismatch += 1
-                if slow_mismatch <= 10:
-                    show(i + 1, line, got[i], want, "BertTokenizer")
-        print("vs transformers.BertTokenizer: %d mismatching lines" % slow_mismatch)
-        ok &= slow_mismatch == 0
+            if got[i] == want:
+                continue
+            if reference_wordpiece(reference_basic(line, char_by_char_lower=True), vocab) == want:
+                slow_sigma += 1
+                continue
+            slow_unexplained += 1
+            if slow_unexplained <= 10:
+                show(i + 1, line, got[i], want, "BertTokenizer")
+        print("vs transformers %s BertTokenizer: %d unexplained mismatching lines; allowed classes: "
+              "{'final_sigma': %d}" % (transformers.__version__, slow_unexplained, slow_sigma))
+        ok &= slow_unexplained == 0
 
     if not ok:
         fail("tokenizer parity failed (see above)")
