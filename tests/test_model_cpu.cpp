@@ -244,9 +244,9 @@ HostBatch sub_batch(const HostBatch& full, int first, int last) {
 TEST(ModelCpu, WholeModelGradientMatchesFiniteDifferences) {
   // Tolerance as in test_ops_cpu.cpp: h = 1e-6 central differences in double, loss O(1).
   const BertConfig c = small_config();
-  ops::CpuBackend<double> be(1);
+  ops::CpuBackend<ops::CpuF64> be(1);
   const HostBatch batch = make_batch({1, 5, 9}, {11, 22, 33}, c.vocab_size, 5);
-  BertModel<double> model(c, be, 15, 3, 15);
+  BertModel<ops::CpuF64> model(c, be, 15, 3, 15);
   model.init_params(7);
   std::vector<double> params(model.num_params()), grads(model.num_params(), std::nan(""));
   model.get_params(params.data());
@@ -478,8 +478,8 @@ void expect_matches_padded_reference(bool train) {
   const BertConfig c = small_config();
   const ParamLayout layout(c);
   const HostBatch batch = make_batch({1, 5, 9, 3}, {5, 1000000007ull, 9, 77}, c.vocab_size, 13);
-  ops::CpuBackend<double> be(2);
-  BertModel<double> model(c, be, 32, 4, 16);
+  ops::CpuBackend<ops::CpuF64> be(2);
+  BertModel<ops::CpuF64> model(c, be, 32, 4, 16);
   model.init_params(3);
   std::vector<double> params(model.num_params()), grads(model.num_params());
   model.get_params(params.data());
@@ -509,14 +509,15 @@ TEST(ModelCpu, UnpaddedEqualsPaddedReferenceWithDropout) { expect_matches_padded
 
 // ------------------------------------------------------------------------------------------------ batch split
 
-template <class S>
+template <class P>
 void expect_split_invariance(double tol) {
+  using S = typename P::Grad;
   const BertConfig c = small_config();
-  ops::CpuBackend<S> be(2);
+  ops::CpuBackend<P> be(2);
   const HostBatch full = make_batch({4, 9, 2, 7, 5, 1}, {40, 41, 42, 43, 44, 45}, c.vocab_size, 21);
   // Reordered halves: sequences {3,4,5} then {0,1,2}; the sample ids travel with them.
   const HostBatch a = sub_batch(full, 3, 6), b = sub_batch(full, 0, 3);
-  BertModel<S> model(c, be, 64, 8, 32);
+  BertModel<P> model(c, be, 64, 8, 32);
   model.init_params(11);
   const size_t n = model.num_params();
   std::vector<S> g_full(n), g_split(n);
@@ -542,14 +543,14 @@ void expect_split_invariance(double tol) {
       ADD_FAILURE() << "param " << i << ": full " << g_full[i] << " split " << g_split[i];
   EXPECT_EQ(bad, 0);
 }
-TEST(ModelCpu, GradientDoesNotDependOnBatchSplitDouble) { expect_split_invariance<double>(1e-12); }
-TEST(ModelCpu, GradientDoesNotDependOnBatchSplitFloat) { expect_split_invariance<float>(1e-5); }
+TEST(ModelCpu, GradientDoesNotDependOnBatchSplitDouble) { expect_split_invariance<ops::CpuF64>(1e-12); }
+TEST(ModelCpu, GradientDoesNotDependOnBatchSplitFloat) { expect_split_invariance<ops::CpuF32>(1e-5); }
 
 TEST(ModelCpu, GradientsAccumulateAndEvalHasNoDropout) {
   const BertConfig c = small_config();
-  ops::CpuBackend<double> be(2);
+  ops::CpuBackend<ops::CpuF64> be(2);
   const HostBatch batch = make_batch({3, 8}, {1, 2}, c.vocab_size, 3);
-  BertModel<double> model(c, be, 16, 2, 16);
+  BertModel<ops::CpuF64> model(c, be, 16, 2, 16);
   model.init_params(1);
   std::vector<double> g1(model.num_params()), g2(model.num_params());
   model.zero_grad();
@@ -565,15 +566,15 @@ TEST(ModelCpu, GradientsAccumulateAndEvalHasNoDropout) {
   EXPECT_EQ(model.forward(batch, false, 1, 1).loss, model.forward(batch, false, 2, 8).loss);
   EXPECT_NE(model.forward(batch, true, 1, 1).loss, model.forward(batch, true, 2, 8).loss);
   // Float and double backends agree.
-  ops::CpuBackend<float> bef(2);
-  BertModel<float> mf(c, bef, 16, 2, 16);
+  ops::CpuBackend<ops::CpuF32> bef(2);
+  BertModel<ops::CpuF32> mf(c, bef, 16, 2, 16);
   mf.init_params(1);
   EXPECT_NEAR(mf.forward(batch, true, 1, 1).loss, model.forward(batch, true, 1, 1).loss, 1e-4);
 }
 
 TEST(ModelCpu, BertTinyStepIsFast) {
   const BertConfig c = BertConfig::from_file(config_path("bert-tiny.json"));
-  ops::CpuBackend<float> be(0);
+  ops::CpuBackend<ops::CpuF32> be(0);
   std::vector<int> lengths;
   std::vector<uint64_t> ids;
   std::mt19937_64 rng(0);
@@ -582,7 +583,7 @@ TEST(ModelCpu, BertTinyStepIsFast) {
     ids.push_back(1000 + s);
   }
   const HostBatch batch = make_batch(lengths, ids, c.vocab_size, 1, 0.15);
-  BertModel<float> model(c, be, batch.num_tokens(), 32, batch.num_masked());
+  BertModel<ops::CpuF32> model(c, be, batch.num_tokens(), 32, batch.num_masked());
   model.init_params(0);
   model.zero_grad();
   double best = 1e9;

@@ -100,7 +100,7 @@ TEST(OpsCpu, GemmMatchesNaiveLoop) {
 }
 
 TEST(OpsCpu, EmbedLayernormDropoutGradient) {
-  CpuBackend<double> be(2);
+  CpuBackend<CpuF64> be(2);
   Seqs s;
   std::mt19937_64 rng(2);
   const int32_t V = 11, P = 12, TV = 2;
@@ -153,7 +153,7 @@ TEST(OpsCpu, EmbedLayernormDropoutGradient) {
 }
 
 TEST(OpsCpu, DenseGradientWithAndWithoutGelu) {
-  CpuBackend<double> be(2);
+  CpuBackend<CpuF64> be(2);
   std::mt19937_64 rng(3);
   const int64_t rows = 15;
   const int32_t k = 8, n = 6;
@@ -181,7 +181,7 @@ TEST(OpsCpu, DenseGradientWithAndWithoutGelu) {
 }
 
 TEST(OpsCpu, AttentionVarlenGradientWithDropout) {
-  CpuBackend<double> be(2);
+  CpuBackend<CpuF64> be(2);
   Seqs s;
   std::mt19937_64 rng(4);
   Vec qkv = random_vec(kT * 3 * kH, rng), R = random_vec(kT * kH, rng);
@@ -202,7 +202,7 @@ TEST(OpsCpu, AttentionVarlenGradientWithDropout) {
 
 TEST(OpsCpu, AttentionSequencesOnlySeeThemselves) {
   // The batch result equals running each sequence alone (same sample id, so the same dropout mask).
-  CpuBackend<double> be(2);
+  CpuBackend<CpuF64> be(2);
   Seqs s;
   std::mt19937_64 rng(5);
   Vec qkv = random_vec(kT * 3 * kH, rng);
@@ -221,7 +221,7 @@ TEST(OpsCpu, AttentionSequencesOnlySeeThemselves) {
 }
 
 TEST(OpsCpu, BiasDropoutResidualLayernormGradient) {
-  CpuBackend<double> be(2);
+  CpuBackend<CpuF64> be(2);
   Seqs s;
   std::mt19937_64 rng(6);
   Vec x = random_vec(kT * kH, rng), bias = random_vec(kH, rng), res = random_vec(kT * kH, rng);
@@ -248,7 +248,7 @@ TEST(OpsCpu, BiasDropoutResidualLayernormGradient) {
 }
 
 TEST(OpsCpu, MlmHeadLossGradient) {
-  CpuBackend<double> be(2);
+  CpuBackend<CpuF64> be(2);
   std::mt19937_64 rng(7);
   const int32_t V = 11, M = 4;
   std::vector<int32_t> positions{3, 0, 14, 3}, labels{2, 10, 0, 7};  // a repeated row: its gradients add up
@@ -262,8 +262,8 @@ TEST(OpsCpu, MlmHeadLossGradient) {
     return w;
   };
   auto saved = [&] {
-    return MlmHeadSaved<double>{gathered.data(), pre.data(), act.data(), mean.data(), rstd.data(), ln_out.data(),
-                                probs.data()};
+    return MlmHeadSaved<double, double>{gathered.data(), pre.data(), act.data(), mean.data(),
+                                        rstd.data(), ln_out.data(), probs.data()};
   };
   int32_t correct = -1;
   auto loss = [&] {
@@ -299,14 +299,15 @@ TEST(OpsCpu, MlmHeadLossGradient) {
 
 TEST(OpsCpu, MlmHeadCountsCorrectPredictions) {
   // Make the decoder predict token (row index + 1) by construction: bias dominates.
-  CpuBackend<float> be(1);
+  CpuBackend<CpuF32> be(1);
   const int32_t H = 4, V = 6, M = 3;
   std::vector<float> hidden(5 * H, 0.1f), Wt(H * H, 0), bt(H, 0), gamma(H, 1), beta(H, 0), word(V * H, 0), ob(V, 0);
   ob[4] = 10;  // every row predicts 4
   std::vector<int32_t> positions{0, 2, 4}, labels{4, 1, 4};
   std::vector<float> gathered(M * H), pre(M * H), act(M * H), mean(M), rstd(M), ln_out(M * H), probs(M * V);
   MlmHeadWeights<float> w{Wt.data(), bt.data(), gamma.data(), beta.data(), word.data(), ob.data(), H, V, 1e-12};
-  MlmHeadSaved<float> s{gathered.data(), pre.data(), act.data(), mean.data(), rstd.data(), ln_out.data(), probs.data()};
+  MlmHeadSaved<float, float> s{gathered.data(), pre.data(), act.data(), mean.data(),
+                               rstd.data(), ln_out.data(), probs.data()};
   float loss = 0;
   int32_t correct = 0;
   be.mlm_head_loss_forward(hidden.data(), positions.data(), labels.data(), M, w, s, &loss, &correct);
@@ -316,7 +317,7 @@ TEST(OpsCpu, MlmHeadCountsCorrectPredictions) {
 }
 
 TEST(OpsCpu, NspHeadLossGradient) {
-  CpuBackend<double> be(2);
+  CpuBackend<CpuF64> be(2);
   Seqs s;
   std::mt19937_64 rng(8);
   std::vector<int32_t> labels{1, 0, 1};
@@ -345,7 +346,7 @@ TEST(OpsCpu, NspHeadLossGradient) {
 }
 
 TEST(OpsCpu, ResidualLayernormWithoutDropoutAndMaskRate) {
-  CpuBackend<float> be(2);
+  CpuBackend<CpuF32> be(2);
   const int32_t T = 512, H = 64;
   std::vector<int32_t> cu{0, 200, 512};
   std::vector<uint64_t> ids{3, 4};

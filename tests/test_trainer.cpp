@@ -110,9 +110,9 @@ TEST(Trainer, LossFallsAndEvalAccuracyRises) {
   // Observed: 0.069, 0.069, 0.053 (the model has learnt the frequent tokens); an untrained model scores ~1/30522.
   for (const EvalResult& e : s.evals) EXPECT_GT(e.mlm_accuracy, 0.04);
   {
-    ops::CpuBackend<float> backend(2);
+    ops::CpuBackend<ops::CpuF32> backend(2);
     const Dataset eval_data(data().eval);
-    BertModel<float> untrained(BertConfig::from_file(model.string()), backend, 16 * 128, 16, 16 * 20);
+    BertModel<ops::CpuF32> untrained(BertConfig::from_file(model.string()), backend, 16 * 128, 16, 16 * 20);
     untrained.init_params(12345);
     const EvalResult e0 = evaluate(untrained, eval_data, 128, 16);
     EXPECT_LT(e0.mlm_accuracy, 0.01);

@@ -44,9 +44,10 @@ void run(const EvalArgs& a) {
               "checkpoint max_position_embeddings ", config.max_position_embeddings,
               " is smaller than the longest sequence of ", a.data, " (", data.max_seq_length(), ")");
   const uint32_t max_masked = nopad::max_masked_per_sample(data);
-  nopad::ops::CpuBackend<float> backend(a.threads);
-  nopad::BertModel<float> model(config, backend, a.batch * static_cast<int32_t>(data.max_seq_length()), a.batch,
-                                a.batch * static_cast<int32_t>(max_masked));
+  nopad::ops::CpuBackend<nopad::ops::CpuF32> backend(a.threads);
+  nopad::BertModel<nopad::ops::CpuF32> model(config, backend,
+                                             a.batch * static_cast<int32_t>(data.max_seq_length()), a.batch,
+                                             a.batch * static_cast<int32_t>(max_masked));
   model.set_params(params.data());
   const nopad::EvalResult r = nopad::evaluate(model, data, a.max_samples, a.batch);
   const nlohmann::json j = {{"mlm_accuracy", r.mlm_accuracy}, {"nsp_accuracy", r.nsp_accuracy},

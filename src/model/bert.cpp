@@ -2,21 +2,22 @@
 #include "model/bert.h"
 
 #include <algorithm>
+#include <vector>
 
 #include "core/error.h"
 
 namespace nopad {
 
-template <class S>
+template <class P>
 template <class U>
-U* BertModel<S>::alloc(size_t count) {
+U* BertModel<P>::alloc(size_t count) {
   void* p = backend_.allocate_bytes(std::max<size_t>(count, 1) * sizeof(U));
   allocations_.push_back(p);
   return static_cast<U*>(p);
 }
 
-template <class S>
-BertModel<S>::BertModel(const BertConfig& config, ops::Backend<S>& backend, int32_t max_tokens, int32_t max_seqs,
+template <class P>
+BertModel<P>::BertModel(const BertConfig& config, ops::Backend<P>& backend, int32_t max_tokens, int32_t max_seqs,
                         int32_t max_masked)
     : config_(config), backend_(backend), layout_(config), max_tokens_(max_tokens), max_seqs_(max_seqs),
       max_masked_(max_masked) {
@@ -27,10 +28,10 @@ BertModel<S>::BertModel(const BertConfig& config, ops::Backend<S>& backend, int3
                M = static_cast<size_t>(max_masked), H = static_cast<size_t>(config.hidden_size),
                I = static_cast<size_t>(config.intermediate_size), V = static_cast<size_t>(config.vocab_size),
                NH = static_cast<size_t>(config.num_attention_heads);
-  params_ = alloc<S>(layout_.total_numel());
-  grads_ = alloc<S>(layout_.total_numel());
-  backend_.zero(params_, layout_.total_numel());
-  backend_.zero(grads_, layout_.total_numel());
+  params_ = alloc<W>(layout_.total_numel());
+  grads_ = alloc<G>(layout_.total_numel());
+  backend_.zero_bytes(params_, layout_.total_numel() * sizeof(W));
+  backend_.zero_bytes(grads_, layout_.total_numel() * sizeof(G));
 
   for (int32_t l = 0; l < config.num_hidden_layers; ++l) {
     const std::string p = "bert.encoder.layer." + std::to_string(l) + ".";
@@ -63,19 +64,19 @@ BertModel<S>::BertModel(const BertConfig& config, ops::Backend<S>& backend, int3
     L.b_out = params_ + L.off_b_out;
     L.ln2_gamma = params_ + L.off_ln2_gamma;
     L.ln2_beta = params_ + L.off_ln2_beta;
-    L.qkv = alloc<S>(T * 3 * H);
-    L.ctx = alloc<S>(T * H);
-    L.lse = alloc<S>(NH * T);
-    L.attn_dense = alloc<S>(T * H);
-    L.out1 = alloc<S>(T * H);
-    L.ln1_mean = alloc<S>(T);
-    L.ln1_rstd = alloc<S>(T);
-    L.inter_pre = alloc<S>(T * I);
-    L.inter_act = alloc<S>(T * I);
-    L.ffn_dense = alloc<S>(T * H);
-    L.out2 = alloc<S>(T * H);
-    L.ln2_mean = alloc<S>(T);
-    L.ln2_rstd = alloc<S>(T);
+    L.qkv = alloc<A>(T * 3 * H);
+    L.ctx = alloc<A>(T * H);
+    L.lse = alloc<St>(NH * T);
+    L.attn_dense = alloc<A>(T * H);
+    L.out1 = alloc<A>(T * H);
+    L.ln1_mean = alloc<St>(T);
+    L.ln1_rstd = alloc<St>(T);
+    L.inter_pre = alloc<A>(T * I);
+    L.inter_act = alloc<A>(T * I);
+    L.ffn_dense = alloc<A>(T * H);
+    L.out2 = alloc<A>(T * H);
+    L.ln2_mean = alloc<St>(T);
+    L.ln2_rstd = alloc<St>(T);
     layers_.push_back(L);
   }
   tokens_ = alloc<int32_t>(T);
@@ -86,59 +87,84 @@ BertModel<S>::BertModel(const BertConfig& config, ops::Backend<S>& backend, int3
   mlm_labels_ = alloc<int32_t>(M);
   nsp_labels_ = alloc<int32_t>(B);
   sample_ids_ = alloc<uint64_t>(B);
-  emb_out_ = alloc<S>(T * H);
-  emb_mean_ = alloc<S>(T);
-  emb_rstd_ = alloc<S>(T);
-  mlm_saved_.gathered = alloc<S>(M * H);
-  mlm_saved_.transform_pre = alloc<S>(M * H);
-  mlm_saved_.transform_act = alloc<S>(M * H);
-  mlm_saved_.ln_mean = alloc<S>(M);
-  mlm_saved_.ln_rstd = alloc<S>(M);
-  mlm_saved_.ln_out = alloc<S>(M * H);
-  mlm_saved_.probs = alloc<S>(M * V);
-  nsp_saved_.cls = alloc<S>(B * H);
-  nsp_saved_.pooled = alloc<S>(B * H);
-  nsp_saved_.probs = alloc<S>(B * 2);
-  loss_sums_ = alloc<S>(2);
+  emb_out_ = alloc<A>(T * H);
+  emb_mean_ = alloc<St>(T);
+  emb_rstd_ = alloc<St>(T);
+  mlm_saved_.gathered = alloc<A>(M * H);
+  mlm_saved_.transform_pre = alloc<A>(M * H);
+  mlm_saved_.transform_act = alloc<A>(M * H);
+  mlm_saved_.ln_mean = alloc<St>(M);
+  mlm_saved_.ln_rstd = alloc<St>(M);
+  mlm_saved_.ln_out = alloc<A>(M * H);
+  mlm_saved_.probs = alloc<A>(M * V);
+  nsp_saved_.cls = alloc<A>(B * H);
+  nsp_saved_.pooled = alloc<A>(B * H);
+  nsp_saved_.probs = alloc<A>(B * 2);
+  loss_sums_ = alloc<St>(2);
   correct_ = alloc<int32_t>(2);
-  d_hidden_ = alloc<S>(T * H);
-  d_hidden2_ = alloc<S>(T * H);
-  d_tmp_ = alloc<S>(T * H);
-  d_ctx_ = alloc<S>(T * H);
-  d_qkv_ = alloc<S>(T * 3 * H);
-  d_inter_ = alloc<S>(T * I);
+  d_hidden_ = alloc<A>(T * H);
+  d_hidden2_ = alloc<A>(T * H);
+  d_tmp_ = alloc<A>(T * H);
+  d_ctx_ = alloc<A>(T * H);
+  d_qkv_ = alloc<A>(T * 3 * H);
+  d_inter_ = alloc<A>(T * I);
 }
 
-template <class S>
-BertModel<S>::~BertModel() {
+template <class P>
+BertModel<P>::~BertModel() {
   for (void* p : allocations_) backend_.free_bytes(p);
 }
 
-template <class S>
-void BertModel<S>::init_params(uint64_t seed) {
-  std::vector<S> host(layout_.total_numel());
+template <class P>
+template <class T>
+void BertModel<P>::upload_converted(T* dst, const HostScalar* host) const {
+  const size_t n = layout_.total_numel();
+  if constexpr (std::is_same_v<T, HostScalar>) {
+    backend_.upload_bytes(dst, host, n * sizeof(T));
+  } else {
+    std::vector<T> tmp(n);
+    for (size_t i = 0; i < n; ++i) tmp[i] = convert<T>(host[i]);
+    backend_.upload_bytes(dst, tmp.data(), n * sizeof(T));
+  }
+}
+template <class P>
+template <class T>
+void BertModel<P>::download_converted(HostScalar* host, const T* src) const {
+  const size_t n = layout_.total_numel();
+  if constexpr (std::is_same_v<T, HostScalar>) {
+    backend_.download_bytes(host, src, n * sizeof(T));
+  } else {
+    std::vector<T> tmp(n);
+    backend_.download_bytes(tmp.data(), src, n * sizeof(T));
+    for (size_t i = 0; i < n; ++i) host[i] = convert<HostScalar>(tmp[i]);
+  }
+}
+
+template <class P>
+void BertModel<P>::init_params(uint64_t seed) {
+  std::vector<HostScalar> host(layout_.total_numel());
   initialize_params(layout_, config_, seed, host.data());
   set_params(host.data());
 }
-template <class S>
-void BertModel<S>::set_params(const S* host_params) {
-  backend_.upload_bytes(params_, host_params, layout_.total_numel() * sizeof(S));
+template <class P>
+void BertModel<P>::set_params(const HostScalar* host_params) {
+  upload_converted(params_, host_params);
 }
-template <class S>
-void BertModel<S>::get_params(S* host_params) const {
-  backend_.download_bytes(host_params, params_, layout_.total_numel() * sizeof(S));
+template <class P>
+void BertModel<P>::get_params(HostScalar* host_params) const {
+  download_converted(host_params, params_);
 }
-template <class S>
-void BertModel<S>::get_grads(S* host_grads) const {
-  backend_.download_bytes(host_grads, grads_, layout_.total_numel() * sizeof(S));
+template <class P>
+void BertModel<P>::get_grads(HostScalar* host_grads) const {
+  download_converted(host_grads, grads_);
 }
-template <class S>
-void BertModel<S>::zero_grad() {
-  backend_.zero(grads_, layout_.total_numel());
+template <class P>
+void BertModel<P>::zero_grad() {
+  backend_.zero_bytes(grads_, layout_.total_numel() * sizeof(G));
 }
 
-template <class S>
-ops::Dropout BertModel<S>::dropout(float p, uint32_t op_id) const {
+template <class P>
+ops::Dropout BertModel<P>::dropout(float p, uint32_t op_id) const {
   ops::Dropout d;
   d.p = train_ ? p : 0.0f;
   d.seed = seed_;
@@ -147,9 +173,9 @@ ops::Dropout BertModel<S>::dropout(float p, uint32_t op_id) const {
   return d;
 }
 
-template <class S>
-ops::EmbeddingWeights<S> BertModel<S>::embedding_weights() {
-  ops::EmbeddingWeights<S> w;
+template <class P>
+auto BertModel<P>::embedding_weights() -> ops::EmbeddingWeights<W> {
+  ops::EmbeddingWeights<W> w;
   w.word = param("bert.embeddings.word_embeddings.weight");
   w.position = param("bert.embeddings.position_embeddings.weight");
   w.token_type = param("bert.embeddings.token_type_embeddings.weight");
@@ -162,9 +188,9 @@ ops::EmbeddingWeights<S> BertModel<S>::embedding_weights() {
   w.ln_eps = config_.layer_norm_eps;
   return w;
 }
-template <class S>
-ops::MlmHeadWeights<S> BertModel<S>::mlm_weights() {
-  ops::MlmHeadWeights<S> w;
+template <class P>
+auto BertModel<P>::mlm_weights() -> ops::MlmHeadWeights<W> {
+  ops::MlmHeadWeights<W> w;
   w.transform_weight = param("cls.predictions.transform.dense.weight");
   w.transform_bias = param("cls.predictions.transform.dense.bias");
   w.ln_gamma = param("cls.predictions.transform.LayerNorm.weight");
@@ -176,9 +202,9 @@ ops::MlmHeadWeights<S> BertModel<S>::mlm_weights() {
   w.ln_eps = config_.layer_norm_eps;
   return w;
 }
-template <class S>
-ops::NspHeadWeights<S> BertModel<S>::nsp_weights() {
-  ops::NspHeadWeights<S> w;
+template <class P>
+auto BertModel<P>::nsp_weights() -> ops::NspHeadWeights<W> {
+  ops::NspHeadWeights<W> w;
   w.pooler_weight = param("bert.pooler.dense.weight");
   w.pooler_bias = param("bert.pooler.dense.bias");
   w.classifier_weight = param("cls.seq_relationship.weight");
@@ -187,8 +213,8 @@ ops::NspHeadWeights<S> BertModel<S>::nsp_weights() {
   return w;
 }
 
-template <class S>
-StepResult BertModel<S>::forward(const HostBatch& batch, bool train, uint64_t seed, uint64_t step,
+template <class P>
+StepResult BertModel<P>::forward(const HostBatch& batch, bool train, uint64_t seed, uint64_t step,
                                  LossDenominators denoms) {
   const int32_t T = batch.num_tokens(), B = batch.num_seqs(), M = batch.num_masked();
   NOPAD_CHECK(T <= max_tokens_ && B <= max_seqs_ && M <= max_masked_, "batch (", T, " tokens, ", B, " sequences, ",
@@ -227,7 +253,7 @@ StepResult BertModel<S>::forward(const HostBatch& batch, bool train, uint64_t se
 
   backend_.embed_layernorm_dropout_forward(tokens_, positions_, segments_, seqs_, embedding_weights(),
                                            dropout(p_hidden, kOpIdEmbeddingDropout), emb_out_, emb_mean_, emb_rstd_);
-  const S* h = emb_out_;
+  const A* h = emb_out_;
   for (int32_t l = 0; l < config_.num_hidden_layers; ++l) {
     Layer& L = layers_[l];
     backend_.dense_forward(h, L.w_qkv, L.b_qkv, T, H, 3 * H, ops::Activation::kNone, L.qkv, nullptr);
@@ -248,11 +274,11 @@ StepResult BertModel<S>::forward(const HostBatch& batch, bool train, uint64_t se
     backend_.mlm_head_loss_forward(h, mlm_positions_, mlm_labels_, M, mlm_weights(), mlm_saved_, loss_sums_,
                                    correct_);
   } else {
-    backend_.zero(loss_sums_, 1);
+    backend_.zero_bytes(loss_sums_, sizeof(St));
   }
   backend_.nsp_head_loss_forward(h, seqs_, nsp_labels_, nsp_weights(), nsp_saved_, loss_sums_ + 1, correct_ + 1);
 
-  S sums[2];
+  St sums[2];
   int32_t correct[2] = {0, 0};
   backend_.download_bytes(sums, loss_sums_, sizeof(sums));
   backend_.download_bytes(correct, correct_, sizeof(correct));
@@ -269,20 +295,20 @@ StepResult BertModel<S>::forward(const HostBatch& batch, bool train, uint64_t se
   return r;
 }
 
-template <class S>
-void BertModel<S>::backward(double loss_scale) {
+template <class P>
+void BertModel<P>::backward(double loss_scale) {
   NOPAD_CHECK(have_forward_, "BertModel::backward needs a forward first (and runs once per forward)");
   have_forward_ = false;
   const int32_t T = seqs_.num_tokens, H = config_.hidden_size, I = config_.intermediate_size,
                 NH = config_.num_attention_heads;
   const float p_hidden = static_cast<float>(config_.hidden_dropout_prob);
   const float p_attn = static_cast<float>(config_.attention_probs_dropout_prob);
-  S* g = grads_;
+  G* g = grads_;
 
   // Both heads scatter-add into d_hidden (the last layer's output gradient).
-  backend_.zero(d_hidden_, static_cast<size_t>(T) * H);
+  backend_.zero_bytes(d_hidden_, static_cast<size_t>(T) * H * sizeof(A));
   if (num_masked_ > 0) {
-    ops::MlmHeadGrads<S> mg;
+    ops::MlmHeadGrads<G> mg;
     mg.d_transform_weight = grad("cls.predictions.transform.dense.weight");
     mg.d_transform_bias = grad("cls.predictions.transform.dense.bias");
     mg.d_ln_gamma = grad("cls.predictions.transform.LayerNorm.weight");
@@ -292,7 +318,7 @@ void BertModel<S>::backward(double loss_scale) {
     backend_.mlm_head_loss_backward(loss_scale / mlm_denom_, mlm_positions_, mlm_labels_, num_masked_, mlm_weights(),
                                     mlm_saved_, mg, d_hidden_);
   }
-  ops::NspHeadGrads<S> ng;
+  ops::NspHeadGrads<G> ng;
   ng.d_pooler_weight = grad("bert.pooler.dense.weight");
   ng.d_pooler_bias = grad("bert.pooler.dense.bias");
   ng.d_classifier_weight = grad("cls.seq_relationship.weight");
@@ -302,7 +328,7 @@ void BertModel<S>::backward(double loss_scale) {
 
   for (int32_t l = config_.num_hidden_layers - 1; l >= 0; --l) {
     Layer& L = layers_[l];
-    const S* h_in = l == 0 ? emb_out_ : layers_[l - 1].out2;
+    const A* h_in = l == 0 ? emb_out_ : layers_[l - 1].out2;
     // d_hidden_ = d(out2). Output block: d_tmp = d(ffn_dense), d_hidden2_ = d(out1) (residual path).
     backend_.bias_dropout_residual_layernorm_backward(d_hidden_, L.ffn_dense, L.b_out, L.out1, L.ln2_gamma,
                                                       L.ln2_mean, L.ln2_rstd, seqs_, H,
@@ -325,7 +351,7 @@ void BertModel<S>::backward(double loss_scale) {
     backend_.dense_backward(d_qkv_, h_in, L.w_qkv, nullptr, T, H, 3 * H, ops::Activation::kNone, d_hidden_,
                             /*accumulate_dx=*/true, g + L.off_w_qkv, g + L.off_b_qkv);
   }
-  ops::EmbeddingGrads<S> eg;
+  ops::EmbeddingGrads<G> eg;
   eg.d_word = grad("bert.embeddings.word_embeddings.weight");
   eg.d_position = grad("bert.embeddings.position_embeddings.weight");
   eg.d_token_type = grad("bert.embeddings.token_type_embeddings.weight");
@@ -335,7 +361,7 @@ void BertModel<S>::backward(double loss_scale) {
                                             dropout(p_hidden, kOpIdEmbeddingDropout), emb_mean_, emb_rstd_, eg);
 }
 
-template class BertModel<float>;
-template class BertModel<double>;
+template class BertModel<ops::CpuF32>;
+template class BertModel<ops::CpuF64>;
 
 }  // namespace nopad

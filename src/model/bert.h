@@ -7,12 +7,27 @@
 // M and B (mean MLM + mean NSP, as BERT's reference). Pass global denominators when a global batch is split across
 // micro-batches or ranks, so the summed gradients equal the full batch's.
 //
-// Memory: parameters, gradients (same layout, ParamLayout) and all activations for the largest batch
-// (max_tokens, max_seqs, max_masked) are allocated once, in backend memory, by the constructor; a step allocates
-// nothing. backward() ACCUMULATES into grads() (call zero_grad() to start a new accumulation).
+// Precision: BertModel<P> takes an ops::Precision policy (ops/ops.h). Parameters are P::Weight (params()),
+// parameter gradients P::Grad (grads()), activations and their gradients P::Act, LayerNorm mean/rstd, attention
+// log-sum-exp and loss sums P::Stat. On the CPU (CpuF32, CpuF64) all four are one type. On the GPU (GpuBf16) the
+// ops read bf16 weights and activations for tensor-core GEMMs, gradients accumulate in fp32 across micro-batches so
+// small updates are not lost, and statistics stay fp32; params() is then the bf16 copy the ops read, and the
+// optimiser owns the fp32 master weights and refreshes that copy after each step.
+//
+// Host arrays (set_params, get_params, get_grads, init_params' values) are HostScalar: float where the policy's
+// weights are 16-bit (converted on upload/download), the policy's own Weight type otherwise.
+//
+// Memory: parameters and gradients (separate allocations of their own types, both in ParamLayout order) and all
+// activations for the largest batch (max_tokens, max_seqs, max_masked) are allocated once, in backend memory, by the
+// constructor; a step allocates nothing. backward() ACCUMULATES into grads() (call zero_grad() to start a new
+// accumulation).
 #pragma once
 #include <cstdint>
+#include <string>
+#include <type_traits>
 #include <vector>
+
+#include "core/dtype.h"
 
 #include "data/batch.h"
 #include "model/config.h"
@@ -40,10 +55,16 @@ struct LossDenominators {
   double nsp = 0;  // <= 0: this batch's number of sequences
 };
 
-template <class S>
+template <class P>
 class BertModel {
  public:
-  BertModel(const BertConfig& config, ops::Backend<S>& backend, int32_t max_tokens, int32_t max_seqs,
+  using A = typename P::Act;
+  using W = typename P::Weight;
+  using G = typename P::Grad;
+  using St = typename P::Stat;
+  using HostScalar = std::conditional_t<std::is_same_v<W, bf16> || std::is_same_v<W, f16>, float, W>;
+
+  BertModel(const BertConfig& config, ops::Backend<P>& backend, int32_t max_tokens, int32_t max_seqs,
             int32_t max_masked);
   ~BertModel();
   BertModel(const BertModel&) = delete;
@@ -52,13 +73,13 @@ class BertModel {
   const BertConfig& config() const { return config_; }
   const ParamLayout& layout() const { return layout_; }
   size_t num_params() const { return layout_.total_numel(); }
-  S* params() { return params_; }  // backend memory [num_params()]
-  S* grads() { return grads_; }    // backend memory [num_params()], same layout
+  W* params() { return params_; }  // backend memory [num_params()]
+  G* grads() { return grads_; }    // backend memory [num_params()], same layout
 
-  void init_params(uint64_t seed);           // BERT initialisation (params.h), uploaded
-  void set_params(const S* host_params);     // copy [num_params()] host values in
-  void get_params(S* host_params) const;     // copy out
-  void get_grads(S* host_grads) const;
+  void init_params(uint64_t seed);                  // BERT initialisation (params.h), uploaded
+  void set_params(const HostScalar* host_params);   // copy [num_params()] host values in
+  void get_params(HostScalar* host_params) const;   // copy out
+  void get_grads(HostScalar* host_grads) const;
   void zero_grad();
 
   // Runs the whole network on one batch. train = false turns dropout off (p = 0). Keeps what backward needs.
@@ -68,40 +89,47 @@ class BertModel {
 
  private:
   struct Layer {  // parameter pointers (backend memory) and saved activations of one encoder layer
-    S *w_qkv, *b_qkv, *w_attn_out, *b_attn_out, *ln1_gamma, *ln1_beta;
-    S *w_inter, *b_inter, *w_out, *b_out, *ln2_gamma, *ln2_beta;
+    W *w_qkv, *b_qkv, *w_attn_out, *b_attn_out, *ln1_gamma, *ln1_beta;
+    W *w_inter, *b_inter, *w_out, *b_out, *ln2_gamma, *ln2_beta;
     size_t off_w_qkv, off_b_qkv, off_w_attn_out, off_b_attn_out, off_ln1_gamma, off_ln1_beta;
     size_t off_w_inter, off_b_inter, off_w_out, off_b_out, off_ln2_gamma, off_ln2_beta;
-    S *qkv, *ctx, *lse, *attn_dense, *out1, *ln1_mean, *ln1_rstd;
-    S *inter_pre, *inter_act, *ffn_dense, *out2, *ln2_mean, *ln2_rstd;
+    A *qkv, *ctx, *attn_dense, *out1, *inter_pre, *inter_act, *ffn_dense, *out2;
+    St *lse, *ln1_mean, *ln1_rstd, *ln2_mean, *ln2_rstd;
   };
   template <class U>
   U* alloc(size_t count);
-  S* param(const std::string& name) { return params_ + layout_.offset(name); }
-  S* grad(const std::string& name) { return grads_ + layout_.offset(name); }
+  // Host <-> backend copies of a [num_params()] array, converting element types where they differ.
+  template <class T>
+  void upload_converted(T* dst, const HostScalar* host) const;
+  template <class T>
+  void download_converted(HostScalar* host, const T* src) const;
+  W* param(const std::string& name) { return params_ + layout_.offset(name); }
+  G* grad(const std::string& name) { return grads_ + layout_.offset(name); }
   ops::Dropout dropout(float p, uint32_t op_id) const;
-  ops::EmbeddingWeights<S> embedding_weights();
-  ops::MlmHeadWeights<S> mlm_weights();
-  ops::NspHeadWeights<S> nsp_weights();
+  ops::EmbeddingWeights<W> embedding_weights();
+  ops::MlmHeadWeights<W> mlm_weights();
+  ops::NspHeadWeights<W> nsp_weights();
 
   BertConfig config_;
-  ops::Backend<S>& backend_;
+  ops::Backend<P>& backend_;
   ParamLayout layout_;
   int32_t max_tokens_, max_seqs_, max_masked_;
   std::vector<void*> allocations_;
-  S *params_ = nullptr, *grads_ = nullptr;
+  W* params_ = nullptr;
+  G* grads_ = nullptr;
   std::vector<Layer> layers_;
   // batch copies in backend memory
   int32_t *tokens_, *positions_, *segments_, *cu_seqlens_, *mlm_positions_, *mlm_labels_, *nsp_labels_;
   uint64_t* sample_ids_;
   // embedding and head activations
-  S *emb_out_, *emb_mean_, *emb_rstd_;
-  ops::MlmHeadSaved<S> mlm_saved_;
-  ops::NspHeadSaved<S> nsp_saved_;
-  S* loss_sums_;        // [2]: MLM, NSP
+  A* emb_out_;
+  St *emb_mean_, *emb_rstd_;
+  ops::MlmHeadSaved<A, St> mlm_saved_;
+  ops::NspHeadSaved<A> nsp_saved_;
+  St* loss_sums_;       // [2]: MLM, NSP
   int32_t* correct_;    // [2]
   // gradient work buffers
-  S *d_hidden_, *d_hidden2_, *d_tmp_, *d_ctx_, *d_qkv_, *d_inter_;
+  A *d_hidden_, *d_hidden2_, *d_tmp_, *d_ctx_, *d_qkv_, *d_inter_;
   // state of the last forward
   ops::SeqView seqs_{};
   int32_t num_masked_ = 0;
@@ -110,7 +138,7 @@ class BertModel {
   double mlm_denom_ = 1, nsp_denom_ = 1;
 };
 
-extern template class BertModel<float>;
-extern template class BertModel<double>;
+extern template class BertModel<ops::CpuF32>;
+extern template class BertModel<ops::CpuF64>;
 
 }  // namespace nopad

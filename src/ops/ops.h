@@ -1,5 +1,6 @@
-// The fused-op interface the BERT model is written against (docs/ops.md). One abstract Backend per scalar type:
-// the CPU reference (ops/cpu, float for training, double for gradient checks) and, later, the CUDA backend implement it.
+// The fused-op interface the BERT model is written against (docs/ops.md). One abstract Backend per precision
+// policy (below): the CPU reference (ops/cpu: CpuF32 for training, CpuF64 for gradient checks) and the CUDA backend
+// (ops/cuda: GpuBf16, bf16 activations and weight copies with fp32 gradients and statistics) implement it.
 //
 // Contracts common to every op:
 //  - All pointers are backend memory (host memory on the CPU, device memory on the GPU); shapes and element counts
@@ -18,7 +19,25 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "core/dtype.h"
+
 namespace nopad::ops {
+
+// The element types of one backend:
+//   Act    activations, saved activations and activation gradients
+//   Weight the weights the ops read (on the GPU a bf16 copy of the fp32 master weights the optimiser owns)
+//   Grad   parameter gradients (accumulated across micro-batches)
+//   Stat   LayerNorm mean/rstd, attention log-sum-exp, loss sums
+template <class A, class W, class G, class St>
+struct Precision {
+  using Act = A;
+  using Weight = W;
+  using Grad = G;
+  using Stat = St;
+};
+using CpuF32 = Precision<float, float, float, float>;
+using CpuF64 = Precision<double, double, double, double>;
+using GpuBf16 = Precision<bf16, bf16, float, float>;
 
 // Which rows belong to which sequence. Sequence b is rows [cu_seqlens[b], cu_seqlens[b+1]).
 struct SeqView {
@@ -39,84 +58,88 @@ struct Dropout {
 
 enum class Activation { kNone, kGelu };  // kGelu: exact erf GELU, 0.5 x (1 + erf(x / sqrt 2))
 
-template <class S>
+template <class W>
 struct EmbeddingWeights {
-  const S* word = nullptr;        // [vocab_size, H]
-  const S* position = nullptr;    // [max_positions, H]
-  const S* token_type = nullptr;  // [type_vocab_size, H]
-  const S* ln_gamma = nullptr;    // [H]
-  const S* ln_beta = nullptr;     // [H]
+  const W* word = nullptr;        // [vocab_size, H]
+  const W* position = nullptr;    // [max_positions, H]
+  const W* token_type = nullptr;  // [type_vocab_size, H]
+  const W* ln_gamma = nullptr;    // [H]
+  const W* ln_beta = nullptr;     // [H]
   int32_t vocab_size = 0, max_positions = 0, type_vocab_size = 0, hidden = 0;
   double ln_eps = 1e-12;
 };
-template <class S>
+template <class G>
 struct EmbeddingGrads {  // all accumulated (+=)
-  S* d_word = nullptr;
-  S* d_position = nullptr;
-  S* d_token_type = nullptr;
-  S* d_ln_gamma = nullptr;
-  S* d_ln_beta = nullptr;
+  G* d_word = nullptr;
+  G* d_position = nullptr;
+  G* d_token_type = nullptr;
+  G* d_ln_gamma = nullptr;
+  G* d_ln_beta = nullptr;
 };
 
 // MLM head: gather masked rows -> dense H->H + GELU -> LayerNorm -> decoder (tied word embeddings) + bias.
-template <class S>
+template <class W>
 struct MlmHeadWeights {
-  const S* transform_weight = nullptr;  // [H, H]
-  const S* transform_bias = nullptr;    // [H]
-  const S* ln_gamma = nullptr;          // [H]
-  const S* ln_beta = nullptr;           // [H]
-  const S* word_embeddings = nullptr;   // [V, H], the tied decoder weight
-  const S* output_bias = nullptr;       // [V]
+  const W* transform_weight = nullptr;  // [H, H]
+  const W* transform_bias = nullptr;    // [H]
+  const W* ln_gamma = nullptr;          // [H]
+  const W* ln_beta = nullptr;           // [H]
+  const W* word_embeddings = nullptr;   // [V, H], the tied decoder weight
+  const W* output_bias = nullptr;       // [V]
   int32_t hidden = 0, vocab_size = 0;
   double ln_eps = 1e-12;
 };
-template <class S>
+template <class G>
 struct MlmHeadGrads {  // all accumulated (+=)
-  S* d_transform_weight = nullptr;
-  S* d_transform_bias = nullptr;
-  S* d_ln_gamma = nullptr;
-  S* d_ln_beta = nullptr;
-  S* d_word_embeddings = nullptr;
-  S* d_output_bias = nullptr;
+  G* d_transform_weight = nullptr;
+  G* d_transform_bias = nullptr;
+  G* d_ln_gamma = nullptr;
+  G* d_ln_beta = nullptr;
+  G* d_word_embeddings = nullptr;
+  G* d_output_bias = nullptr;
 };
 // What mlm_head_loss_forward saves for its backward; the caller owns the memory (sizes for M masked rows).
-template <class S>
+template <class A, class St>
 struct MlmHeadSaved {
-  S* gathered = nullptr;       // [M, H] hidden rows at mlm_positions
-  S* transform_pre = nullptr;  // [M, H] dense output before GELU
-  S* transform_act = nullptr;  // [M, H] after GELU
-  S* ln_mean = nullptr;        // [M]
-  S* ln_rstd = nullptr;        // [M]
-  S* ln_out = nullptr;         // [M, H] decoder input
-  S* probs = nullptr;          // [M, V] softmax; backward overwrites it with d_logits
+  A* gathered = nullptr;       // [M, H] hidden rows at mlm_positions
+  A* transform_pre = nullptr;  // [M, H] dense output before GELU
+  A* transform_act = nullptr;  // [M, H] after GELU
+  St* ln_mean = nullptr;       // [M]
+  St* ln_rstd = nullptr;       // [M]
+  A* ln_out = nullptr;         // [M, H] decoder input
+  A* probs = nullptr;          // [M, V] softmax; backward overwrites it with d_logits
 };
 
 // NSP head: CLS rows -> pooler dense H->H + tanh -> classifier H->2.
-template <class S>
+template <class W>
 struct NspHeadWeights {
-  const S* pooler_weight = nullptr;      // [H, H]
-  const S* pooler_bias = nullptr;        // [H]
-  const S* classifier_weight = nullptr;  // [2, H]
-  const S* classifier_bias = nullptr;    // [2]
+  const W* pooler_weight = nullptr;      // [H, H]
+  const W* pooler_bias = nullptr;        // [H]
+  const W* classifier_weight = nullptr;  // [2, H]
+  const W* classifier_bias = nullptr;    // [2]
   int32_t hidden = 0;
 };
-template <class S>
+template <class G>
 struct NspHeadGrads {  // all accumulated (+=)
-  S* d_pooler_weight = nullptr;
-  S* d_pooler_bias = nullptr;
-  S* d_classifier_weight = nullptr;
-  S* d_classifier_bias = nullptr;
+  G* d_pooler_weight = nullptr;
+  G* d_pooler_bias = nullptr;
+  G* d_classifier_weight = nullptr;
+  G* d_classifier_bias = nullptr;
 };
-template <class S>
+template <class A>
 struct NspHeadSaved {
-  S* cls = nullptr;     // [B, H] hidden rows at cu_seqlens[b]
-  S* pooled = nullptr;  // [B, H] tanh output
-  S* probs = nullptr;   // [B, 2] softmax; backward overwrites it with d_logits
+  A* cls = nullptr;     // [B, H] hidden rows at cu_seqlens[b]
+  A* pooled = nullptr;  // [B, H] tanh output
+  A* probs = nullptr;   // [B, 2] softmax; backward overwrites it with d_logits
 };
 
-template <class S>
+template <class P>
 class Backend {
  public:
+  using A = typename P::Act;
+  using W = typename P::Weight;
+  using G = typename P::Grad;
+  using St = typename P::Stat;
   virtual ~Backend() = default;
   virtual const char* name() const = 0;
 
@@ -125,7 +148,7 @@ class Backend {
   virtual void free_bytes(void* ptr) = 0;
   virtual void upload_bytes(void* dst, const void* host_src, size_t bytes) = 0;
   virtual void download_bytes(void* host_dst, const void* src, size_t bytes) = 0;
-  virtual void zero(S* x, size_t count) = 0;
+  virtual void zero_bytes(void* x, size_t bytes) = 0;
   virtual void synchronize() {}
 
   // ---- embeddings ----
@@ -133,69 +156,69 @@ class Backend {
   // Saves ln_mean[T], ln_rstd[T]. Dropout element key: (t - cu_seqlens[b], feature).
   virtual void embed_layernorm_dropout_forward(const int32_t* tokens, const int32_t* positions,
                                                const int32_t* segments, const SeqView& seqs,
-                                               const EmbeddingWeights<S>& w, const Dropout& drop, S* out,
-                                               S* ln_mean, S* ln_rstd) = 0;
+                                               const EmbeddingWeights<W>& w, const Dropout& drop, A* out,
+                                               St* ln_mean, St* ln_rstd) = 0;
   // Scatters (+=) into the three tables and accumulates d_gamma/d_beta.
-  virtual void embed_layernorm_dropout_backward(const S* d_out, const int32_t* tokens, const int32_t* positions,
+  virtual void embed_layernorm_dropout_backward(const A* d_out, const int32_t* tokens, const int32_t* positions,
                                                 const int32_t* segments, const SeqView& seqs,
-                                                const EmbeddingWeights<S>& w, const Dropout& drop,
-                                                const S* ln_mean, const S* ln_rstd, const EmbeddingGrads<S>& g) = 0;
+                                                const EmbeddingWeights<W>& w, const Dropout& drop,
+                                                const St* ln_mean, const St* ln_rstd, const EmbeddingGrads<G>& g) = 0;
 
   // ---- linear layer ----
   // y[rows, n] = act(x[rows, k] W[n, k]^T + bias[n]); bias may be null. With kGelu, pre_act[rows, n] receives the
   // value before the activation (needed by backward); with kNone pre_act is unused (may be null).
-  virtual void dense_forward(const S* x, const S* weight, const S* bias, int64_t rows, int32_t k, int32_t n,
-                             Activation act, S* y, S* pre_act) = 0;
+  virtual void dense_forward(const A* x, const W* weight, const W* bias, int64_t rows, int32_t k, int32_t n,
+                             Activation act, A* y, A* pre_act) = 0;
   // dx[rows, k] = dpre W (written, or added when accumulate_dx: used where x also feeds a residual path);
   // d_weight[n, k] += dpre^T x; d_bias[n] += column sums of dpre, where dpre = dy * act'(pre_act).
   // dx, d_bias may be null (not needed).
-  virtual void dense_backward(const S* dy, const S* x, const S* weight, const S* pre_act, int64_t rows, int32_t k,
-                              int32_t n, Activation act, S* dx, bool accumulate_dx, S* d_weight, S* d_bias) = 0;
+  virtual void dense_backward(const A* dy, const A* x, const W* weight, const A* pre_act, int64_t rows, int32_t k,
+                              int32_t n, Activation act, A* dx, bool accumulate_dx, G* d_weight, G* d_bias) = 0;
 
   // ---- attention ----
   // Variable-length multi-head self-attention: each sequence attends only to its own rows. scale = 1/sqrt(head_dim).
   // ctx[T, H] (head-major columns), lse[num_heads, T] = log-sum-exp of the scaled scores of each query row.
   // Dropout on the probabilities, element key (head, query pos, key pos) within the sequence.
-  virtual void attention_forward(const S* qkv, const SeqView& seqs, int32_t num_heads, int32_t head_dim,
-                                 const Dropout& drop, S* ctx, S* lse) = 0;
+  virtual void attention_forward(const A* qkv, const SeqView& seqs, int32_t num_heads, int32_t head_dim,
+                                 const Dropout& drop, A* ctx, St* lse) = 0;
   // Writes d_qkv[T, 3H] (every element). Uses ctx and lse from forward.
-  virtual void attention_backward(const S* d_ctx, const S* qkv, const S* ctx, const S* lse, const SeqView& seqs,
-                                  int32_t num_heads, int32_t head_dim, const Dropout& drop, S* d_qkv) = 0;
+  virtual void attention_backward(const A* d_ctx, const A* qkv, const A* ctx, const St* lse, const SeqView& seqs,
+                                  int32_t num_heads, int32_t head_dim, const Dropout& drop, A* d_qkv) = 0;
 
   // ---- residual block ----
   // out[T, H] = LN(dropout(x + bias) + residual) * gamma + beta. Saves ln_mean[T], ln_rstd[T]; backward recomputes
   // the LayerNorm input from x, bias and residual (which the caller keeps alive). Dropout key (pos, feature).
-  virtual void bias_dropout_residual_layernorm_forward(const S* x, const S* bias, const S* residual,
-                                                       const S* ln_gamma, const S* ln_beta, const SeqView& seqs,
-                                                       int32_t hidden, double ln_eps, const Dropout& drop, S* out,
-                                                       S* ln_mean, S* ln_rstd) = 0;
+  virtual void bias_dropout_residual_layernorm_forward(const A* x, const W* bias, const A* residual,
+                                                       const W* ln_gamma, const W* ln_beta, const SeqView& seqs,
+                                                       int32_t hidden, double ln_eps, const Dropout& drop, A* out,
+                                                       St* ln_mean, St* ln_rstd) = 0;
   // Writes d_x[T, H] and d_residual[T, H] (d_residual is the gradient at the LayerNorm input; d_x = d_residual *
   // mask / (1-p)); accumulates d_bias, d_gamma, d_beta.
-  virtual void bias_dropout_residual_layernorm_backward(const S* d_out, const S* x, const S* bias,
-                                                        const S* residual, const S* ln_gamma, const S* ln_mean,
-                                                        const S* ln_rstd, const SeqView& seqs, int32_t hidden,
-                                                        const Dropout& drop, S* d_x, S* d_residual, S* d_bias,
-                                                        S* d_ln_gamma, S* d_ln_beta) = 0;
+  virtual void bias_dropout_residual_layernorm_backward(const A* d_out, const A* x, const W* bias,
+                                                        const A* residual, const W* ln_gamma, const St* ln_mean,
+                                                        const St* ln_rstd, const SeqView& seqs, int32_t hidden,
+                                                        const Dropout& drop, A* d_x, A* d_residual, G* d_bias,
+                                                        G* d_ln_gamma, G* d_ln_beta) = 0;
 
   // ---- heads ----
   // Masked-LM loss over the M rows hidden[mlm_positions[i]] with labels mlm_labels[i] in [0, V).
   // Writes loss_sum[0] = sum of cross-entropies, num_correct[0] = number of rows whose argmax equals the label.
-  virtual void mlm_head_loss_forward(const S* hidden, const int32_t* mlm_positions, const int32_t* mlm_labels,
-                                     int32_t num_masked, const MlmHeadWeights<S>& w, const MlmHeadSaved<S>& saved,
-                                     S* loss_sum, int32_t* num_correct) = 0;
+  virtual void mlm_head_loss_forward(const A* hidden, const int32_t* mlm_positions, const int32_t* mlm_labels,
+                                     int32_t num_masked, const MlmHeadWeights<W>& w,
+                                     const MlmHeadSaved<A, St>& saved, St* loss_sum, int32_t* num_correct) = 0;
   // Gradient of loss_scale * loss_sum: ADDS (+=) into rows mlm_positions of d_hidden[T, H]; accumulates the head's
   // parameter gradients (d_word_embeddings receives the decoder's share of the tied weight).
   virtual void mlm_head_loss_backward(double loss_scale, const int32_t* mlm_positions, const int32_t* mlm_labels,
-                                      int32_t num_masked, const MlmHeadWeights<S>& w, const MlmHeadSaved<S>& saved,
-                                      const MlmHeadGrads<S>& g, S* d_hidden) = 0;
+                                      int32_t num_masked, const MlmHeadWeights<W>& w,
+                                      const MlmHeadSaved<A, St>& saved, const MlmHeadGrads<G>& g, A* d_hidden) = 0;
   // Next-sentence loss over the CLS rows hidden[cu_seqlens[b]] with nsp_labels[b] in {0, 1}.
-  virtual void nsp_head_loss_forward(const S* hidden, const SeqView& seqs, const int32_t* nsp_labels,
-                                     const NspHeadWeights<S>& w, const NspHeadSaved<S>& saved, S* loss_sum,
+  virtual void nsp_head_loss_forward(const A* hidden, const SeqView& seqs, const int32_t* nsp_labels,
+                                     const NspHeadWeights<W>& w, const NspHeadSaved<A>& saved, St* loss_sum,
                                      int32_t* num_correct) = 0;
   // Gradient of loss_scale * loss_sum: ADDS (+=) into the CLS rows of d_hidden; accumulates parameter gradients.
   virtual void nsp_head_loss_backward(double loss_scale, const SeqView& seqs, const int32_t* nsp_labels,
-                                      const NspHeadWeights<S>& w, const NspHeadSaved<S>& saved,
-                                      const NspHeadGrads<S>& g, S* d_hidden) = 0;
+                                      const NspHeadWeights<W>& w, const NspHeadSaved<A>& saved,
+                                      const NspHeadGrads<G>& g, A* d_hidden) = 0;
 };
 
 }  // namespace nopad::ops

@@ -59,7 +59,7 @@ uint32_t max_masked_per_sample(const Dataset& data) {
   return most;
 }
 
-EvalResult evaluate(BertModel<float>& model, const Dataset& data, uint64_t max_samples, int32_t batch) {
+EvalResult evaluate(BertModel<ops::CpuF32>& model, const Dataset& data, uint64_t max_samples, int32_t batch) {
   NOPAD_CHECK(batch > 0, "evaluation batch must be positive, got ", batch);
   const uint64_t n = max_samples > 0 ? std::min<uint64_t>(max_samples, data.size()) : data.size();
   EvalResult r;
@@ -172,8 +172,8 @@ struct Trainer::Impl {
 
   BertConfig model_config;
   std::unique_ptr<Dataset> train_data, eval_data;
-  std::unique_ptr<ops::CpuBackend<float>> backend;
-  std::unique_ptr<BertModel<float>> model;
+  std::unique_ptr<ops::CpuBackend<ops::CpuF32>> backend;
+  std::unique_ptr<BertModel<ops::CpuF32>> model;
   std::unique_ptr<Optimizer> optimizer;
   LrSchedule schedule;
   TrainerState state;
@@ -328,13 +328,14 @@ void Trainer::Impl::setup() {
   }
 
   // 6. Backend, model, optimizer: every buffer sized once for the largest micro-batch.
-  backend = std::make_unique<ops::CpuBackend<float>>(threads);
+  backend = std::make_unique<ops::CpuBackend<ops::CpuF32>>(threads);
   const size_t cap_tokens = static_cast<size_t>(micro_batch) * max_len;
   const size_t cap_masked = static_cast<size_t>(micro_batch) * max_masked;
   NOPAD_CHECK(cap_tokens < static_cast<size_t>(INT32_MAX), "train.global_batch / train.grad_accumulation (",
               micro_batch, ") x the longest sequence (", max_len, ") is too many tokens for one micro-batch");
-  model = std::make_unique<BertModel<float>>(model_config, *backend, static_cast<int32_t>(cap_tokens),
-                                             static_cast<int32_t>(micro_batch), static_cast<int32_t>(cap_masked));
+  model = std::make_unique<BertModel<ops::CpuF32>>(model_config, *backend, static_cast<int32_t>(cap_tokens),
+                                                   static_cast<int32_t>(micro_batch),
+                                                   static_cast<int32_t>(cap_masked));
   reserve_batch(micro, cap_tokens, static_cast<size_t>(micro_batch), cap_masked);
   std::vector<ParamView> views;
   for (const ParamTensor& t : model->layout().tensors())
@@ -400,7 +401,7 @@ Trainer::Trainer(const Config& config, StartMode mode, TrainHooks hooks)
 
 Trainer::~Trainer() = default;
 
-const BertModel<float>& Trainer::model() const { return *impl_->model; }
+const BertModel<ops::CpuF32>& Trainer::model() const { return *impl_->model; }
 
 std::vector<float> Trainer::params() const {
   std::vector<float> host(impl_->model->num_params());

@@ -40,7 +40,7 @@ struct EvalResult {
 };
 
 // Batches of `batch` consecutive samples; the model must hold `batch` sequences of the dataset's longest length.
-EvalResult evaluate(BertModel<float>& model, const Dataset& data, uint64_t max_samples, int32_t batch);
+EvalResult evaluate(BertModel<ops::CpuF32>& model, const Dataset& data, uint64_t max_samples, int32_t batch);
 
 // The most masked positions any one sample of the dataset has.
 uint32_t max_masked_per_sample(const Dataset& data);
@@ -77,7 +77,7 @@ class Trainer {
   Trainer& operator=(const Trainer&) = delete;
 
   TrainSummary run();
-  const BertModel<float>& model() const;
+  const BertModel<ops::CpuF32>& model() const;
   std::vector<float> params() const;  // host copy of the current parameters
 
  private:

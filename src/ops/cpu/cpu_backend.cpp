@@ -101,11 +101,11 @@ void parallel_tasks(size_t n, int workers, Fn&& fn) {
 
 }  // namespace
 
-template <class S>
-CpuBackend<S>::CpuBackend(int num_threads) : threads_(num_threads <= 0 ? hardware_threads() : num_threads) {}
+template <class P>
+CpuBackend<P>::CpuBackend(int num_threads) : threads_(num_threads <= 0 ? hardware_threads() : num_threads) {}
 
-template <class S>
-void* CpuBackend<S>::allocate_bytes(size_t bytes) {
+template <class P>
+void* CpuBackend<P>::allocate_bytes(size_t bytes) {
   const size_t rounded = (std::max<size_t>(bytes, 1) + 63) / 64 * 64;
   void* p = std::aligned_alloc(64, rounded);
   NOPAD_CHECK(p != nullptr, "out of host memory allocating ", bytes, " bytes");
@@ -113,32 +113,32 @@ void* CpuBackend<S>::allocate_bytes(size_t bytes) {
   std::memset(p, 0xFF, rounded);
   return p;
 }
-template <class S>
-void CpuBackend<S>::free_bytes(void* ptr) {
+template <class P>
+void CpuBackend<P>::free_bytes(void* ptr) {
   std::free(ptr);
 }
-template <class S>
-void CpuBackend<S>::upload_bytes(void* dst, const void* host_src, size_t bytes) {
+template <class P>
+void CpuBackend<P>::upload_bytes(void* dst, const void* host_src, size_t bytes) {
   if (bytes) std::memcpy(dst, host_src, bytes);
 }
-template <class S>
-void CpuBackend<S>::download_bytes(void* host_dst, const void* src, size_t bytes) {
+template <class P>
+void CpuBackend<P>::download_bytes(void* host_dst, const void* src, size_t bytes) {
   if (bytes) std::memcpy(host_dst, src, bytes);
 }
-template <class S>
-void CpuBackend<S>::zero(S* x, size_t count) {
-  std::fill_n(x, count, S(0));
+template <class P>
+void CpuBackend<P>::zero_bytes(void* x, size_t bytes) {
+  if (bytes) std::memset(x, 0, bytes);  // all-zero bytes are +0 in float and double
 }
 
-template <class S>
-S* CpuBackend<S>::scratch(Slot slot, size_t count) {
+template <class P>
+auto CpuBackend<P>::scratch(Slot slot, size_t count) -> S* {
   auto& buf = scratch_[slot];
   if (buf.size() < count) buf.resize(count);
   return buf.data();
 }
 
-template <class S>
-const int32_t* CpuBackend<S>::row_to_seq(const SeqView& seqs) {
+template <class P>
+const int32_t* CpuBackend<P>::row_to_seq(const SeqView& seqs) {
   NOPAD_CHECK(seqs.num_seqs >= 0 && seqs.cu_seqlens != nullptr, "SeqView without cu_seqlens");
   NOPAD_CHECK(seqs.cu_seqlens[0] == 0 && seqs.cu_seqlens[seqs.num_seqs] == seqs.num_tokens,
               "cu_seqlens must run from 0 to num_tokens (", seqs.num_tokens, "), got ", seqs.cu_seqlens[0], "..",
@@ -155,8 +155,8 @@ const int32_t* CpuBackend<S>::row_to_seq(const SeqView& seqs) {
 
 // ---------------------------------------------------------------------------------------------- embeddings
 
-template <class S>
-void CpuBackend<S>::embed_layernorm_dropout_forward(const int32_t* tokens, const int32_t* positions,
+template <class P>
+void CpuBackend<P>::embed_layernorm_dropout_forward(const int32_t* tokens, const int32_t* positions,
                                                     const int32_t* segments, const SeqView& seqs,
                                                     const EmbeddingWeights<S>& w, const Dropout& drop, S* out,
                                                     S* ln_mean, S* ln_rstd) {
@@ -187,8 +187,8 @@ void CpuBackend<S>::embed_layernorm_dropout_forward(const int32_t* tokens, const
   });
 }
 
-template <class S>
-void CpuBackend<S>::embed_layernorm_dropout_backward(const S* d_out, const int32_t* tokens, const int32_t* positions,
+template <class P>
+void CpuBackend<P>::embed_layernorm_dropout_backward(const S* d_out, const int32_t* tokens, const int32_t* positions,
                                                      const int32_t* segments, const SeqView& seqs,
                                                      const EmbeddingWeights<S>& w, const Dropout& drop,
                                                      const S* ln_mean, const S* ln_rstd,
@@ -239,8 +239,8 @@ void CpuBackend<S>::embed_layernorm_dropout_backward(const S* d_out, const int32
 
 // ---------------------------------------------------------------------------------------------- dense
 
-template <class S>
-void CpuBackend<S>::dense_forward(const S* x, const S* weight, const S* bias, int64_t rows, int32_t k, int32_t n,
+template <class P>
+void CpuBackend<P>::dense_forward(const S* x, const S* weight, const S* bias, int64_t rows, int32_t k, int32_t n,
                                   Activation act, S* y, S* pre_act) {
   S* w_t = scratch(kTranspose, static_cast<size_t>(k) * n);  // W^T [k, n], so the GEMM streams rows of B
   cpu::transpose(weight, n, k, w_t, threads_);
@@ -261,8 +261,8 @@ void CpuBackend<S>::dense_forward(const S* x, const S* weight, const S* bias, in
   });
 }
 
-template <class S>
-void CpuBackend<S>::dense_backward(const S* dy, const S* x, const S* weight, const S* pre_act, int64_t rows,
+template <class P>
+void CpuBackend<P>::dense_backward(const S* dy, const S* x, const S* weight, const S* pre_act, int64_t rows,
                                    int32_t k, int32_t n, Activation act, S* dx, bool accumulate_dx, S* d_weight,
                                    S* d_bias) {
   const S* dpre = dy;
@@ -287,8 +287,8 @@ void CpuBackend<S>::dense_backward(const S* dy, const S* x, const S* weight, con
 
 // ---------------------------------------------------------------------------------------------- attention
 
-template <class S>
-void CpuBackend<S>::attention_forward(const S* qkv, const SeqView& seqs, int32_t num_heads, int32_t head_dim,
+template <class P>
+void CpuBackend<P>::attention_forward(const S* qkv, const SeqView& seqs, int32_t num_heads, int32_t head_dim,
                                       const Dropout& drop, S* ctx, S* lse) {
   row_to_seq(seqs);  // validates cu_seqlens
   const int32_t H = num_heads * head_dim, T = seqs.num_tokens, L_max = seqs.max_seqlen;
@@ -328,8 +328,8 @@ void CpuBackend<S>::attention_forward(const S* qkv, const SeqView& seqs, int32_t
   });
 }
 
-template <class S>
-void CpuBackend<S>::attention_backward(const S* d_ctx, const S* qkv, const S* ctx, const S* lse, const SeqView& seqs,
+template <class P>
+void CpuBackend<P>::attention_backward(const S* d_ctx, const S* qkv, const S* ctx, const S* lse, const SeqView& seqs,
                                        int32_t num_heads, int32_t head_dim, const Dropout& drop, S* d_qkv) {
   row_to_seq(seqs);
   const int32_t H = num_heads * head_dim, T = seqs.num_tokens;
@@ -376,8 +376,8 @@ void CpuBackend<S>::attention_backward(const S* d_ctx, const S* qkv, const S* ct
 
 // ---------------------------------------------------------------------------------------------- residual + LN
 
-template <class S>
-void CpuBackend<S>::bias_dropout_residual_layernorm_forward(const S* x, const S* bias, const S* residual,
+template <class P>
+void CpuBackend<P>::bias_dropout_residual_layernorm_forward(const S* x, const S* bias, const S* residual,
                                                             const S* ln_gamma, const S* ln_beta, const SeqView& seqs,
                                                             int32_t hidden, double ln_eps, const Dropout& drop,
                                                             S* out, S* ln_mean, S* ln_rstd) {
@@ -400,8 +400,8 @@ void CpuBackend<S>::bias_dropout_residual_layernorm_forward(const S* x, const S*
   });
 }
 
-template <class S>
-void CpuBackend<S>::bias_dropout_residual_layernorm_backward(const S* d_out, const S* x, const S* bias,
+template <class P>
+void CpuBackend<P>::bias_dropout_residual_layernorm_backward(const S* d_out, const S* x, const S* bias,
                                                              const S* residual, const S* ln_gamma, const S* ln_mean,
                                                              const S* ln_rstd, const SeqView& seqs, int32_t hidden,
                                                              const Dropout& drop, S* d_x, S* d_residual, S* d_bias,
@@ -442,8 +442,8 @@ void CpuBackend<S>::bias_dropout_residual_layernorm_backward(const S* d_out, con
     }
 }
 
-template <class S>
-void CpuBackend<S>::layernorm_rows_backward(const S* dy, const S* z, const S* mean, const S* rstd, const S* gamma,
+template <class P>
+void CpuBackend<P>::layernorm_rows_backward(const S* dy, const S* z, const S* mean, const S* rstd, const S* gamma,
                                             int64_t rows, int32_t H, S* dz, S* d_gamma, S* d_beta) {
   const int64_t chunks = (rows + kRowsPerChunk - 1) / kRowsPerChunk;
   S* partial = scratch(kPartials, static_cast<size_t>(chunks) * 2 * H);
@@ -463,10 +463,10 @@ void CpuBackend<S>::layernorm_rows_backward(const S* dy, const S* z, const S* me
 
 // ---------------------------------------------------------------------------------------------- MLM head
 
-template <class S>
-void CpuBackend<S>::mlm_head_loss_forward(const S* hidden, const int32_t* mlm_positions, const int32_t* mlm_labels,
+template <class P>
+void CpuBackend<P>::mlm_head_loss_forward(const S* hidden, const int32_t* mlm_positions, const int32_t* mlm_labels,
                                           int32_t num_masked, const MlmHeadWeights<S>& w,
-                                          const MlmHeadSaved<S>& saved, S* loss_sum, int32_t* num_correct) {
+                                          const MlmHeadSaved<S, S>& saved, S* loss_sum, int32_t* num_correct) {
   const int32_t H = w.hidden, V = w.vocab_size, M = num_masked;
   for (int32_t i = 0; i < M; ++i) {
     NOPAD_CHECK(mlm_positions[i] >= 0, "mlm position ", mlm_positions[i], " is negative");
@@ -504,10 +504,10 @@ void CpuBackend<S>::mlm_head_loss_forward(const S* hidden, const int32_t* mlm_po
   *num_correct = correct;
 }
 
-template <class S>
-void CpuBackend<S>::mlm_head_loss_backward(double loss_scale, const int32_t* mlm_positions, const int32_t* mlm_labels,
+template <class P>
+void CpuBackend<P>::mlm_head_loss_backward(double loss_scale, const int32_t* mlm_positions, const int32_t* mlm_labels,
                                            int32_t num_masked, const MlmHeadWeights<S>& w,
-                                           const MlmHeadSaved<S>& saved, const MlmHeadGrads<S>& g, S* d_hidden) {
+                                           const MlmHeadSaved<S, S>& saved, const MlmHeadGrads<S>& g, S* d_hidden) {
   const int32_t H = w.hidden, V = w.vocab_size, M = num_masked;
   if (M == 0) return;
   const S scale = static_cast<S>(loss_scale);
@@ -533,8 +533,8 @@ void CpuBackend<S>::mlm_head_loss_backward(double loss_scale, const int32_t* mlm
 
 // ---------------------------------------------------------------------------------------------- NSP head
 
-template <class S>
-void CpuBackend<S>::nsp_head_loss_forward(const S* hidden, const SeqView& seqs, const int32_t* nsp_labels,
+template <class P>
+void CpuBackend<P>::nsp_head_loss_forward(const S* hidden, const SeqView& seqs, const int32_t* nsp_labels,
                                           const NspHeadWeights<S>& w, const NspHeadSaved<S>& saved, S* loss_sum,
                                           int32_t* num_correct) {
   const int32_t H = w.hidden, B = seqs.num_seqs;
@@ -561,8 +561,8 @@ void CpuBackend<S>::nsp_head_loss_forward(const S* hidden, const SeqView& seqs, 
   *num_correct = correct;
 }
 
-template <class S>
-void CpuBackend<S>::nsp_head_loss_backward(double loss_scale, const SeqView& seqs, const int32_t* nsp_labels,
+template <class P>
+void CpuBackend<P>::nsp_head_loss_backward(double loss_scale, const SeqView& seqs, const int32_t* nsp_labels,
                                            const NspHeadWeights<S>& w, const NspHeadSaved<S>& saved,
                                            const NspHeadGrads<S>& g, S* d_hidden) {
   const int32_t H = w.hidden, B = seqs.num_seqs;
@@ -586,7 +586,7 @@ void CpuBackend<S>::nsp_head_loss_backward(double loss_scale, const SeqView& seq
   }
 }
 
-template class CpuBackend<float>;
-template class CpuBackend<double>;
+template class CpuBackend<CpuF32>;
+template class CpuBackend<CpuF64>;
 
 }  // namespace nopad::ops

@@ -1,16 +1,24 @@
-// The CPU reference backend: plain, readable implementations of every op in ops/ops.h, for float (training on a
-// machine without a GPU) and double (finite-difference gradient checks). Multi-threaded with parallel_for over rows,
-// sequences x heads, or GEMM tiles; every reduction has a fixed order, so results do not depend on the thread count.
+// The CPU reference backend: plain, readable implementations of every op in ops/ops.h, for CpuF32 (training on a
+// machine without a GPU) and CpuF64 (finite-difference gradient checks). Both policies use one type for
+// activations, weights, gradients and statistics, so the code computes in that single scalar type S.
+// Multi-threaded with parallel_for over rows, sequences x heads, or GEMM tiles; every reduction has a fixed order, so
+// results do not depend on the thread count.
 #pragma once
+#include <type_traits>
 #include <vector>
 
 #include "ops/ops.h"
 
 namespace nopad::ops {
 
-template <class S>
-class CpuBackend final : public Backend<S> {
+template <class P>
+class CpuBackend final : public Backend<P> {
  public:
+  using S = typename P::Act;
+  static_assert(std::is_same_v<S, typename P::Weight> && std::is_same_v<S, typename P::Grad> &&
+                    std::is_same_v<S, typename P::Stat> && std::is_floating_point_v<S>,
+                "the CPU backend computes in one floating-point type: use CpuF32 or CpuF64");
+
   // num_threads <= 0: all hardware threads.
   explicit CpuBackend(int num_threads = 0);
   const char* name() const override { return "cpu"; }
@@ -20,7 +28,7 @@ class CpuBackend final : public Backend<S> {
   void free_bytes(void* ptr) override;
   void upload_bytes(void* dst, const void* host_src, size_t bytes) override;
   void download_bytes(void* host_dst, const void* src, size_t bytes) override;
-  void zero(S* x, size_t count) override;
+  void zero_bytes(void* x, size_t bytes) override;
 
   void embed_layernorm_dropout_forward(const int32_t* tokens, const int32_t* positions, const int32_t* segments,
                                        const SeqView& seqs, const EmbeddingWeights<S>& w, const Dropout& drop,
@@ -45,10 +53,10 @@ class CpuBackend final : public Backend<S> {
                                                 const SeqView& seqs, int32_t hidden, const Dropout& drop, S* d_x,
                                                 S* d_residual, S* d_bias, S* d_ln_gamma, S* d_ln_beta) override;
   void mlm_head_loss_forward(const S* hidden, const int32_t* mlm_positions, const int32_t* mlm_labels,
-                             int32_t num_masked, const MlmHeadWeights<S>& w, const MlmHeadSaved<S>& saved,
+                             int32_t num_masked, const MlmHeadWeights<S>& w, const MlmHeadSaved<S, S>& saved,
                              S* loss_sum, int32_t* num_correct) override;
   void mlm_head_loss_backward(double loss_scale, const int32_t* mlm_positions, const int32_t* mlm_labels,
-                              int32_t num_masked, const MlmHeadWeights<S>& w, const MlmHeadSaved<S>& saved,
+                              int32_t num_masked, const MlmHeadWeights<S>& w, const MlmHeadSaved<S, S>& saved,
                               const MlmHeadGrads<S>& g, S* d_hidden) override;
   void nsp_head_loss_forward(const S* hidden, const SeqView& seqs, const int32_t* nsp_labels,
                              const NspHeadWeights<S>& w, const NspHeadSaved<S>& saved, S* loss_sum,
@@ -70,7 +78,7 @@ class CpuBackend final : public Backend<S> {
   std::vector<int32_t> row_seq_;
 };
 
-extern template class CpuBackend<float>;
-extern template class CpuBackend<double>;
+extern template class CpuBackend<CpuF32>;
+extern template class CpuBackend<CpuF64>;
 
 }  // namespace nopad::ops
