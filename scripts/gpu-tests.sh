@@ -14,6 +14,10 @@ step "build (CUDA on)"
 NOPAD_CMAKE_ARGS="-DNOPAD_CUDA=ON" bash scripts/setup.sh > "$out/build.log" 2>&1 || { tail -50 "$out/build.log"; exit 1; }
 ./build-gpu/nopad info | tee -a "$out/summary.txt"
 
+step "CUDA op tests (nopad_cuda_tests, GPU vs CPU twin)"
+./build-gpu/nopad_cuda_tests --gtest_brief=0 > "$out/cuda-tests.log" 2>&1 || status=1
+grep -E "^\[ +(OK|FAILED) +\]|PASSED|FAILED|perf|TFLOP" "$out/cuda-tests.log" | tee -a "$out/summary.txt"
+
 step "ctest"
 ctest --test-dir build-gpu -j 8 --output-on-failure --timeout 1200 > "$out/ctest.log" 2>&1 || status=1
 tail -15 "$out/ctest.log" | tee -a "$out/summary.txt"

@@ -1,0 +1,477 @@
+// CudaBackend: memory, the op entry points and their orchestration (which kernels and products, in which order, on
+// which scratch). The kernels are in layernorm.cu, dense.cu (cuBLASLt), heads.cu; attention is the fmha module's
+// (fmha.h). Each op mirrors its CPU twin in ops/cpu/cpu_backend.cpp; see cuda_backend.h for the execution model.
+#include "ops/cuda/cuda_backend.h"
+
+#include <cmath>
+#include <string>
+
+#include "core/error.h"
+#include "ops/cuda/check.h"
+#include "ops/cuda/dense.h"
+#include "ops/cuda/fmha.h"
+#include "ops/cuda/kernels.cuh"
+
+namespace nopad::cuda {
+namespace {
+
+bf* dev(nopad::bf16* p) { return reinterpret_cast<bf*>(p); }
+const bf* dev(const nopad::bf16* p) { return reinterpret_cast<const bf*>(p); }
+
+// Host-side preparation of a dropout call: same validation, key and keep-scale as the twin's DropoutMask.
+DropoutArgs dropout_args(const ops::Dropout& d) {
+  NOPAD_CHECK(d.p >= 0.0f && d.p < 1.0f, "dropout probability must be in [0, 1), got ", d.p);
+  DropoutArgs a;
+  a.p = d.p;
+  if (d.p > 0.0f) {
+    a.stream_key = dropout_stream_key(d.seed, d.step, d.op_id);
+    a.inv_keep = static_cast<float>(1.0 / (1.0 - static_cast<double>(d.p)));
+  }
+  return a;
+}
+
+void check_seqs(const ops::SeqView& s, bool need_sample_ids) {
+  NOPAD_CHECK(s.num_tokens >= 0 && s.num_seqs >= 0, "SeqView with negative sizes");
+  NOPAD_CHECK(s.num_tokens == 0 || (s.num_seqs > 0 && s.cu_seqlens != nullptr), "SeqView without cu_seqlens");
+  NOPAD_CHECK(!need_sample_ids || s.num_tokens == 0 || s.sample_ids != nullptr, "dropout needs SeqView::sample_ids");
+}
+
+}  // namespace
+
+// ------------------------------------------------------------------------------------------------ setup & memory
+
+CudaBackend::CudaBackend(int device) : device_(device) {
+  int count = 0;
+  const cudaError_t err = cudaGetDeviceCount(&count);
+  if (err != cudaSuccess || count == 0)
+    fail("no CUDA device: ", err != cudaSuccess ? cudaGetErrorString(err) : "the driver reports 0 devices",
+         "; use --device cpu");
+  NOPAD_CHECK(device >= 0 && device < count, "CUDA device ", device, " does not exist (", count,
+              " device(s) visible); use --device cpu or a device index below ", count);
+  NOPAD_CUDA_CHECK(cudaSetDevice(device));
+  cudaDeviceProp prop{};
+  NOPAD_CUDA_CHECK(cudaGetDeviceProperties(&prop, device));
+  NOPAD_CHECK(prop.major >= 8, "CUDA device ", device, " (", prop.name, ", sm_", prop.major, prop.minor,
+              ") has no bf16 tensor cores; the CUDA backend needs sm_80 or newer (use --device cpu)");
+  sm_count_ = prop.multiProcessorCount;
+  NOPAD_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
+  gemm_ = std::make_unique<LtGemm>();
+}
+
+CudaBackend::~CudaBackend() {
+  // No throwing from a destructor: statuses are deliberately ignored while tearing down.
+  if (stream_) cudaStreamSynchronize(stream_);
+  for (int s = 0; s < kNumSlots; ++s)
+    if (scratch_[s]) cudaFree(scratch_[s]);
+  gemm_.reset();
+  if (stream_) cudaStreamDestroy(stream_);
+}
+
+void* CudaBackend::allocate_bytes(size_t bytes) { return cuda_malloc_or_throw(bytes, "a backend buffer"); }
+
+void CudaBackend::free_bytes(void* ptr) {
+  if (ptr) NOPAD_CUDA_CHECK(cudaFree(ptr));
+}
+
+void CudaBackend::upload_bytes(void* dst, const void* host_src, size_t bytes) {
+  // From pageable memory the call returns once the source has been staged, so the caller may reuse it at once.
+  if (bytes) NOPAD_CUDA_CHECK(cudaMemcpyAsync(dst, host_src, bytes, cudaMemcpyHostToDevice, stream_));
+}
+
+void CudaBackend::download_bytes(void* host_dst, const void* src, size_t bytes) {
+  if (!bytes) return;
+  NOPAD_CUDA_CHECK(cudaMemcpyAsync(host_dst, src, bytes, cudaMemcpyDeviceToHost, stream_));
+  NOPAD_CUDA_CHECK(cudaStreamSynchronize(stream_));
+}
+
+void CudaBackend::zero_bytes(void* x, size_t bytes) {
+  if (bytes) NOPAD_CUDA_CHECK(cudaMemsetAsync(x, 0, bytes, stream_));
+}
+
+void CudaBackend::synchronize() { NOPAD_CUDA_CHECK(cudaStreamSynchronize(stream_)); }
+
+// Grow-only scratch: allocated on first use at the largest size seen, then reused. Growth is stream-ordered
+// (cudaFreeAsync/cudaMallocAsync on stream_), so it needs no host synchronisation; in steady state it never happens.
+void* CudaBackend::scratch(Slot slot, size_t bytes) {
+  if (bytes <= scratch_bytes_[slot]) return scratch_[slot];
+  if (scratch_[slot]) NOPAD_CUDA_CHECK(cudaFreeAsync(scratch_[slot], stream_));
+  scratch_[slot] = nullptr;
+  scratch_bytes_[slot] = 0;
+  const size_t rounded = (bytes + 255) / 256 * 256;
+  const cudaError_t err = cudaMallocAsync(&scratch_[slot], rounded, stream_);
+  if (err == cudaErrorMemoryAllocation) {
+    (void)cudaGetLastError();
+    size_t free_b = 0, total_b = 0;
+    (void)cudaMemGetInfo(&free_b, &total_b);
+    fail("out of GPU memory growing scratch buffer ", static_cast<int>(slot), " to ", rounded, " bytes: ",
+         static_cast<double>(free_b) / (1 << 30), " GiB free of ", static_cast<double>(total_b) / (1 << 30),
+         " GiB; use a smaller micro-batch");
+  }
+  NOPAD_CUDA_CHECK(err);
+  scratch_bytes_[slot] = rounded;
+  return scratch_[slot];
+}
+
+// ------------------------------------------------------------------------------------------------ embeddings
+
+void CudaBackend::embed_layernorm_dropout_forward(const int32_t* tokens, const int32_t* positions,
+                                                  const int32_t* segments, const ops::SeqView& seqs,
+                                                  const ops::EmbeddingWeights<W>& w, const ops::Dropout& drop, A* out,
+                                                  St* ln_mean, St* ln_rstd) {
+  LnArgs a;
+  a.drop = dropout_args(drop);
+  check_seqs(seqs, a.drop.p > 0.0f);
+  a.rows = seqs.num_tokens;
+  a.H = w.hidden;
+  a.eps = static_cast<float>(w.ln_eps);
+  a.gamma = dev(w.ln_gamma);
+  a.beta = dev(w.ln_beta);
+  a.tokens = tokens;
+  a.positions = positions;
+  a.segments = segments;
+  a.word = dev(w.word);
+  a.position = dev(w.position);
+  a.token_type = dev(w.token_type);
+  a.cu_seqlens = seqs.cu_seqlens;
+  a.sample_ids = seqs.sample_ids;
+  a.num_seqs = seqs.num_seqs;
+  a.out = dev(out);
+  a.mean_out = ln_mean;
+  a.rstd_out = ln_rstd;
+  launch_ln_forward(LnKind::kEmbed, a, stream_);
+}
+
+void CudaBackend::embed_layernorm_dropout_backward(const A* d_out, const int32_t* tokens, const int32_t* positions,
+                                                   const int32_t* segments, const ops::SeqView& seqs,
+                                                   const ops::EmbeddingWeights<W>& w, const ops::Dropout& drop,
+                                                   const St* ln_mean, const St* ln_rstd,
+                                                   const ops::EmbeddingGrads<G>& g) {
+  LnArgs a;
+  a.drop = dropout_args(drop);
+  check_seqs(seqs, a.drop.p > 0.0f);
+  if (seqs.num_tokens == 0) return;
+  NOPAD_CHECK(g.d_word && g.d_position && g.d_token_type, "embedding backward needs all three table gradients");
+  a.rows = seqs.num_tokens;
+  a.H = w.hidden;
+  a.gamma = dev(w.ln_gamma);
+  a.tokens = tokens;
+  a.positions = positions;
+  a.segments = segments;
+  a.word = dev(w.word);
+  a.position = dev(w.position);
+  a.token_type = dev(w.token_type);
+  a.cu_seqlens = seqs.cu_seqlens;
+  a.sample_ids = seqs.sample_ids;
+  a.num_seqs = seqs.num_seqs;
+  a.d_out = dev(d_out);
+  a.mean = ln_mean;
+  a.rstd = ln_rstd;
+  a.d_word = g.d_word;
+  a.d_position = g.d_position;
+  a.d_token_type = g.d_token_type;
+  const int blocks = ln_backward_blocks(a.rows, sm_count_);
+  a.partial = static_cast<float*>(scratch(kLnPartials, sizeof(float) * blocks * 2 * static_cast<size_t>(a.H)));
+  launch_ln_backward(LnKind::kEmbed, a, blocks, stream_);
+  launch_column_finish(a.partial, blocks, a.H, 2, g.d_ln_gamma, g.d_ln_beta, nullptr, stream_);
+}
+
+// ------------------------------------------------------------------------------------------------ dense
+
+void CudaBackend::dense_forward(const A* x, const W* weight, const W* bias, int64_t rows, int32_t k, int32_t n,
+                                ops::Activation act, A* y, A* pre_act) {
+  const bool gelu = act == ops::Activation::kGelu;
+  A* target = gelu ? pre_act : y;
+  NOPAD_CHECK(target != nullptr && y != nullptr, "dense_forward with GELU needs pre_act");
+  if (rows == 0) return;
+  GemmProblem p;  // y^T[n, rows] = op_T(W^T[k, n]) x^T[k, rows] (+ bias per row of y^T): dense.h
+  p.trans_a = true;
+  p.trans_b = false;
+  p.m = n;
+  p.n = rows;
+  p.k = k;
+  p.a = weight;
+  p.lda = k;
+  p.b = x;
+  p.ldb = k;
+  p.d = target;
+  p.ldd = n;
+  p.bias = bias;
+  gemm_->run(p, stream_);
+  if (gelu) launch_gelu_forward(dev(pre_act), dev(y), rows * n, stream_);
+}
+
+void CudaBackend::column_sums_accumulate(const A* m, int64_t rows, int32_t n, G* out) {
+  if (rows == 0 || n == 0) return;
+  const int chunks = column_sum_chunks(rows);
+  float* partial = static_cast<float*>(scratch(kColPartials, sizeof(float) * chunks * static_cast<size_t>(n)));
+  launch_column_sum_partial(dev(m), rows, n, chunks, partial, stream_);
+  launch_column_finish(partial, chunks, n, 1, out, nullptr, nullptr, stream_);
+}
+
+void CudaBackend::dense_backward(const A* dy, const A* x, const W* weight, const A* pre_act, int64_t rows, int32_t k,
+                                 int32_t n, ops::Activation act, A* dx, bool accumulate_dx, G* d_weight, G* d_bias) {
+  if (rows == 0) return;  // dx has no rows; the parameter gradients receive += 0
+  const A* dpre = dy;
+  if (act == ops::Activation::kGelu) {
+    NOPAD_CHECK(pre_act != nullptr, "dense_backward with GELU needs pre_act");
+    A* buf = static_cast<A*>(scratch(kDpre, sizeof(A) * static_cast<size_t>(rows) * n));
+    launch_gelu_backward(dev(dy), dev(pre_act), dev(buf), rows * n, stream_);
+    dpre = buf;
+  }
+  if (dx) {  // dx^T[k, rows] = W^T[k, n] dpre^T[n, rows]
+    GemmProblem p;
+    p.m = k;
+    p.n = rows;
+    p.k = n;
+    p.a = weight;
+    p.lda = k;
+    p.b = dpre;
+    p.ldb = n;
+    p.d = dx;
+    p.ldd = k;
+    p.beta = accumulate_dx ? 1.0f : 0.0f;
+    gemm_->run(p, stream_);
+  }
+  if (d_weight) {  // dW^T[k, n] += x^T[k, rows] op_T(dpre^T[n, rows]), fp32 output
+    GemmProblem p;
+    p.trans_b = true;
+    p.m = k;
+    p.n = n;
+    p.k = rows;
+    p.a = x;
+    p.lda = k;
+    p.b = dpre;
+    p.ldb = n;
+    p.d = d_weight;
+    p.ldd = k;
+    p.d_fp32 = true;
+    p.beta = 1.0f;
+    gemm_->run(p, stream_);
+  }
+  if (d_bias) column_sums_accumulate(dpre, rows, n, d_bias);
+}
+
+// ------------------------------------------------------------------------------------------------ attention
+
+namespace {
+FmhaParams fmha_params(const ops::SeqView& seqs, int32_t num_heads, int32_t head_dim, const ops::Dropout& drop) {
+  NOPAD_CHECK(drop.p >= 0.0f && drop.p < 1.0f, "dropout probability must be in [0, 1), got ", drop.p);
+  NOPAD_CHECK(num_heads > 0 && head_dim > 0, "attention needs num_heads > 0 and head_dim > 0");
+  FmhaParams p;
+  p.cu_seqlens = seqs.cu_seqlens;
+  p.sample_ids = seqs.sample_ids;
+  p.seq_index = nullptr;
+  p.num_seqs = seqs.num_seqs;
+  p.num_launch_seqs = seqs.num_seqs;
+  p.num_tokens = seqs.num_tokens;
+  p.max_seqlen = seqs.max_seqlen;
+  p.num_heads = num_heads;
+  p.head_dim = head_dim;
+  p.scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(head_dim)));
+  p.dropout_p = drop.p;
+  p.seed = drop.seed;
+  p.step = drop.step;
+  p.op_id = drop.op_id;
+  p.fp16 = false;
+  return p;
+}
+}  // namespace
+
+void CudaBackend::attention_forward(const A* qkv, const ops::SeqView& seqs, int32_t num_heads, int32_t head_dim,
+                                    const ops::Dropout& drop, A* ctx, St* lse) {
+  check_seqs(seqs, drop.p > 0.0f);
+  if (seqs.num_tokens == 0) return;
+  FmhaParams p = fmha_params(seqs, num_heads, head_dim, drop);
+  p.qkv = qkv;
+  p.ctx = ctx;
+  p.lse = lse;
+  fmha_forward(p, stream_);
+}
+
+void CudaBackend::attention_backward(const A* d_ctx, const A* qkv, const A* ctx, const St* lse,
+                                     const ops::SeqView& seqs, int32_t num_heads, int32_t head_dim,
+                                     const ops::Dropout& drop, A* d_qkv) {
+  check_seqs(seqs, drop.p > 0.0f);
+  if (seqs.num_tokens == 0) return;
+  FmhaParams p = fmha_params(seqs, num_heads, head_dim, drop);
+  p.qkv = qkv;
+  p.ctx = const_cast<A*>(ctx);    // FmhaParams::ctx is the forward's output; backward only reads it
+  p.lse = const_cast<St*>(lse);   // likewise
+  p.d_ctx = d_ctx;
+  p.d_qkv = d_qkv;
+  // The workspace is ours, grown once to the largest size seen. It is zeroed before every backward because the
+  // interface does not promise that fmha_backward initialises it (fp32 accumulators commonly need zeros); the cost
+  // is one memset of the workspace.
+  p.workspace_bytes = fmha_backward_workspace_bytes(seqs.num_tokens, num_heads, head_dim);
+  if (p.workspace_bytes > 0) {
+    p.workspace = scratch(kFmhaWorkspace, p.workspace_bytes);
+    NOPAD_CUDA_CHECK(cudaMemsetAsync(p.workspace, 0, p.workspace_bytes, stream_));
+  }
+  fmha_backward(p, stream_);
+}
+
+// ------------------------------------------------------------------------------------------------ residual + LN
+
+void CudaBackend::bias_dropout_residual_layernorm_forward(const A* x, const W* bias, const A* residual,
+                                                          const W* ln_gamma, const W* ln_beta,
+                                                          const ops::SeqView& seqs, int32_t hidden, double ln_eps,
+                                                          const ops::Dropout& drop, A* out, St* ln_mean,
+                                                          St* ln_rstd) {
+  LnArgs a;
+  a.drop = dropout_args(drop);
+  check_seqs(seqs, a.drop.p > 0.0f);
+  NOPAD_CHECK(bias != nullptr, "bias_dropout_residual_layernorm needs a bias");
+  a.rows = seqs.num_tokens;
+  a.H = hidden;
+  a.eps = static_cast<float>(ln_eps);
+  a.gamma = dev(ln_gamma);
+  a.beta = dev(ln_beta);
+  a.x = dev(x);
+  a.bias = dev(bias);
+  a.residual = dev(residual);
+  a.cu_seqlens = seqs.cu_seqlens;
+  a.sample_ids = seqs.sample_ids;
+  a.num_seqs = seqs.num_seqs;
+  a.out = dev(out);
+  a.mean_out = ln_mean;
+  a.rstd_out = ln_rstd;
+  launch_ln_forward(LnKind::kResidual, a, stream_);
+}
+
+void CudaBackend::bias_dropout_residual_layernorm_backward(const A* d_out, const A* x, const W* bias,
+                                                           const A* residual, const W* ln_gamma, const St* ln_mean,
+                                                           const St* ln_rstd, const ops::SeqView& seqs,
+                                                           int32_t hidden, const ops::Dropout& drop, A* d_x,
+                                                           A* d_residual, G* d_bias, G* d_ln_gamma, G* d_ln_beta) {
+  NOPAD_CHECK(d_residual != d_out, "bias_dropout_residual_layernorm_backward: d_residual must not alias d_out");
+  LnArgs a;
+  a.drop = dropout_args(drop);
+  check_seqs(seqs, a.drop.p > 0.0f);
+  if (seqs.num_tokens == 0) return;
+  a.rows = seqs.num_tokens;
+  a.H = hidden;
+  a.gamma = dev(ln_gamma);
+  a.x = dev(x);
+  a.bias = dev(bias);
+  a.residual = dev(residual);
+  a.cu_seqlens = seqs.cu_seqlens;
+  a.sample_ids = seqs.sample_ids;
+  a.num_seqs = seqs.num_seqs;
+  a.d_out = dev(d_out);
+  a.mean = ln_mean;
+  a.rstd = ln_rstd;
+  a.dz = dev(d_residual);
+  a.d_x = dev(d_x);
+  const int blocks = ln_backward_blocks(a.rows, sm_count_);
+  a.partial = static_cast<float*>(scratch(kLnPartials, sizeof(float) * blocks * 3 * static_cast<size_t>(hidden)));
+  launch_ln_backward(LnKind::kResidual, a, blocks, stream_);
+  launch_column_finish(a.partial, blocks, hidden, 3, d_ln_gamma, d_ln_beta, d_bias, stream_);
+}
+
+void CudaBackend::layernorm_plain_forward(const A* x, const W* gamma, const W* beta, int64_t rows, int32_t H,
+                                          double eps, A* out, St* mean, St* rstd) {
+  LnArgs a;
+  a.rows = rows;
+  a.H = H;
+  a.eps = static_cast<float>(eps);
+  a.gamma = dev(gamma);
+  a.beta = dev(beta);
+  a.x = dev(x);
+  a.out = dev(out);
+  a.mean_out = mean;
+  a.rstd_out = rstd;
+  launch_ln_forward(LnKind::kPlain, a, stream_);
+}
+
+void CudaBackend::layernorm_plain_backward(const A* dy, const A* x, const St* mean, const St* rstd, const W* gamma,
+                                           int64_t rows, int32_t H, A* dz, G* d_gamma, G* d_beta) {
+  if (rows == 0) return;
+  LnArgs a;
+  a.rows = rows;
+  a.H = H;
+  a.gamma = dev(gamma);
+  a.x = dev(x);
+  a.d_out = dev(dy);
+  a.mean = mean;
+  a.rstd = rstd;
+  a.dz = dev(dz);
+  const int blocks = ln_backward_blocks(rows, sm_count_);
+  a.partial = static_cast<float*>(scratch(kLnPartials, sizeof(float) * blocks * 2 * static_cast<size_t>(H)));
+  launch_ln_backward(LnKind::kPlain, a, blocks, stream_);
+  launch_column_finish(a.partial, blocks, H, 2, d_gamma, d_beta, nullptr, stream_);
+}
+
+// ------------------------------------------------------------------------------------------------ MLM head
+
+void CudaBackend::mlm_head_loss_forward(const A* hidden, const int32_t* mlm_positions, const int32_t* mlm_labels,
+                                        int32_t num_masked, const ops::MlmHeadWeights<W>& w,
+                                        const ops::MlmHeadSaved<A, St>& saved, St* loss_sum, int32_t* num_correct) {
+  const int32_t H = w.hidden, V = w.vocab_size, M = num_masked;
+  NOPAD_CUDA_CHECK(cudaMemsetAsync(loss_sum, 0, sizeof(St), stream_));
+  NOPAD_CUDA_CHECK(cudaMemsetAsync(num_correct, 0, sizeof(int32_t), stream_));
+  if (M == 0) return;
+  launch_gather_rows(dev(hidden), mlm_positions, M, H, dev(saved.gathered), stream_);
+  dense_forward(saved.gathered, w.transform_weight, w.transform_bias, M, H, H, ops::Activation::kGelu,
+                saved.transform_act, saved.transform_pre);
+  layernorm_plain_forward(saved.transform_act, w.ln_gamma, w.ln_beta, M, H, w.ln_eps, saved.ln_out, saved.ln_mean,
+                          saved.ln_rstd);
+  // Decoder with the tied word embeddings: logits [M, V] land in saved.probs and become probabilities in place.
+  dense_forward(saved.ln_out, w.word_embeddings, w.output_bias, M, H, V, ops::Activation::kNone, saved.probs, nullptr);
+  launch_softmax_ce_forward(dev(saved.probs), mlm_labels, M, V, loss_sum, num_correct, stream_);
+}
+
+void CudaBackend::mlm_head_loss_backward(double loss_scale, const int32_t* mlm_positions, const int32_t* mlm_labels,
+                                         int32_t num_masked, const ops::MlmHeadWeights<W>& w,
+                                         const ops::MlmHeadSaved<A, St>& saved, const ops::MlmHeadGrads<G>& g,
+                                         A* d_hidden) {
+  const int32_t H = w.hidden, V = w.vocab_size, M = num_masked;
+  if (M == 0) return;
+  launch_ce_backward(dev(saved.probs), mlm_labels, M, V, static_cast<float>(loss_scale), stream_);
+  A* d_ln_out = static_cast<A*>(scratch(kHeadA, sizeof(A) * static_cast<size_t>(M) * H));
+  // d_ln_out = d_logits W_emb; d_word_embeddings += d_logits^T ln_out; d_output_bias += column sums of d_logits.
+  dense_backward(saved.probs, saved.ln_out, w.word_embeddings, nullptr, M, H, V, ops::Activation::kNone, d_ln_out,
+                 false, g.d_word_embeddings, g.d_output_bias);
+  A* d_act = static_cast<A*>(scratch(kHeadB, sizeof(A) * static_cast<size_t>(M) * H));
+  layernorm_plain_backward(d_ln_out, saved.transform_act, saved.ln_mean, saved.ln_rstd, w.ln_gamma, M, H, d_act,
+                           g.d_ln_gamma, g.d_ln_beta);
+  A* d_gathered = d_ln_out;  // free again: reuse
+  dense_backward(d_act, saved.gathered, w.transform_weight, saved.transform_pre, M, H, H, ops::Activation::kGelu,
+                 d_gathered, false, g.d_transform_weight, g.d_transform_bias);
+  // Each masked position appears once per batch (the loader's contract), so rows are added without atomics.
+  launch_scatter_add_rows(dev(d_gathered), mlm_positions, M, H, dev(d_hidden), stream_);
+}
+
+// ------------------------------------------------------------------------------------------------ NSP head
+
+void CudaBackend::nsp_head_loss_forward(const A* hidden, const ops::SeqView& seqs, const int32_t* nsp_labels,
+                                        const ops::NspHeadWeights<W>& w, const ops::NspHeadSaved<A>& saved,
+                                        St* loss_sum, int32_t* num_correct) {
+  const int32_t H = w.hidden, B = seqs.num_seqs;
+  NOPAD_CUDA_CHECK(cudaMemsetAsync(loss_sum, 0, sizeof(St), stream_));
+  NOPAD_CUDA_CHECK(cudaMemsetAsync(num_correct, 0, sizeof(int32_t), stream_));
+  if (B == 0) return;
+  launch_gather_rows(dev(hidden), seqs.cu_seqlens, B, H, dev(saved.cls), stream_);  // row cu_seqlens[b] = CLS
+  dense_forward(saved.cls, w.pooler_weight, w.pooler_bias, B, H, H, ops::Activation::kNone, saved.pooled, nullptr);
+  launch_tanh_forward(dev(saved.pooled), int64_t{B} * H, stream_);
+  dense_forward(saved.pooled, w.classifier_weight, w.classifier_bias, B, H, 2, ops::Activation::kNone, saved.probs,
+                nullptr);
+  launch_softmax_ce_forward(dev(saved.probs), nsp_labels, B, 2, loss_sum, num_correct, stream_);
+}
+
+void CudaBackend::nsp_head_loss_backward(double loss_scale, const ops::SeqView& seqs, const int32_t* nsp_labels,
+                                         const ops::NspHeadWeights<W>& w, const ops::NspHeadSaved<A>& saved,
+                                         const ops::NspHeadGrads<G>& g, A* d_hidden) {
+  const int32_t H = w.hidden, B = seqs.num_seqs;
+  if (B == 0) return;
+  launch_ce_backward(dev(saved.probs), nsp_labels, B, 2, static_cast<float>(loss_scale), stream_);
+  A* d_pooled = static_cast<A*>(scratch(kHeadA, sizeof(A) * static_cast<size_t>(B) * H));
+  dense_backward(saved.probs, saved.pooled, w.classifier_weight, nullptr, B, H, 2, ops::Activation::kNone, d_pooled,
+                 false, g.d_classifier_weight, g.d_classifier_bias);
+  launch_tanh_backward(dev(d_pooled), dev(saved.pooled), int64_t{B} * H, stream_);
+  A* d_cls = static_cast<A*>(scratch(kHeadB, sizeof(A) * static_cast<size_t>(B) * H));
+  dense_backward(d_pooled, saved.cls, w.pooler_weight, nullptr, B, H, H, ops::Activation::kNone, d_cls, false,
+                 g.d_pooler_weight, g.d_pooler_bias);
+  launch_scatter_add_rows(dev(d_cls), seqs.cu_seqlens, B, H, dev(d_hidden), stream_);
+}
+
+}  // namespace nopad::cuda

@@ -1,0 +1,103 @@
+// The CUDA backend: ops::Backend<ops::GpuBf16> on one GPU. Activations and weight copies are bf16, parameter
+// gradients and statistics fp32; all arithmetic inside the kernels is fp32. Contracts are those of ops/ops.h, and
+// each op computes what its CPU twin (ops/cpu/cpu_backend.cpp, CpuBackend<CpuF32>) computes, dropout masks included
+// bit for bit (core/philox.h); tests/cuda/test_cuda_ops.cpp checks every op against the twin.
+//
+// Execution model: every op enqueues work on the backend's own stream (stream()) and returns without waiting; only
+// download_bytes and synchronize wait. Nothing is allocated per call in steady state: the stream, the cuBLASLt
+// handle and its 32 MiB workspace are made in the constructor, and scratch buffers grow on first use to the largest
+// size seen and are then reused (stream-ordered cudaMallocAsync/cudaFreeAsync on growth only).
+// The constructor makes `device` current for the calling thread; the ops assume it stays current.
+#pragma once
+#include <cuda_runtime.h>
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+
+#include "ops/ops.h"
+
+namespace nopad::cuda {
+
+class LtGemm;  // dense.h
+
+class CudaBackend final : public ops::Backend<ops::GpuBf16> {
+ public:
+  // Throws nopad::Error ("no CUDA device: ... use --device cpu") when no usable device exists.
+  explicit CudaBackend(int device = 0);
+  ~CudaBackend() override;
+  CudaBackend(const CudaBackend&) = delete;
+  CudaBackend& operator=(const CudaBackend&) = delete;
+
+  const char* name() const override { return "cuda"; }
+  int device() const { return device_; }
+  cudaStream_t stream() const { return stream_; }
+  int multiprocessors() const { return sm_count_; }
+
+  void* allocate_bytes(size_t bytes) override;  // cudaMalloc: setup time only
+  void free_bytes(void* ptr) override;
+  void upload_bytes(void* dst, const void* host_src, size_t bytes) override;      // ordered on stream()
+  void download_bytes(void* host_dst, const void* src, size_t bytes) override;    // waits for stream()
+  void zero_bytes(void* x, size_t bytes) override;                                // cudaMemsetAsync on stream()
+  void synchronize() override;
+
+  void embed_layernorm_dropout_forward(const int32_t* tokens, const int32_t* positions, const int32_t* segments,
+                                       const ops::SeqView& seqs, const ops::EmbeddingWeights<W>& w,
+                                       const ops::Dropout& drop, A* out, St* ln_mean, St* ln_rstd) override;
+  void embed_layernorm_dropout_backward(const A* d_out, const int32_t* tokens, const int32_t* positions,
+                                        const int32_t* segments, const ops::SeqView& seqs,
+                                        const ops::EmbeddingWeights<W>& w, const ops::Dropout& drop,
+                                        const St* ln_mean, const St* ln_rstd,
+                                        const ops::EmbeddingGrads<G>& g) override;
+  void dense_forward(const A* x, const W* weight, const W* bias, int64_t rows, int32_t k, int32_t n,
+                     ops::Activation act, A* y, A* pre_act) override;
+  void dense_backward(const A* dy, const A* x, const W* weight, const A* pre_act, int64_t rows, int32_t k, int32_t n,
+                      ops::Activation act, A* dx, bool accumulate_dx, G* d_weight, G* d_bias) override;
+  void attention_forward(const A* qkv, const ops::SeqView& seqs, int32_t num_heads, int32_t head_dim,
+                         const ops::Dropout& drop, A* ctx, St* lse) override;
+  void attention_backward(const A* d_ctx, const A* qkv, const A* ctx, const St* lse, const ops::SeqView& seqs,
+                          int32_t num_heads, int32_t head_dim, const ops::Dropout& drop, A* d_qkv) override;
+  void bias_dropout_residual_layernorm_forward(const A* x, const W* bias, const A* residual, const W* ln_gamma,
+                                               const W* ln_beta, const ops::SeqView& seqs, int32_t hidden,
+                                               double ln_eps, const ops::Dropout& drop, A* out, St* ln_mean,
+                                               St* ln_rstd) override;
+  void bias_dropout_residual_layernorm_backward(const A* d_out, const A* x, const W* bias, const A* residual,
+                                                const W* ln_gamma, const St* ln_mean, const St* ln_rstd,
+                                                const ops::SeqView& seqs, int32_t hidden, const ops::Dropout& drop,
+                                                A* d_x, A* d_residual, G* d_bias, G* d_ln_gamma,
+                                                G* d_ln_beta) override;
+  void mlm_head_loss_forward(const A* hidden, const int32_t* mlm_positions, const int32_t* mlm_labels,
+                             int32_t num_masked, const ops::MlmHeadWeights<W>& w,
+                             const ops::MlmHeadSaved<A, St>& saved, St* loss_sum, int32_t* num_correct) override;
+  void mlm_head_loss_backward(double loss_scale, const int32_t* mlm_positions, const int32_t* mlm_labels,
+                              int32_t num_masked, const ops::MlmHeadWeights<W>& w,
+                              const ops::MlmHeadSaved<A, St>& saved, const ops::MlmHeadGrads<G>& g,
+                              A* d_hidden) override;
+  void nsp_head_loss_forward(const A* hidden, const ops::SeqView& seqs, const int32_t* nsp_labels,
+                             const ops::NspHeadWeights<W>& w, const ops::NspHeadSaved<A>& saved, St* loss_sum,
+                             int32_t* num_correct) override;
+  void nsp_head_loss_backward(double loss_scale, const ops::SeqView& seqs, const int32_t* nsp_labels,
+                              const ops::NspHeadWeights<W>& w, const ops::NspHeadSaved<A>& saved,
+                              const ops::NspHeadGrads<G>& g, A* d_hidden) override;
+
+ private:
+  // One grow-only buffer per purpose, so an op holding one can call a helper (dense_backward, LN backward) that
+  // holds another.
+  enum Slot { kDpre, kColPartials, kLnPartials, kHeadA, kHeadB, kFmhaWorkspace, kNumSlots };
+  void* scratch(Slot slot, size_t bytes);
+  // LayerNorm over rows of x [rows, H] (no residual, no dropout), and its backward (dz written; d_gamma/d_beta +=).
+  void layernorm_plain_forward(const A* x, const W* gamma, const W* beta, int64_t rows, int32_t H, double eps, A* out,
+                               St* mean, St* rstd);
+  void layernorm_plain_backward(const A* dy, const A* x, const St* mean, const St* rstd, const W* gamma, int64_t rows,
+                                int32_t H, A* dz, G* d_gamma, G* d_beta);
+  void column_sums_accumulate(const A* m, int64_t rows, int32_t n, G* out);
+
+  int device_ = 0;
+  int sm_count_ = 0;
+  cudaStream_t stream_ = nullptr;
+  std::unique_ptr<LtGemm> gemm_;
+  void* scratch_[kNumSlots] = {};
+  size_t scratch_bytes_[kNumSlots] = {};
+};
+
+}  // namespace nopad::cuda

@@ -1,0 +1,54 @@
+// Variable-length fused multi-head attention on tensor cores (FMHA), forward and backward, for the CUDA backend.
+// One plain parameter struct is the whole interface between the host and the kernels.
+//
+// Contract (the same as the CPU twin ops::Backend::attention_forward/backward in ops/cpu):
+//   qkv [T, 3H] = [q | k | v], each block head-major (head h owns columns h*hd .. h*hd+hd-1), bf16 or fp16;
+//   sequence b is rows [cu_seqlens[b], cu_seqlens[b+1]) and attends only to itself (no mask, no padding);
+//   scores = q k^T * scale; P = softmax(scores); P' = dropout(P) with the Philox key of core/philox.h
+//   (seed, step, op_id, sample_ids[b], element = (head, query pos, key pos)); ctx [T, H] = P' v;
+//   lse [num_heads, T] (fp32) = log-sum-exp of each query row's scaled scores, kept for backward.
+//   Backward regenerates P from q, k and lse, and the dropout mask from Philox; writes every element of d_qkv.
+// Grouping (the grouped multi-stream scheduler): when seq_index is not null, a launch covers only the sequences
+// seq_index[0 .. num_launch_seqs) (indices into cu_seqlens), so groups of sequences can run as separate launches on
+// separate streams over the same tensors; max_seqlen is then the longest sequence of the group.
+// No host synchronisation, no allocation: the backward's fp32 scratch is the caller's (fmha_backward_workspace_bytes).
+#pragma once
+#include <cuda_runtime.h>
+
+#include <cstddef>
+#include <cstdint>
+
+namespace nopad::cuda {
+
+struct FmhaParams {
+  const void* qkv = nullptr;      // [T, 3H]
+  void* ctx = nullptr;            // [T, H]          forward output; backward input
+  float* lse = nullptr;           // [num_heads, T]  forward output; backward input
+  const void* d_ctx = nullptr;    // [T, H]          backward input
+  void* d_qkv = nullptr;          // [T, 3H]         backward output
+  void* workspace = nullptr;      // backward scratch
+  size_t workspace_bytes = 0;
+
+  const int32_t* cu_seqlens = nullptr;  // [num_seqs + 1], device
+  const uint64_t* sample_ids = nullptr; // [num_seqs], device: dropout keys
+  const int32_t* seq_index = nullptr;   // optional [num_launch_seqs], device: the sequences of this launch
+  int32_t num_seqs = 0;                 // B
+  int32_t num_launch_seqs = 0;          // sequences in this launch (= num_seqs when seq_index is null)
+  int32_t num_tokens = 0;               // T
+  int32_t max_seqlen = 0;               // longest sequence of this launch (host value)
+  int32_t num_heads = 0;
+  int32_t head_dim = 64;
+  float scale = 0.125f;                 // 1/sqrt(head_dim)
+  float dropout_p = 0.0f;
+  uint64_t seed = 0, step = 0;
+  uint32_t op_id = 0;
+  bool fp16 = false;                    // element type: false = bf16, true = fp16
+};
+
+// Bytes of scratch fmha_backward needs for these sizes.
+size_t fmha_backward_workspace_bytes(int32_t num_tokens, int32_t num_heads, int32_t head_dim);
+// Throws nopad::Error for unsupported head_dim/sizes; launch errors are checked.
+void fmha_forward(const FmhaParams& p, cudaStream_t stream);
+void fmha_backward(const FmhaParams& p, cudaStream_t stream);
+
+}  // namespace nopad::cuda

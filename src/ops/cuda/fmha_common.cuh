@@ -1,0 +1,209 @@
+// Device building blocks shared by the FMHA forward and backward kernels (fmha_forward.cu, fmha_backward.cu):
+// tensor-core mma.sync m16n8k16 (bf16/fp16 in, fp32 accumulate), ldmatrix, cp.async with zero fill, the XOR-swizzled
+// shared-memory tile layout, the Philox dropout block, and the host-side validation both entry points use.
+// Design notes: docs/fmha.md.
+#pragma once
+#include <cuda_runtime.h>
+
+#include <cstddef>
+#include <cstdint>
+
+#include "core/error.h"
+#include "core/philox.h"
+#include "ops/cuda/check.h"
+#include "ops/cuda/fmha.h"
+
+namespace nopad::cuda::fmha_detail {
+
+constexpr int kBlockM = 64;   // query rows per tile
+constexpr int kBlockN = 64;   // key rows per tile
+constexpr int kWarps = 4;     // 16 rows of the CTA's own tile per warp
+constexpr int kThreads = kWarps * 32;
+constexpr float kLog2e = 1.4426950408889634f;
+constexpr float kLn2 = 0.6931471805599453f;
+constexpr int kMaxSeqlen = 1 << 20;  // element_attention packs positions in 20 bits
+
+// ------------------------------------------------------------------------------------------------ shared memory
+// A tile is rows x HD 16-bit elements, row-major, in 16-byte chunks of 8 elements. The chunk index is XORed with a
+// function of the row so that the 8 row addresses of one ldmatrix 8x8 matrix (same logical chunk, 8 consecutive
+// rows) and the 16-byte cp.async stores fall in 8 distinct 16-byte bank groups: conflict-free both ways.
+template <int HD>
+__device__ __forceinline__ int swz(int row, int chunk) {
+  static_assert(HD == 32 || HD == 64 || HD == 128, "head_dim 32, 64 or 128");
+  if constexpr (HD >= 64) {
+    return row * HD + ((chunk ^ (row & 7)) << 3);
+  } else {  // 64-byte rows: two rows share a 128-byte line, so the XOR key changes every other row
+    return row * HD + ((chunk ^ ((row >> 1) & 3)) << 3);
+  }
+}
+
+__device__ __forceinline__ uint32_t smem_u32(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+// 16-byte global -> shared copy; when !valid the 16 bytes are zero-filled and src is not read (src-size 0).
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool valid) {
+  const int src_bytes = valid ? 16 : 0;
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_u32(smem)), "l"(gmem), "r"(src_bytes)
+               : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+}
+
+// Copies rows [0, 64) x [0, HD) of a row-major global matrix (leading dimension ld elements, first row at g) into a
+// swizzled tile; rows >= nvalid are zero-filled (so masked keys and values can never inject NaN/Inf).
+template <int HD>
+__device__ __forceinline__ void load_tile_async(uint16_t* tile, const uint16_t* g, int64_t ld, int nvalid) {
+  constexpr int kChunks = HD / 8;
+  for (int i = static_cast<int>(threadIdx.x); i < kBlockN * kChunks; i += kThreads) {
+    const int r = i / kChunks, c = i % kChunks;
+    const bool ok = r < nvalid;
+    cp_async16(tile + swz<HD>(r, c), g + (ok ? r * ld : 0) + c * 8, ok);
+  }
+}
+
+// ------------------------------------------------------------------------------------------------ tensor cores
+__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], const uint16_t* p) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(smem_u32(p)));
+}
+__device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], const uint16_t* p) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(smem_u32(p)));
+}
+
+// D += A * B, m16n8k16, A row-major 16x16, B column-major 16x8, fp32 accumulators.
+// Fragments (g = lane/4, t = lane%4): a0 (g, 2t..2t+1), a1 (g+8, 2t..), a2 (g, 2t+8..), a3 (g+8, 2t+8..);
+// b0 (k 2t..2t+1, n g), b1 (k 2t+8.., n g); c0,c1 (g, 2t..2t+1), c2,c3 (g+8, 2t..2t+1).
+template <bool kFp16>
+__device__ __forceinline__ void mma16816(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+  if constexpr (kFp16) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  } else {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  }
+}
+
+// Two floats -> two 16-bit values in one register, lo in the low half (the lower column index), round to nearest.
+template <bool kFp16>
+__device__ __forceinline__ uint32_t pack2(float lo, float hi) {
+  uint32_t r;
+  if constexpr (kFp16) {
+    asm("cvt.rn.f16x2.f32 %0, %1, %2;\n" : "=r"(r) : "f"(hi), "f"(lo));
+  } else {
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;\n" : "=r"(r) : "f"(hi), "f"(lo));
+  }
+  return r;
+}
+
+template <bool kFp16>
+__device__ __forceinline__ float to_f32(uint16_t x) {
+  if constexpr (kFp16) {
+    float f;
+    asm("cvt.f32.f16 %0, %1;\n" : "=f"(f) : "h"(x));
+    return f;
+  } else {
+    return __uint_as_float(static_cast<uint32_t>(x) << 16);
+  }
+}
+
+// ------------------------------------------------------------------------------------------------ dropout
+// The Philox block that core/philox.h dropout_bits() draws from for elements 4*block .. 4*block+3 of this sample;
+// v[e & 3] is dropout_bits(stream_key, sample_id, e). Same counter/key construction, bit for bit.
+__device__ __forceinline__ Philox4x32 dropout_block(uint64_t stream_key, uint64_t sample_id, uint64_t block) {
+  const uint32_t counter[4] = {static_cast<uint32_t>(block), static_cast<uint32_t>(block >> 32),
+                               static_cast<uint32_t>(sample_id), static_cast<uint32_t>(sample_id >> 32)};
+  const uint32_t key[2] = {static_cast<uint32_t>(stream_key), static_cast<uint32_t>(stream_key >> 32)};
+  return philox4x32(counter, key);
+}
+// Block index of element_attention(head, query_pos, key4 .. key4+3), key4 a multiple of 4.
+__device__ __forceinline__ uint64_t attention_block(int head, int query_pos, int key4) {
+  return element_attention(static_cast<uint32_t>(head), static_cast<uint32_t>(query_pos),
+                           static_cast<uint32_t>(key4)) >>
+         2;
+}
+// Keep factor of one element: 1/(1-p) when kept, 0 when dropped (dropout_keep_key's comparison, exactly).
+__device__ __forceinline__ float keep_scale(uint32_t bits, float p, float inv_keep) {
+  return uniform_from_bits(bits) >= p ? inv_keep : 0.0f;
+}
+
+// ------------------------------------------------------------------------------------------------ launch args
+struct KernelArgs {
+  FmhaParams p;
+  uint64_t stream_key;  // dropout_stream_key(seed, step, op_id)
+  float scale_log2;     // scale * log2(e): scores in the exp2 domain
+  float inv_keep;       // 1 / (1 - dropout_p)
+  bool dropout;         // dropout_p > 0
+};
+
+// The sequence of CTA z of a launch: [s0, s0 + L).
+__device__ __forceinline__ void launch_sequence(const FmhaParams& p, int z, int& b, int& s0, int& L) {
+  b = p.seq_index != nullptr ? p.seq_index[z] : z;
+  s0 = p.cu_seqlens[b];
+  L = p.cu_seqlens[b + 1] - s0;
+}
+
+// ------------------------------------------------------------------------------------------------ host side
+inline bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
+
+// Validates what forward and backward share; returns the number of sequences the launch covers.
+inline int32_t validate_common(const FmhaParams& p, const char* op) {
+  NOPAD_CHECK(p.head_dim == 32 || p.head_dim == 64 || p.head_dim == 128, op, ": head_dim ", p.head_dim,
+              " is not supported (32, 64 or 128)");
+  NOPAD_CHECK(p.num_heads > 0 && p.num_heads <= 65535, op, ": num_heads must be in [1, 65535], got ", p.num_heads);
+  NOPAD_CHECK(p.num_tokens >= 0 && p.num_seqs >= 0, op, ": negative num_tokens or num_seqs");
+  NOPAD_CHECK(p.max_seqlen >= 0 && p.max_seqlen < kMaxSeqlen, op, ": max_seqlen ", p.max_seqlen,
+              " out of range [0, 2^20) (dropout keys pack positions in 20 bits)");
+  NOPAD_CHECK(p.dropout_p >= 0.0f && p.dropout_p < 1.0f, op, ": dropout probability must be in [0, 1), got ",
+              p.dropout_p);
+  NOPAD_CHECK(p.qkv != nullptr && p.ctx != nullptr && p.lse != nullptr && p.cu_seqlens != nullptr, op,
+              ": qkv, ctx, lse and cu_seqlens must not be null");
+  NOPAD_CHECK(p.dropout_p == 0.0f || p.sample_ids != nullptr, op, ": dropout needs sample_ids");
+  NOPAD_CHECK(aligned16(p.qkv) && aligned16(p.ctx), op, ": qkv and ctx must be 16-byte aligned");
+  int32_t n = p.num_seqs;
+  if (p.seq_index != nullptr) {
+    NOPAD_CHECK(p.num_launch_seqs >= 0 && p.num_launch_seqs <= p.num_seqs, op, ": num_launch_seqs ",
+                p.num_launch_seqs, " must be in [0, num_seqs = ", p.num_seqs, "]");
+    n = p.num_launch_seqs;
+  } else {
+    NOPAD_CHECK(p.num_launch_seqs == 0 || p.num_launch_seqs == p.num_seqs, op,
+                ": without seq_index, num_launch_seqs must be num_seqs (or 0), got ", p.num_launch_seqs);
+  }
+  NOPAD_CHECK(n <= 65535, op, ": at most 65535 sequences per launch, got ", n);
+  return n;
+}
+
+inline KernelArgs make_args(const FmhaParams& p) {
+  KernelArgs a{};
+  a.p = p;
+  a.dropout = p.dropout_p > 0.0f;
+  a.stream_key = a.dropout ? dropout_stream_key(p.seed, p.step, p.op_id) : 0;
+  a.inv_keep = a.dropout ? static_cast<float>(1.0 / (1.0 - static_cast<double>(p.dropout_p))) : 1.0f;
+  a.scale_log2 = p.scale * kLog2e;
+  return a;
+}
+
+// Raises a kernel's dynamic shared memory limit once per process and kernel instantiation (the template argument is
+// the kernel itself). Kernels needing at most 48 KB skip the call. The attribute is per device context; a process
+// driving several GPUs from one thread would need it per device (the engine runs one process per GPU).
+template <auto Kernel>
+inline void ensure_smem(int bytes) {
+  if (bytes <= 48 * 1024) return;
+  static const cudaError_t once = cudaFuncSetAttribute(Kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
+  NOPAD_CUDA_CHECK(once);
+}
+
+}  // namespace nopad::cuda::fmha_detail

@@ -1,0 +1,195 @@
+// Kernels of the MLM and NSP heads (CPU twins: mlm_head_loss_* and nsp_head_loss_* in ops/cpu/cpu_backend.cpp):
+// row gather and scatter-add, the row-wise softmax cross-entropy (forward writes probabilities in place of the
+// logits and adds the loss / correct count into one scalar each), its gradient, and tanh forward/backward.
+#include <cfloat>
+#include <climits>
+
+#include "ops/cuda/check.h"
+#include "ops/cuda/kernels.cuh"
+
+namespace nopad::cuda {
+namespace {
+
+constexpr int kThreads = 256;
+
+// dst[i] = src[index[i]] for rows of H (H % 8 == 0): one block per row, 16-byte vectors.
+__global__ void gather_rows_kernel(const bf* __restrict__ src, const int32_t* __restrict__ index, int32_t H,
+                                   bf* __restrict__ dst) {
+  const int64_t i = blockIdx.x;
+  const bf* s = src + int64_t{index[i]} * H;
+  bf* d = dst + i * H;
+  for (int j = threadIdx.x * 8; j < H; j += blockDim.x * 8)
+    *reinterpret_cast<Bf16x8*>(d + j) = *reinterpret_cast<const Bf16x8*>(s + j);
+}
+
+// dst[index[i]] += src[i] (fp32 add, one rounding). Rows of index must be distinct (each is one block).
+__global__ void scatter_add_rows_kernel(const bf* __restrict__ src, const int32_t* __restrict__ index, int32_t H,
+                                        bf* __restrict__ dst) {
+  const int64_t i = blockIdx.x;
+  const bf* s = src + i * H;
+  bf* d = dst + int64_t{index[i]} * H;
+  for (int j = threadIdx.x * 8; j < H; j += blockDim.x * 8) {
+    float a[8], b[8];
+    load8(d + j, a);
+    load8(s + j, b);
+#pragma unroll
+    for (int e = 0; e < 8; ++e) a[e] += b[e];
+    store8(d + j, a);
+  }
+}
+
+// One block per row of V logits: max/argmax (first index on ties, as the twin's strict '>'), log-sum-exp, then
+// probabilities in place. The row's loss and hit are added with one atomic each after the block reductions (the
+// float sum's order over rows is not fixed: loss_sum may differ in the last bits between runs).
+template <int kBlock>
+__global__ void __launch_bounds__(kBlock) softmax_ce_kernel(bf* __restrict__ logits, const int32_t* __restrict__ labels,
+                                                            int32_t V, float* loss_sum, int32_t* num_correct) {
+  __shared__ float red_v[32];
+  __shared__ int red_i[32];
+  __shared__ float red_s[32];
+  bf* l = logits + static_cast<int64_t>(blockIdx.x) * V;
+  const int label = labels[blockIdx.x];
+  const float label_logit = __bfloat162float(l[label]);  // read before the row is overwritten
+
+  float mx = -FLT_MAX;  // -inf would make exp(-inf - -inf) = NaN for an all -inf row; logits are finite here
+  int am = INT_MAX;
+  for (int v = threadIdx.x; v < V; v += kBlock) {
+    const float x = __bfloat162float(l[v]);
+    if (x > mx) {  // v increases within a thread: keeps the first maximum
+      mx = x;
+      am = v;
+    }
+  }
+  // (value, index) reduction: larger value wins, equal values keep the smaller index.
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) {
+    const float ov = __shfl_xor_sync(0xffffffffu, mx, o);
+    const int oi = __shfl_xor_sync(0xffffffffu, am, o);
+    if (ov > mx || (ov == mx && oi < am)) {
+      mx = ov;
+      am = oi;
+    }
+  }
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  if (lane == 0) {
+    red_v[warp] = mx;
+    red_i[warp] = am;
+  }
+  __syncthreads();
+  if (warp == 0) {
+    mx = lane < kBlock / 32 ? red_v[lane] : -FLT_MAX;
+    am = lane < kBlock / 32 ? red_i[lane] : INT_MAX;
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+      const float ov = __shfl_xor_sync(0xffffffffu, mx, o);
+      const int oi = __shfl_xor_sync(0xffffffffu, am, o);
+      if (ov > mx || (ov == mx && oi < am)) {
+        mx = ov;
+        am = oi;
+      }
+    }
+    if (lane == 0) {
+      red_v[0] = mx;
+      red_i[0] = am;
+    }
+  }
+  __syncthreads();
+  mx = red_v[0];
+  am = red_i[0];
+
+  float sum = 0.0f;
+  for (int v = threadIdx.x; v < V; v += kBlock) sum += expf(__bfloat162float(l[v]) - mx);
+  sum = block_sum(sum, red_s);
+  const float lse = mx + logf(sum);
+  for (int v = threadIdx.x; v < V; v += kBlock) l[v] = __float2bfloat16_rn(expf(__bfloat162float(l[v]) - lse));
+  if (threadIdx.x == 0) {
+    atomicAdd(loss_sum, lse - label_logit);
+    atomicAdd(num_correct, am == label ? 1 : 0);
+  }
+}
+
+// d_logits = scale * (probs - onehot(label)), in place.
+__global__ void ce_backward_kernel(bf* __restrict__ probs, const int32_t* __restrict__ labels, int32_t rows,
+                                   int32_t V, float scale) {
+  const int64_t count = static_cast<int64_t>(rows) * V;
+  for (int64_t e = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; e < count;
+       e += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t r = e / V;
+    const int32_t v = static_cast<int32_t>(e - r * V);
+    float d = __bfloat162float(probs[e]) * scale;
+    if (v == labels[r]) d -= scale;
+    probs[e] = __float2bfloat16_rn(d);
+  }
+}
+
+__global__ void tanh_forward_kernel(bf* x, int64_t count) {
+  for (int64_t e = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; e < count;
+       e += static_cast<int64_t>(gridDim.x) * blockDim.x)
+    x[e] = __float2bfloat16_rn(tanhf(__bfloat162float(x[e])));
+}
+
+// d *= 1 - y^2 (y = tanh output), in place.
+__global__ void tanh_backward_kernel(bf* d, const bf* __restrict__ y, int64_t count) {
+  for (int64_t e = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; e < count;
+       e += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const float t = __bfloat162float(y[e]);
+    d[e] = __float2bfloat16_rn(__bfloat162float(d[e]) * (1.0f - t * t));
+  }
+}
+
+int flat_blocks(int64_t count) {
+  const int64_t b = (count + kThreads - 1) / kThreads;
+  return static_cast<int>(b < 1 ? 1 : (b > 65536 ? 65536 : b));
+}
+
+void check_rows_h(int32_t H) { NOPAD_CHECK(H > 0 && H % 8 == 0, "CUDA head kernels need hidden % 8 == 0, got ", H); }
+
+}  // namespace
+
+void launch_gather_rows(const bf* src, const int32_t* index, int32_t count, int32_t H, bf* dst, cudaStream_t stream) {
+  check_rows_h(H);
+  if (count <= 0) return;
+  gather_rows_kernel<<<count, 128, 0, stream>>>(src, index, H, dst);
+  NOPAD_CUDA_CHECK_LAUNCH();
+}
+
+void launch_scatter_add_rows(const bf* src, const int32_t* index, int32_t count, int32_t H, bf* dst,
+                             cudaStream_t stream) {
+  check_rows_h(H);
+  if (count <= 0) return;
+  scatter_add_rows_kernel<<<count, 128, 0, stream>>>(src, index, H, dst);
+  NOPAD_CUDA_CHECK_LAUNCH();
+}
+
+void launch_softmax_ce_forward(bf* logits, const int32_t* labels, int32_t rows, int32_t V, float* loss_sum,
+                               int32_t* num_correct, cudaStream_t stream) {
+  if (rows <= 0) return;
+  NOPAD_CHECK(V > 0, "softmax cross-entropy over an empty vocabulary");
+  if (V >= 4096) {
+    softmax_ce_kernel<1024><<<rows, 1024, 0, stream>>>(logits, labels, V, loss_sum, num_correct);
+  } else {
+    softmax_ce_kernel<64><<<rows, 64, 0, stream>>>(logits, labels, V, loss_sum, num_correct);
+  }
+  NOPAD_CUDA_CHECK_LAUNCH();
+}
+
+void launch_ce_backward(bf* probs, const int32_t* labels, int32_t rows, int32_t V, float scale, cudaStream_t stream) {
+  const int64_t count = static_cast<int64_t>(rows) * V;
+  if (count <= 0) return;
+  ce_backward_kernel<<<flat_blocks(count), kThreads, 0, stream>>>(probs, labels, rows, V, scale);
+  NOPAD_CUDA_CHECK_LAUNCH();
+}
+
+void launch_tanh_forward(bf* x, int64_t count, cudaStream_t stream) {
+  if (count <= 0) return;
+  tanh_forward_kernel<<<flat_blocks(count), kThreads, 0, stream>>>(x, count);
+  NOPAD_CUDA_CHECK_LAUNCH();
+}
+
+void launch_tanh_backward(bf* d, const bf* y, int64_t count, cudaStream_t stream) {
+  if (count <= 0) return;
+  tanh_backward_kernel<<<flat_blocks(count), kThreads, 0, stream>>>(d, y, count);
+  NOPAD_CUDA_CHECK_LAUNCH();
+}
+
+}  // namespace nopad::cuda

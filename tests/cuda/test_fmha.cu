@@ -1,0 +1,545 @@
+// GPU tests of the FMHA kernels (src/ops/cuda/fmha.h) against (a) the fp32 CPU twin
+// ops::CpuBackend<CpuF32>::attention_forward/backward and (b) a float64 reference written here, on the same inputs
+// (random values rounded to bf16/fp16, so every implementation sees identical numbers).
+//
+// Each case prints its relative errors ||x - ref64|| / ||ref64|| for the GPU and for the CPU twin, so a failure report
+// shows by how much a bound was missed.
+#include <cuda_runtime.h>
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <random>
+#include <vector>
+
+#include "core/dtype.h"
+#include "core/error.h"
+#include "core/philox.h"
+#include "ops/cpu/cpu_backend.h"
+#include "ops/cuda/fmha.h"
+
+namespace nopad::cuda {
+namespace {
+
+#define CK(call)                                                                                 \
+  do {                                                                                           \
+    const cudaError_t e_ = (call);                                                               \
+    ASSERT_EQ(e_, cudaSuccess) << #call << ": " << cudaGetErrorString(e_) << " at line " << __LINE__; \
+  } while (0)
+
+template <class T>
+struct DevBuf {
+  T* ptr = nullptr;
+  size_t count = 0;
+  explicit DevBuf(size_t n) : count(n) {
+    if (cudaMalloc(&ptr, std::max<size_t>(n, 1) * sizeof(T)) != cudaSuccess) ptr = nullptr;
+  }
+  ~DevBuf() {
+    if (ptr) cudaFree(ptr);
+  }
+  DevBuf(const DevBuf&) = delete;
+  DevBuf& operator=(const DevBuf&) = delete;
+  size_t bytes() const { return count * sizeof(T); }
+};
+
+bool have_gpu() {
+  int n = 0;
+  return cudaGetDeviceCount(&n) == cudaSuccess && n > 0;
+}
+
+// Host storage: 16-bit bits + the exact float value they encode.
+uint16_t round16(float x, bool fp16, float& exact) {
+  if (fp16) {
+    const f16 h = to_f16(x);
+    exact = to_float(h);
+    return h.bits;
+  }
+  const bf16 b = to_bf16(x);
+  exact = to_float(b);
+  return b.bits;
+}
+float from16(uint16_t bits, bool fp16) { return fp16 ? to_float(f16{bits}) : to_float(bf16{bits}); }
+
+double rel_err(const std::vector<double>& ref, const std::vector<float>& x) {
+  double num = 0, den = 0;
+  for (size_t i = 0; i < ref.size(); ++i) {
+    const double d = static_cast<double>(x[i]) - ref[i];
+    num += d * d;
+    den += ref[i] * ref[i];
+  }
+  return std::sqrt(num / std::max(den, 1e-300));
+}
+// max_i |x - ref| / max_i |ref|: catches a few wrong elements that a norm would average away (e.g. one mask bit).
+double max_err(const std::vector<double>& ref, const std::vector<float>& x) {
+  double num = 0, den = 0;
+  for (size_t i = 0; i < ref.size(); ++i) {
+    num = std::max(num, std::fabs(static_cast<double>(x[i]) - ref[i]));
+    den = std::max(den, std::fabs(ref[i]));
+  }
+  return num / std::max(den, 1e-300);
+}
+size_t count_nonfinite(const std::vector<float>& x) {
+  return static_cast<size_t>(std::count_if(x.begin(), x.end(), [](float v) { return !std::isfinite(v); }));
+}
+
+struct Problem {
+  std::vector<int32_t> lens, cu;
+  std::vector<uint64_t> sample_ids;
+  int T = 0, heads = 0, hd = 0, max_len = 0;
+  bool fp16 = false;
+  float p = 0.0f;
+  uint64_t seed = 1234, step = 7;
+  uint32_t op_id = 3;
+  std::vector<uint16_t> qkv16, dctx16;  // device inputs
+  std::vector<float> qkv, dctx;         // the same values as floats
+  int H() const { return heads * hd; }
+};
+
+Problem make_problem(const std::vector<int32_t>& lens, int heads, int hd, float p, bool fp16, uint32_t rng_seed) {
+  Problem pr;
+  pr.lens = lens;
+  pr.heads = heads;
+  pr.hd = hd;
+  pr.p = p;
+  pr.fp16 = fp16;
+  pr.cu.push_back(0);
+  for (size_t b = 0; b < lens.size(); ++b) {
+    pr.cu.push_back(pr.cu.back() + lens[b]);
+    pr.sample_ids.push_back(1000003ull * (b + 1) + 17);
+    pr.max_len = std::max(pr.max_len, lens[b]);
+  }
+  pr.T = pr.cu.back();
+  std::mt19937 rng(rng_seed);
+  // q, k spread so that softmax rows are neither flat nor one-hot: |scores| up to a few units.
+  std::uniform_real_distribution<float> uq(-1.5f, 1.5f), uv(-1.0f, 1.0f);
+  const size_t n = static_cast<size_t>(pr.T) * 3 * pr.H();
+  pr.qkv16.resize(n);
+  pr.qkv.resize(n);
+  for (size_t i = 0; i < n; ++i) {
+    const bool is_v = (i % (3 * pr.H())) >= static_cast<size_t>(2 * pr.H());
+    pr.qkv16[i] = round16(is_v ? uv(rng) : uq(rng), fp16, pr.qkv[i]);
+  }
+  const size_t m = static_cast<size_t>(pr.T) * pr.H();
+  pr.dctx16.resize(m);
+  pr.dctx.resize(m);
+  for (size_t i = 0; i < m; ++i) pr.dctx16[i] = round16(uv(rng), fp16, pr.dctx[i]);
+  return pr;
+}
+
+// ------------------------------------------------------------------------------------------ float64 reference
+struct Ref {
+  std::vector<double> ctx, lse, dqkv;
+};
+Ref reference64(const Problem& pr) {
+  const int H = pr.H(), hd = pr.hd;
+  const int64_t ld = 3 * int64_t{H};
+  const double scale = 1.0 / std::sqrt(static_cast<double>(hd));
+  const uint64_t key = dropout_stream_key(pr.seed, pr.step, pr.op_id);
+  const double inv_keep = 1.0 / (1.0 - static_cast<double>(pr.p));
+  Ref r;
+  r.ctx.assign(static_cast<size_t>(pr.T) * H, 0.0);
+  r.lse.assign(static_cast<size_t>(pr.heads) * pr.T, 0.0);
+  r.dqkv.assign(static_cast<size_t>(pr.T) * ld, 0.0);
+  const auto& x = pr.qkv;
+  std::vector<double> P, M, dP;
+  for (size_t b = 0; b < pr.lens.size(); ++b) {
+    const int s0 = pr.cu[b], L = pr.lens[b];
+    P.assign(static_cast<size_t>(L) * L, 0);
+    M.assign(static_cast<size_t>(L) * L, 0);
+    dP.assign(static_cast<size_t>(L) * L, 0);
+    for (int h = 0; h < pr.heads; ++h) {
+      auto q = [&](int i, int d) { return static_cast<double>(x[(s0 + i) * ld + h * hd + d]); };
+      auto k = [&](int j, int d) { return static_cast<double>(x[(s0 + j) * ld + H + h * hd + d]); };
+      auto v = [&](int j, int d) { return static_cast<double>(x[(s0 + j) * ld + 2 * H + h * hd + d]); };
+      auto dO = [&](int i, int d) { return static_cast<double>(pr.dctx[static_cast<size_t>(s0 + i) * H + h * hd + d]); };
+      for (int i = 0; i < L; ++i) {
+        double mx = -INFINITY;
+        for (int j = 0; j < L; ++j) {
+          double sc = 0;
+          for (int d = 0; d < hd; ++d) sc += q(i, d) * k(j, d);
+          P[i * L + j] = sc * scale;
+          mx = std::max(mx, P[i * L + j]);
+        }
+        double sum = 0;
+        for (int j = 0; j < L; ++j) sum += (P[i * L + j] = std::exp(P[i * L + j] - mx));
+        r.lse[static_cast<size_t>(h) * pr.T + s0 + i] = mx + std::log(sum);
+        for (int j = 0; j < L; ++j) {
+          P[i * L + j] /= sum;
+          M[i * L + j] = dropout_keep_key(key, pr.sample_ids[b], element_attention(h, i, j), pr.p) ? inv_keep : 0.0;
+        }
+        for (int d = 0; d < hd; ++d) {
+          double o = 0;
+          for (int j = 0; j < L; ++j) o += P[i * L + j] * M[i * L + j] * v(j, d);
+          r.ctx[static_cast<size_t>(s0 + i) * H + h * hd + d] = o;
+        }
+      }
+      // Backward.
+      for (int i = 0; i < L; ++i) {
+        double D = 0;
+        for (int d = 0; d < hd; ++d) D += dO(i, d) * r.ctx[static_cast<size_t>(s0 + i) * H + h * hd + d];
+        for (int j = 0; j < L; ++j) {
+          double dp = 0;
+          for (int d = 0; d < hd; ++d) dp += dO(i, d) * v(j, d);
+          dP[i * L + j] = P[i * L + j] * (dp * M[i * L + j] - D) * scale;  // dS, scaled
+        }
+      }
+      for (int i = 0; i < L; ++i)
+        for (int d = 0; d < hd; ++d) {
+          double dq = 0;
+          for (int j = 0; j < L; ++j) dq += dP[i * L + j] * k(j, d);
+          r.dqkv[(s0 + i) * ld + h * hd + d] = dq;
+        }
+      for (int j = 0; j < L; ++j)
+        for (int d = 0; d < hd; ++d) {
+          double dk = 0, dv = 0;
+          for (int i = 0; i < L; ++i) {
+            dk += dP[i * L + j] * q(i, d);
+            dv += P[i * L + j] * M[i * L + j] * dO(i, d);
+          }
+          r.dqkv[(s0 + j) * ld + H + h * hd + d] = dk;
+          r.dqkv[(s0 + j) * ld + 2 * H + h * hd + d] = dv;
+        }
+    }
+  }
+  return r;
+}
+
+// ------------------------------------------------------------------------------------------ CPU twin (fp32)
+struct Out {
+  std::vector<float> ctx, lse, dqkv;
+};
+Out cpu_twin(const Problem& pr) {
+  ops::CpuBackend<ops::CpuF32> cpu(0);
+  ops::SeqView seqs;
+  seqs.num_tokens = pr.T;
+  seqs.num_seqs = static_cast<int32_t>(pr.lens.size());
+  seqs.max_seqlen = pr.max_len;
+  seqs.cu_seqlens = pr.cu.data();
+  seqs.sample_ids = pr.sample_ids.data();
+  ops::Dropout drop;
+  drop.p = pr.p;
+  drop.seed = pr.seed;
+  drop.step = pr.step;
+  drop.op_id = pr.op_id;
+  Out o;
+  o.ctx.resize(static_cast<size_t>(pr.T) * pr.H());
+  o.lse.resize(static_cast<size_t>(pr.heads) * pr.T);
+  o.dqkv.resize(static_cast<size_t>(pr.T) * 3 * pr.H());
+  cpu.attention_forward(pr.qkv.data(), seqs, pr.heads, pr.hd, drop, o.ctx.data(), o.lse.data());
+  cpu.attention_backward(pr.dctx.data(), pr.qkv.data(), o.ctx.data(), o.lse.data(), seqs, pr.heads, pr.hd, drop,
+                         o.dqkv.data());
+  return o;
+}
+
+// ------------------------------------------------------------------------------------------ GPU
+struct GpuRun {
+  DevBuf<uint16_t> qkv, ctx, dctx, dqkv;
+  DevBuf<float> lse;
+  DevBuf<int32_t> cu, idx;
+  DevBuf<uint64_t> sid;
+  DevBuf<unsigned char> ws;
+  FmhaParams p;
+  explicit GpuRun(const Problem& pr)
+      : qkv(pr.qkv16.size()),
+        ctx(static_cast<size_t>(pr.T) * pr.H()),
+        dctx(static_cast<size_t>(pr.T) * pr.H()),
+        dqkv(pr.qkv16.size()),
+        lse(static_cast<size_t>(pr.heads) * pr.T),
+        cu(pr.cu.size()),
+        idx(pr.lens.size()),
+        sid(pr.sample_ids.size()),
+        ws(fmha_backward_workspace_bytes(pr.T, pr.heads, pr.hd)) {
+    p.qkv = qkv.ptr;
+    p.ctx = ctx.ptr;
+    p.lse = lse.ptr;
+    p.d_ctx = dctx.ptr;
+    p.d_qkv = dqkv.ptr;
+    p.workspace = ws.ptr;
+    p.workspace_bytes = ws.bytes();
+    p.cu_seqlens = cu.ptr;
+    p.sample_ids = sid.ptr;
+    p.num_seqs = static_cast<int32_t>(pr.lens.size());
+    p.num_launch_seqs = p.num_seqs;
+    p.num_tokens = pr.T;
+    p.max_seqlen = pr.max_len;
+    p.num_heads = pr.heads;
+    p.head_dim = pr.hd;
+    p.scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(pr.hd)));
+    p.dropout_p = pr.p;
+    p.seed = pr.seed;
+    p.step = pr.step;
+    p.op_id = pr.op_id;
+    p.fp16 = pr.fp16;
+  }
+  bool ok() const { return qkv.ptr && ctx.ptr && dctx.ptr && dqkv.ptr && lse.ptr && cu.ptr && idx.ptr && sid.ptr && ws.ptr; }
+};
+
+void upload(GpuRun& g, const Problem& pr) {
+  ASSERT_TRUE(g.ok()) << "cudaMalloc failed";
+  CK(cudaMemcpy(g.qkv.ptr, pr.qkv16.data(), g.qkv.bytes(), cudaMemcpyHostToDevice));
+  CK(cudaMemcpy(g.dctx.ptr, pr.dctx16.data(), g.dctx.bytes(), cudaMemcpyHostToDevice));
+  CK(cudaMemcpy(g.cu.ptr, pr.cu.data(), g.cu.bytes(), cudaMemcpyHostToDevice));
+  CK(cudaMemcpy(g.sid.ptr, pr.sample_ids.data(), g.sid.bytes(), cudaMemcpyHostToDevice));
+}
+// 0xFF everywhere an output goes (NaN in bf16/fp16/fp32), so an element the kernels forget shows up as non-finite.
+void poison(GpuRun& g) {
+  CK(cudaMemset(g.ctx.ptr, 0xFF, g.ctx.bytes()));
+  CK(cudaMemset(g.lse.ptr, 0xFF, g.lse.bytes()));
+  CK(cudaMemset(g.dqkv.ptr, 0xFF, g.dqkv.bytes()));
+  CK(cudaMemset(g.ws.ptr, 0xFF, g.ws.bytes()));  // fmha_backward must zero what it accumulates into
+}
+Out download(GpuRun& g, const Problem& pr) {
+  Out o;
+  std::vector<uint16_t> c(g.ctx.count), d(g.dqkv.count);
+  o.lse.resize(g.lse.count);
+  EXPECT_EQ(cudaMemcpy(c.data(), g.ctx.ptr, g.ctx.bytes(), cudaMemcpyDeviceToHost), cudaSuccess);
+  EXPECT_EQ(cudaMemcpy(d.data(), g.dqkv.ptr, g.dqkv.bytes(), cudaMemcpyDeviceToHost), cudaSuccess);
+  EXPECT_EQ(cudaMemcpy(o.lse.data(), g.lse.ptr, g.lse.bytes(), cudaMemcpyDeviceToHost), cudaSuccess);
+  o.ctx.resize(c.size());
+  o.dqkv.resize(d.size());
+  for (size_t i = 0; i < c.size(); ++i) o.ctx[i] = from16(c[i], pr.fp16);
+  for (size_t i = 0; i < d.size(); ++i) o.dqkv[i] = from16(d[i], pr.fp16);
+  return o;
+}
+
+// Splits d_qkv [T, 3H] into its q, k, v blocks.
+std::vector<double> block_of(const std::vector<double>& x, const Problem& pr, int blk) {
+  std::vector<double> r;
+  const int H = pr.H();
+  for (int t = 0; t < pr.T; ++t)
+    for (int c = 0; c < H; ++c) r.push_back(x[static_cast<size_t>(t) * 3 * H + blk * H + c]);
+  return r;
+}
+std::vector<float> block_of(const std::vector<float>& x, const Problem& pr, int blk) {
+  std::vector<float> r;
+  const int H = pr.H();
+  for (int t = 0; t < pr.T; ++t)
+    for (int c = 0; c < H; ++c) r.push_back(x[static_cast<size_t>(t) * 3 * H + blk * H + c]);
+  return r;
+}
+
+// Tolerances. The CPU twin computes in fp32 from the same (already rounded) inputs, so its error against the float64
+// reference (~1e-7) is a measure of pure fp32 arithmetic noise; 3x that allows for the GPU's different (tiled, online-
+// softmax) summation order. On top of that the GPU necessarily rounds to 16 bits where the CPU twin does not:
+//   forward: P before the P V product, and ctx itself (unit roundoff u = 2^-8 for bf16, 2^-11 for fp16): per-element
+//            relative errors <= u/2 that are independent, so the norm-relative error is about u/2 .. u; floor 1.5 u.
+//   lse:     computed in fp32 from exact 16-bit products: no 16-bit rounding at all; floor 1e-5.
+//   backward: additionally ctx (in D = dO.O), P' and dS in 16 bits before the tensor-core products, and the outputs;
+//            these compound (dS = P (dP - D) is a difference of similar numbers for peaked rows); floor 4 u.
+// Measured errors are printed, so the bounds can be tightened once real numbers are in.
+struct Tol {
+  double ctx, lse, grad;
+};
+Tol floors(bool fp16) {
+  const double u = fp16 ? 1.0 / 2048 : 1.0 / 256;
+  return {1.5 * u, 1e-5, 4 * u};
+}
+
+void compare_all(const Problem& pr, const Out& gpu, const Out& cpu, const Ref& ref, const char* what) {
+  const Tol f = floors(pr.fp16);
+  ASSERT_EQ(count_nonfinite(gpu.ctx), 0u) << what << ": ctx elements not written (poison 0xFF survived) or NaN";
+  ASSERT_EQ(count_nonfinite(gpu.lse), 0u) << what << ": lse elements not written or NaN";
+  ASSERT_EQ(count_nonfinite(gpu.dqkv), 0u) << what << ": d_qkv elements not written or NaN";
+  struct Item {
+    const char* name;
+    std::vector<double> r;
+    std::vector<float> g, c;
+    double floor;
+  };
+  std::vector<Item> items;
+  items.push_back({"ctx", ref.ctx, gpu.ctx, cpu.ctx, f.ctx});
+  items.push_back({"lse", ref.lse, gpu.lse, cpu.lse, f.lse});
+  const char* names[3] = {"dq", "dk", "dv"};
+  for (int blk = 0; blk < 3; ++blk)
+    items.push_back({names[blk], block_of(ref.dqkv, pr, blk), block_of(gpu.dqkv, pr, blk),
+                     block_of(cpu.dqkv, pr, blk), f.grad});
+  for (const Item& it : items) {
+    const double eg = rel_err(it.r, it.g), ec = rel_err(it.r, it.c);
+    const double mg = max_err(it.r, it.g), mc = max_err(it.r, it.c);
+    const double bound = 3 * ec + it.floor;
+    std::printf("  [%s] %-3s  rel err gpu %.3e  cpu %.3e  (bound %.3e)   max err gpu %.3e  cpu %.3e\n", what, it.name,
+                eg, ec, bound, mg, mc);
+    EXPECT_LE(eg, bound) << what << ": " << it.name << " relative error of the GPU vs float64 exceeds the bound";
+    // Element-wise: a wrong mask bit or a mis-tiled row shows here even when the norm hides it. 10x the norm floor
+    // covers the tail of the per-element rounding distribution.
+    EXPECT_LE(mg, 3 * mc + 10 * it.floor) << what << ": " << it.name << " worst element of the GPU vs float64";
+  }
+}
+
+void run_case(const std::vector<int32_t>& lens, int heads, int hd, float p, bool fp16, const char* what) {
+  if (!have_gpu()) GTEST_SKIP() << "no GPU";
+  const Problem pr = make_problem(lens, heads, hd, p, fp16, 42);
+  GpuRun g(pr);
+  upload(g, pr);
+  poison(g);
+  fmha_forward(g.p, nullptr);
+  fmha_backward(g.p, nullptr);
+  CK(cudaDeviceSynchronize());
+  const Out gpu = download(g, pr);
+  const Out cpu = cpu_twin(pr);
+  const Ref ref = reference64(pr);
+  compare_all(pr, gpu, cpu, ref, what);
+}
+
+const std::vector<int32_t> kMixedLens = {1, 2, 17, 63, 64, 65, 127, 128, 129, 255, 511, 512, 700};
+
+TEST(Fmha, Bf16Hd64Heads16MixedLengths) { run_case(kMixedLens, 16, 64, 0.0f, false, "bf16 hd64 h16"); }
+TEST(Fmha, Bf16Hd64Heads2MixedLengths) { run_case(kMixedLens, 2, 64, 0.0f, false, "bf16 hd64 h2"); }
+TEST(Fmha, Bf16Hd64Heads16Dropout) { run_case(kMixedLens, 16, 64, 0.1f, false, "bf16 hd64 h16 p0.1"); }
+TEST(Fmha, Fp16Hd64Heads2Dropout) { run_case(kMixedLens, 2, 64, 0.1f, true, "fp16 hd64 h2 p0.1"); }
+TEST(Fmha, Bf16Hd32Heads2Dropout) { run_case({1, 17, 64, 65, 200}, 2, 32, 0.1f, false, "bf16 hd32 h2 p0.1"); }
+TEST(Fmha, Bf16Hd128Heads2Dropout) { run_case({1, 17, 64, 65, 200}, 2, 128, 0.1f, false, "bf16 hd128 h2 p0.1"); }
+
+// The mask the kernels must reproduce drops a fraction p of the attention probabilities: count on the host with the
+// same Philox function over every (sequence, head, query, key) of the mixed batch; within 5 sigma of p.
+TEST(Fmha, DropoutFractionOfTheMask) {
+  const Problem pr = make_problem(kMixedLens, 16, 64, 0.1f, false, 1);
+  const uint64_t key = dropout_stream_key(pr.seed, pr.step, pr.op_id);
+  uint64_t dropped = 0, total = 0;
+  for (size_t b = 0; b < pr.lens.size(); ++b)
+    for (int h = 0; h < pr.heads; ++h)
+      for (int i = 0; i < pr.lens[b]; ++i)
+        for (int j = 0; j < pr.lens[b]; ++j) {
+          dropped += dropout_keep_key(key, pr.sample_ids[b], element_attention(h, i, j), pr.p) ? 0 : 1;
+          ++total;
+        }
+  const double frac = static_cast<double>(dropped) / static_cast<double>(total);
+  const double sigma = std::sqrt(0.1 * 0.9 / static_cast<double>(total));
+  std::printf("  dropped %llu of %llu = %.5f (p = 0.1, sigma %.2e)\n", static_cast<unsigned long long>(dropped),
+              static_cast<unsigned long long>(total), frac, sigma);
+  EXPECT_LE(std::fabs(frac - 0.1), 5 * sigma);
+}
+
+// Grouped launches: the short and the long sequences as two launches (seq_index subsets, one shared workspace) give
+// the same results as one launch over all sequences. ctx, lse, dk, dv are deterministic (bitwise equal); dq is summed
+// with float atomics in an unspecified order, so it is compared to 1 unit in the last 16-bit place.
+TEST(Fmha, SeqIndexSubsetsMatchOneLaunch) {
+  if (!have_gpu()) GTEST_SKIP() << "no GPU";
+  const std::vector<int32_t> lens = {700, 17, 129, 1, 512, 64, 65, 255, 2, 128};
+  const Problem pr = make_problem(lens, 16, 64, 0.1f, false, 7);
+  GpuRun g(pr);
+  upload(g, pr);
+  poison(g);
+  fmha_forward(g.p, nullptr);
+  fmha_backward(g.p, nullptr);
+  CK(cudaDeviceSynchronize());
+  const Out one = download(g, pr);
+
+  std::vector<int32_t> short_idx, long_idx;
+  int short_max = 0, long_max = 0;
+  for (size_t b = 0; b < lens.size(); ++b) {
+    if (lens[b] <= 128) {
+      short_idx.push_back(static_cast<int32_t>(b));
+      short_max = std::max(short_max, lens[b]);
+    } else {
+      long_idx.push_back(static_cast<int32_t>(b));
+      long_max = std::max(long_max, lens[b]);
+    }
+  }
+  std::vector<int32_t> all_idx = short_idx;
+  all_idx.insert(all_idx.end(), long_idx.begin(), long_idx.end());
+  CK(cudaMemcpy(g.idx.ptr, all_idx.data(), all_idx.size() * sizeof(int32_t), cudaMemcpyHostToDevice));
+  poison(g);
+  FmhaParams ps = g.p, pl = g.p;
+  ps.seq_index = g.idx.ptr;
+  ps.num_launch_seqs = static_cast<int32_t>(short_idx.size());
+  ps.max_seqlen = short_max;
+  pl.seq_index = g.idx.ptr + short_idx.size();
+  pl.num_launch_seqs = static_cast<int32_t>(long_idx.size());
+  pl.max_seqlen = long_max;
+  fmha_forward(pl, nullptr);
+  fmha_forward(ps, nullptr);
+  fmha_backward(ps, nullptr);
+  fmha_backward(pl, nullptr);
+  CK(cudaDeviceSynchronize());
+  const Out two = download(g, pr);
+  ASSERT_EQ(count_nonfinite(two.ctx) + count_nonfinite(two.lse) + count_nonfinite(two.dqkv), 0u)
+      << "the two subset launches left elements unwritten";
+  EXPECT_EQ(0, std::memcmp(one.ctx.data(), two.ctx.data(), one.ctx.size() * sizeof(float))) << "ctx differs";
+  EXPECT_EQ(0, std::memcmp(one.lse.data(), two.lse.data(), one.lse.size() * sizeof(float))) << "lse differs";
+  const int H = pr.H();
+  size_t bad_kv = 0, bad_q = 0;
+  for (int t = 0; t < pr.T; ++t)
+    for (int c = 0; c < 3 * H; ++c) {
+      const float a = one.dqkv[static_cast<size_t>(t) * 3 * H + c], b = two.dqkv[static_cast<size_t>(t) * 3 * H + c];
+      if (c >= H) {
+        bad_kv += a != b;
+      } else {
+        bad_q += std::fabs(a - b) > std::fabs(a) * (1.0f / 128) + 1e-6f;
+      }
+    }
+  EXPECT_EQ(bad_kv, 0u) << "dk/dv elements differ between one launch and two subset launches";
+  EXPECT_EQ(bad_q, 0u) << "dq elements differ by more than one bf16 ulp between one launch and two subset launches";
+}
+
+TEST(Fmha, RejectsBadParams) {
+  FmhaParams p;
+  alignas(16) int dummy[4] = {0, 0, 0, 0};
+  p.qkv = p.ctx = dummy;
+  p.lse = reinterpret_cast<float*>(dummy);
+  p.cu_seqlens = dummy;
+  p.num_seqs = 1;
+  p.num_tokens = 1;
+  p.max_seqlen = 1;
+  p.num_heads = 1;
+  p.head_dim = 48;
+  EXPECT_THROW(fmha_forward(p, nullptr), nopad::Error) << "head_dim 48";
+  p.head_dim = 64;
+  p.qkv = nullptr;
+  EXPECT_THROW(fmha_forward(p, nullptr), nopad::Error) << "null qkv";
+  p.qkv = dummy;
+  p.dropout_p = 0.1f;
+  EXPECT_THROW(fmha_forward(p, nullptr), nopad::Error) << "dropout without sample_ids";
+  p.dropout_p = 0.0f;
+  p.d_ctx = p.d_qkv = p.workspace = dummy;
+  p.workspace_bytes = 4;
+  EXPECT_THROW(fmha_backward(p, nullptr), nopad::Error) << "workspace too small";
+}
+
+// Performance smoke (prints only): 64 sequences, mean length ~256, 16 heads x 64, bf16, dropout 0.1.
+TEST(Fmha, PerfSmoke) {
+  if (!have_gpu()) GTEST_SKIP() << "no GPU";
+  std::mt19937 rng(5);
+  std::uniform_int_distribution<int> len(128, 384);
+  std::vector<int32_t> lens(64);
+  for (auto& l : lens) l = len(rng);
+  Problem pr = make_problem(lens, 16, 64, 0.1f, false, 9);
+  GpuRun g(pr);
+  upload(g, pr);
+  double flop = 0;
+  for (int l : lens) flop += 4.0 * l * l * pr.hd * pr.heads;
+  cudaEvent_t e0, e1;
+  CK(cudaEventCreate(&e0));
+  CK(cudaEventCreate(&e1));
+  const int iters = 20;
+  fmha_forward(g.p, nullptr);
+  fmha_backward(g.p, nullptr);
+  CK(cudaEventRecord(e0));
+  for (int i = 0; i < iters; ++i) fmha_forward(g.p, nullptr);
+  CK(cudaEventRecord(e1));
+  CK(cudaEventSynchronize(e1));
+  float ms_f = 0;
+  CK(cudaEventElapsedTime(&ms_f, e0, e1));
+  CK(cudaEventRecord(e0));
+  for (int i = 0; i < iters; ++i) {
+    fmha_forward(g.p, nullptr);
+    fmha_backward(g.p, nullptr);
+  }
+  CK(cudaEventRecord(e1));
+  CK(cudaEventSynchronize(e1));
+  float ms_fb = 0;
+  CK(cudaEventElapsedTime(&ms_fb, e0, e1));
+  ms_f /= iters;
+  ms_fb /= iters;
+  std::printf("  fmha perf: T=%d, 16x64, p=0.1: forward %.3f ms (%.1f TFLOP/s), forward+backward %.3f ms "
+              "(%.1f TFLOP/s counting 3.5x the forward FLOPs)\n",
+              pr.T, ms_f, flop / ms_f * 1e-9, ms_fb, 3.5 * flop / ms_fb * 1e-9);
+  CK(cudaEventDestroy(e0));
+  CK(cudaEventDestroy(e1));
+}
+
+}  // namespace
+}  // namespace nopad::cuda
