@@ -140,5 +140,6 @@ class BertModel {
 
 extern template class BertModel<ops::CpuF32>;
 extern template class BertModel<ops::CpuF64>;
+extern template class BertModel<ops::GpuBf16>;
 
 }  // namespace nopad

@@ -370,7 +370,7 @@ void compare_all(const Problem& pr, const Out& gpu, const Out& cpu, const Ref& r
 }
 
 void run_case(const std::vector<int32_t>& lens, int heads, int hd, float p, bool fp16, const char* what) {
-  if (!have_gpu()) GTEST_SKIP() << "no GPU";
+  ASSERT_TRUE(have_gpu()) << "no CUDA device: nopad_cuda_tests runs on a GPU machine (scripts/gpu-tests.sh)";
   const Problem pr = make_problem(lens, heads, hd, p, fp16, 42);
   GpuRun g(pr);
   upload(g, pr);
@@ -417,7 +417,7 @@ TEST(Fmha, DropoutFractionOfTheMask) {
 // the same results as one launch over all sequences. ctx, lse, dk, dv are deterministic (bitwise equal); dq is summed
 // with float atomics in an unspecified order, so it is compared to 1 unit in the last 16-bit place.
 TEST(Fmha, SeqIndexSubsetsMatchOneLaunch) {
-  if (!have_gpu()) GTEST_SKIP() << "no GPU";
+  ASSERT_TRUE(have_gpu()) << "no CUDA device: nopad_cuda_tests runs on a GPU machine (scripts/gpu-tests.sh)";
   const std::vector<int32_t> lens = {700, 17, 129, 1, 512, 64, 65, 255, 2, 128};
   const Problem pr = make_problem(lens, 16, 64, 0.1f, false, 7);
   GpuRun g(pr);
@@ -501,7 +501,7 @@ TEST(Fmha, RejectsBadParams) {
 
 // Performance smoke (prints only): 64 sequences, mean length ~256, 16 heads x 64, bf16, dropout 0.1.
 TEST(Fmha, PerfSmoke) {
-  if (!have_gpu()) GTEST_SKIP() << "no GPU";
+  ASSERT_TRUE(have_gpu()) << "no CUDA device: nopad_cuda_tests runs on a GPU machine (scripts/gpu-tests.sh)";
   std::mt19937 rng(5);
   std::uniform_int_distribution<int> len(128, 384);
   std::vector<int32_t> lens(64);
