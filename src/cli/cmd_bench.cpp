@@ -1,5 +1,6 @@
-// nopad bench: benchmarks as programs. `bench loader` times the batch builder on one core (synchronous mode: the
-// calling thread does all the work) or with the background loader thread, and prints one JSON line.
+// nopad bench: benchmarks as programs, each printing one JSON line. `bench loader` times the batch builder on one
+// core (synchronous mode: the calling thread does all the work) or with the background loader thread. `bench model`
+// times training steps of a BERT model on real batches (train/bench.h).
 #include <chrono>
 #include <cstdio>
 #include <memory>
@@ -9,6 +10,7 @@
 #include "core/error.h"
 #include "data/dataset.h"
 #include "data/loader.h"
+#include "train/bench.h"
 
 namespace {
 
@@ -61,8 +63,28 @@ void setup(CLI::App& sub) {
   loader->add_flag("--background", lo->background,
                    "build batches on the loader thread (default: on the calling thread, i.e. one core)");
   loader->callback([lo] { run_loader_bench(*lo); });
+
+  auto mo = std::make_shared<nopad::ModelBenchOptions>();
+  CLI::App* model = sub.add_subcommand("model", "training steps per second of a BERT model on real batches");
+  model->add_option("--model", mo->model, "model config.json")->required();
+  model->add_option("--data", mo->data, "dataset folder")->required();
+  model->add_option("--batch", mo->batch, "sequences per step")->capture_default_str();
+  model->add_option("--steps", mo->steps, "timed steps")->capture_default_str();
+  model->add_option("--warmup", mo->warmup, "untimed steps first")->capture_default_str();
+  model->add_option("--device", mo->device, "cuda or cpu")->capture_default_str();
+  model->add_option("--workload", mo->workload, "write the timed batches' 'length masked' lines here (for peers)");
+  model->add_option("--seed", mo->seed, "init, shuffle and dropout seed")->capture_default_str();
+  model->add_option("--dropout", mo->dropout, "dropout probability (default: the config's)");
+  model->add_option("--lr", mo->lr, "LAMB learning rate")->capture_default_str();
+  model->add_option("--threads", mo->threads, "CPU threads for --device cpu (0: all cores)")->capture_default_str();
+  model->add_flag("--per-step", mo->per_step, "synchronise after every step and report the median step time");
+  model->callback([mo] {
+    const nopad::ModelBenchResult r = nopad::run_model_bench(*mo);
+    std::printf("%s\n", r.json.c_str());
+    std::fflush(stdout);
+  });
 }
 
-NOPAD_REGISTER_COMMAND("bench", "benchmarks: loader (more with the GPU backend)", 70, setup);
+NOPAD_REGISTER_COMMAND("bench", "benchmarks: loader, model", 70, setup);
 
 }  // namespace

@@ -1,0 +1,67 @@
+#!/usr/bin/env bash
+# GPU benchmark run (on the GPU machine): builds nopad with CUDA, prepares real Wikipedia shards, times BERT-large
+# training steps at batch 32 and 64, then the peer benchmarks on the same sequences, and prints the JSON lines and
+# nopad/peer ratios. Everything is tee'd into $OUT/bench.log (OUT defaults to ./out).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+export PYTHONUNBUFFERED=1
+OUT=${OUT:-$PWD/out}
+mkdir -p "$OUT"
+LOG="$OUT/bench.log"
+: >"$LOG"
+exec > >(tee -a "$LOG") 2>&1
+
+echo "== $(date -u +%FT%TZ) $(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader 2>/dev/null || echo no-gpu)"
+
+NOPAD_SKIP_INSTALL=1 NOPAD_BUILD_DIR=build-gpu NOPAD_CMAKE_ARGS=-DNOPAD_CUDA=ON bash scripts/setup.sh
+NOPAD=build-gpu/nopad
+
+# Real Wikipedia shards, phase-2 settings (512 tokens, 76 predictions), one duplicate to keep preparation short.
+TXT=/tmp/nopad-enwiki-AA.txt
+SHARDS=/tmp/nopad-enwiki-shards
+if [ ! -f "$SHARDS/dataset.json" ]; then
+  xz -dc .carry/enwiki-20150515-AA.txt.xz >"$TXT"
+  rm -rf "$SHARDS"
+  "$NOPAD" prepare --input "$TXT" --vocab data/vocab/bert-uncased-vocab.txt --output "$SHARDS" \
+    --max-seq-length 512 --max-predictions 76 --dupe-factor 1 --quiet
+fi
+
+for B in 32 64; do
+  echo "== nopad bench model batch $B"
+  "$NOPAD" bench model --model data/configs/bert-large-mlperf.json --data "$SHARDS" --batch "$B" --steps 20 \
+    --warmup 5 --workload "$OUT/workload-$B.txt"
+done
+
+for B in 32 64; do
+  echo "== peer_torch_varlen batch $B"
+  python3 .carry/peers/peer_torch_varlen.py --batch "$B" --steps 20 --compile --lengths "$OUT/workload-$B.txt" ||
+    echo "peer_torch_varlen batch $B failed"
+done
+echo "== peer_hf_bert batch 32"
+python3 .carry/peers/peer_hf_bert.py --batch 32 --steps 10 --lengths "$OUT/workload-32.txt" ||
+  echo "peer_hf_bert failed"
+
+echo "== summary"
+python3 - "$LOG" <<'EOF'
+import json, sys
+rows = []
+for line in open(sys.argv[1]):
+    line = line.strip()
+    if line.startswith("{") and line.endswith("}"):
+        try:
+            rows.append(json.loads(line))
+        except ValueError:
+            pass
+for r in rows:
+    print(json.dumps(r))
+def name(r):
+    return r.get("bench") or r.get("system") or r.get("name") or "peer"
+nopad = {r["batch"]: r for r in rows if r.get("bench") == "model"}
+for r in rows:
+    if r.get("bench") == "model" or "seqs_per_s" not in r:
+        continue
+    n = nopad.get(r.get("batch"))
+    if n:
+        print(f"batch {r.get('batch')}: nopad {n['seqs_per_s']:.1f} seq/s vs {name(r)} {r['seqs_per_s']:.1f} seq/s"
+              f" -> ratio {n['seqs_per_s'] / r['seqs_per_s']:.3f}")
+EOF

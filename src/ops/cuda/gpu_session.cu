@@ -1,0 +1,148 @@
+// GpuSession: one GPU's training step (model + FusedLamb) for host-only callers; see gpu_session.h.
+#include "ops/cuda/gpu_session.h"
+
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <chrono>
+#include <vector>
+
+#include "core/error.h"
+#include "model/params.h"
+#include "ops/cuda/check.h"
+#include "ops/cuda/cuda_backend.h"
+#include "ops/cuda/lamb.h"
+
+namespace nopad::cuda {
+namespace {
+
+void require_device(int device) {
+  int count = 0;
+  const cudaError_t err = cudaGetDeviceCount(&count);
+  if (err != cudaSuccess) (void)cudaGetLastError();  // clear the sticky slot: later checks must not see it
+  if (err != cudaSuccess || count == 0)
+    fail("no CUDA device: ", err != cudaSuccess ? cudaGetErrorString(err) : "the driver reports 0 devices",
+         "; use --device cpu");
+  NOPAD_CHECK(device >= 0 && device < count, "CUDA device ", device, " does not exist (", count, " visible)");
+}
+
+// Free device memory once the context exists and before anything of ours is allocated: the baseline of the
+// memory high-water mark.
+size_t baseline_free_bytes(int device) {
+  require_device(device);
+  NOPAD_CUDA_CHECK(cudaSetDevice(device));
+  NOPAD_CUDA_CHECK(cudaFree(nullptr));  // creates the context
+  size_t free_b = 0, total_b = 0;
+  NOPAD_CUDA_CHECK(cudaMemGetInfo(&free_b, &total_b));
+  return free_b;
+}
+
+}  // namespace
+
+struct GpuSession::Impl {
+  size_t free0;  // first member: measured before the backend allocates
+  CudaBackend backend;
+  BertModel<ops::GpuBf16> model;
+  FusedLamb lamb;
+  size_t peak = 0;
+  std::chrono::steady_clock::time_point mark_time = std::chrono::steady_clock::now();
+
+  Impl(const BertConfig& config, int32_t max_tokens, int32_t max_seqs, int32_t max_masked,
+       const OptimizerOptions& options, int device)
+      : free0(baseline_free_bytes(device)),
+        backend(device),
+        model(config, backend, max_tokens, max_seqs, max_masked),
+        lamb(lamb_tensors(model.layout()), model.num_params(), options, backend.stream()) {}
+
+  void sample_memory() {
+    size_t free_b = 0, total_b = 0;
+    NOPAD_CUDA_CHECK(cudaMemGetInfo(&free_b, &total_b));
+    if (free0 > free_b) peak = std::max(peak, free0 - free_b);
+  }
+};
+
+GpuSession::GpuSession(const BertConfig& config, int32_t max_tokens, int32_t max_seqs, int32_t max_masked,
+                       uint64_t seed, const OptimizerOptions& options, int device)
+    : impl_(std::make_unique<Impl>(config, max_tokens, max_seqs, max_masked, options, device)) {
+  // The same host-side BERT init as the CPU path; the masters keep it in fp32, the ops read its bf16 rounding.
+  std::vector<float> host(impl_->model.num_params());
+  initialize_params(impl_->model.layout(), config, seed, host.data());
+  impl_->lamb.load_master(host.data());
+  impl_->lamb.write_weight_copy(impl_->model.params());
+  impl_->backend.synchronize();
+  impl_->sample_memory();
+}
+
+GpuSession::~GpuSession() = default;
+
+StepResult GpuSession::train_step(const HostBatch& batch, float lr, uint64_t seed, uint64_t step) {
+  Impl& s = *impl_;
+  s.model.zero_grad();
+  const StepResult r = s.model.forward(batch, /*train=*/true, seed, step);
+  s.model.backward(1.0);
+  s.lamb.step(s.model.grads(), s.model.params(), lr, 1.0f);
+  return r;
+}
+
+void GpuSession::synchronize() {
+  impl_->backend.synchronize();
+  impl_->sample_memory();
+}
+
+void GpuSession::mark() {
+  synchronize();
+  impl_->mark_time = std::chrono::steady_clock::now();
+}
+
+double GpuSession::elapsed_ms_since_mark() {
+  synchronize();
+  return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - impl_->mark_time).count();
+}
+
+size_t GpuSession::peak_memory_bytes() {
+  impl_->sample_memory();
+  return impl_->peak;
+}
+
+std::string GpuSession::device_name() const {
+  cudaDeviceProp prop{};
+  NOPAD_CUDA_CHECK(cudaGetDeviceProperties(&prop, impl_->backend.device()));
+  return prop.name;
+}
+
+bool GpuSession::available() {
+  int count = 0;
+  const cudaError_t err = cudaGetDeviceCount(&count);
+  if (err != cudaSuccess) {
+    (void)cudaGetLastError();
+    return false;
+  }
+  return count > 0;
+}
+
+namespace {
+
+class GpuRunner final : public StepRunner {
+ public:
+  GpuRunner(const BertConfig& config, int32_t max_tokens, int32_t max_seqs, int32_t max_masked, uint64_t seed,
+            const OptimizerOptions& options)
+      : session_(config, max_tokens, max_seqs, max_masked, seed, options) {}
+  StepResult train_step(const HostBatch& batch, float lr, uint64_t seed, uint64_t step) override {
+    return session_.train_step(batch, lr, seed, step);
+  }
+  void synchronize() override { session_.synchronize(); }
+  size_t peak_memory_bytes() override { return session_.peak_memory_bytes(); }
+  std::string device_name() const override { return session_.device_name(); }
+
+ private:
+  GpuSession session_;
+};
+
+}  // namespace
+
+std::unique_ptr<StepRunner> make_gpu_runner(const BertConfig& config, int32_t max_tokens, int32_t max_seqs,
+                                            int32_t max_masked, uint64_t seed, const OptimizerOptions& options) {
+  return std::make_unique<GpuRunner>(config, max_tokens, max_seqs, max_masked, seed, options);
+}
+
+}  // namespace nopad::cuda

@@ -1,0 +1,47 @@
+// GpuSession: everything one GPU training step needs (CudaBackend, BertModel<GpuBf16>, FusedLamb with fp32 master
+// weights) behind plain C++ types, so host-only code (the benchmark) can drive the GPU without CUDA headers.
+// Only built with the CUDA backend: include it under #ifdef NOPAD_HAVE_CUDA.
+#pragma once
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include "data/batch.h"
+#include "model/bert.h"
+#include "model/config.h"
+#include "optim/optimizer.h"
+#include "train/bench.h"
+
+namespace nopad::cuda {
+
+class GpuSession {
+ public:
+  // Sizes every buffer for the largest batch; weights get the BERT init from `seed` (fp32 masters, bf16 copy).
+  // Throws nopad::Error when no usable GPU exists.
+  GpuSession(const BertConfig& config, int32_t max_tokens, int32_t max_seqs, int32_t max_masked, uint64_t seed,
+             const OptimizerOptions& options, int device = 0);
+  ~GpuSession();
+  GpuSession(const GpuSession&) = delete;
+  GpuSession& operator=(const GpuSession&) = delete;
+
+  // zero_grad, forward (train), backward, LAMB step refreshing the bf16 weights. The forward reads the loss back,
+  // so the call waits for the forward pass; backward and the optimiser step are left queued.
+  StepResult train_step(const HostBatch& batch, float lr, uint64_t seed, uint64_t step);
+  void synchronize();
+  void mark();                    // synchronises and starts a host clock
+  double elapsed_ms_since_mark();  // synchronises and reads it
+  size_t peak_memory_bytes();     // device memory taken since the session started (cudaMemGetInfo), high-water
+  std::string device_name() const;
+  static bool available();  // a CUDA device is visible
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+// The benchmark's StepRunner over a GpuSession.
+std::unique_ptr<StepRunner> make_gpu_runner(const BertConfig& config, int32_t max_tokens, int32_t max_seqs,
+                                            int32_t max_masked, uint64_t seed, const OptimizerOptions& options);
+
+}  // namespace nopad::cuda

@@ -1,0 +1,241 @@
+// The model benchmark: batches, timing loop, FLOP count and report (see bench.h). No CUDA here: the GPU runner is
+// reached through gpu_session.h, which is plain C++ and only present in CUDA builds.
+#include "train/bench.h"
+
+#include <sys/resource.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "core/error.h"
+#include "data/dataset.h"
+#include "data/loader.h"
+#include "ops/cpu/cpu_backend.h"
+
+#ifdef NOPAD_HAVE_CUDA
+#include "ops/cuda/gpu_session.h"
+#endif
+
+namespace nopad {
+namespace {
+
+class CpuRunner final : public StepRunner {
+ public:
+  CpuRunner(const BertConfig& config, int32_t max_tokens, int32_t max_seqs, int32_t max_masked, uint64_t seed,
+            const OptimizerOptions& options, int threads)
+      : backend_(threads), model_(config, backend_, max_tokens, max_seqs, max_masked) {
+    model_.init_params(seed);
+    std::vector<ParamView> views;
+    for (const ParamTensor& t : model_.layout().tensors())
+      views.push_back({t.name, model_.params() + t.offset, model_.grads() + t.offset, t.numel, t.no_weight_decay});
+    optimizer_ = std::make_unique<Lamb>(std::move(views), options);
+  }
+  StepResult train_step(const HostBatch& batch, float lr, uint64_t seed, uint64_t step) override {
+    model_.zero_grad();
+    const StepResult r = model_.forward(batch, /*train=*/true, seed, step);
+    model_.backward(1.0);
+    optimizer_->step(lr, 1.0);
+    return r;
+  }
+  void synchronize() override {}  // the CPU backend is synchronous
+  size_t peak_memory_bytes() override {
+    rusage u{};
+    if (getrusage(RUSAGE_SELF, &u) != 0) return 0;
+    return static_cast<size_t>(u.ru_maxrss) * 1024;  // Linux reports KiB; process peak RSS
+  }
+  std::string device_name() const override { return "cpu"; }
+
+ private:
+  ops::CpuBackend<ops::CpuF32> backend_;
+  BertModel<ops::CpuF32> model_;
+  std::unique_ptr<Lamb> optimizer_;
+};
+
+double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  const size_t n = v.size();
+  return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
+}
+
+// Masked positions per sequence (mlm_positions are rows of the packed batch).
+std::vector<int64_t> masked_per_sequence(const HostBatch& b) {
+  std::vector<int64_t> counts(static_cast<size_t>(b.num_seqs()), 0);
+  for (const int32_t row : b.mlm_positions) {
+    const auto it = std::upper_bound(b.cu_seqlens.begin(), b.cu_seqlens.end(), row);
+    const auto seq = static_cast<size_t>(it - b.cu_seqlens.begin()) - 1;
+    NOPAD_CHECK(row >= 0 && seq < counts.size(), "masked row ", row, " outside the batch");
+    ++counts[seq];
+  }
+  return counts;
+}
+
+}  // namespace
+
+std::unique_ptr<StepRunner> make_cpu_runner(const BertConfig& config, int32_t max_tokens, int32_t max_seqs,
+                                            int32_t max_masked, uint64_t seed, const OptimizerOptions& options,
+                                            int threads) {
+  return std::make_unique<CpuRunner>(config, max_tokens, max_seqs, max_masked, seed, options, threads);
+}
+
+uint64_t sequence_train_flops(const BertConfig& c, int64_t n, int64_t m) {
+  const auto h = static_cast<uint64_t>(c.hidden_size), layers = static_cast<uint64_t>(c.num_hidden_layers),
+             ffn = static_cast<uint64_t>(c.intermediate_size), v = static_cast<uint64_t>(c.vocab_size);
+  const auto un = static_cast<uint64_t>(n), um = static_cast<uint64_t>(m);
+  uint64_t f = un * layers * 2 * (4 * h * h + 2 * h * ffn);
+  f += layers * 4 * un * un * h;
+  f += um * 2 * (h * h + h * v);
+  f += 2 * (h * h + 2 * h);
+  return 3 * f;
+}
+
+uint64_t batch_train_flops(const BertConfig& config, const HostBatch& b) {
+  const std::vector<int64_t> masked = masked_per_sequence(b);
+  uint64_t f = 0;
+  for (int32_t s = 0; s < b.num_seqs(); ++s)
+    f += sequence_train_flops(config, b.cu_seqlens[s + 1] - b.cu_seqlens[s], masked[static_cast<size_t>(s)]);
+  return f;
+}
+
+ModelBenchResult run_model_bench(const ModelBenchOptions& o) {
+  NOPAD_CHECK(o.device == "cuda" || o.device == "cpu", "--device must be cuda or cpu, got \"", o.device, "\"");
+  NOPAD_CHECK(o.batch >= 1, "--batch must be at least 1");
+  NOPAD_CHECK(o.steps >= 1, "--steps must be at least 1");
+  NOPAD_CHECK(o.lr > 0 && std::isfinite(o.lr), "--lr must be positive");
+  NOPAD_CHECK(o.dropout < 1, "--dropout must be below 1");
+#ifndef NOPAD_HAVE_CUDA
+  NOPAD_CHECK(o.device != "cuda", "this nopad was built without the CUDA backend; rebuild with -DNOPAD_CUDA=ON or "
+                                  "use --device cpu");
+#endif
+  BertConfig config = BertConfig::from_file(o.model);
+  if (o.dropout >= 0) config.hidden_dropout_prob = config.attention_probs_dropout_prob = o.dropout;
+
+  const Dataset ds(o.data);
+  NOPAD_CHECK(o.batch <= ds.size(), "--batch ", o.batch, " is larger than the dataset ", o.data, " (", ds.size(),
+              " sequences)");
+  NOPAD_CHECK(ds.vocab_size() <= static_cast<uint32_t>(config.vocab_size), "the dataset's vocabulary (",
+              ds.vocab_size(), ") is larger than the model's vocab_size (", config.vocab_size, ")");
+
+  // Every batch is built before timing (copies), so the loop times the model, not the loader; and the model is
+  // sized exactly for the largest of them.
+  LoaderOptions lo;
+  lo.global_batch = o.batch;
+  lo.seed = o.seed;
+  lo.background = false;
+  Loader loader(ds, lo);
+  const uint64_t total = o.warmup + o.steps;
+  std::vector<HostBatch> batches;
+  batches.reserve(total);
+  int32_t max_tokens = 1, max_seqs = 1, max_masked = 1;
+  for (uint64_t i = 0; i < total; ++i) {
+    batches.push_back(loader.next());
+    const HostBatch& b = batches.back();
+    NOPAD_CHECK(b.num_seqs() == static_cast<int32_t>(o.batch), "loader returned ", b.num_seqs(),
+                " sequences, expected ", o.batch);
+    max_tokens = std::max(max_tokens, b.num_tokens());
+    max_seqs = std::max(max_seqs, b.num_seqs());
+    max_masked = std::max(max_masked, b.num_masked());
+  }
+
+  OptimizerOptions oo;  // LAMB with MLPerf's defaults
+  std::unique_ptr<StepRunner> runner;
+  if (o.device == "cpu") {
+    runner = make_cpu_runner(config, max_tokens, max_seqs, max_masked, o.seed, oo, o.threads);
+  } else {
+#ifdef NOPAD_HAVE_CUDA
+    runner = cuda::make_gpu_runner(config, max_tokens, max_seqs, max_masked, o.seed, oo);
+#endif
+  }
+  NOPAD_CHECK(runner != nullptr, "no runner for device ", o.device);
+
+  const auto lr = static_cast<float>(o.lr);
+  for (uint64_t i = 0; i < o.warmup; ++i) {
+    const StepResult r = runner->train_step(batches[i], lr, o.seed, i);
+    NOPAD_CHECK(std::isfinite(r.loss), "warm-up step ", i, " gave a non-finite loss (", r.loss, ")");
+  }
+
+  using Clock = std::chrono::steady_clock;
+  std::vector<double> step_ms;
+  double final_loss = 0;
+  runner->synchronize();
+  const auto t0 = Clock::now();
+  for (uint64_t i = o.warmup; i < total; ++i) {
+    const auto s0 = Clock::now();
+    final_loss = runner->train_step(batches[i], lr, o.seed, i).loss;
+    if (o.per_step) {
+      runner->synchronize();
+      step_ms.push_back(std::chrono::duration<double, std::milli>(Clock::now() - s0).count());
+    }
+  }
+  runner->synchronize();
+  const double secs = std::chrono::duration<double>(Clock::now() - t0).count();
+  NOPAD_CHECK(secs > 0, "timed loop took no time");
+
+  ModelBenchResult res;
+  for (uint64_t i = o.warmup; i < total; ++i) {
+    res.seqs += static_cast<uint64_t>(batches[i].num_seqs());
+    res.tokens += static_cast<uint64_t>(batches[i].num_tokens());
+    res.flops += batch_train_flops(config, batches[i]);
+  }
+  res.step_ms = o.per_step ? median(step_ms) : 1000.0 * secs / static_cast<double>(o.steps);
+  res.seqs_per_s = static_cast<double>(res.seqs) / secs;
+  res.real_tokens_per_s = static_cast<double>(res.tokens) / secs;
+  const double flops_per_s = static_cast<double>(res.flops) / secs;
+  res.model_tflops = flops_per_s / 1e12;
+  res.mfu = flops_per_s / kPeakBf16Flops;
+  res.max_mem_gib = static_cast<double>(runner->peak_memory_bytes()) / (1024.0 * 1024.0 * 1024.0);
+  res.final_loss = final_loss;
+  const std::string gpu = runner->device_name();
+
+  if (!o.workload.empty()) {
+    std::ofstream f(o.workload);
+    NOPAD_CHECK(f.good(), "cannot write the workload file ", o.workload);
+    for (uint64_t i = o.warmup; i < total; ++i) {
+      const HostBatch& b = batches[i];
+      const std::vector<int64_t> masked = masked_per_sequence(b);
+      for (int32_t s = 0; s < b.num_seqs(); ++s)
+        f << (b.cu_seqlens[s + 1] - b.cu_seqlens[s]) << ' ' << masked[static_cast<size_t>(s)] << '\n';
+    }
+    f.close();
+    NOPAD_CHECK(!f.fail(), "error writing the workload file ", o.workload);
+  }
+
+  nlohmann::ordered_json j;
+  j["bench"] = "model";
+  j["device"] = o.device;
+  j["gpu"] = gpu;
+  j["model"] = std::filesystem::path(o.model).stem().string();
+  j["batch"] = o.batch;
+  j["steps"] = o.steps;
+  j["warmup"] = o.warmup;
+  j["step_ms"] = res.step_ms;
+  j["step_ms_stat"] = o.per_step ? "median" : "mean";
+  j["seqs_per_s"] = res.seqs_per_s;
+  j["real_tokens_per_s"] = res.real_tokens_per_s;
+  j["model_tflops"] = res.model_tflops;
+  j["mfu"] = res.mfu;
+  j["max_mem_gib"] = res.max_mem_gib;
+  j["final_loss"] = res.final_loss;  // a non-finite loss is written as null
+  j["mean_length"] = static_cast<double>(res.tokens) / static_cast<double>(res.seqs);
+  res.json = j.dump();
+
+  std::fprintf(stderr,
+               "bench model: %s on %s (%s), batch %llu, %llu timed steps after %llu warm-up\n"
+               "  step_ms %10.2f (%s)   seqs/s %10.1f   real tokens/s %12.0f\n"
+               "  model TFLOP/s %7.1f   MFU %5.1f%%   peak memory %.2f GiB   final loss %.4f\n",
+               j["model"].get<std::string>().c_str(), gpu.c_str(), o.device.c_str(),
+               static_cast<unsigned long long>(o.batch), static_cast<unsigned long long>(o.steps),
+               static_cast<unsigned long long>(o.warmup), res.step_ms, o.per_step ? "median" : "mean",
+               res.seqs_per_s, res.real_tokens_per_s, res.model_tflops, 100.0 * res.mfu, res.max_mem_gib,
+               res.final_loss);
+  if (!std::isfinite(final_loss)) std::fprintf(stderr, "  WARNING: the last timed step's loss is not finite\n");
+  return res;
+}
+
+}  // namespace nopad

@@ -1,0 +1,66 @@
+// The model benchmark (`nopad bench model`): trains a BertModel for warm-up plus timed steps on real batches and
+// reports throughput, model FLOP/s (counted as the peer benchmarks count them) and peak memory as one JSON line.
+// The timing loop, FLOP count and report live here, free of CUDA, so they run and are tested on the CPU; the device
+// is reached only through StepRunner (CPU runner here, GPU runner in ops/cuda/gpu_session.cu).
+#pragma once
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include "data/batch.h"
+#include "model/bert.h"
+#include "model/config.h"
+#include "optim/optimizer.h"
+
+namespace nopad {
+
+// One training step on some device: zero grads, forward (train), backward, optimiser step.
+class StepRunner {
+ public:
+  virtual ~StepRunner() = default;
+  virtual StepResult train_step(const HostBatch& batch, float lr, uint64_t seed, uint64_t step) = 0;
+  virtual void synchronize() = 0;                 // returns once all queued work has finished
+  virtual size_t peak_memory_bytes() = 0;         // high-water mark of the memory the run uses
+  virtual std::string device_name() const = 0;
+};
+
+// CpuBackend<CpuF32> + BertModel + the CPU LAMB; BERT init from `seed`. threads <= 0: all cores.
+std::unique_ptr<StepRunner> make_cpu_runner(const BertConfig& config, int32_t max_tokens, int32_t max_seqs,
+                                            int32_t max_masked, uint64_t seed, const OptimizerOptions& options,
+                                            int threads = 0);
+
+// Training FLOPs of one sequence of n tokens with m masked positions: 3x the forward matmul FLOPs (encoder GEMMs,
+// attention QK^T and PV, MLM head on masked rows, pooler + NSP), exactly as peers/common.py model_flops.
+uint64_t sequence_train_flops(const BertConfig& config, int64_t n, int64_t m);
+// Sum over the batch's sequences.
+uint64_t batch_train_flops(const BertConfig& config, const HostBatch& batch);
+
+struct ModelBenchOptions {
+  std::string model;      // config.json path
+  std::string data;       // dataset folder
+  uint64_t batch = 32;    // sequences per step
+  uint64_t steps = 20;    // timed steps
+  uint64_t warmup = 5;    // untimed steps first
+  std::string device = "cuda";  // cuda or cpu
+  std::string workload;   // optional: write "length masked" lines of the timed batches
+  uint64_t seed = 1;
+  double dropout = -1;    // < 0: the config's dropout probabilities
+  double lr = 1e-4;
+  bool per_step = false;  // synchronise around every step and report the median step time
+  int threads = 0;        // CPU runner only
+};
+
+struct ModelBenchResult {
+  std::string json;  // the one-line JSON report (no newline)
+  double step_ms = 0, seqs_per_s = 0, real_tokens_per_s = 0, model_tflops = 0, mfu = 0, max_mem_gib = 0;
+  double final_loss = 0;
+  uint64_t seqs = 0, tokens = 0, flops = 0;
+};
+
+constexpr double kPeakBf16Flops = 989e12;  // H100/H200 SXM dense bf16 datasheet
+
+// Runs the benchmark; prints a short table on stderr and returns the report. Throws nopad::Error on bad input.
+ModelBenchResult run_model_bench(const ModelBenchOptions& options);
+
+}  // namespace nopad

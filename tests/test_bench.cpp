@@ -1,0 +1,133 @@
+// The model benchmark on the CPU: its FLOP count against a hand computation (the peers' model_flops), and a whole
+// `bench model --device cpu` run on a tiny prepared dataset producing a well-formed JSON report and workload file.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <fstream>
+#include <string>
+
+#include <nlohmann/json.hpp>
+
+#include "core/error.h"
+#include "data/prepare.h"
+#include "model/config.h"
+#include "test_util.h"
+#include "train/bench.h"
+
+namespace nopad {
+namespace {
+
+BertConfig tiny() { return BertConfig::from_file((test::source_dir() / "data/configs/bert-tiny.json").string()); }
+
+TEST(BenchFlops, MatchesHandComputationOnBertTiny) {
+  // Two sequences: 10 tokens with 2 masked, 64 tokens with 9 masked. h=128, 2 layers, ffn 512, vocab 30522.
+  HostBatch b;
+  b.cu_seqlens = {0, 10, 74};
+  b.tokens.assign(74, 1000);
+  b.positions.assign(74, 0);
+  b.segments.assign(74, 0);
+  b.nsp_labels = {0, 1};
+  b.sample_ids = {0, 1};
+  b.max_seqlen = 64;
+  b.mlm_positions = {1, 5, 11, 12, 20, 30, 40, 50, 60, 70, 73};
+  b.mlm_labels.assign(b.mlm_positions.size(), 2000);
+  // per sequence: n*L*2*(4h^2 + 2h*ffn) + L*4*n^2*h + m*2*(h^2 + h*V) + 2*(h^2 + 2h)
+  const uint64_t s1 = 7864320ull + 102400ull + 15692800ull + 33280ull;   // n=10, m=2
+  const uint64_t s2 = 50331648ull + 4194304ull + 70617600ull + 33280ull; // n=64, m=9
+  EXPECT_EQ(sequence_train_flops(tiny(), 10, 2), 3 * s1);
+  EXPECT_EQ(sequence_train_flops(tiny(), 64, 9), 3 * s2);
+  EXPECT_EQ(batch_train_flops(tiny(), b), 446608896ull);  // peers/common.py model_flops([(10,2),(64,9)], ...)
+  EXPECT_EQ(3 * (s1 + s2), 446608896ull);
+}
+
+struct BenchData {
+  test::TempDir dir{"bench-data"};
+  std::filesystem::path path;
+  BenchData() {
+    PrepareOptions o;
+    o.inputs = {test::wiki_sample_dir() / "wiki_00"};
+    o.vocab = test::vocab_path();
+    o.output = dir / "wiki_00";
+    o.instances.max_seq_length = 64;
+    o.instances.max_predictions = 10;  // must not exceed max_seq_length
+    o.instances.dupe_factor = 1;
+    o.threads = 2;
+    o.progress = false;
+    prepare_dataset(o);
+    path = o.output;
+  }
+};
+const BenchData& bench_data() {  // prepared once for the suite
+  static BenchData d;
+  return d;
+}
+
+TEST(BenchModel, CpuRunPrintsCompleteJson) {
+  const BenchData& data = bench_data();
+  test::TempDir out{"bench-out"};
+  ModelBenchOptions o;
+  o.model = (test::source_dir() / "data/configs/bert-tiny.json").string();
+  o.data = data.path.string();
+  o.batch = 4;
+  o.steps = 2;
+  o.warmup = 1;
+  o.device = "cpu";
+  o.threads = 2;
+  o.workload = (out / "workload.txt").string();
+  const ModelBenchResult r = run_model_bench(o);
+
+  const nlohmann::json j = nlohmann::json::parse(r.json);
+  for (const char* key : {"bench", "device", "gpu", "model", "batch", "steps", "step_ms", "seqs_per_s",
+                          "real_tokens_per_s", "model_tflops", "mfu", "max_mem_gib", "final_loss"})
+    EXPECT_TRUE(j.contains(key)) << "missing key " << key;
+  EXPECT_EQ(j["bench"], "model");
+  EXPECT_EQ(j["device"], "cpu");
+  EXPECT_EQ(j["model"], "bert-tiny");
+  EXPECT_EQ(j["batch"], 4);
+  EXPECT_EQ(j["steps"], 2);
+  EXPECT_GT(j["seqs_per_s"].get<double>(), 0.0);
+  EXPECT_GT(j["real_tokens_per_s"].get<double>(), 0.0);
+  EXPECT_GT(j["model_tflops"].get<double>(), 0.0);
+  EXPECT_GT(j["step_ms"].get<double>(), 0.0);
+  ASSERT_TRUE(j["final_loss"].is_number());
+  EXPECT_TRUE(std::isfinite(j["final_loss"].get<double>()));
+  EXPECT_GT(j["final_loss"].get<double>(), 0.0);
+  EXPECT_EQ(r.seqs, 8u);
+
+  // The workload file: one "length masked" line per timed sequence, and its FLOPs are the report's.
+  std::ifstream f(o.workload);
+  int64_t n = 0, m = 0, lines = 0;
+  uint64_t flops = 0, tokens = 0;
+  const BertConfig config = tiny();
+  while (f >> n >> m) {
+    EXPECT_GE(n, 5);
+    EXPECT_LE(n, 64);
+    EXPECT_GE(m, 0);
+    EXPECT_LT(m, n);
+    flops += sequence_train_flops(config, n, m);
+    tokens += static_cast<uint64_t>(n);
+    ++lines;
+  }
+  EXPECT_EQ(lines, 8);
+  EXPECT_EQ(flops, r.flops);
+  EXPECT_EQ(tokens, r.tokens);
+}
+
+TEST(BenchModel, RejectsBatchLargerThanDataset) {
+  const BenchData& data = bench_data();
+  ModelBenchOptions o;
+  o.model = (test::source_dir() / "data/configs/bert-tiny.json").string();
+  o.data = data.path.string();
+  o.batch = 100000000;
+  o.steps = 1;
+  o.device = "cpu";
+  try {
+    run_model_bench(o);
+    FAIL() << "expected an error";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("larger than the dataset"), std::string::npos) << e.what();
+  }
+}
+
+}  // namespace
+}  // namespace nopad
