@@ -28,9 +28,14 @@ fi
 
 for B in 32 64; do
   echo "== nopad bench model batch $B"
+  BREAKDOWN=""
+  if [ "$B" = 64 ]; then BREAKDOWN=--breakdown; fi  # per-op table (a second, event-timed pass)
   "$NOPAD" bench model --model data/configs/bert-large-mlperf.json --data "$SHARDS" --batch "$B" --steps 20 \
-    --warmup 5 --workload "$OUT/workload-$B.txt"
+    --warmup 5 --workload "$OUT/workload-$B.txt" $BREAKDOWN
 done
+
+echo "== fmha PerfSmoke (dropout 0 vs 0.1)"
+build-gpu/nopad_cuda_tests --gtest_filter='Fmha.PerfSmoke' || echo "fmha PerfSmoke failed"
 
 for B in 32 64; do
   echo "== peer_torch_varlen batch $B"

@@ -78,6 +78,9 @@ void setup(CLI::App& sub) {
   model->add_option("--lr", mo->lr, "LAMB learning rate")->capture_default_str();
   model->add_option("--threads", mo->threads, "CPU threads for --device cpu (0: all cores)")->capture_default_str();
   model->add_flag("--per-step", mo->per_step, "synchronise after every step and report the median step time");
+  model->add_flag("--breakdown", mo->breakdown,
+                  "after the timed run, rerun its batches with per-op GPU event timing: a table on stderr and "
+                  "breakdown_ms_per_step in the JSON");
   model->callback([mo] {
     const nopad::ModelBenchResult r = nopad::run_model_bench(*mo);
     std::printf("%s\n", r.json.c_str());

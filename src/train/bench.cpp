@@ -193,6 +193,19 @@ ModelBenchResult run_model_bench(const ModelBenchOptions& o) {
   res.final_loss = final_loss;
   const std::string gpu = runner->device_name();
 
+  // --breakdown: the same timed batches once more with per-op event timing, after (never during) the timed run, so
+  // the numbers above are unaffected. Event timing serialises nothing, but adds small gaps between ops, so the
+  // event-timed step sum is a little above the plain step time.
+  std::vector<std::pair<std::string, double>> breakdown;
+  if (o.breakdown) {
+    runner->set_breakdown(true);
+    for (uint64_t i = o.warmup; i < total; ++i) runner->train_step(batches[i], lr, o.seed, i);
+    breakdown = runner->breakdown_ms();  // waits for the queued work
+    runner->set_breakdown(false);
+    std::stable_sort(breakdown.begin(), breakdown.end(),
+                     [](const auto& a, const auto& b) { return a.second > b.second; });
+  }
+
   if (!o.workload.empty()) {
     std::ofstream f(o.workload);
     NOPAD_CHECK(f.good(), "cannot write the workload file ", o.workload);
@@ -223,6 +236,11 @@ ModelBenchResult run_model_bench(const ModelBenchOptions& o) {
   j["max_mem_gib"] = res.max_mem_gib;
   j["final_loss"] = res.final_loss;  // a non-finite loss is written as null
   j["mean_length"] = static_cast<double>(res.tokens) / static_cast<double>(res.seqs);
+  if (o.breakdown) {
+    nlohmann::ordered_json per_step = nlohmann::ordered_json::object();
+    for (const auto& [name, ms] : breakdown) per_step[name] = ms / static_cast<double>(o.steps);
+    j["breakdown_ms_per_step"] = per_step;
+  }
   res.json = j.dump();
 
   std::fprintf(stderr,
@@ -235,6 +253,20 @@ ModelBenchResult run_model_bench(const ModelBenchOptions& o) {
                res.seqs_per_s, res.real_tokens_per_s, res.model_tflops, 100.0 * res.mfu, res.max_mem_gib,
                res.final_loss);
   if (!std::isfinite(final_loss)) std::fprintf(stderr, "  WARNING: the last timed step's loss is not finite\n");
+  if (o.breakdown) {
+    double sum = 0;
+    for (const auto& op : breakdown) sum += op.second;
+    if (breakdown.empty()) {
+      std::fprintf(stderr, "  no per-op breakdown on device %s\n", o.device.c_str());
+    } else {
+      std::fprintf(stderr, "  per-op breakdown (event-timed rerun of the %llu timed steps; %.2f ms/step summed):\n",
+                   static_cast<unsigned long long>(o.steps), sum / static_cast<double>(o.steps));
+      std::fprintf(stderr, "  %-28s %12s %10s %7s\n", "op", "total ms", "ms/step", "%");
+      for (const auto& [name, ms] : breakdown)
+        std::fprintf(stderr, "  %-28s %12.3f %10.3f %6.1f%%\n", name.c_str(), ms, ms / static_cast<double>(o.steps),
+                     sum > 0 ? 100.0 * ms / sum : 0.0);
+    }
+  }
   return res;
 }
 

@@ -7,6 +7,8 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include "data/batch.h"
 #include "model/bert.h"
@@ -23,6 +25,10 @@ class StepRunner {
   virtual void synchronize() = 0;                 // returns once all queued work has finished
   virtual size_t peak_memory_bytes() = 0;         // high-water mark of the memory the run uses
   virtual std::string device_name() const = 0;
+  // Per-op device time (bench --breakdown). set_breakdown(true) clears the totals and starts timing;
+  // breakdown_ms() waits for queued work and returns ms per op name since then. Empty: not supported (CPU).
+  virtual void set_breakdown(bool /*on*/) {}
+  virtual std::vector<std::pair<std::string, double>> breakdown_ms() { return {}; }
 };
 
 // CpuBackend<CpuF32> + BertModel + the CPU LAMB; BERT init from `seed`. threads <= 0: all cores.
@@ -48,6 +54,7 @@ struct ModelBenchOptions {
   double dropout = -1;    // < 0: the config's dropout probabilities
   double lr = 1e-4;
   bool per_step = false;  // synchronise around every step and report the median step time
+  bool breakdown = false; // rerun the timed batches with per-op event timing; table on stderr, ms/step in the JSON
   int threads = 0;        // CPU runner only
 };
 

@@ -3,8 +3,10 @@
 // (fmha.h). Each op mirrors its CPU twin in ops/cpu/cpu_backend.cpp; see cuda_backend.h for the execution model.
 #include "ops/cuda/cuda_backend.h"
 
+#include <algorithm>
 #include <cmath>
 #include <string>
+#include <string_view>
 
 #include "core/error.h"
 #include "ops/cuda/check.h"
@@ -61,11 +63,95 @@ CudaBackend::CudaBackend(int device) : device_(device) {
 CudaBackend::~CudaBackend() {
   // No throwing from a destructor: statuses are deliberately ignored while tearing down.
   if (stream_) cudaStreamSynchronize(stream_);
+  for (cudaEvent_t e : op_events_) cudaEventDestroy(e);
   for (int s = 0; s < kNumSlots; ++s)
     if (scratch_[s]) cudaFree(scratch_[s]);
   gemm_.reset();
   if (stream_) cudaStreamDestroy(stream_);
 }
+
+// ------------------------------------------------------------------------------------------------ op timing
+
+class CudaBackend::OpScope {
+ public:
+  OpScope(CudaBackend& b, const char* name, int32_t k = -1, int32_t n = -1) : b_(b) {
+    if (!b_.op_timing_) return;
+    if (b_.op_depth_ == 0) {
+      b_.op_start(name, k, n);
+      outer_ = true;
+    }
+    ++b_.op_depth_;
+    active_ = true;
+  }
+  ~OpScope() {
+    if (!active_) return;
+    --b_.op_depth_;
+    if (outer_) b_.op_stop();
+  }
+  OpScope(const OpScope&) = delete;
+  OpScope& operator=(const OpScope&) = delete;
+
+ private:
+  CudaBackend& b_;
+  bool active_ = false;
+  bool outer_ = false;
+};
+
+void CudaBackend::op_start(const char* name, int32_t k, int32_t n) {
+  const size_t first = 2 * op_records_.size();
+  if (first + 2 > op_events_.size()) {  // grow the pool (doubling); only ever while timing is on
+    const size_t target = std::max<size_t>(256, 2 * op_events_.size());
+    op_events_.reserve(target);
+    while (op_events_.size() < target) {
+      cudaEvent_t e = nullptr;
+      NOPAD_CUDA_CHECK(cudaEventCreate(&e));
+      op_events_.push_back(e);
+    }
+  }
+  size_t key = 0;
+  while (key < op_keys_.size() &&
+         !(op_keys_[key].k == k && op_keys_[key].n == n && std::string_view(op_keys_[key].name) == name))
+    ++key;
+  if (key == op_keys_.size()) op_keys_.push_back({name, k, n});
+  NOPAD_CUDA_CHECK(cudaEventRecord(op_events_[first], stream_));
+  op_records_.push_back({key, first});
+}
+
+// Runs in a destructor: a failure is kept and reported by op_times_ms().
+void CudaBackend::op_stop() noexcept {
+  const cudaError_t err = cudaEventRecord(op_events_[op_records_.back().first_event + 1], stream_);
+  if (err != cudaSuccess && op_timing_error_ == cudaSuccess) op_timing_error_ = err;
+}
+
+std::vector<std::pair<std::string, double>> CudaBackend::op_times_ms() {
+  const cudaError_t pending = op_timing_error_;
+  op_timing_error_ = cudaSuccess;
+  NOPAD_CUDA_CHECK(pending);
+  synchronize();
+  op_totals_ms_.resize(op_keys_.size(), 0.0);
+  for (const OpRecord& r : op_records_) {
+    float ms = 0;
+    NOPAD_CUDA_CHECK(cudaEventElapsedTime(&ms, op_events_[r.first_event], op_events_[r.first_event + 1]));
+    op_totals_ms_[r.key] += static_cast<double>(ms);
+  }
+  op_records_.clear();  // the events are free again
+  std::vector<std::pair<std::string, double>> out;
+  for (size_t i = 0; i < op_keys_.size(); ++i) {
+    std::string name = op_keys_[i].name;
+    if (op_keys_[i].k >= 0) name += " k=" + std::to_string(op_keys_[i].k) + " n=" + std::to_string(op_keys_[i].n);
+    out.emplace_back(std::move(name), op_totals_ms_[i]);
+  }
+  return out;
+}
+
+void CudaBackend::reset_op_times() {
+  synchronize();
+  op_records_.clear();
+  op_totals_ms_.assign(op_keys_.size(), 0.0);
+  op_timing_error_ = cudaSuccess;
+}
+
+// ------------------------------------------------------------------------------------------------ memory
 
 void* CudaBackend::allocate_bytes(size_t bytes) { return cuda_malloc_or_throw(bytes, "a backend buffer"); }
 
@@ -75,17 +161,24 @@ void CudaBackend::free_bytes(void* ptr) {
 
 void CudaBackend::upload_bytes(void* dst, const void* host_src, size_t bytes) {
   // From pageable memory the call returns once the source has been staged, so the caller may reuse it at once.
-  if (bytes) NOPAD_CUDA_CHECK(cudaMemcpyAsync(dst, host_src, bytes, cudaMemcpyHostToDevice, stream_));
+  if (!bytes) return;
+  OpScope timed(*this, "upload");
+  NOPAD_CUDA_CHECK(cudaMemcpyAsync(dst, host_src, bytes, cudaMemcpyHostToDevice, stream_));
 }
 
 void CudaBackend::download_bytes(void* host_dst, const void* src, size_t bytes) {
   if (!bytes) return;
-  NOPAD_CUDA_CHECK(cudaMemcpyAsync(host_dst, src, bytes, cudaMemcpyDeviceToHost, stream_));
+  {
+    OpScope timed(*this, "download");  // ends before the wait
+    NOPAD_CUDA_CHECK(cudaMemcpyAsync(host_dst, src, bytes, cudaMemcpyDeviceToHost, stream_));
+  }
   NOPAD_CUDA_CHECK(cudaStreamSynchronize(stream_));
 }
 
 void CudaBackend::zero_bytes(void* x, size_t bytes) {
-  if (bytes) NOPAD_CUDA_CHECK(cudaMemsetAsync(x, 0, bytes, stream_));
+  if (!bytes) return;
+  OpScope timed(*this, "zero");
+  NOPAD_CUDA_CHECK(cudaMemsetAsync(x, 0, bytes, stream_));
 }
 
 void CudaBackend::synchronize() { NOPAD_CUDA_CHECK(cudaStreamSynchronize(stream_)); }
@@ -118,6 +211,7 @@ void CudaBackend::embed_layernorm_dropout_forward(const int32_t* tokens, const i
                                                   const int32_t* segments, const ops::SeqView& seqs,
                                                   const ops::EmbeddingWeights<W>& w, const ops::Dropout& drop, A* out,
                                                   St* ln_mean, St* ln_rstd) {
+  OpScope timed(*this, "embed_fwd");
   LnArgs a;
   a.drop = dropout_args(drop);
   check_seqs(seqs, a.drop.p > 0.0f);
@@ -146,6 +240,7 @@ void CudaBackend::embed_layernorm_dropout_backward(const A* d_out, const int32_t
                                                    const ops::EmbeddingWeights<W>& w, const ops::Dropout& drop,
                                                    const St* ln_mean, const St* ln_rstd,
                                                    const ops::EmbeddingGrads<G>& g) {
+  OpScope timed(*this, "embed_bwd");
   LnArgs a;
   a.drop = dropout_args(drop);
   check_seqs(seqs, a.drop.p > 0.0f);
@@ -179,6 +274,7 @@ void CudaBackend::embed_layernorm_dropout_backward(const A* d_out, const int32_t
 
 void CudaBackend::dense_forward(const A* x, const W* weight, const W* bias, int64_t rows, int32_t k, int32_t n,
                                 ops::Activation act, A* y, A* pre_act) {
+  OpScope timed(*this, "dense_fwd", k, n);
   const bool gelu = act == ops::Activation::kGelu;
   A* target = gelu ? pre_act : y;
   NOPAD_CHECK(target != nullptr && y != nullptr, "dense_forward with GELU needs pre_act");
@@ -210,6 +306,7 @@ void CudaBackend::column_sums_accumulate(const A* m, int64_t rows, int32_t n, G*
 
 void CudaBackend::dense_backward(const A* dy, const A* x, const W* weight, const A* pre_act, int64_t rows, int32_t k,
                                  int32_t n, ops::Activation act, A* dx, bool accumulate_dx, G* d_weight, G* d_bias) {
+  OpScope timed(*this, "dense_bwd", k, n);
   if (rows == 0) return;  // dx has no rows; the parameter gradients receive += 0
   const A* dpre = dy;
   if (act == ops::Activation::kGelu) {
@@ -279,6 +376,7 @@ FmhaParams fmha_params(const ops::SeqView& seqs, int32_t num_heads, int32_t head
 
 void CudaBackend::attention_forward(const A* qkv, const ops::SeqView& seqs, int32_t num_heads, int32_t head_dim,
                                     const ops::Dropout& drop, A* ctx, St* lse) {
+  OpScope timed(*this, "attention_fwd");
   check_seqs(seqs, drop.p > 0.0f);
   if (seqs.num_tokens == 0) return;
   FmhaParams p = fmha_params(seqs, num_heads, head_dim, drop);
@@ -291,6 +389,7 @@ void CudaBackend::attention_forward(const A* qkv, const ops::SeqView& seqs, int3
 void CudaBackend::attention_backward(const A* d_ctx, const A* qkv, const A* ctx, const St* lse,
                                      const ops::SeqView& seqs, int32_t num_heads, int32_t head_dim,
                                      const ops::Dropout& drop, A* d_qkv) {
+  OpScope timed(*this, "attention_bwd");
   check_seqs(seqs, drop.p > 0.0f);
   if (seqs.num_tokens == 0) return;
   FmhaParams p = fmha_params(seqs, num_heads, head_dim, drop);
@@ -317,6 +416,7 @@ void CudaBackend::bias_dropout_residual_layernorm_forward(const A* x, const W* b
                                                           const ops::SeqView& seqs, int32_t hidden, double ln_eps,
                                                           const ops::Dropout& drop, A* out, St* ln_mean,
                                                           St* ln_rstd) {
+  OpScope timed(*this, "bdrln_fwd");
   LnArgs a;
   a.drop = dropout_args(drop);
   check_seqs(seqs, a.drop.p > 0.0f);
@@ -343,6 +443,7 @@ void CudaBackend::bias_dropout_residual_layernorm_backward(const A* d_out, const
                                                            const St* ln_rstd, const ops::SeqView& seqs,
                                                            int32_t hidden, const ops::Dropout& drop, A* d_x,
                                                            A* d_residual, G* d_bias, G* d_ln_gamma, G* d_ln_beta) {
+  OpScope timed(*this, "bdrln_bwd");
   NOPAD_CHECK(d_residual != d_out, "bias_dropout_residual_layernorm_backward: d_residual must not alias d_out");
   LnArgs a;
   a.drop = dropout_args(drop);
@@ -406,6 +507,7 @@ void CudaBackend::layernorm_plain_backward(const A* dy, const A* x, const St* me
 void CudaBackend::mlm_head_loss_forward(const A* hidden, const int32_t* mlm_positions, const int32_t* mlm_labels,
                                         int32_t num_masked, const ops::MlmHeadWeights<W>& w,
                                         const ops::MlmHeadSaved<A, St>& saved, St* loss_sum, int32_t* num_correct) {
+  OpScope timed(*this, "mlm_head_fwd");
   const int32_t H = w.hidden, V = w.vocab_size, M = num_masked;
   NOPAD_CUDA_CHECK(cudaMemsetAsync(loss_sum, 0, sizeof(St), stream_));
   NOPAD_CUDA_CHECK(cudaMemsetAsync(num_correct, 0, sizeof(int32_t), stream_));
@@ -424,6 +526,7 @@ void CudaBackend::mlm_head_loss_backward(double loss_scale, const int32_t* mlm_p
                                          int32_t num_masked, const ops::MlmHeadWeights<W>& w,
                                          const ops::MlmHeadSaved<A, St>& saved, const ops::MlmHeadGrads<G>& g,
                                          A* d_hidden) {
+  OpScope timed(*this, "mlm_head_bwd");
   const int32_t H = w.hidden, V = w.vocab_size, M = num_masked;
   if (M == 0) return;
   launch_ce_backward(dev(saved.probs), mlm_labels, M, V, static_cast<float>(loss_scale), stream_);
@@ -446,6 +549,7 @@ void CudaBackend::mlm_head_loss_backward(double loss_scale, const int32_t* mlm_p
 void CudaBackend::nsp_head_loss_forward(const A* hidden, const ops::SeqView& seqs, const int32_t* nsp_labels,
                                         const ops::NspHeadWeights<W>& w, const ops::NspHeadSaved<A>& saved,
                                         St* loss_sum, int32_t* num_correct) {
+  OpScope timed(*this, "nsp_head_fwd");
   const int32_t H = w.hidden, B = seqs.num_seqs;
   NOPAD_CUDA_CHECK(cudaMemsetAsync(loss_sum, 0, sizeof(St), stream_));
   NOPAD_CUDA_CHECK(cudaMemsetAsync(num_correct, 0, sizeof(int32_t), stream_));
@@ -461,6 +565,7 @@ void CudaBackend::nsp_head_loss_forward(const A* hidden, const ops::SeqView& seq
 void CudaBackend::nsp_head_loss_backward(double loss_scale, const ops::SeqView& seqs, const int32_t* nsp_labels,
                                          const ops::NspHeadWeights<W>& w, const ops::NspHeadSaved<A>& saved,
                                          const ops::NspHeadGrads<G>& g, A* d_hidden) {
+  OpScope timed(*this, "nsp_head_bwd");
   const int32_t H = w.hidden, B = seqs.num_seqs;
   if (B == 0) return;
   launch_ce_backward(dev(saved.probs), nsp_labels, B, 2, static_cast<float>(loss_scale), stream_);

@@ -14,6 +14,9 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <string>
+#include <utility>
+#include <vector>
 
 #include "ops/ops.h"
 
@@ -40,6 +43,15 @@ class CudaBackend final : public ops::Backend<ops::GpuBf16> {
   void download_bytes(void* host_dst, const void* src, size_t bytes) override;    // waits for stream()
   void zero_bytes(void* x, size_t bytes) override;                                // cudaMemsetAsync on stream()
   void synchronize() override;
+
+  // Per-op GPU timing (the benchmark's breakdown). When on, each public op is bracketed by two events on stream()
+  // from a grow-only pool; an op called from inside another counts towards the outer one. When off: one branch.
+  void set_op_timing(bool on) { op_timing_ = on; }
+  bool op_timing() const { return op_timing_; }
+  // Synchronises, folds the recorded events into per-name totals and returns them: ms since reset_op_times().
+  // Dense ops are named by shape ("dense_fwd k=1024 n=3072").
+  std::vector<std::pair<std::string, double>> op_times_ms();
+  void reset_op_times();  // synchronises and clears the totals
 
   void embed_layernorm_dropout_forward(const int32_t* tokens, const int32_t* positions, const int32_t* segments,
                                        const ops::SeqView& seqs, const ops::EmbeddingWeights<W>& w,
@@ -96,6 +108,25 @@ class CudaBackend final : public ops::Backend<ops::GpuBf16> {
   int sm_count_ = 0;
   cudaStream_t stream_ = nullptr;
   std::unique_ptr<LtGemm> gemm_;
+
+  class OpScope;  // .cu: brackets one public op with events when timing is on
+  struct OpKey {
+    const char* name;
+    int32_t k, n;  // dense shape, -1 for other ops
+  };
+  struct OpRecord {
+    size_t key;
+    size_t first_event;  // start event; the end event follows it
+  };
+  void op_start(const char* name, int32_t k, int32_t n);
+  void op_stop() noexcept;
+  bool op_timing_ = false;
+  int op_depth_ = 0;
+  cudaError_t op_timing_error_ = cudaSuccess;  // from op_stop, reported by op_times_ms
+  std::vector<cudaEvent_t> op_events_;
+  std::vector<OpRecord> op_records_;  // recorded, not yet read
+  std::vector<OpKey> op_keys_;
+  std::vector<double> op_totals_ms_;  // per key
   void* scratch_[kNumSlots] = {};
   size_t scratch_bytes_[kNumSlots] = {};
 };

@@ -45,6 +45,11 @@ struct GpuSession::Impl {
   BertModel<ops::GpuBf16> model;
   FusedLamb lamb;
   size_t peak = 0;
+  // Op timing: the LAMB step's own start/end event pairs (grow-only pool), read in op_times_ms().
+  bool timing = false;
+  std::vector<cudaEvent_t> lamb_events;
+  size_t lamb_recorded = 0;  // pairs recorded, not yet read
+  double lamb_ms = 0;
   std::chrono::steady_clock::time_point mark_time = std::chrono::steady_clock::now();
 
   Impl(const BertConfig& config, int32_t max_tokens, int32_t max_seqs, int32_t max_masked,
@@ -53,6 +58,30 @@ struct GpuSession::Impl {
         backend(device),
         model(config, backend, max_tokens, max_seqs, max_masked),
         lamb(lamb_tensors(model.layout()), model.num_params(), options, backend.stream()) {}
+  ~Impl() {
+    // No throwing from a destructor: statuses are ignored while tearing down.
+    (void)cudaStreamSynchronize(backend.stream());
+    for (cudaEvent_t e : lamb_events) (void)cudaEventDestroy(e);
+  }
+  Impl(const Impl&) = delete;
+  Impl& operator=(const Impl&) = delete;
+
+  void lamb_step(float lr) {
+    if (!timing) {
+      lamb.step(model.grads(), model.params(), lr, 1.0f);
+      return;
+    }
+    const size_t first = 2 * lamb_recorded;
+    while (lamb_events.size() < first + 2) {
+      cudaEvent_t e = nullptr;
+      NOPAD_CUDA_CHECK(cudaEventCreate(&e));
+      lamb_events.push_back(e);
+    }
+    NOPAD_CUDA_CHECK(cudaEventRecord(lamb_events[first], backend.stream()));
+    lamb.step(model.grads(), model.params(), lr, 1.0f);
+    NOPAD_CUDA_CHECK(cudaEventRecord(lamb_events[first + 1], backend.stream()));
+    ++lamb_recorded;
+  }
 
   void sample_memory() {
     size_t free_b = 0, total_b = 0;
@@ -80,7 +109,7 @@ StepResult GpuSession::train_step(const HostBatch& batch, float lr, uint64_t see
   s.model.zero_grad();
   const StepResult r = s.model.forward(batch, /*train=*/true, seed, step);
   s.model.backward(1.0);
-  s.lamb.step(s.model.grads(), s.model.params(), lr, 1.0f);
+  s.lamb_step(lr);
   return r;
 }
 
@@ -110,6 +139,30 @@ std::string GpuSession::device_name() const {
   return prop.name;
 }
 
+void GpuSession::set_op_timing(bool on) {
+  Impl& s = *impl_;
+  if (on) {
+    s.backend.reset_op_times();  // synchronises, so the LAMB events are free too
+    s.lamb_recorded = 0;
+    s.lamb_ms = 0;
+  }
+  s.timing = on;
+  s.backend.set_op_timing(on);
+}
+
+std::vector<std::pair<std::string, double>> GpuSession::op_times_ms() {
+  Impl& s = *impl_;
+  std::vector<std::pair<std::string, double>> out = s.backend.op_times_ms();  // synchronises
+  for (size_t i = 0; i < s.lamb_recorded; ++i) {
+    float ms = 0;
+    NOPAD_CUDA_CHECK(cudaEventElapsedTime(&ms, s.lamb_events[2 * i], s.lamb_events[2 * i + 1]));
+    s.lamb_ms += static_cast<double>(ms);
+  }
+  s.lamb_recorded = 0;
+  if (s.lamb_ms > 0) out.emplace_back("lamb", s.lamb_ms);
+  return out;
+}
+
 bool GpuSession::available() {
   int count = 0;
   const cudaError_t err = cudaGetDeviceCount(&count);
@@ -133,6 +186,8 @@ class GpuRunner final : public StepRunner {
   void synchronize() override { session_.synchronize(); }
   size_t peak_memory_bytes() override { return session_.peak_memory_bytes(); }
   std::string device_name() const override { return session_.device_name(); }
+  void set_breakdown(bool on) override { session_.set_op_timing(on); }
+  std::vector<std::pair<std::string, double>> breakdown_ms() override { return session_.op_times_ms(); }
 
  private:
   GpuSession session_;

@@ -6,6 +6,8 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include "data/batch.h"
 #include "model/bert.h"
@@ -34,6 +36,11 @@ class GpuSession {
   size_t peak_memory_bytes();     // device memory taken since the session started (cudaMemGetInfo), high-water
   std::string device_name() const;
   static bool available();  // a CUDA device is visible
+
+  // Per-op GPU time (CudaBackend's op timing plus "lamb" for the optimiser step). Turning it on clears the totals;
+  // op_times_ms() synchronises and returns ms per name accumulated since then.
+  void set_op_timing(bool on);
+  std::vector<std::pair<std::string, double>> op_times_ms();
 
  private:
   struct Impl;
