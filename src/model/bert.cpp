@@ -214,7 +214,7 @@ auto BertModel<P>::nsp_weights() -> ops::NspHeadWeights<W> {
 }
 
 template <class P>
-StepResult BertModel<P>::forward(const HostBatch& batch, bool train, uint64_t seed, uint64_t step,
+void BertModel<P>::forward_async(const HostBatch& batch, bool train, uint64_t seed, uint64_t step,
                                  LossDenominators denoms) {
   const int32_t T = batch.num_tokens(), B = batch.num_seqs(), M = batch.num_masked();
   NOPAD_CHECK(T <= max_tokens_ && B <= max_seqs_ && M <= max_masked_, "batch (", T, " tokens, ", B, " sequences, ",
@@ -278,6 +278,21 @@ StepResult BertModel<P>::forward(const HostBatch& batch, bool train, uint64_t se
   }
   backend_.nsp_head_loss_forward(h, seqs_, nsp_labels_, nsp_weights(), nsp_saved_, loss_sums_ + 1, correct_ + 1);
 
+  have_forward_ = true;
+  have_result_ = true;
+}
+
+template <class P>
+StepResult BertModel<P>::forward(const HostBatch& batch, bool train, uint64_t seed, uint64_t step,
+                                 LossDenominators denoms) {
+  forward_async(batch, train, seed, step, denoms);
+  return read_result();
+}
+
+template <class P>
+StepResult BertModel<P>::read_result() {
+  NOPAD_CHECK(have_result_, "BertModel::read_result needs a forward first");
+  const int32_t M = num_masked_, B = seqs_.num_seqs;
   St sums[2];
   int32_t correct[2] = {0, 0};
   backend_.download_bytes(sums, loss_sums_, sizeof(sums));
@@ -291,7 +306,6 @@ StepResult BertModel<P>::forward(const HostBatch& batch, bool train, uint64_t se
   r.mlm_count = M;
   r.nsp_correct = correct[1];
   r.nsp_count = B;
-  have_forward_ = true;
   return r;
 }
 

@@ -84,6 +84,11 @@ class BertModel {
 
   // Runs the whole network on one batch. train = false turns dropout off (p = 0). Keeps what backward needs.
   StepResult forward(const HostBatch& batch, bool train, uint64_t seed, uint64_t step, LossDenominators denoms = {});
+  // The same, split so that a device backend is never waited for inside a step: forward_async only enqueues the
+  // work (it returns once the batch has been handed to the backend); read_result() downloads the loss sums and
+  // counts of the last forward, which waits for it. forward() = forward_async() + read_result().
+  void forward_async(const HostBatch& batch, bool train, uint64_t seed, uint64_t step, LossDenominators denoms = {});
+  StepResult read_result();
   // grads += loss_scale * d(loss)/d(params) for the last forward (once per forward).
   void backward(double loss_scale = 1.0);
 
@@ -133,7 +138,7 @@ class BertModel {
   // state of the last forward
   ops::SeqView seqs_{};
   int32_t num_masked_ = 0;
-  bool train_ = false, have_forward_ = false;
+  bool train_ = false, have_forward_ = false, have_result_ = false;
   uint64_t seed_ = 0, step_ = 0;
   double mlm_denom_ = 1, nsp_denom_ = 1;
 };

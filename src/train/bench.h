@@ -21,7 +21,9 @@ namespace nopad {
 class StepRunner {
  public:
   virtual ~StepRunner() = default;
-  virtual StepResult train_step(const HostBatch& batch, float lr, uint64_t seed, uint64_t step) = 0;
+  // Enqueues the step; on a device nothing is waited for. last_result() gives the loss of the last step (waits).
+  virtual void train_step(const HostBatch& batch, float lr, uint64_t seed, uint64_t step) = 0;
+  virtual StepResult last_result() = 0;
   virtual void synchronize() = 0;                 // returns once all queued work has finished
   virtual size_t peak_memory_bytes() = 0;         // high-water mark of the memory the run uses
   virtual std::string device_name() const = 0;

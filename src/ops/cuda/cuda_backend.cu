@@ -66,6 +66,10 @@ CudaBackend::~CudaBackend() {
   for (cudaEvent_t e : op_events_) cudaEventDestroy(e);
   for (int s = 0; s < kNumSlots; ++s)
     if (scratch_[s]) cudaFree(scratch_[s]);
+  for (StagingSlot& slot : staging_) {
+    if (slot.copied) cudaEventDestroy(slot.copied);
+    if (slot.host) cudaFreeHost(slot.host);
+  }
   gemm_.reset();
   if (stream_) cudaStreamDestroy(stream_);
 }
@@ -160,10 +164,23 @@ void CudaBackend::free_bytes(void* ptr) {
 }
 
 void CudaBackend::upload_bytes(void* dst, const void* host_src, size_t bytes) {
-  // From pageable memory the call returns once the source has been staged, so the caller may reuse it at once.
+  // The caller may reuse host_src as soon as this returns: the bytes are in the pinned slot by then.
   if (!bytes) return;
   OpScope timed(*this, "upload");
-  NOPAD_CUDA_CHECK(cudaMemcpyAsync(dst, host_src, bytes, cudaMemcpyHostToDevice, stream_));
+  StagingSlot& slot = staging_[staging_next_];
+  staging_next_ = (staging_next_ + 1) % kStagingSlots;
+  if (slot.copied == nullptr) NOPAD_CUDA_CHECK(cudaEventCreateWithFlags(&slot.copied, cudaEventDisableTiming));
+  NOPAD_CUDA_CHECK(cudaEventSynchronize(slot.copied));  // returns at once unless the GPU is kStagingSlots uploads behind
+  if (slot.capacity < bytes) {
+    if (slot.host) NOPAD_CUDA_CHECK(cudaFreeHost(slot.host));
+    slot.host = nullptr;
+    slot.capacity = 0;
+    NOPAD_CUDA_CHECK(cudaHostAlloc(&slot.host, bytes, cudaHostAllocDefault));
+    slot.capacity = bytes;
+  }
+  std::memcpy(slot.host, host_src, bytes);
+  NOPAD_CUDA_CHECK(cudaMemcpyAsync(dst, slot.host, bytes, cudaMemcpyHostToDevice, stream_));
+  NOPAD_CUDA_CHECK(cudaEventRecord(slot.copied, stream_));
 }
 
 void CudaBackend::download_bytes(void* host_dst, const void* src, size_t bytes) {

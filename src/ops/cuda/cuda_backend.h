@@ -39,7 +39,7 @@ class CudaBackend final : public ops::Backend<ops::GpuBf16> {
 
   void* allocate_bytes(size_t bytes) override;  // cudaMalloc: setup time only
   void free_bytes(void* ptr) override;
-  void upload_bytes(void* dst, const void* host_src, size_t bytes) override;      // ordered on stream()
+  void upload_bytes(void* dst, const void* host_src, size_t bytes) override;      // ordered on stream(), no wait
   void download_bytes(void* host_dst, const void* src, size_t bytes) override;    // waits for stream()
   void zero_bytes(void* x, size_t bytes) override;                                // cudaMemsetAsync on stream()
   void synchronize() override;
@@ -129,6 +129,19 @@ class CudaBackend final : public ops::Backend<ops::GpuBf16> {
   std::vector<double> op_totals_ms_;  // per key
   void* scratch_[kNumSlots] = {};
   size_t scratch_bytes_[kNumSlots] = {};
+
+  // Pinned staging for upload_bytes: a copy from pageable memory may wait for the stream, so each upload is first
+  // copied (on the host) into one slot of a ring of pinned buffers and sent from there asynchronously. A slot is
+  // reused only after its previous copy finished (its event); with kStagingSlots slots the host may run that many
+  // uploads ahead of the GPU before it waits. Buffers grow to the largest upload seen.
+  static constexpr size_t kStagingSlots = 64;
+  struct StagingSlot {
+    void* host = nullptr;
+    size_t capacity = 0;
+    cudaEvent_t copied = nullptr;
+  };
+  StagingSlot staging_[kStagingSlots];
+  size_t staging_next_ = 0;
 };
 
 }  // namespace nopad::cuda

@@ -104,14 +104,15 @@ GpuSession::GpuSession(const BertConfig& config, int32_t max_tokens, int32_t max
 
 GpuSession::~GpuSession() = default;
 
-StepResult GpuSession::train_step(const HostBatch& batch, float lr, uint64_t seed, uint64_t step) {
+void GpuSession::train_step(const HostBatch& batch, float lr, uint64_t seed, uint64_t step) {
   Impl& s = *impl_;
   s.model.zero_grad();
-  const StepResult r = s.model.forward(batch, /*train=*/true, seed, step);
+  s.model.forward_async(batch, /*train=*/true, seed, step);
   s.model.backward(1.0);
   s.lamb_step(lr);
-  return r;
 }
+
+StepResult GpuSession::last_result() { return impl_->model.read_result(); }
 
 void GpuSession::synchronize() {
   impl_->backend.synchronize();
@@ -180,9 +181,10 @@ class GpuRunner final : public StepRunner {
   GpuRunner(const BertConfig& config, int32_t max_tokens, int32_t max_seqs, int32_t max_masked, uint64_t seed,
             const OptimizerOptions& options)
       : session_(config, max_tokens, max_seqs, max_masked, seed, options) {}
-  StepResult train_step(const HostBatch& batch, float lr, uint64_t seed, uint64_t step) override {
-    return session_.train_step(batch, lr, seed, step);
+  void train_step(const HostBatch& batch, float lr, uint64_t seed, uint64_t step) override {
+    session_.train_step(batch, lr, seed, step);
   }
+  StepResult last_result() override { return session_.last_result(); }
   void synchronize() override { session_.synchronize(); }
   size_t peak_memory_bytes() override { return session_.peak_memory_bytes(); }
   std::string device_name() const override { return session_.device_name(); }

@@ -27,9 +27,10 @@ class GpuSession {
   GpuSession(const GpuSession&) = delete;
   GpuSession& operator=(const GpuSession&) = delete;
 
-  // zero_grad, forward (train), backward, LAMB step refreshing the bf16 weights. The forward reads the loss back,
-  // so the call waits for the forward pass; backward and the optimiser step are left queued.
-  StepResult train_step(const HostBatch& batch, float lr, uint64_t seed, uint64_t step);
+  // zero_grad, forward (train), backward, LAMB step refreshing the bf16 weights: all enqueued, nothing waited for
+  // (the batch goes through pinned staging). last_result() reads the loss of the last step back, which waits.
+  void train_step(const HostBatch& batch, float lr, uint64_t seed, uint64_t step);
+  StepResult last_result();
   void synchronize();
   void mark();                    // synchronises and starts a host clock
   double elapsed_ms_since_mark();  // synchronises and reads it
