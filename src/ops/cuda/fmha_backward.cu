@@ -78,8 +78,13 @@ constexpr int bwd_smem_bytes() {
   return (2 * kBlockN * HD + 4 * kBlockM * HD + kBlockN * kBlockM) * 2 + 4 * kBlockM * 4;
 }
 
-template <int HD, bool kFp16>
-__global__ void __launch_bounds__(kThreads) fmha_bwd_kernel(const KernelArgs args, const float* D, float* dq_acc) {
+// CTAs per SM to fit the registers for: at head_dim <= 64, 168 registers give 3 CTAs (12 warps) per SM instead of 2;
+// at 128 the cap would spill the dK/dV accumulators.
+constexpr int bwd_min_ctas(int hd) { return hd <= 64 ? 3 : 1; }
+
+template <int HD, bool kFp16, bool kDrop>
+__global__ void __launch_bounds__(kThreads, bwd_min_ctas(HD))
+    fmha_bwd_kernel(const KernelArgs args, const float* D, float* dq_acc) {
   constexpr int kKSteps = HD / 16;
   constexpr int kDTiles = HD / 8;
   constexpr int kNTiles = kBlockM / 8;  // n-tiles of S^T over the query tile
@@ -127,13 +132,20 @@ __global__ void __launch_bounds__(kThreads) fmha_bwd_kernel(const KernelArgs arg
   const int g = lane >> 2, t = lane & 3;
   const int wrow = warp * 16;  // this warp's first key within the K tile
   const bool key_ok0 = k0 + wrow + g < L, key_ok1 = k0 + wrow + g + 8 < L;
-  const uint64_t sample = args.dropout ? p.sample_ids[b] : 0;
   // Dropout in the transposed layout: for a query column, one Philox block covers keys 4a..4a+3, i.e. rows g = 4a+r
   // of lanes r = 0..3 (lane bits 2-3). Lane r draws block r of {(q 2t, keys g0..), (q 2t+1, keys g0..),
-  // (q 2t, keys g0+8..), (q 2t+1, keys g0+8..)} with g0 = 4a, and a 4x4 transpose over those lanes hands every lane
-  // element r of each block: one Philox call per lane per n-tile.
+  // (q 2t, keys g0+8..), (q 2t+1, keys g0+8..)} with g0 = 4a: one Philox call per lane per n-tile. The keep bits of
+  // a whole tile (a nibble per n-tile) are then transposed over those 4 lanes with 3 shuffles.
   const int quad_r = g & 3;
-  const int drop_key4 = k0 + wrow + (g & ~3) + ((quad_r >> 1) ? 8 : 0);
+  uint32_t s_lo = 0, s_hi = 0, key_q = 0, head_hi = 0;
+  if constexpr (kDrop) {
+    const uint64_t sample = p.sample_ids[b];
+    s_lo = static_cast<uint32_t>(sample);
+    s_hi = static_cast<uint32_t>(sample >> 32);
+    const int drop_key4 = k0 + wrow + (g & ~3) + ((quad_r >> 1) ? 8 : 0);
+    key_q = static_cast<uint32_t>(drop_key4) >> 2;          // low word: (query << 18) | key / 4
+    head_hi = static_cast<uint32_t>(head) << 6;             // high word: (head << 6) | (query >> 14)
+  }
 
   float dv[kDTiles][4], dk[kDTiles][4];
 #pragma unroll
@@ -152,6 +164,29 @@ __global__ void __launch_bounds__(kThreads) fmha_bwd_kernel(const KernelArgs arg
     const uint16_t* d_o = sdO + buf * kBlockM * HD;
     const float* lse2 = sLse + buf * kBlockM;
     const float* Dq = sD + buf * kBlockM;
+
+    // Keep mask of this tile, bit 4 nt + e for accumulator element e of n-tile nt; independent of S and dP, so the
+    // integer work can overlap the tensor-core work below.
+    uint32_t keep = 0;
+    if constexpr (kDrop) {
+      uint32_t mine = 0;  // nibble nt: bit k = keep of element k of this lane's block
+#pragma unroll
+      for (int nt = 0; nt < kNTiles; ++nt) {
+        const uint32_t qpos = static_cast<uint32_t>(qs + nt * 8 + 2 * t + (quad_r & 1));
+        const Philox4x32 blk = dropout_block(args, s_lo, s_hi, (qpos << 18) | key_q, head_hi | (qpos >> 14));
+        const uint32_t bits = static_cast<uint32_t>(blk.v[0] >= args.keep_min) |
+                              (static_cast<uint32_t>(blk.v[1] >= args.keep_min) << 1) |
+                              (static_cast<uint32_t>(blk.v[2] >= args.keep_min) << 2) |
+                              (static_cast<uint32_t>(blk.v[3] >= args.keep_min) << 3);
+        mine |= bits << (4 * nt);
+      }
+      // Lane quad_r ^ x holds block (element) quad_r ^ x; this lane needs bit quad_r of each of its nibbles.
+#pragma unroll
+      for (int x = 0; x < 4; ++x) {
+        const uint32_t w = x == 0 ? mine : __shfl_xor_sync(0xffffffffu, mine, 4 * x);
+        keep |= ((w >> quad_r) & 0x11111111u) << (quad_r ^ x);
+      }
+    }
 
     // S^T = K Q^T and dP^T = V dO^T: this warp's 16 keys x 64 queries.
     float s[kNTiles][4], dp[kNTiles][4];
@@ -179,38 +214,17 @@ __global__ void __launch_bounds__(kThreads) fmha_bwd_kernel(const KernelArgs arg
     }
 
     // P^T = exp(S^T * scale - lse) (0 for keys or queries past the end), dropout, dS^T = P^T (dP'^T - D).
+    // The mask is drawn once per tile and serves both P' (dV) and dP' (dS).
 #pragma unroll
     for (int nt = 0; nt < kNTiles; ++nt) {
-      float keep[4] = {1.0f, 1.0f, 1.0f, 1.0f};
-      if (args.dropout) {
-        const Philox4x32 blk = dropout_block(args.stream_key, sample,
-                                             attention_block(head, qs + nt * 8 + 2 * t + (quad_r & 1), drop_key4));
-        // 4x4 transpose across lanes r = 0..3 (lane ^ 4k): afterwards got[j] = element r of lane j's block.
-        uint32_t got[4];
-        got[0] = got[1] = got[2] = got[3] = 0;
-#pragma unroll
-        for (int x = 0; x < 4; ++x) {
-          const int want = quad_r ^ x;  // the lane I exchange with; it needs element `want` of my block
-          const uint32_t send = want == 0 ? blk.v[0] : want == 1 ? blk.v[1] : want == 2 ? blk.v[2] : blk.v[3];
-          const uint32_t recv = x == 0 ? send : __shfl_xor_sync(0xffffffffu, send, 4 * x);  // x = 0: want = mine
-          // recv is element quad_r of block `want`.
-          got[0] = want == 0 ? recv : got[0];
-          got[1] = want == 1 ? recv : got[1];
-          got[2] = want == 2 ? recv : got[2];
-          got[3] = want == 3 ? recv : got[3];
-        }
-        // Block j = (query 2t + (j & 1), key group + 8 * (j >> 1)) is accumulator element j: c0 (g, 2t),
-        // c1 (g, 2t+1), c2 (g+8, 2t), c3 (g+8, 2t+1).
-#pragma unroll
-        for (int e = 0; e < 4; ++e) keep[e] = keep_scale(got[e], p.dropout_p, args.inv_keep);
-      }
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const int qc = nt * 8 + 2 * t + (e & 1);
         const bool ok = (e < 2) ? key_ok0 : key_ok1;
-        const float pr = ok ? exp2f(s[nt][e] * args.scale_log2 - lse2[qc]) : 0.0f;
-        s[nt][e] = pr * keep[e];                      // P' (for dV)
-        dp[nt][e] = pr * (dp[nt][e] * keep[e] - Dq[qc]);  // dS (unscaled)
+        const float pr = ok ? exp2f(fmaf(s[nt][e], args.scale_log2, -lse2[qc])) : 0.0f;
+        const float kf = kDrop ? (((keep >> (4 * nt + e)) & 1u) ? args.inv_keep : 0.0f) : 1.0f;
+        s[nt][e] = pr * kf;                         // P' (for dV)
+        dp[nt][e] = pr * (dp[nt][e] * kf - Dq[qc]);  // dS (unscaled)
       }
     }
 
@@ -260,6 +274,21 @@ __global__ void __launch_bounds__(kThreads) fmha_bwd_kernel(const KernelArgs arg
       }
     }
     const int qr0 = qs + wrow + g, qr1 = qr0 + 8;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    // Lanes t, t^1 swap half their values so that each holds 4 consecutive columns of one row: the even lane row g,
+    // the odd lane row g+8; one 16-byte atomic instead of four 4-byte ones.
+    const bool odd = (t & 1) != 0;
+    const int qr = odd ? qr1 : qr0;
+    float* dst_row = dq_acc + int64_t{s0 + qr} * H + head * HD + 4 * (t >> 1);
+#pragma unroll
+    for (int n = 0; n < kDTiles; ++n) {
+      const float r0 = __shfl_xor_sync(0xffffffffu, odd ? dq[n][0] : dq[n][2], 1);
+      const float r1 = __shfl_xor_sync(0xffffffffu, odd ? dq[n][1] : dq[n][3], 1);
+      const float4 v = odd ? make_float4(r0 * p.scale, r1 * p.scale, dq[n][2] * p.scale, dq[n][3] * p.scale)
+                           : make_float4(dq[n][0] * p.scale, dq[n][1] * p.scale, r0 * p.scale, r1 * p.scale);
+      if (qr < L) atomicAdd(reinterpret_cast<float4*>(dst_row + n * 8), v);
+    }
+#else
 #pragma unroll
     for (int n = 0; n < kDTiles; ++n) {
       const int col = head * HD + n * 8 + 2 * t;
@@ -274,6 +303,7 @@ __global__ void __launch_bounds__(kThreads) fmha_bwd_kernel(const KernelArgs arg
         atomicAdd(dst + 1, dq[n][3] * p.scale);
       }
     }
+#endif
   }
 
   // dK (scaled) and dV into d_qkv's k and v blocks, rows of this warp's keys that exist.
@@ -304,9 +334,14 @@ void launch_backward(const FmhaParams& p, int32_t n, cudaStream_t stream) {
   fmha_bwd_pre_kernel<kFp16><<<row_grid, 32 * kPreRows, 0, stream>>>(args, D, dq_acc);
   NOPAD_CUDA_CHECK_LAUNCH();
   constexpr int smem = bwd_smem_bytes<HD>();
-  ensure_smem<fmha_bwd_kernel<HD, kFp16>>(smem);
   const dim3 grid((p.max_seqlen + kBlockN - 1) / kBlockN, p.num_heads, n);
-  fmha_bwd_kernel<HD, kFp16><<<grid, kThreads, smem, stream>>>(args, D, dq_acc);
+  if (args.dropout) {
+    ensure_smem<fmha_bwd_kernel<HD, kFp16, true>>(smem);
+    fmha_bwd_kernel<HD, kFp16, true><<<grid, kThreads, smem, stream>>>(args, D, dq_acc);
+  } else {
+    ensure_smem<fmha_bwd_kernel<HD, kFp16, false>>(smem);
+    fmha_bwd_kernel<HD, kFp16, false><<<grid, kThreads, smem, stream>>>(args, D, dq_acc);
+  }
   NOPAD_CUDA_CHECK_LAUNCH();
   fmha_bwd_dq_kernel<kFp16><<<row_grid, 32 * kPreRows, 0, stream>>>(args, dq_acc);
   NOPAD_CUDA_CHECK_LAUNCH();

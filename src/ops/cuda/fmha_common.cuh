@@ -5,6 +5,7 @@
 #pragma once
 #include <cuda_runtime.h>
 
+#include <cmath>
 #include <cstddef>
 #include <cstdint>
 
@@ -20,7 +21,6 @@ constexpr int kBlockN = 64;   // key rows per tile
 constexpr int kWarps = 4;     // 16 rows of the CTA's own tile per warp
 constexpr int kThreads = kWarps * 32;
 constexpr float kLog2e = 1.4426950408889634f;
-constexpr float kLn2 = 0.6931471805599453f;
 constexpr int kMaxSeqlen = 1 << 20;  // element_attention packs positions in 20 bits
 
 // ------------------------------------------------------------------------------------------------ shared memory
@@ -121,23 +121,13 @@ __device__ __forceinline__ float to_f32(uint16_t x) {
 }
 
 // ------------------------------------------------------------------------------------------------ dropout
-// The Philox block that core/philox.h dropout_bits() draws from for elements 4*block .. 4*block+3 of this sample;
-// v[e & 3] is dropout_bits(stream_key, sample_id, e). Same counter/key construction, bit for bit.
-__device__ __forceinline__ Philox4x32 dropout_block(uint64_t stream_key, uint64_t sample_id, uint64_t block) {
-  const uint32_t counter[4] = {static_cast<uint32_t>(block), static_cast<uint32_t>(block >> 32),
-                               static_cast<uint32_t>(sample_id), static_cast<uint32_t>(sample_id >> 32)};
-  const uint32_t key[2] = {static_cast<uint32_t>(stream_key), static_cast<uint32_t>(stream_key >> 32)};
-  return philox4x32(counter, key);
-}
+constexpr int kPhiloxRounds = 10;
+
 // Block index of element_attention(head, query_pos, key4 .. key4+3), key4 a multiple of 4.
 __device__ __forceinline__ uint64_t attention_block(int head, int query_pos, int key4) {
   return element_attention(static_cast<uint32_t>(head), static_cast<uint32_t>(query_pos),
                            static_cast<uint32_t>(key4)) >>
          2;
-}
-// Keep factor of one element: 1/(1-p) when kept, 0 when dropped (dropout_keep_key's comparison, exactly).
-__device__ __forceinline__ float keep_scale(uint32_t bits, float p, float inv_keep) {
-  return uniform_from_bits(bits) >= p ? inv_keep : 0.0f;
 }
 
 // ------------------------------------------------------------------------------------------------ launch args
@@ -147,8 +137,37 @@ struct KernelArgs {
   float scale_log2;     // scale * log2(e): scores in the exp2 domain
   float inv_keep;       // 1 / (1 - dropout_p)
   bool dropout;         // dropout_p > 0
+  // Philox key schedule of stream_key, one pair per round: kernel parameters, so the key XORs read the constant bank
+  // instead of spending registers or adds.
+  uint32_t key0[kPhiloxRounds], key1[kPhiloxRounds];
+  // Keep an element iff its 32 random bits >= keep_min: the same as uniform_from_bits(bits) >= dropout_p, since
+  // (bits >> 8) * 2^-24 >= p <=> (bits >> 8) >= ceil(p * 2^24) <=> bits >= ceil(p * 2^24) << 8 (all exact).
+  uint32_t keep_min;
 };
 
+// The Philox block that core/philox.h dropout_bits() draws from for block (b_lo, b_hi) (low and high words of
+// element / 4) of sample (s_lo, s_hi); v[e & 3] is dropout_bits(stream_key, sample_id, e). Same rounds as
+// philox4x32(), bit for bit, with the key schedule precomputed; the sample half of the counter is loop-invariant, so
+// its round-0 product is hoisted out of the tile loops by the compiler.
+// Within one attention row, the low word of the block is (query << 18) + key / 4 with key / 4 < 2^18: adding to the
+// key never carries into the high word, so callers step b_lo with 32-bit adds.
+__device__ __forceinline__ Philox4x32 dropout_block(const KernelArgs& a, uint32_t s_lo, uint32_t s_hi, uint32_t b_lo,
+                                                   uint32_t b_hi) {
+  uint32_t c0 = b_lo, c1 = b_hi, c2 = s_lo, c3 = s_hi;
+#pragma unroll
+  for (int r = 0; r < kPhiloxRounds; ++r) {
+    const uint32_t hi0 = __umulhi(philox_detail::kMul0, c0), lo0 = philox_detail::kMul0 * c0;
+    const uint32_t hi1 = __umulhi(philox_detail::kMul1, c2), lo1 = philox_detail::kMul1 * c2;
+    const uint32_t n0 = hi1 ^ c1 ^ a.key0[r], n2 = hi0 ^ c3 ^ a.key1[r];
+    c0 = n0;
+    c1 = lo1;
+    c2 = n2;
+    c3 = lo0;
+  }
+  return Philox4x32{{c0, c1, c2, c3}};
+}
+
+// ------------------------------------------------------------------------------------------------ launch args
 // The sequence of CTA z of a launch: [s0, s0 + L).
 __device__ __forceinline__ void launch_sequence(const FmhaParams& p, int z, int& b, int& s0, int& L) {
   b = p.seq_index != nullptr ? p.seq_index[z] : z;
@@ -167,6 +186,7 @@ inline int32_t validate_common(const FmhaParams& p, const char* op) {
   NOPAD_CHECK(p.num_tokens >= 0 && p.num_seqs >= 0, op, ": negative num_tokens or num_seqs");
   NOPAD_CHECK(p.max_seqlen >= 0 && p.max_seqlen < kMaxSeqlen, op, ": max_seqlen ", p.max_seqlen,
               " out of range [0, 2^20) (dropout keys pack positions in 20 bits)");
+  NOPAD_CHECK(p.scale > 0.0f && std::isfinite(p.scale), op, ": scale must be positive and finite, got ", p.scale);
   NOPAD_CHECK(p.dropout_p >= 0.0f && p.dropout_p < 1.0f, op, ": dropout probability must be in [0, 1), got ",
               p.dropout_p);
   NOPAD_CHECK(p.qkv != nullptr && p.ctx != nullptr && p.lse != nullptr && p.cu_seqlens != nullptr, op,
@@ -193,6 +213,16 @@ inline KernelArgs make_args(const FmhaParams& p) {
   a.stream_key = a.dropout ? dropout_stream_key(p.seed, p.step, p.op_id) : 0;
   a.inv_keep = a.dropout ? static_cast<float>(1.0 / (1.0 - static_cast<double>(p.dropout_p))) : 1.0f;
   a.scale_log2 = p.scale * kLog2e;
+  uint32_t k0 = static_cast<uint32_t>(a.stream_key), k1 = static_cast<uint32_t>(a.stream_key >> 32);
+  for (int r = 0; r < kPhiloxRounds; ++r) {  // philox4x32's schedule: bumped between rounds
+    if (r > 0) {
+      k0 += philox_detail::kWeyl0;
+      k1 += philox_detail::kWeyl1;
+    }
+    a.key0[r] = k0;
+    a.key1[r] = k1;
+  }
+  a.keep_min = a.dropout ? static_cast<uint32_t>(std::ceil(static_cast<double>(p.dropout_p) * 16777216.0)) << 8 : 0;
   return a;
 }
 

@@ -13,8 +13,12 @@ constexpr int fwd_smem_bytes() {
   return (kBlockM * HD + 2 * kBlockN * HD + 2 * kBlockN * HD) * 2;  // Q, K x2, V x2 (16-bit elements)
 }
 
-template <int HD, bool kFp16>
-__global__ void __launch_bounds__(kThreads) fmha_fwd_kernel(const KernelArgs args) {
+// CTAs per SM to fit the registers for: at head_dim <= 64, 128 registers give 4 CTAs (16 warps) per SM instead of 3;
+// at 128 the cap would spill the accumulators.
+constexpr int fwd_min_ctas(int hd) { return hd <= 64 ? 4 : 1; }
+
+template <int HD, bool kFp16, bool kDrop>
+__global__ void __launch_bounds__(kThreads, fwd_min_ctas(HD)) fmha_fwd_kernel(const KernelArgs args) {
   constexpr int kKSteps = HD / 16;  // k-steps of Q K^T over the head dimension
   constexpr int kDTiles = HD / 8;   // n-tiles of the output over the head dimension
   constexpr int kNTiles = kBlockN / 8;
@@ -52,10 +56,20 @@ __global__ void __launch_bounds__(kThreads) fmha_fwd_kernel(const KernelArgs arg
   float row_max[2] = {-INFINITY, -INFINITY};  // running max of rows g and g+8, exp2 domain
   float row_sum[2] = {0.0f, 0.0f};            // this thread's partial running sums (quad-reduced at the end)
 
-  const uint64_t sample = args.dropout ? p.sample_ids[b] : 0;
   // Dropout: lanes t and t^1 cover the same 4 keys (2t, 2t+1 lie in one aligned group of 4); the even lane draws the
-  // Philox block of row g, the odd lane that of row g+8, and they swap the halves the other needs.
-  const int drop_row = q0 + wrow + g + ((t & 1) ? 8 : 0);
+  // Philox block of row g, the odd lane that of row g+8, and they swap the halves the other needs (as bits, one
+  // shuffle per tile).
+  const bool odd = (t & 1) != 0;
+  uint32_t s_lo = 0, s_hi = 0;
+  uint32_t blk_lo = 0, blk_hi = 0;  // block of (this lane's drop row, key 4 (t/2)); key tile j adds 16 j, n-tile 2 nt
+  if constexpr (kDrop) {
+    const uint64_t sample = p.sample_ids[b];
+    s_lo = static_cast<uint32_t>(sample);
+    s_hi = static_cast<uint32_t>(sample >> 32);
+    const uint64_t blk = attention_block(head, q0 + wrow + g + (odd ? 8 : 0), (t >> 1) * 4);
+    blk_lo = static_cast<uint32_t>(blk);
+    blk_hi = static_cast<uint32_t>(blk >> 32);
+  }
 
   const int num_kt = (L + kBlockN - 1) / kBlockN;
   for (int j = 0; j < num_kt; ++j) {
@@ -75,6 +89,23 @@ __global__ void __launch_bounds__(kThreads) fmha_fwd_kernel(const KernelArgs arg
     const uint16_t* k = sK + (j & 1) * kBlockN * HD;
     const uint16_t* v = sV + (j & 1) * kBlockN * HD;
 
+    // Keep mask of this tile, bit 4 nt + e for accumulator element s[nt][e]; independent of S, so the integer work
+    // can overlap the tensor-core work below.
+    uint32_t keep = 0;
+    if constexpr (kDrop) {
+      uint32_t own = 0, send = 0;  // bits 4 nt + {0, 1}
+#pragma unroll
+      for (int nt = 0; nt < kNTiles; ++nt) {
+        const Philox4x32 blk = dropout_block(args, s_lo, s_hi, blk_lo + static_cast<uint32_t>(16 * j + 2 * nt), blk_hi);
+        const uint32_t k0 = blk.v[0] >= args.keep_min, k1 = blk.v[1] >= args.keep_min;
+        const uint32_t k2 = blk.v[2] >= args.keep_min, k3 = blk.v[3] >= args.keep_min;
+        own |= ((odd ? k2 : k0) | ((odd ? k3 : k1) << 1)) << (4 * nt);
+        send |= ((odd ? k0 : k2) | ((odd ? k1 : k3) << 1)) << (4 * nt);
+      }
+      const uint32_t got = __shfl_xor_sync(0xffffffffu, send, 1);
+      keep = odd ? (got | (own << 2)) : (own | (got << 2));
+    }
+
     // S = Q K^T for this warp's 16 rows x 64 keys.
     float s[kNTiles][4];
 #pragma unroll
@@ -90,13 +121,16 @@ __global__ void __launch_bounds__(kThreads) fmha_fwd_kernel(const KernelArgs arg
       }
     }
 
-    // Scale into the exp2 domain, mask keys past the end, online softmax.
+    // Mask keys past the end (last tile only), online softmax on raw scores: scale > 0, so the max commutes with
+    // the scaling, which folds into one FFMA per element before exp2.
     const int kbase = j * kBlockN;
+    if (kbase + kBlockN > L) {
 #pragma unroll
-    for (int nt = 0; nt < kNTiles; ++nt)
+      for (int nt = 0; nt < kNTiles; ++nt)
 #pragma unroll
-      for (int e = 0; e < 4; ++e)
-        s[nt][e] = (kbase + nt * 8 + 2 * t + (e & 1) < L) ? s[nt][e] * args.scale_log2 : -INFINITY;
+        for (int e = 0; e < 4; ++e)
+          if (kbase + nt * 8 + 2 * t + (e & 1) >= L) s[nt][e] = -INFINITY;
+    }
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
       float mx = row_max[r];
@@ -105,13 +139,14 @@ __global__ void __launch_bounds__(kThreads) fmha_fwd_kernel(const KernelArgs arg
       mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
       mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
       // mx is finite: every key tile holds at least one key < L.
-      const float alpha = exp2f(row_max[r] - mx);  // 0 on the first tile (row_max = -inf)
+      const float alpha = exp2f((row_max[r] - mx) * args.scale_log2);  // 0 on the first tile (row_max = -inf)
       row_max[r] = mx;
+      const float mx_s = mx * args.scale_log2;
       float sum = 0.0f;
 #pragma unroll
       for (int nt = 0; nt < kNTiles; ++nt) {
-        s[nt][2 * r] = exp2f(s[nt][2 * r] - mx);
-        s[nt][2 * r + 1] = exp2f(s[nt][2 * r + 1] - mx);
+        s[nt][2 * r] = exp2f(fmaf(s[nt][2 * r], args.scale_log2, -mx_s));
+        s[nt][2 * r + 1] = exp2f(fmaf(s[nt][2 * r + 1], args.scale_log2, -mx_s));
         sum += s[nt][2 * r] + s[nt][2 * r + 1];
       }
       row_sum[r] = row_sum[r] * alpha + sum;  // the softmax denominator is taken before dropout
@@ -122,20 +157,12 @@ __global__ void __launch_bounds__(kThreads) fmha_fwd_kernel(const KernelArgs arg
       }
     }
 
-    if (args.dropout) {
+    // Dropped elements are zeroed; the 1/(1-p) of the kept ones is applied once, in the epilogue.
+    if constexpr (kDrop) {
 #pragma unroll
-      for (int nt = 0; nt < kNTiles; ++nt) {
-        const Philox4x32 blk =
-            dropout_block(args.stream_key, sample, attention_block(head, drop_row, kbase + nt * 8 + (t >> 1) * 4));
-        const bool odd = (t & 1) != 0;
-        const uint32_t send0 = odd ? blk.v[0] : blk.v[2], send1 = odd ? blk.v[1] : blk.v[3];
-        const uint32_t own0 = odd ? blk.v[2] : blk.v[0], own1 = odd ? blk.v[3] : blk.v[1];
-        const uint32_t got0 = __shfl_xor_sync(0xffffffffu, send0, 1);
-        const uint32_t got1 = __shfl_xor_sync(0xffffffffu, send1, 1);
-        const uint32_t bits[4] = {odd ? got0 : own0, odd ? got1 : own1, odd ? own0 : got0, odd ? own1 : got1};
+      for (int nt = 0; nt < kNTiles; ++nt)
 #pragma unroll
-        for (int e = 0; e < 4; ++e) s[nt][e] *= keep_scale(bits[e], p.dropout_p, args.inv_keep);
-      }
+        for (int e = 0; e < 4; ++e) s[nt][e] = ((keep >> (4 * nt + e)) & 1u) ? s[nt][e] : 0.0f;
     }
 
     // O += P' V: the S accumulators of n-tiles 2kk, 2kk+1 are exactly the A fragment of k-step kk.
@@ -163,9 +190,9 @@ __global__ void __launch_bounds__(kThreads) fmha_fwd_kernel(const KernelArgs arg
     float sum = row_sum[r];
     sum += __shfl_xor_sync(0xffffffffu, sum, 1);
     sum += __shfl_xor_sync(0xffffffffu, sum, 2);
-    inv[r] = 1.0f / sum;
+    inv[r] = (kDrop ? args.inv_keep : 1.0f) / sum;
     const int row = q0 + wrow + g + 8 * r;
-    if (t == 0 && row < L) p.lse[int64_t{head} * T + s0 + row] = row_max[r] * kLn2 + logf(sum);
+    if (t == 0 && row < L) p.lse[int64_t{head} * T + s0 + row] = row_max[r] * p.scale + logf(sum);
   }
 #pragma unroll
   for (int dt = 0; dt < kDTiles; ++dt) {
@@ -184,13 +211,23 @@ __global__ void __launch_bounds__(kThreads) fmha_fwd_kernel(const KernelArgs arg
   }
 }
 
+template <int HD, bool kFp16, bool kDrop>
+void launch_forward_drop(const KernelArgs& args, const dim3 grid, cudaStream_t stream) {
+  constexpr int smem = fwd_smem_bytes<HD>();
+  ensure_smem<fmha_fwd_kernel<HD, kFp16, kDrop>>(smem);
+  fmha_fwd_kernel<HD, kFp16, kDrop><<<grid, kThreads, smem, stream>>>(args);
+  NOPAD_CUDA_CHECK_LAUNCH();
+}
+
 template <int HD, bool kFp16>
 void launch_forward(const FmhaParams& p, int32_t num_launch, cudaStream_t stream) {
-  constexpr int smem = fwd_smem_bytes<HD>();
-  ensure_smem<fmha_fwd_kernel<HD, kFp16>>(smem);
+  const KernelArgs args = make_args(p);
   const dim3 grid((p.max_seqlen + kBlockM - 1) / kBlockM, p.num_heads, num_launch);
-  fmha_fwd_kernel<HD, kFp16><<<grid, kThreads, smem, stream>>>(make_args(p));
-  NOPAD_CUDA_CHECK_LAUNCH();
+  if (args.dropout) {
+    launch_forward_drop<HD, kFp16, true>(args, grid, stream);
+  } else {
+    launch_forward_drop<HD, kFp16, false>(args, grid, stream);
+  }
 }
 
 template <int HD>
