@@ -57,7 +57,13 @@ fs::path write_model_config(const fs::path& dir, int hidden, int layers, int hea
   return p;
 }
 
-Config make_config(const std::string& text) { return Config::parse(text, train_config_schema(), "test"); }
+// These tests pin the CPU reference's behaviour (bit-identical resume is a CPU guarantee), so they run on the CPU
+// even on a machine with a GPU, where train.device = auto would pick it.
+Config make_config(const std::string& text) {
+  Config c = Config::parse(text, train_config_schema(), "test");
+  c.apply_override("train.device=cpu");
+  return c;
+}
 
 // A config for a small fast run; extra lines override.
 std::string base_config(const fs::path& run_dir, const fs::path& model_config, const std::string& extra = "") {

@@ -1,4 +1,4 @@
-// The pre-training loop on the CPU backend (see trainer.h for the contract).
+// The pre-training loop over a TrainEngine (CPU or GPU; see trainer.h for the contract).
 #include "train/trainer.h"
 
 #include <algorithm>
@@ -9,10 +9,10 @@
 #include "core/error.h"
 #include "core/progress.h"
 #include "data/loader.h"
-#include "ops/cpu/cpu_backend.h"
 #include "optim/optimizer.h"
 #include "optim/schedule.h"
 #include "train/checkpoint.h"
+#include "train/engine.h"
 #include "train/metrics.h"
 
 namespace nopad {
@@ -31,6 +31,7 @@ ConfigSchema train_config_schema() {
   s.add("train.seed", 12345, "seed of initialisation, data order and dropout");
   s.add("train.target_mlm_accuracy", 0.0, "stop once the eval masked-LM accuracy reaches this (0 = no target)");
   s.add("train.threads", 0, "CPU threads (0 = all cores)");
+  s.add("train.device", "auto", "auto, cpu or cuda (auto: cuda when built with CUDA and a GPU is visible)");
   s.add("optim.name", "lamb", "optimizer: lamb or adamw");
   s.add("optim.lr", 1e-3, "peak learning rate");
   s.add("optim.beta1", 0.9, "Adam beta1");
@@ -59,7 +60,11 @@ uint32_t max_masked_per_sample(const Dataset& data) {
   return most;
 }
 
-EvalResult evaluate(BertModel<ops::CpuF32>& model, const Dataset& data, uint64_t max_samples, int32_t batch) {
+namespace {
+
+// The evaluation loop; forward(batch) runs one batch with dropout off and loss denominators of 1.
+template <class Forward>
+EvalResult evaluate_with(Forward&& forward, const Dataset& data, uint64_t max_samples, int32_t batch) {
   NOPAD_CHECK(batch > 0, "evaluation batch must be positive, got ", batch);
   const uint64_t n = max_samples > 0 ? std::min<uint64_t>(max_samples, data.size()) : data.size();
   EvalResult r;
@@ -73,7 +78,7 @@ EvalResult evaluate(BertModel<ops::CpuF32>& model, const Dataset& data, uint64_t
     for (uint64_t i = start; i < end; ++i) ids.push_back(i);
     build_batch(data, ids, hb);
     // Denominators of 1: the forward returns loss sums, averaged over the whole set below.
-    const StepResult s = model.forward(hb, /*train=*/false, 0, 0, LossDenominators{1.0, 1.0});
+    const StepResult s = forward(hb);
     mlm_sum += s.mlm_loss;
     nsp_sum += s.nsp_loss;
     mlm_correct += s.mlm_correct;
@@ -91,6 +96,14 @@ EvalResult evaluate(BertModel<ops::CpuF32>& model, const Dataset& data, uint64_t
   }
   r.loss = r.mlm_loss + r.nsp_loss;
   return r;
+}
+
+}  // namespace
+
+EvalResult evaluate(BertModel<ops::CpuF32>& model, const Dataset& data, uint64_t max_samples, int32_t batch) {
+  return evaluate_with(
+      [&](const HostBatch& hb) { return model.forward(hb, /*train=*/false, 0, 0, LossDenominators{1.0, 1.0}); }, data,
+      max_samples, batch);
 }
 
 namespace {
@@ -169,12 +182,11 @@ struct Trainer::Impl {
   double target_accuracy = 0;
   int64_t log_interval = 1, checkpoint_interval = 0, checkpoint_keep = 3;
   int threads = 0;
+  std::string device;  // resolved: "cpu" or "cuda"
 
   BertConfig model_config;
   std::unique_ptr<Dataset> train_data, eval_data;
-  std::unique_ptr<ops::CpuBackend<ops::CpuF32>> backend;
-  std::unique_ptr<BertModel<ops::CpuF32>> model;
-  std::unique_ptr<Optimizer> optimizer;
+  std::unique_ptr<TrainEngine> engine;
   LrSchedule schedule;
   TrainerState state;
   double prior_elapsed_s = 0;
@@ -220,10 +232,13 @@ void Trainer::Impl::setup() {
               "train.target_mlm_accuracy is set but data.eval is not: the target is measured on the eval data");
   threads = static_cast<int>(cfg.get_int("train.threads"));
   NOPAD_CHECK(threads >= 0, "train.threads must be >= 0, got ", threads);
+  device = resolve_device(cfg.get_string("train.device"));
 
   const std::string optim_name = cfg.get_string("optim.name");
   NOPAD_CHECK(optim_name == "lamb" || optim_name == "adamw", "optim.name must be lamb or adamw, got \"", optim_name,
               "\"");
+  NOPAD_CHECK(device == "cpu" || optim_name == "lamb", "optim.name ", optim_name,
+              " is CPU-only for now; use lamb or --set train.device=cpu");
   OptimizerOptions oo;
   const double lr = cfg.get_double("optim.lr");
   NOPAD_CHECK(std::isfinite(lr) && lr > 0, "optim.lr must be a positive number, got ", lr);
@@ -327,26 +342,28 @@ void Trainer::Impl::setup() {
     fail("run_dir: ", e.what());
   }
 
-  // 6. Backend, model, optimizer: every buffer sized once for the largest micro-batch.
-  backend = std::make_unique<ops::CpuBackend<ops::CpuF32>>(threads);
+  // 6. Engine (model and optimizer on the device): every buffer sized once for the largest micro-batch.
   const size_t cap_tokens = static_cast<size_t>(micro_batch) * max_len;
   const size_t cap_masked = static_cast<size_t>(micro_batch) * max_masked;
   NOPAD_CHECK(cap_tokens < static_cast<size_t>(INT32_MAX), "train.global_batch / train.grad_accumulation (",
               micro_batch, ") x the longest sequence (", max_len, ") is too many tokens for one micro-batch");
-  model = std::make_unique<BertModel<ops::CpuF32>>(model_config, *backend, static_cast<int32_t>(cap_tokens),
-                                                   static_cast<int32_t>(micro_batch),
-                                                   static_cast<int32_t>(cap_masked));
+  EngineOptions eo;
+  eo.config = model_config;
+  eo.max_tokens = static_cast<int32_t>(cap_tokens);
+  eo.max_seqs = static_cast<int32_t>(micro_batch);
+  eo.max_masked = static_cast<int32_t>(cap_masked);
+  eo.optimizer = optim_name;
+  eo.optim = oo;
+  eo.threads = threads;
+  engine = make_engine(device, eo);
+  std::fprintf(stderr, "device: %s\n", engine->device_name().c_str());
   reserve_batch(micro, cap_tokens, static_cast<size_t>(micro_batch), cap_masked);
-  std::vector<ParamView> views;
-  for (const ParamTensor& t : model->layout().tensors())
-    views.push_back({t.name, model->params() + t.offset, model->grads() + t.offset, t.numel, t.no_weight_decay});
-  optimizer = make_optimizer(optim_name, std::move(views), oo);
 
   state.seed = seed;
   state.optimizer = optim_name;
   if (resume_from) {
-    model->set_params(resume_from->params.data());
-    optimizer->load_state(resume_from->optimizer_steps, resume_from->optimizer_state());
+    engine->set_params(resume_from->params.data());
+    engine->load_optimizer_state(resume_from->optimizer_steps, resume_from->optimizer_state());
     state = resume_from->state;
     if (state.extra.contains("elapsed_s")) prior_elapsed_s = state.extra.at("elapsed_s").get<double>();
     last_checkpoint = resume_from->dir;
@@ -354,8 +371,8 @@ void Trainer::Impl::setup() {
                  static_cast<long long>(state.step), static_cast<unsigned long long>(state.samples));
   } else {
     if (mode == StartMode::kResume) std::fprintf(stderr, "no checkpoint in %s: starting at step 0\n", run_dir.c_str());
-    if (!start_params.empty()) model->set_params(start_params.data());
-    else model->init_params(seed);
+    if (!start_params.empty()) engine->set_params(start_params.data());
+    else engine->init_params(seed);
   }
   if (mode == StartMode::kOverwrite) {
     fs::remove_all(checkpoints_dir(run_dir), ec);
@@ -371,19 +388,21 @@ void Trainer::Impl::setup() {
 }
 
 fs::path Trainer::Impl::save_checkpoint() {
-  std::vector<float> host(model->num_params());
-  model->get_params(host.data());
-  state.optimizer_steps = optimizer->step_count();
+  std::vector<float> host;
+  engine->get_params(host);
+  state.optimizer_steps = engine->optimizer_steps();
   state.schedule_steps = state.step;
   metrics->sync();
   CheckpointWriteOptions o;
   o.keep = static_cast<int>(checkpoint_keep);
-  last_checkpoint = write_checkpoint(run_dir, model_config, model->layout(), host.data(), optimizer.get(), state, o);
+  last_checkpoint =
+      write_checkpoint(run_dir, model_config, engine->layout(), host.data(), &engine->optimizer_state(), state, o);
   return last_checkpoint;
 }
 
 EvalResult Trainer::Impl::run_eval() {
-  const EvalResult e = evaluate(*model, *eval_data, eval_max_samples, static_cast<int32_t>(micro_batch));
+  const EvalResult e = evaluate_with([&](const HostBatch& hb) { return engine->evaluate(hb); }, *eval_data,
+                                     eval_max_samples, static_cast<int32_t>(micro_batch));
   nlohmann::json j = {{"eval", true}, {"step", state.step}, {"samples", state.samples}};
   j.update(eval_json(e));
   metrics->write(j);
@@ -401,11 +420,9 @@ Trainer::Trainer(const Config& config, StartMode mode, TrainHooks hooks)
 
 Trainer::~Trainer() = default;
 
-const BertModel<ops::CpuF32>& Trainer::model() const { return *impl_->model; }
-
 std::vector<float> Trainer::params() const {
-  std::vector<float> host(impl_->model->num_params());
-  impl_->model->get_params(host.data());
+  std::vector<float> host;
+  impl_->engine->get_params(host);
   return host;
 }
 
@@ -434,12 +451,15 @@ TrainSummary Trainer::run() {
     const HostBatch& global = loader.next();
     const LossDenominators denoms{std::max(1.0, static_cast<double>(global.num_masked())),
                                   static_cast<double>(global.num_seqs())};
-    m.model->zero_grad();
+    // Per micro-batch the loss is read back (the finite check, the per-step record and the progress line need it):
+    // on a GPU that waits for each micro-batch's forward and backward before the next one is enqueued.
+    m.engine->zero_grad();
     StepResult sum;
     for (int64_t a = 0; a < m.grad_accumulation; ++a) {
       const int32_t b0 = static_cast<int32_t>(a * m.micro_batch), b1 = static_cast<int32_t>((a + 1) * m.micro_batch);
       slice_batch(global, b0, std::min(b1, global.num_seqs()), m.micro);
-      const StepResult r = m.model->forward(m.micro, /*train=*/true, m.seed, static_cast<uint64_t>(step_index), denoms);
+      m.engine->micro_step(m.micro, m.seed, static_cast<uint64_t>(step_index), denoms);
+      const StepResult r = m.engine->micro_result();
       sum.loss += r.loss;
       sum.mlm_loss += r.mlm_loss;
       sum.nsp_loss += r.nsp_loss;
@@ -448,7 +468,6 @@ TrainSummary Trainer::run() {
       sum.nsp_correct += r.nsp_correct;
       sum.nsp_count += r.nsp_count;
       if (!std::isfinite(r.loss)) break;
-      m.model->backward(1.0);
     }
     if (m.hooks.after_forward) m.hooks.after_forward(step_index + 1, sum);
     const std::string keep_note =
@@ -461,7 +480,7 @@ TrainSummary Trainer::run() {
            "): training diverged; lower optim.lr or add schedule.warmup_steps", keep_note);
     }
     const double lr = m.schedule.lr(step_index);
-    const StepStats stats = m.optimizer->step(lr, 1.0);
+    const StepStats stats = m.engine->optimizer_step(lr, 1.0);  // on a GPU: waits for the norm and skip flag
     if (stats.skipped) {
       m.metrics->sync();
       fail("step ", step_index + 1, ": the gradients are not finite: training diverged; lower optim.lr or add "

@@ -14,6 +14,8 @@
 //  - Memory: the model's activations and the micro-batch buffers are sized once from the largest micro-batch
 //    (micro-batch x the data's longest sequence, micro-batch x its most masked positions per sequence).
 //  - A non-finite loss or gradient throws nopad::Error naming the step; checkpoints already written stay.
+//  - The device (train.device: auto, cpu, cuda) is reached only through a TrainEngine (train/engine.h); the CPU
+//    engine is the fp32 reference, the GPU engine runs bf16 ops with fp32 master weights (LAMB only).
 #pragma once
 #include <cstdint>
 #include <functional>
@@ -77,8 +79,7 @@ class Trainer {
   Trainer& operator=(const Trainer&) = delete;
 
   TrainSummary run();
-  const BertModel<ops::CpuF32>& model() const;
-  std::vector<float> params() const;  // host copy of the current parameters
+  std::vector<float> params() const;  // host copy of the current fp32 parameters (on a GPU: the master weights)
 
  private:
   struct Impl;

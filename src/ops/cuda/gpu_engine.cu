@@ -1,0 +1,146 @@
+// The GPU TrainEngine (see gpu_engine.h and train/engine.h).
+#include "ops/cuda/gpu_engine.h"
+
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstddef>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include "core/error.h"
+#include "model/params.h"
+#include "ops/cuda/check.h"
+#include "ops/cuda/cuda_backend.h"
+#include "ops/cuda/lamb.h"
+
+namespace nopad::cuda {
+
+bool cuda_device_visible(std::string* why) {
+  int count = 0;
+  const cudaError_t err = cudaGetDeviceCount(&count);
+  if (err != cudaSuccess) {
+    (void)cudaGetLastError();  // clear the sticky slot: later checks must not see it
+    if (why) *why = cudaGetErrorString(err);
+    return false;
+  }
+  if (count == 0) {
+    if (why) *why = "the driver reports 0 devices";
+    return false;
+  }
+  return true;
+}
+
+namespace {
+
+class GpuEngine final : public TrainEngine {
+ public:
+  explicit GpuEngine(const EngineOptions& o)
+      : backend_(0),
+        model_(o.config, backend_, o.max_tokens, o.max_seqs, o.max_masked),
+        lamb_(lamb_tensors(model_.layout()), model_.num_params(), o.optim, backend_.stream()),
+        host_params_(model_.num_params(), 0.0f),
+        host_m_(model_.num_params(), 0.0f),
+        host_v_(model_.num_params(), 0.0f) {
+    // Host mirror of the optimizer in the CPU form, for checkpoints (never stepped).
+    std::vector<ParamView> views;
+    for (const ParamTensor& t : model_.layout().tensors())
+      views.push_back({t.name, host_params_.data() + t.offset, host_params_.data() + t.offset, t.numel,
+                       t.no_weight_decay});
+    mirror_ = make_optimizer("lamb", std::move(views), o.optim);
+    cudaDeviceProp prop{};
+    NOPAD_CUDA_CHECK(cudaGetDeviceProperties(&prop, backend_.device()));
+    name_ = std::string("cuda (") + prop.name + ")";
+  }
+  ~GpuEngine() override { (void)cudaStreamSynchronize(backend_.stream()); }  // no throwing while tearing down
+
+  std::string device_name() const override { return name_; }
+  const ParamLayout& layout() const override { return model_.layout(); }
+
+  void init_params(uint64_t seed) override {
+    // The CPU path's host-side init; the masters keep it in fp32, the ops read its bf16 rounding.
+    initialize_params(model_.layout(), model_.config(), seed, host_params_.data());
+    set_params(host_params_.data());
+  }
+  void set_params(const float* host) override {
+    lamb_.load_master(host);
+    lamb_.write_weight_copy(model_.params());
+    backend_.synchronize();
+  }
+  void get_params(std::vector<float>& host) override {
+    host.resize(model_.num_params());
+    lamb_.download_master(host.data());
+  }
+
+  void zero_grad() override { model_.zero_grad(); }
+  void micro_step(const HostBatch& batch, uint64_t seed, uint64_t step, LossDenominators denoms) override {
+    // Enqueued only: the loss is not known here, so backward runs whatever it is (the trainer stops on a
+    // non-finite loss before the optimizer step).
+    model_.forward_async(batch, /*train=*/true, seed, step, denoms);
+    model_.backward(1.0);
+  }
+  StepResult micro_result() override { return model_.read_result(); }  // waits for the stream
+  StepStats optimizer_step(double lr, double grad_scale) override {
+    lamb_.step(model_.grads(), model_.params(), static_cast<float>(lr), static_cast<float>(grad_scale));
+    StepStats s;
+    s.skipped = lamb_.last_step_skipped();  // waits for the stream
+    s.grad_norm = lamb_.last_grad_norm();
+    return s;  // clip_factor is not reported by FusedLamb
+  }
+  StepResult evaluate(const HostBatch& batch) override {
+    return model_.forward(batch, /*train=*/false, 0, 0, LossDenominators{1.0, 1.0});
+  }
+
+  int64_t optimizer_steps() override { return lamb_.step_count(); }
+  const Optimizer& optimizer_state() override {
+    lamb_.download_moments(host_m_.data(), host_v_.data());
+    mirror_->load_state(lamb_.step_count(), moment_views());
+    return *mirror_;
+  }
+  void load_optimizer_state(int64_t step, const std::vector<StateTensor>& tensors) override {
+    mirror_->load_state(step, tensors);  // checks names and sizes; throws before anything changes
+    std::unordered_map<std::string, const ParamTensor*> by_name;
+    for (const ParamTensor& t : model_.layout().tensors()) by_name[t.name] = &t;
+    for (const StateTensor& s : mirror_->state_tensors()) {
+      const size_t dot = s.name.rfind('.');
+      const auto it = by_name.find(s.name.substr(0, dot));
+      NOPAD_CHECK(dot != std::string::npos && it != by_name.end() && it->second->numel == s.numel,
+                  "optimizer state: unexpected tensor '", s.name, "'");
+      const std::string kind = s.name.substr(dot + 1);
+      NOPAD_CHECK(kind == "exp_avg" || kind == "exp_avg_sq", "optimizer state: unexpected tensor '", s.name, "'");
+      std::vector<float>& dst = kind == "exp_avg" ? host_m_ : host_v_;
+      std::copy(s.data, s.data + s.numel, dst.begin() + static_cast<std::ptrdiff_t>(it->second->offset));
+    }
+    lamb_.load_moments(host_m_.data(), host_v_.data(), step);
+  }
+
+ private:
+  std::vector<StateTensor> moment_views() const {
+    std::vector<StateTensor> out;
+    for (const ParamTensor& t : model_.layout().tensors()) {
+      out.push_back({t.name + ".exp_avg", host_m_.data() + t.offset, t.numel});
+      out.push_back({t.name + ".exp_avg_sq", host_v_.data() + t.offset, t.numel});
+    }
+    return out;
+  }
+
+  CudaBackend backend_;
+  BertModel<ops::GpuBf16> model_;
+  FusedLamb lamb_;
+  std::vector<float> host_params_, host_m_, host_v_;  // host staging for init and checkpoints
+  std::unique_ptr<Optimizer> mirror_;
+  std::string name_;
+};
+
+}  // namespace
+
+std::unique_ptr<TrainEngine> make_gpu_engine(const EngineOptions& options) {
+  NOPAD_CHECK(options.optimizer == "lamb", "optim.name ", options.optimizer,
+              " is CPU-only for now; use lamb or --set train.device=cpu");
+  std::string why;
+  if (!cuda_device_visible(&why)) fail("no CUDA device: ", why, "; use --set train.device=cpu");
+  return std::make_unique<GpuEngine>(options);
+}
+
+}  // namespace nopad::cuda

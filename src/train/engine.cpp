@@ -1,0 +1,87 @@
+// The CPU TrainEngine and device selection (see engine.h).
+#include "train/engine.h"
+
+#include <cmath>
+
+#include "core/error.h"
+#include "ops/cpu/cpu_backend.h"
+
+#ifdef NOPAD_HAVE_CUDA
+#include "ops/cuda/gpu_engine.h"
+#endif
+
+namespace nopad {
+namespace {
+
+class CpuEngine final : public TrainEngine {
+ public:
+  explicit CpuEngine(const EngineOptions& o)
+      : backend_(o.threads), model_(o.config, backend_, o.max_tokens, o.max_seqs, o.max_masked) {
+    std::vector<ParamView> views;
+    for (const ParamTensor& t : model_.layout().tensors())
+      views.push_back({t.name, model_.params() + t.offset, model_.grads() + t.offset, t.numel, t.no_weight_decay});
+    optimizer_ = make_optimizer(o.optimizer, std::move(views), o.optim);
+  }
+
+  std::string device_name() const override {
+    return "cpu (" + std::to_string(backend_.num_threads()) + " threads)";
+  }
+  const ParamLayout& layout() const override { return model_.layout(); }
+  void init_params(uint64_t seed) override { model_.init_params(seed); }
+  void set_params(const float* host) override { model_.set_params(host); }
+  void get_params(std::vector<float>& host) override {
+    host.resize(model_.num_params());
+    model_.get_params(host.data());
+  }
+  void zero_grad() override { model_.zero_grad(); }
+  void micro_step(const HostBatch& batch, uint64_t seed, uint64_t step, LossDenominators denoms) override {
+    last_ = model_.forward(batch, /*train=*/true, seed, step, denoms);
+    if (std::isfinite(last_.loss)) model_.backward(1.0);
+  }
+  StepResult micro_result() override { return last_; }
+  StepStats optimizer_step(double lr, double grad_scale) override { return optimizer_->step(lr, grad_scale); }
+  StepResult evaluate(const HostBatch& batch) override {
+    return model_.forward(batch, /*train=*/false, 0, 0, LossDenominators{1.0, 1.0});
+  }
+  int64_t optimizer_steps() override { return optimizer_->step_count(); }
+  const Optimizer& optimizer_state() override { return *optimizer_; }
+  void load_optimizer_state(int64_t step, const std::vector<StateTensor>& tensors) override {
+    optimizer_->load_state(step, tensors);
+  }
+
+ private:
+  ops::CpuBackend<ops::CpuF32> backend_;
+  BertModel<ops::CpuF32> model_;
+  std::unique_ptr<Optimizer> optimizer_;
+  StepResult last_;
+};
+
+}  // namespace
+
+std::unique_ptr<TrainEngine> make_cpu_engine(const EngineOptions& options) {
+  return std::make_unique<CpuEngine>(options);
+}
+
+std::string resolve_device(const std::string& device) {
+  NOPAD_CHECK(device == "auto" || device == "cpu" || device == "cuda", "train.device must be auto, cpu or cuda, got \"",
+              device, "\"");
+  if (device == "cpu") return "cpu";
+#ifdef NOPAD_HAVE_CUDA
+  std::string why;
+  if (cuda::cuda_device_visible(&why)) return "cuda";
+#else
+  const std::string why = "this nopad was built without the CUDA backend (rebuild with -DNOPAD_CUDA=ON)";
+#endif
+  if (device == "auto") return "cpu";
+  fail("no CUDA device: ", why, "; use --set train.device=cpu");
+}
+
+std::unique_ptr<TrainEngine> make_engine(const std::string& device, const EngineOptions& options) {
+  if (device == "cpu") return make_cpu_engine(options);
+#ifdef NOPAD_HAVE_CUDA
+  if (device == "cuda") return cuda::make_gpu_engine(options);
+#endif
+  fail("no engine for train.device \"", device, "\" in this build");
+}
+
+}  // namespace nopad

@@ -1,0 +1,169 @@
+// The trainer's device engines: the CPU engine reproduces the plain CPU loop (BertModel<CpuF32> + CpuBackend + LAMB)
+// bit for bit, and train.device is resolved (auto -> cpu without a GPU) or refused with one clear error.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <fstream>
+#include <functional>
+#include <sstream>
+
+#include "core/error.h"
+#include "data/dataset.h"
+#include "data/loader.h"
+#include "ops/cpu/cpu_backend.h"
+#include "optim/optimizer.h"
+#include "test_util.h"
+#include "train/engine.h"
+#include "train/trainer.h"
+
+namespace nopad {
+namespace {
+
+namespace fs = std::filesystem;
+
+constexpr int kMaxLen = 64;
+
+struct EngineFixtureData {
+  test::TempDir dir{"engine"};
+  fs::path data, model;
+  EngineFixtureData() {
+    data = dir / "data";
+    fs::create_directories(data);
+    test::write_random_dataset(data, 48, 1, 7, kMaxLen);
+    nlohmann::json j = {{"hidden_size", 32},      {"num_hidden_layers", 1},           {"num_attention_heads", 2},
+                        {"intermediate_size", 128}, {"vocab_size", 30522},             {"max_position_embeddings", kMaxLen},
+                        {"type_vocab_size", 2},   {"model_type", "bert"}};
+    model = dir / "model.json";
+    std::ofstream(model) << j.dump(2);
+  }
+  std::string config(const fs::path& run, const std::string& extra) const {
+    std::ostringstream s;
+    s << "run_dir = \"" << run.string() << "\"\n"
+      << "model.config = \"" << model.string() << "\"\n"
+      << "data.train = \"" << data.string() << "\"\n"
+      << "train.threads = 2\ntrain.global_batch = 8\ntrain.max_steps = 4\ntrain.seed = 99\n"
+      << "optim.lr = 0.02\nlog.interval_steps = 1000\n"
+      << extra;
+    return s.str();
+  }
+};
+
+std::string error_of(const std::function<void()>& f) {
+  try {
+    f();
+  } catch (const Error& e) {
+    return e.what();
+  }
+  return "(no error)";
+}
+
+TEST(Engine, CpuTrainerMatchesThePlainCpuLoopExactly) {
+  const EngineFixtureData s;
+  const fs::path run = s.dir / "run";
+  Trainer t(Config::parse(s.config(run, "train.device = \"cpu\"\n"), train_config_schema(), "test"),
+            StartMode::kFresh);
+  const TrainSummary sum = t.run();
+  ASSERT_EQ(sum.steps.size(), 4u);
+
+  // The same run written directly against the model and optimizer (the trainer's loop before engines).
+  const Dataset ds(s.data);
+  const BertConfig cfg = BertConfig::from_file(s.model);
+  uint32_t most_masked = 0;
+  for (size_t i = 0; i < ds.shard(0).num_seqs(); ++i) most_masked = std::max(most_masked, ds.shard(0).num_masked(i));
+  ops::CpuBackend<ops::CpuF32> backend(2);
+  BertModel<ops::CpuF32> model(cfg, backend, 8 * static_cast<int32_t>(ds.max_seq_length()), 8,
+                               8 * static_cast<int32_t>(most_masked));
+  model.init_params(99);
+  std::vector<ParamView> views;
+  for (const ParamTensor& p : model.layout().tensors())
+    views.push_back({p.name, model.params() + p.offset, model.grads() + p.offset, p.numel, p.no_weight_decay});
+  OptimizerOptions oo;
+  oo.threads = 2;
+  auto opt = make_optimizer("lamb", std::move(views), oo);
+  LoaderOptions lo;
+  lo.global_batch = 8;
+  lo.seed = 99;
+  Loader loader(ds, lo);
+  for (int64_t step = 0; step < 4; ++step) {
+    const HostBatch& b = loader.next();
+    model.zero_grad();
+    const StepResult r = model.forward(b, true, 99, static_cast<uint64_t>(step),
+                                       {std::max(1.0, static_cast<double>(b.num_masked())),
+                                        static_cast<double>(b.num_seqs())});
+    model.backward(1.0);
+    const StepStats st = opt->step(sum.steps[static_cast<size_t>(step)].lr, 1.0);
+    EXPECT_EQ(sum.steps[static_cast<size_t>(step)].loss, r.loss) << "step " << step + 1;
+    EXPECT_EQ(sum.steps[static_cast<size_t>(step)].mlm_loss, r.mlm_loss) << "step " << step + 1;
+    EXPECT_EQ(sum.steps[static_cast<size_t>(step)].grad_norm, st.grad_norm) << "step " << step + 1;
+  }
+  std::vector<float> host(model.num_params());
+  model.get_params(host.data());
+  EXPECT_EQ(t.params(), host);
+}
+
+TEST(Engine, CpuEngineOptimizerStateRoundTrips) {
+  const EngineFixtureData s;
+  EngineOptions o;
+  o.config = BertConfig::from_file(s.model);
+  o.max_tokens = 4 * kMaxLen;
+  o.max_seqs = 4;
+  o.max_masked = 4 * kMaxLen;
+  o.threads = 1;
+  auto a = make_cpu_engine(o), b = make_cpu_engine(o);
+  EXPECT_NE(a->device_name().find("cpu (1 threads)"), std::string::npos) << a->device_name();
+  a->init_params(5);
+  const Dataset ds(s.data);
+  LoaderOptions lo;
+  lo.global_batch = 4;
+  lo.background = false;
+  Loader loader(ds, lo);
+  a->zero_grad();
+  a->micro_step(loader.next(), 1, 0, {});
+  ASSERT_TRUE(std::isfinite(a->micro_result().loss));
+  EXPECT_FALSE(a->optimizer_step(1e-3, 1.0).skipped);
+  std::vector<float> pa, pb;
+  a->get_params(pa);
+  b->set_params(pa.data());
+  b->load_optimizer_state(a->optimizer_steps(), a->optimizer_state().state_tensors());
+  EXPECT_EQ(b->optimizer_steps(), 1);
+  const HostBatch& next = loader.next();
+  for (auto* e : {a.get(), b.get()}) {
+    e->zero_grad();
+    e->micro_step(next, 1, 1, {});
+    (void)e->micro_result();
+    e->optimizer_step(1e-3, 1.0);
+  }
+  a->get_params(pa);
+  b->get_params(pb);
+  EXPECT_EQ(pa, pb);
+  EXPECT_EQ(a->evaluate(next).loss, b->evaluate(next).loss);
+}
+
+TEST(Engine, DeviceKeyIsResolvedOrRefusedClearly) {
+  EXPECT_EQ(resolve_device("cpu"), "cpu");
+  const std::string bad = error_of([] { resolve_device("gpu"); });
+  EXPECT_NE(bad.find("train.device must be auto, cpu or cuda"), std::string::npos) << bad;
+
+  // Neither test build has a GPU: a CPU-only build cannot use one, a CUDA build sees none.
+  EXPECT_EQ(resolve_device("auto"), "cpu");
+  const std::string e = error_of([] { resolve_device("cuda"); });
+  EXPECT_NE(e.find("no CUDA device: "), std::string::npos) << e;
+  EXPECT_NE(e.find("use --set train.device=cpu"), std::string::npos) << e;
+#ifndef NOPAD_HAVE_CUDA
+  EXPECT_NE(e.find("built without the CUDA backend"), std::string::npos) << e;
+#endif
+
+  // Through the trainer: one error, nothing written.
+  const EngineFixtureData s;
+  const fs::path run = s.dir / "run-cuda";
+  const std::string te = error_of([&] {
+    Trainer(Config::parse(s.config(run, "train.device = \"cuda\"\n"), train_config_schema(), "test"),
+            StartMode::kFresh);
+  });
+  EXPECT_NE(te.find("no CUDA device: "), std::string::npos) << te;
+  EXPECT_FALSE(fs::exists(run));
+}
+
+}  // namespace
+}  // namespace nopad
