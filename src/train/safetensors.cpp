@@ -8,6 +8,7 @@
 #include <limits>
 #include <nlohmann/json.hpp>
 
+#include "core/dtype.h"
 #include "core/error.h"
 
 namespace nopad {
@@ -32,16 +33,6 @@ constexpr std::array<DTypeInfo, 10> kDTypes{{{DType::kF64, "F64", 8},
 // A larger header is refused as the Python library refuses it: a corrupt length must not make us parse gigabytes.
 constexpr uint64_t kMaxHeaderBytes = 100u << 20;
 
-uint32_t float_bits(float f) {
-  uint32_t u;
-  std::memcpy(&u, &f, 4);
-  return u;
-}
-float bits_float(uint32_t u) {
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
-}
 
 // numel of `shape` times `elem`, or false on overflow.
 bool byte_size(const std::vector<int64_t>& shape, size_t elem, size_t* numel, size_t* bytes) {
@@ -85,39 +76,11 @@ DType dtype_from_name(std::string_view name) {
   fail("unsupported dtype '", name, "' (supported: F64, F32, F16, BF16, I64, I32, I16, I8, U8, BOOL)");
 }
 
-float half_to_float(uint16_t h) {
-  const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
-  const uint32_t exp = (h >> 10) & 0x1fu, mant = h & 0x3ffu;
-  if (exp == 0) {
-    const float mag = std::ldexp(static_cast<float>(mant), -24);  // zero or subnormal: mant * 2^-24
-    return sign ? -mag : mag;
-  }
-  if (exp == 31) return bits_float(sign | 0x7f800000u | (mant << 13));  // inf, or NaN keeping its payload
-  return bits_float(sign | ((exp + 127 - 15) << 23) | (mant << 13));
-}
-
-uint16_t float_to_half(float f) {
-  uint32_t x = float_bits(f);
-  const uint16_t sign = static_cast<uint16_t>((x >> 16) & 0x8000u);
-  x &= 0x7fffffffu;
-  if (x >= 0x7f800000u) return sign | (x > 0x7f800000u ? 0x7e00 : 0x7c00);
-  if (x >= 0x477ff000u) return sign | 0x7c00;  // >= 65520 rounds (to even) past the largest half, 65504
-  if (x < 0x38800000u) {
-    // Below the smallest normal half (2^-14): the result is a subnormal count of 2^-24, rounded to nearest even.
-    const float scaled = bits_float(x) * 16777216.0f;  // exact: a power-of-two scale
-    return sign | static_cast<uint16_t>(std::nearbyint(scaled));
-  }
-  x += 0xfffu + ((x >> 13) & 1u);  // round the 13 dropped bits to nearest even
-  return sign | static_cast<uint16_t>((x - ((127u - 15u) << 23)) >> 13);
-}
-
-float bf16_to_float(uint16_t b) { return bits_float(static_cast<uint32_t>(b) << 16); }
-
-uint16_t float_to_bf16(float f) {
-  const uint32_t x = float_bits(f);
-  if ((x & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((x >> 16) | 0x40u);  // quiet NaN
-  return static_cast<uint16_t>((x + 0x7fffu + ((x >> 16) & 1u)) >> 16);
-}
+// The 16-bit conversions are core/dtype.h's (round to nearest even, NaN kept); these wrappers take raw bits.
+float half_to_float(uint16_t h) { return to_float(f16{h}); }
+uint16_t float_to_half(float f) { return to_f16(f).bits; }
+float bf16_to_float(uint16_t b) { return to_float(bf16{b}); }
+uint16_t float_to_bf16(float f) { return to_bf16(f).bits; }
 
 std::string safetensors_header(const std::vector<SafetensorsTensor>& tensors, const SafetensorsMetadata& metadata) {
   std::vector<const SafetensorsTensor*> order;
