@@ -108,6 +108,7 @@ BertModel<P>::BertModel(const BertConfig& config, ops::Backend<P>& backend, int3
   d_ctx_ = alloc<A>(T * H);
   d_qkv_ = alloc<A>(T * 3 * H);
   d_inter_ = alloc<A>(T * I);
+  resolve_head_tensors();
 }
 
 template <class P>
@@ -173,44 +174,51 @@ ops::Dropout BertModel<P>::dropout(float p, uint32_t op_id) const {
   return d;
 }
 
+// The embedding and head tensors are looked up by name once: their pointers never move, and a per-step lookup would
+// build strings inside the step.
 template <class P>
-auto BertModel<P>::embedding_weights() -> ops::EmbeddingWeights<W> {
-  ops::EmbeddingWeights<W> w;
-  w.word = param("bert.embeddings.word_embeddings.weight");
-  w.position = param("bert.embeddings.position_embeddings.weight");
-  w.token_type = param("bert.embeddings.token_type_embeddings.weight");
-  w.ln_gamma = param("bert.embeddings.LayerNorm.weight");
-  w.ln_beta = param("bert.embeddings.LayerNorm.bias");
-  w.vocab_size = config_.vocab_size;
-  w.max_positions = config_.max_position_embeddings;
-  w.type_vocab_size = config_.type_vocab_size;
-  w.hidden = config_.hidden_size;
-  w.ln_eps = config_.layer_norm_eps;
-  return w;
-}
-template <class P>
-auto BertModel<P>::mlm_weights() -> ops::MlmHeadWeights<W> {
-  ops::MlmHeadWeights<W> w;
-  w.transform_weight = param("cls.predictions.transform.dense.weight");
-  w.transform_bias = param("cls.predictions.transform.dense.bias");
-  w.ln_gamma = param("cls.predictions.transform.LayerNorm.weight");
-  w.ln_beta = param("cls.predictions.transform.LayerNorm.bias");
-  w.word_embeddings = param("bert.embeddings.word_embeddings.weight");  // tied decoder
-  w.output_bias = param("cls.predictions.bias");
-  w.hidden = config_.hidden_size;
-  w.vocab_size = config_.vocab_size;
-  w.ln_eps = config_.layer_norm_eps;
-  return w;
-}
-template <class P>
-auto BertModel<P>::nsp_weights() -> ops::NspHeadWeights<W> {
-  ops::NspHeadWeights<W> w;
-  w.pooler_weight = param("bert.pooler.dense.weight");
-  w.pooler_bias = param("bert.pooler.dense.bias");
-  w.classifier_weight = param("cls.seq_relationship.weight");
-  w.classifier_bias = param("cls.seq_relationship.bias");
-  w.hidden = config_.hidden_size;
-  return w;
+void BertModel<P>::resolve_head_tensors() {
+  emb_w_.word = param("bert.embeddings.word_embeddings.weight");
+  emb_w_.position = param("bert.embeddings.position_embeddings.weight");
+  emb_w_.token_type = param("bert.embeddings.token_type_embeddings.weight");
+  emb_w_.ln_gamma = param("bert.embeddings.LayerNorm.weight");
+  emb_w_.ln_beta = param("bert.embeddings.LayerNorm.bias");
+  emb_w_.vocab_size = config_.vocab_size;
+  emb_w_.max_positions = config_.max_position_embeddings;
+  emb_w_.type_vocab_size = config_.type_vocab_size;
+  emb_w_.hidden = config_.hidden_size;
+  emb_w_.ln_eps = config_.layer_norm_eps;
+  emb_g_.d_word = grad("bert.embeddings.word_embeddings.weight");
+  emb_g_.d_position = grad("bert.embeddings.position_embeddings.weight");
+  emb_g_.d_token_type = grad("bert.embeddings.token_type_embeddings.weight");
+  emb_g_.d_ln_gamma = grad("bert.embeddings.LayerNorm.weight");
+  emb_g_.d_ln_beta = grad("bert.embeddings.LayerNorm.bias");
+
+  mlm_w_.transform_weight = param("cls.predictions.transform.dense.weight");
+  mlm_w_.transform_bias = param("cls.predictions.transform.dense.bias");
+  mlm_w_.ln_gamma = param("cls.predictions.transform.LayerNorm.weight");
+  mlm_w_.ln_beta = param("cls.predictions.transform.LayerNorm.bias");
+  mlm_w_.word_embeddings = param("bert.embeddings.word_embeddings.weight");  // tied decoder
+  mlm_w_.output_bias = param("cls.predictions.bias");
+  mlm_w_.hidden = config_.hidden_size;
+  mlm_w_.vocab_size = config_.vocab_size;
+  mlm_w_.ln_eps = config_.layer_norm_eps;
+  mlm_g_.d_transform_weight = grad("cls.predictions.transform.dense.weight");
+  mlm_g_.d_transform_bias = grad("cls.predictions.transform.dense.bias");
+  mlm_g_.d_ln_gamma = grad("cls.predictions.transform.LayerNorm.weight");
+  mlm_g_.d_ln_beta = grad("cls.predictions.transform.LayerNorm.bias");
+  mlm_g_.d_word_embeddings = grad("bert.embeddings.word_embeddings.weight");
+  mlm_g_.d_output_bias = grad("cls.predictions.bias");
+
+  nsp_w_.pooler_weight = param("bert.pooler.dense.weight");
+  nsp_w_.pooler_bias = param("bert.pooler.dense.bias");
+  nsp_w_.classifier_weight = param("cls.seq_relationship.weight");
+  nsp_w_.classifier_bias = param("cls.seq_relationship.bias");
+  nsp_w_.hidden = config_.hidden_size;
+  nsp_g_.d_pooler_weight = grad("bert.pooler.dense.weight");
+  nsp_g_.d_pooler_bias = grad("bert.pooler.dense.bias");
+  nsp_g_.d_classifier_weight = grad("cls.seq_relationship.weight");
+  nsp_g_.d_classifier_bias = grad("cls.seq_relationship.bias");
 }
 
 template <class P>
@@ -251,7 +259,7 @@ void BertModel<P>::forward_async(const HostBatch& batch, bool train, uint64_t se
   const int32_t H = config_.hidden_size, I = config_.intermediate_size, NH = config_.num_attention_heads;
   const double eps = config_.layer_norm_eps;
 
-  backend_.embed_layernorm_dropout_forward(tokens_, positions_, segments_, seqs_, embedding_weights(),
+  backend_.embed_layernorm_dropout_forward(tokens_, positions_, segments_, seqs_, emb_w_,
                                            dropout(p_hidden, kOpIdEmbeddingDropout), emb_out_, emb_mean_, emb_rstd_);
   const A* h = emb_out_;
   for (int32_t l = 0; l < config_.num_hidden_layers; ++l) {
@@ -271,12 +279,12 @@ void BertModel<P>::forward_async(const HostBatch& batch, bool train, uint64_t se
     h = L.out2;
   }
   if (M > 0) {
-    backend_.mlm_head_loss_forward(h, mlm_positions_, mlm_labels_, M, mlm_weights(), mlm_saved_, loss_sums_,
+    backend_.mlm_head_loss_forward(h, mlm_positions_, mlm_labels_, M, mlm_w_, mlm_saved_, loss_sums_,
                                    correct_);
   } else {
     backend_.zero_bytes(loss_sums_, sizeof(St));
   }
-  backend_.nsp_head_loss_forward(h, seqs_, nsp_labels_, nsp_weights(), nsp_saved_, loss_sums_ + 1, correct_ + 1);
+  backend_.nsp_head_loss_forward(h, seqs_, nsp_labels_, nsp_w_, nsp_saved_, loss_sums_ + 1, correct_ + 1);
 
   have_forward_ = true;
   have_result_ = true;
@@ -322,22 +330,10 @@ void BertModel<P>::backward(double loss_scale) {
   // Both heads scatter-add into d_hidden (the last layer's output gradient).
   backend_.zero_bytes(d_hidden_, static_cast<size_t>(T) * H * sizeof(A));
   if (num_masked_ > 0) {
-    ops::MlmHeadGrads<G> mg;
-    mg.d_transform_weight = grad("cls.predictions.transform.dense.weight");
-    mg.d_transform_bias = grad("cls.predictions.transform.dense.bias");
-    mg.d_ln_gamma = grad("cls.predictions.transform.LayerNorm.weight");
-    mg.d_ln_beta = grad("cls.predictions.transform.LayerNorm.bias");
-    mg.d_word_embeddings = grad("bert.embeddings.word_embeddings.weight");
-    mg.d_output_bias = grad("cls.predictions.bias");
-    backend_.mlm_head_loss_backward(loss_scale / mlm_denom_, mlm_positions_, mlm_labels_, num_masked_, mlm_weights(),
-                                    mlm_saved_, mg, d_hidden_);
+    backend_.mlm_head_loss_backward(loss_scale / mlm_denom_, mlm_positions_, mlm_labels_, num_masked_, mlm_w_,
+                                    mlm_saved_, mlm_g_, d_hidden_);
   }
-  ops::NspHeadGrads<G> ng;
-  ng.d_pooler_weight = grad("bert.pooler.dense.weight");
-  ng.d_pooler_bias = grad("bert.pooler.dense.bias");
-  ng.d_classifier_weight = grad("cls.seq_relationship.weight");
-  ng.d_classifier_bias = grad("cls.seq_relationship.bias");
-  backend_.nsp_head_loss_backward(loss_scale / nsp_denom_, seqs_, nsp_labels_, nsp_weights(), nsp_saved_, ng,
+  backend_.nsp_head_loss_backward(loss_scale / nsp_denom_, seqs_, nsp_labels_, nsp_w_, nsp_saved_, nsp_g_,
                                   d_hidden_);
 
   for (int32_t l = config_.num_hidden_layers - 1; l >= 0; --l) {
@@ -365,14 +361,8 @@ void BertModel<P>::backward(double loss_scale) {
     backend_.dense_backward(d_qkv_, h_in, L.w_qkv, nullptr, T, H, 3 * H, ops::Activation::kNone, d_hidden_,
                             /*accumulate_dx=*/true, g + L.off_w_qkv, g + L.off_b_qkv);
   }
-  ops::EmbeddingGrads<G> eg;
-  eg.d_word = grad("bert.embeddings.word_embeddings.weight");
-  eg.d_position = grad("bert.embeddings.position_embeddings.weight");
-  eg.d_token_type = grad("bert.embeddings.token_type_embeddings.weight");
-  eg.d_ln_gamma = grad("bert.embeddings.LayerNorm.weight");
-  eg.d_ln_beta = grad("bert.embeddings.LayerNorm.bias");
-  backend_.embed_layernorm_dropout_backward(d_hidden_, tokens_, positions_, segments_, seqs_, embedding_weights(),
-                                            dropout(p_hidden, kOpIdEmbeddingDropout), emb_mean_, emb_rstd_, eg);
+  backend_.embed_layernorm_dropout_backward(d_hidden_, tokens_, positions_, segments_, seqs_, emb_w_,
+                                            dropout(p_hidden, kOpIdEmbeddingDropout), emb_mean_, emb_rstd_, emb_g_);
 }
 
 template class BertModel<ops::CpuF32>;

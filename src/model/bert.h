@@ -111,9 +111,13 @@ class BertModel {
   W* param(const std::string& name) { return params_ + layout_.offset(name); }
   G* grad(const std::string& name) { return grads_ + layout_.offset(name); }
   ops::Dropout dropout(float p, uint32_t op_id) const;
-  ops::EmbeddingWeights<W> embedding_weights();
-  ops::MlmHeadWeights<W> mlm_weights();
-  ops::NspHeadWeights<W> nsp_weights();
+  void resolve_head_tensors();
+  ops::EmbeddingWeights<W> emb_w_;
+  ops::EmbeddingGrads<G> emb_g_;
+  ops::MlmHeadWeights<W> mlm_w_;
+  ops::MlmHeadGrads<G> mlm_g_;
+  ops::NspHeadWeights<W> nsp_w_;
+  ops::NspHeadGrads<G> nsp_g_;
 
   BertConfig config_;
   ops::Backend<P>& backend_;
