@@ -2,6 +2,10 @@
 # GPU benchmark run (on the GPU machine): builds nopad with CUDA, prepares real Wikipedia shards, times BERT-large
 # training steps at batch 32 and 64, then the peer benchmarks on the same sequences, and prints the JSON lines and
 # nopad/peer ratios. Everything is tee'd into $OUT/bench.log (OUT defaults to ./out).
+#   BATCHES="32 64"       nopad batch sizes (the per-op breakdown runs at the last one)
+#   PEER_BATCHES="32 64"  batch sizes of the compiled PyTorch peer (each on the workload of the same nopad batch)
+#   HF_BATCH=32           batch of the Hugging Face peer (none: skip it)
+#   NOPAD_CMAKE_EXTRA     extra CMake arguments
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1
@@ -13,7 +17,7 @@ exec > >(tee -a "$LOG") 2>&1
 
 echo "== $(date -u +%FT%TZ) $(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader 2>/dev/null || echo no-gpu)"
 
-NOPAD_SKIP_INSTALL=1 NOPAD_BUILD_DIR=build-gpu NOPAD_CMAKE_ARGS=-DNOPAD_CUDA=ON bash scripts/setup.sh
+NOPAD_SKIP_INSTALL=1 NOPAD_BUILD_DIR=build-gpu NOPAD_CMAKE_ARGS="-DNOPAD_CUDA=ON ${NOPAD_CMAKE_EXTRA:-}" bash scripts/setup.sh
 NOPAD=build-gpu/nopad
 
 # Real Wikipedia shards, phase-2 settings (512 tokens, 76 predictions), one duplicate to keep preparation short.
@@ -26,10 +30,14 @@ if [ ! -f "$SHARDS/dataset.json" ]; then
     --max-seq-length 512 --max-predictions 76 --dupe-factor 1 --quiet
 fi
 
-for B in 32 64; do
+BATCHES=${BATCHES:-32 64}
+PEER_BATCHES=${PEER_BATCHES:-$BATCHES}
+HF_BATCH=${HF_BATCH:-32}
+LAST_BATCH=${BATCHES##* }
+for B in $BATCHES; do
   echo "== nopad bench model batch $B"
   BREAKDOWN=""
-  if [ "$B" = 64 ]; then BREAKDOWN=--breakdown; fi  # per-op table (a second, event-timed pass)
+  if [ "$B" = "$LAST_BATCH" ]; then BREAKDOWN=--breakdown; fi  # per-op table (a second, event-timed pass)
   "$NOPAD" bench model --model data/configs/bert-large-mlperf.json --data "$SHARDS" --batch "$B" --steps 20 \
     --warmup 5 --workload "$OUT/workload-$B.txt" $BREAKDOWN
 done
@@ -37,14 +45,17 @@ done
 echo "== fmha PerfSmoke (dropout 0 vs 0.1)"
 build-gpu/nopad_cuda_tests --gtest_filter='Fmha.PerfSmoke' || echo "fmha PerfSmoke failed"
 
-for B in 32 64; do
+for B in $PEER_BATCHES; do
+  [ -f "$OUT/workload-$B.txt" ] || { echo "no workload file for batch $B (add it to BATCHES)"; continue; }
   echo "== peer_torch_varlen batch $B"
   python3 .carry/peers/peer_torch_varlen.py --batch "$B" --steps 20 --compile --lengths "$OUT/workload-$B.txt" ||
     echo "peer_torch_varlen batch $B failed"
 done
-echo "== peer_hf_bert batch 32"
-python3 .carry/peers/peer_hf_bert.py --batch 32 --steps 10 --lengths "$OUT/workload-32.txt" ||
-  echo "peer_hf_bert failed"
+if [ "$HF_BATCH" != none ]; then
+  echo "== peer_hf_bert batch $HF_BATCH"
+  python3 .carry/peers/peer_hf_bert.py --batch "$HF_BATCH" --steps 10 --lengths "$OUT/workload-$HF_BATCH.txt" ||
+    echo "peer_hf_bert failed"
+fi
 
 echo "== summary"
 python3 - "$LOG" <<'EOF'

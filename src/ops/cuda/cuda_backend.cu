@@ -415,14 +415,10 @@ void CudaBackend::attention_backward(const A* d_ctx, const A* qkv, const A* ctx,
   p.lse = const_cast<St*>(lse);   // likewise
   p.d_ctx = d_ctx;
   p.d_qkv = d_qkv;
-  // The workspace is ours, grown once to the largest size seen. It is zeroed before every backward because the
-  // interface does not promise that fmha_backward initialises it (fp32 accumulators commonly need zeros); the cost
-  // is one memset of the workspace.
+  // The workspace is ours, grown once to the largest size seen. fmha_backward initialises the part of it that its
+  // launch uses (fmha.h), so it needs no memset here.
   p.workspace_bytes = fmha_backward_workspace_bytes(seqs.num_tokens, num_heads, head_dim);
-  if (p.workspace_bytes > 0) {
-    p.workspace = scratch(kFmhaWorkspace, p.workspace_bytes);
-    NOPAD_CUDA_CHECK(cudaMemsetAsync(p.workspace, 0, p.workspace_bytes, stream_));
-  }
+  if (p.workspace_bytes > 0) p.workspace = scratch(kFmhaWorkspace, p.workspace_bytes);
   fmha_backward(p, stream_);
 }
 

@@ -12,6 +12,9 @@
 // seq_index[0 .. num_launch_seqs) (indices into cu_seqlens), so groups of sequences can run as separate launches on
 // separate streams over the same tensors; max_seqlen is then the longest sequence of the group.
 // No host synchronisation, no allocation: the backward's fp32 scratch is the caller's (fmha_backward_workspace_bytes).
+// It needs no initialisation: fmha_backward writes every workspace element that its launch reads (the D rows and
+// the zeroed dq accumulator rows of the launch's sequences) before reading it, and touches no other rows, so
+// launches over disjoint sequences may share one workspace.
 #pragma once
 #include <cuda_runtime.h>
 
