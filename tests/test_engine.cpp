@@ -120,8 +120,11 @@ TEST(Engine, CpuEngineOptimizerStateRoundTrips) {
   Loader loader(ds, lo);
   a->zero_grad();
   a->micro_step(loader.next(), 1, 0, {});
-  ASSERT_TRUE(std::isfinite(a->micro_result().loss));
-  EXPECT_FALSE(a->optimizer_step(1e-3, 1.0).skipped);
+  a->optimizer_step(1e-3, 1.0);
+  const StepOutcome first = a->finish_step();
+  ASSERT_TRUE(std::isfinite(first.result.loss));
+  EXPECT_FALSE(first.stats.skipped);
+  EXPECT_GT(first.stats.grad_norm, 0.0);
   std::vector<float> pa, pb;
   a->get_params(pa);
   b->set_params(pa.data());
@@ -131,13 +134,77 @@ TEST(Engine, CpuEngineOptimizerStateRoundTrips) {
   for (auto* e : {a.get(), b.get()}) {
     e->zero_grad();
     e->micro_step(next, 1, 1, {});
-    (void)e->micro_result();
     e->optimizer_step(1e-3, 1.0);
+    (void)e->finish_step();
   }
   a->get_params(pa);
   b->get_params(pb);
   EXPECT_EQ(pa, pb);
   EXPECT_EQ(a->evaluate(next).loss, b->evaluate(next).loss);
+}
+
+// Forward results are read by ticket, in any order, one step late or more, as long as the model's result ring holds
+// them; a ticket older than the ring is refused, not answered with another forward's numbers.
+TEST(Engine, ModelResultsAreReadByTicket) {
+  const EngineFixtureData s;
+  const Dataset ds(s.data);
+  const BertConfig cfg = BertConfig::from_file(s.model);
+  ops::CpuBackend<ops::CpuF32> backend(1);
+  BertModel<ops::CpuF32> model(cfg, backend, 4 * kMaxLen, 4, 4 * kMaxLen);
+  model.init_params(3);
+  model.set_result_capacity(3);
+  LoaderOptions lo;
+  lo.global_batch = 4;
+  lo.background = false;
+  Loader loader(ds, lo);
+  std::vector<HostBatch> batches;
+  for (int i = 0; i < 4; ++i) batches.push_back(loader.next());
+  std::vector<double> expect;
+  for (const HostBatch& b : batches) expect.push_back(model.forward(b, false, 0, 0).loss);
+  ASSERT_NE(expect[0], expect[1]);
+  std::vector<uint64_t> tickets;
+  for (const HostBatch& b : batches) tickets.push_back(model.forward_async(b, false, 0, 0));
+  EXPECT_EQ(model.read_result(tickets[3]).loss, expect[3]);  // newest first
+  EXPECT_EQ(model.read_result(tickets[1]).loss, expect[1]);
+  EXPECT_EQ(model.read_result(tickets[2]).loss, expect[2]);
+  EXPECT_EQ(model.read_result().loss, expect[3]);  // the last forward
+  const std::string old = error_of([&] { model.read_result(tickets[0]); });  // 4 forwards ago, ring of 3
+  EXPECT_NE(old.find("raise set_result_capacity"), std::string::npos) << old;
+  const std::string late = error_of([&] { model.set_result_capacity(8); });
+  EXPECT_NE(late.find("before the first forward"), std::string::npos) << late;
+}
+
+// Steps are ended without waiting and read back later, oldest first; a step with a non-finite loss is not applied.
+TEST(Engine, StepsAreReadBackInOrderAndAtMostTwoUnread) {
+  const EngineFixtureData s;
+  EngineOptions o;
+  o.config = BertConfig::from_file(s.model);
+  o.max_tokens = 4 * kMaxLen;
+  o.max_seqs = 4;
+  o.max_masked = 4 * kMaxLen;
+  o.threads = 1;
+  auto e = make_cpu_engine(o);
+  e->init_params(5);
+  const Dataset ds(s.data);
+  LoaderOptions lo;
+  lo.global_batch = 4;
+  lo.background = false;
+  Loader loader(ds, lo);
+  for (int step = 0; step < 2; ++step) {
+    e->zero_grad();
+    e->micro_step(loader.next(), 1, static_cast<uint64_t>(step), {});
+    e->optimizer_step(1e-3, 1.0);
+  }
+  e->zero_grad();
+  e->micro_step(loader.next(), 1, 2, {});
+  const std::string full = error_of([&] { e->optimizer_step(1e-3, 1.0); });
+  EXPECT_NE(full.find("steps unread"), std::string::npos) << full;
+  const StepOutcome a = e->finish_step(), b = e->finish_step();
+  EXPECT_TRUE(std::isfinite(a.result.loss) && std::isfinite(b.result.loss));
+  EXPECT_NE(a.result.loss, b.result.loss);
+  EXPECT_EQ(e->optimizer_steps(), 2);
+  const std::string none = error_of([&] { e->finish_step(); });
+  EXPECT_NE(none.find("no step to finish"), std::string::npos) << none;
 }
 
 TEST(Engine, DeviceKeyIsResolvedOrRefusedClearly) {

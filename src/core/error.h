@@ -12,6 +12,13 @@ class Error : public std::runtime_error {
   using std::runtime_error::runtime_error;
 };
 
+// A device allocation that did not fit; the message says how much was asked and what was free. Callers that know
+// what the memory was for (the batch size, say) catch it and add that.
+class OutOfMemory : public Error {
+ public:
+  using Error::Error;
+};
+
 template <class... Args>
 std::string str_cat(const Args&... args) {
   std::ostringstream os;

@@ -79,14 +79,25 @@ BertModel<P>::BertModel(const BertConfig& config, ops::Backend<P>& backend, int3
     L.ln2_rstd = alloc<St>(T);
     layers_.push_back(L);
   }
-  tokens_ = alloc<int32_t>(T);
-  positions_ = alloc<int32_t>(T);
-  segments_ = alloc<int32_t>(T);
-  cu_seqlens_ = alloc<int32_t>(B + 1);
-  mlm_positions_ = alloc<int32_t>(M);
-  mlm_labels_ = alloc<int32_t>(M);
-  nsp_labels_ = alloc<int32_t>(B);
-  sample_ids_ = alloc<uint64_t>(B);
+  for (BatchSlot& slot : slots_) {
+    slot.tokens = alloc<int32_t>(T);
+    slot.positions = alloc<int32_t>(T);
+    slot.segments = alloc<int32_t>(T);
+    slot.cu_seqlens = alloc<int32_t>(B + 1);
+    slot.mlm_positions = alloc<int32_t>(M);
+    slot.mlm_labels = alloc<int32_t>(M);
+    slot.nsp_labels = alloc<int32_t>(B);
+    slot.sample_ids = alloc<uint64_t>(B);
+  }
+  tokens_ = slots_[0].tokens;
+  positions_ = slots_[0].positions;
+  segments_ = slots_[0].segments;
+  cu_seqlens_ = slots_[0].cu_seqlens;
+  mlm_positions_ = slots_[0].mlm_positions;
+  mlm_labels_ = slots_[0].mlm_labels;
+  nsp_labels_ = slots_[0].nsp_labels;
+  sample_ids_ = slots_[0].sample_ids;
+  results_.resize(8);
   emb_out_ = alloc<A>(T * H);
   emb_mean_ = alloc<St>(T);
   emb_rstd_ = alloc<St>(T);
@@ -222,8 +233,15 @@ void BertModel<P>::resolve_head_tensors() {
 }
 
 template <class P>
-void BertModel<P>::forward_async(const HostBatch& batch, bool train, uint64_t seed, uint64_t step,
-                                 LossDenominators denoms) {
+void BertModel<P>::set_result_capacity(size_t n) {
+  NOPAD_CHECK(n >= 1, "BertModel::set_result_capacity needs at least 1");
+  NOPAD_CHECK(results_made_ == 0, "BertModel::set_result_capacity must be called before the first forward");
+  results_.assign(n, PendingResult{});
+}
+
+template <class P>
+uint64_t BertModel<P>::forward_async(const HostBatch& batch, bool train, uint64_t seed, uint64_t step,
+                                     LossDenominators denoms) {
   const int32_t T = batch.num_tokens(), B = batch.num_seqs(), M = batch.num_masked();
   NOPAD_CHECK(T <= max_tokens_ && B <= max_seqs_ && M <= max_masked_, "batch (", T, " tokens, ", B, " sequences, ",
               M, " masked) exceeds the model's capacity (", max_tokens_, ", ", max_seqs_, ", ", max_masked_, ")");
@@ -238,14 +256,28 @@ void BertModel<P>::forward_async(const HostBatch& batch, bool train, uint64_t se
   for (int32_t i = 0; i < M; ++i)
     NOPAD_CHECK(batch.mlm_positions[i] >= 0 && batch.mlm_positions[i] < T, "mlm position ", batch.mlm_positions[i],
                 " outside [0, ", T, ")");
-  backend_.upload_bytes(tokens_, batch.tokens.data(), sizeof(int32_t) * T);
-  backend_.upload_bytes(positions_, batch.positions.data(), sizeof(int32_t) * T);
-  backend_.upload_bytes(segments_, batch.segments.data(), sizeof(int32_t) * T);
-  backend_.upload_bytes(cu_seqlens_, batch.cu_seqlens.data(), sizeof(int32_t) * (B + 1));
-  backend_.upload_bytes(mlm_positions_, batch.mlm_positions.data(), sizeof(int32_t) * M);
-  backend_.upload_bytes(mlm_labels_, batch.mlm_labels.data(), sizeof(int32_t) * M);
-  backend_.upload_bytes(nsp_labels_, batch.nsp_labels.data(), sizeof(int32_t) * B);
-  backend_.upload_bytes(sample_ids_, batch.sample_ids.data(), sizeof(uint64_t) * B);
+  // The other batch slot: its last reader (the forward/backward before the last) must be done before it is
+  // overwritten; the copies run beside the compute work still in flight.
+  cur_slot_ ^= 1;
+  BatchSlot& slot = slots_[cur_slot_];
+  backend_.uploads_wait(slot.free_fence);
+  backend_.upload_bytes_async(slot.tokens, batch.tokens.data(), sizeof(int32_t) * T);
+  backend_.upload_bytes_async(slot.positions, batch.positions.data(), sizeof(int32_t) * T);
+  backend_.upload_bytes_async(slot.segments, batch.segments.data(), sizeof(int32_t) * T);
+  backend_.upload_bytes_async(slot.cu_seqlens, batch.cu_seqlens.data(), sizeof(int32_t) * (B + 1));
+  backend_.upload_bytes_async(slot.mlm_positions, batch.mlm_positions.data(), sizeof(int32_t) * M);
+  backend_.upload_bytes_async(slot.mlm_labels, batch.mlm_labels.data(), sizeof(int32_t) * M);
+  backend_.upload_bytes_async(slot.nsp_labels, batch.nsp_labels.data(), sizeof(int32_t) * B);
+  backend_.upload_bytes_async(slot.sample_ids, batch.sample_ids.data(), sizeof(uint64_t) * B);
+  backend_.compute_waits_for_uploads();
+  tokens_ = slot.tokens;
+  positions_ = slot.positions;
+  segments_ = slot.segments;
+  cu_seqlens_ = slot.cu_seqlens;
+  mlm_positions_ = slot.mlm_positions;
+  mlm_labels_ = slot.mlm_labels;
+  nsp_labels_ = slot.nsp_labels;
+  sample_ids_ = slot.sample_ids;
 
   seqs_ = ops::SeqView{T, B, batch.max_seqlen, cu_seqlens_, sample_ids_};
   num_masked_ = M;
@@ -285,34 +317,55 @@ void BertModel<P>::forward_async(const HostBatch& batch, bool train, uint64_t se
     backend_.zero_bytes(loss_sums_, sizeof(St));
   }
   backend_.nsp_head_loss_forward(h, seqs_, nsp_labels_, nsp_w_, nsp_saved_, loss_sums_ + 1, correct_ + 1);
+  slot.free_fence = backend_.fence_compute();  // backward moves it later
 
+  // The loss sums go back without a wait; the next forward may overwrite the device copies (the download is
+  // ordered before it).
+  const uint64_t ticket = ++results_made_;
+  PendingResult& r = results_[ticket % results_.size()];
+  if (r.ticket != 0) {  // a result nobody read: finish its downloads before the slot is reused
+    backend_.wait_download(r.dl_sums);
+    backend_.wait_download(r.dl_correct);
+  }
+  r.ticket = ticket;
+  r.num_masked = M;
+  r.num_seqs = B;
+  r.mlm_denom = mlm_denom_;
+  r.nsp_denom = nsp_denom_;
+  r.dl_sums = backend_.download_bytes_async(r.sums, loss_sums_, sizeof(r.sums));
+  r.dl_correct = backend_.download_bytes_async(r.correct, correct_, sizeof(r.correct));
   have_forward_ = true;
-  have_result_ = true;
+  return ticket;
 }
 
 template <class P>
 StepResult BertModel<P>::forward(const HostBatch& batch, bool train, uint64_t seed, uint64_t step,
                                  LossDenominators denoms) {
-  forward_async(batch, train, seed, step, denoms);
-  return read_result();
+  return read_result(forward_async(batch, train, seed, step, denoms));
 }
 
 template <class P>
 StepResult BertModel<P>::read_result() {
-  NOPAD_CHECK(have_result_, "BertModel::read_result needs a forward first");
-  const int32_t M = num_masked_, B = seqs_.num_seqs;
-  St sums[2];
-  int32_t correct[2] = {0, 0};
-  backend_.download_bytes(sums, loss_sums_, sizeof(sums));
-  backend_.download_bytes(correct, correct_, sizeof(correct));
-  if (M == 0) correct[0] = 0;
+  NOPAD_CHECK(results_made_ > 0, "BertModel::read_result needs a forward first");
+  return read_result(results_made_);
+}
+
+template <class P>
+StepResult BertModel<P>::read_result(uint64_t ticket) {
+  NOPAD_CHECK(ticket >= 1 && ticket <= results_made_ && results_made_ - ticket < results_.size(),
+              "BertModel::read_result: ticket ", ticket, " is not one of the last ", results_.size(),
+              " forwards (", results_made_, " made; raise set_result_capacity)");
+  PendingResult& p = results_[ticket % results_.size()];
+  backend_.wait_download(p.dl_sums);
+  backend_.wait_download(p.dl_correct);
+  const int32_t M = p.num_masked, B = p.num_seqs;
   StepResult r;
-  r.mlm_loss = static_cast<double>(sums[0]) / mlm_denom_;
-  r.nsp_loss = static_cast<double>(sums[1]) / nsp_denom_;
+  r.mlm_loss = static_cast<double>(p.sums[0]) / p.mlm_denom;
+  r.nsp_loss = static_cast<double>(p.sums[1]) / p.nsp_denom;
   r.loss = r.mlm_loss + r.nsp_loss;
-  r.mlm_correct = correct[0];
+  r.mlm_correct = M == 0 ? 0 : p.correct[0];
   r.mlm_count = M;
-  r.nsp_correct = correct[1];
+  r.nsp_correct = p.correct[1];
   r.nsp_count = B;
   return r;
 }
@@ -363,6 +416,7 @@ void BertModel<P>::backward(double loss_scale) {
   }
   backend_.embed_layernorm_dropout_backward(d_hidden_, tokens_, positions_, segments_, seqs_, emb_w_,
                                             dropout(p_hidden, kOpIdEmbeddingDropout), emb_mean_, emb_rstd_, emb_g_);
+  slots_[cur_slot_].free_fence = backend_.fence_compute();
 }
 
 template class BertModel<ops::CpuF32>;

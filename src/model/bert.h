@@ -21,6 +21,11 @@
 // activations for the largest batch (max_tokens, max_seqs, max_masked) are allocated once, in backend memory, by the
 // constructor; a step allocates nothing. backward() ACCUMULATES into grads() (call zero_grad() to start a new
 // accumulation).
+//
+// Overlap with the device: the batch arrays are double-buffered, so the upload of the next micro-batch (the
+// backend's copy queue, ops.h) runs while the current one computes; a buffer is rewritten only after the compute
+// work that read it (a backend fence). Each forward's loss sums are sent back with an asynchronous download and
+// identified by a ticket: read_result(ticket) waits for that forward only, never for work enqueued after it.
 #pragma once
 #include <cstdint>
 #include <string>
@@ -85,10 +90,18 @@ class BertModel {
   // Runs the whole network on one batch. train = false turns dropout off (p = 0). Keeps what backward needs.
   StepResult forward(const HostBatch& batch, bool train, uint64_t seed, uint64_t step, LossDenominators denoms = {});
   // The same, split so that a device backend is never waited for inside a step: forward_async only enqueues the
-  // work (it returns once the batch has been handed to the backend); read_result() downloads the loss sums and
-  // counts of the last forward, which waits for it. forward() = forward_async() + read_result().
-  void forward_async(const HostBatch& batch, bool train, uint64_t seed, uint64_t step, LossDenominators denoms = {});
+  // work (it returns once the batch has been handed to the backend) and returns a ticket for its result;
+  // read_result(ticket) waits for that forward's loss sums and counts (at most result_capacity() tickets may be
+  // outstanding: older ones are completed, not lost, when their slot is reused). read_result() reads the last
+  // forward's. forward() = forward_async() + read_result().
+  uint64_t forward_async(const HostBatch& batch, bool train, uint64_t seed, uint64_t step,
+                         LossDenominators denoms = {});
+  StepResult read_result(uint64_t ticket);
   StepResult read_result();
+  // Results that may be outstanding at once (default 8; set it before the first forward, e.g. to 2 x micro-batches
+  // per step + 2 when steps are read one step late).
+  void set_result_capacity(size_t n);
+  size_t result_capacity() const { return results_.size(); }
   // grads += loss_scale * d(loss)/d(params) for the last forward (once per forward).
   void backward(double loss_scale = 1.0);
 
@@ -127,9 +140,28 @@ class BertModel {
   W* params_ = nullptr;
   G* grads_ = nullptr;
   std::vector<Layer> layers_;
-  // batch copies in backend memory
+  // batch copies in backend memory: two slots (the one computing, the one being filled); the pointers below are the
+  // slot of the last forward
+  struct BatchSlot {
+    int32_t *tokens, *positions, *segments, *cu_seqlens, *mlm_positions, *mlm_labels, *nsp_labels;
+    uint64_t* sample_ids;
+    uint64_t free_fence = 0;  // backend fence after the last compute work that reads this slot
+  };
+  BatchSlot slots_[2]{};
+  int cur_slot_ = 1;  // the first forward takes slot 0
   int32_t *tokens_, *positions_, *segments_, *cu_seqlens_, *mlm_positions_, *mlm_labels_, *nsp_labels_;
   uint64_t* sample_ids_;
+  // host side of the asynchronous loss reads, a ring indexed by ticket
+  struct PendingResult {
+    uint64_t ticket = 0;
+    St sums[2] = {St(0), St(0)};
+    int32_t correct[2] = {0, 0};
+    uint64_t dl_sums = 0, dl_correct = 0;  // backend download tickets
+    int32_t num_masked = 0, num_seqs = 0;
+    double mlm_denom = 1, nsp_denom = 1;
+  };
+  std::vector<PendingResult> results_;
+  uint64_t results_made_ = 0;
   // embedding and head activations
   A* emb_out_;
   St *emb_mean_, *emb_rstd_;
@@ -142,7 +174,7 @@ class BertModel {
   // state of the last forward
   ops::SeqView seqs_{};
   int32_t num_masked_ = 0;
-  bool train_ = false, have_forward_ = false, have_result_ = false;
+  bool train_ = false, have_forward_ = false;
   uint64_t seed_ = 0, step_ = 0;
   double mlm_denom_ = 1, nsp_denom_ = 1;
 };

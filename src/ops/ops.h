@@ -151,6 +151,25 @@ class Backend {
   virtual void zero_bytes(void* x, size_t bytes) = 0;
   virtual void synchronize() {}
 
+  // ---- copies beside compute (optional: the defaults are the ordered, synchronous copies above) ----
+  // A device backend may run host->device copies on a second queue beside the compute work, and device->host copies
+  // without waiting for work enqueued after them. Nothing here makes the host wait, except wait_download.
+  //  - upload_bytes_async: copies on the copy queue (host_src may be reused as soon as it returns). Ordered after the
+  //    fences passed to uploads_wait so far; compute work sees it only after compute_waits_for_uploads().
+  //  - fence_compute(): a marker of the compute work enqueued so far. uploads_wait(f) makes later async uploads wait
+  //    for that work (a buffer it reads may be overwritten then). A fence stays valid for the next 15 fences.
+  //  - download_bytes_async: a device->host copy ordered after the compute work enqueued so far; returns a ticket at
+  //    once. The bytes are in host_dst once wait_download(ticket) returns (host_dst must stay valid until then).
+  virtual void upload_bytes_async(void* dst, const void* host_src, size_t bytes) { upload_bytes(dst, host_src, bytes); }
+  virtual void compute_waits_for_uploads() {}
+  virtual uint64_t fence_compute() { return 0; }
+  virtual void uploads_wait(uint64_t /*fence*/) {}
+  virtual uint64_t download_bytes_async(void* host_dst, const void* src, size_t bytes) {
+    download_bytes(host_dst, src, bytes);
+    return 0;
+  }
+  virtual void wait_download(uint64_t /*ticket*/) {}
+
   // ---- embeddings ----
   // out[t] = dropout(LN(word[tokens[t]] + position[positions[t]] + token_type[segments[t]]) * gamma + beta).
   // Saves ln_mean[T], ln_rstd[T]. Dropout element key: (t - cu_seqlens[b], feature).

@@ -2,6 +2,8 @@
 #include "train/engine.h"
 
 #include <cmath>
+#include <array>
+#include <limits>
 
 #include "core/error.h"
 #include "ops/cpu/cpu_backend.h"
@@ -33,13 +35,36 @@ class CpuEngine final : public TrainEngine {
     host.resize(model_.num_params());
     model_.get_params(host.data());
   }
-  void zero_grad() override { model_.zero_grad(); }
-  void micro_step(const HostBatch& batch, uint64_t seed, uint64_t step, LossDenominators denoms) override {
-    last_ = model_.forward(batch, /*train=*/true, seed, step, denoms);
-    if (std::isfinite(last_.loss)) model_.backward(1.0);
+  void zero_grad() override {
+    model_.zero_grad();
+    current_ = StepOutcome{};
+    finite_ = true;
   }
-  StepResult micro_result() override { return last_; }
-  StepStats optimizer_step(double lr, double grad_scale) override { return optimizer_->step(lr, grad_scale); }
+  void micro_step(const HostBatch& batch, uint64_t seed, uint64_t step, LossDenominators denoms) override {
+    const StepResult r = model_.forward(batch, /*train=*/true, seed, step, denoms);
+    accumulate(current_.result, r);
+    if (!std::isfinite(r.loss)) finite_ = false;
+    if (finite_) model_.backward(1.0);  // nothing more is accumulated once the step is lost
+  }
+  void optimizer_step(double lr, double grad_scale) override {
+    NOPAD_CHECK(unread_ < kMaxStepsInFlight, "CpuEngine: more than ", kMaxStepsInFlight,
+                " steps unread (call finish_step)");
+    if (finite_) {
+      current_.stats = optimizer_->step(lr, grad_scale);
+    } else {
+      current_.stats.skipped = true;
+      current_.stats.grad_norm = std::numeric_limits<double>::quiet_NaN();
+    }
+    done_[(first_ + unread_) % kMaxStepsInFlight] = current_;
+    ++unread_;
+  }
+  StepOutcome finish_step() override {
+    NOPAD_CHECK(unread_ > 0, "CpuEngine::finish_step: no step to finish");
+    const StepOutcome o = done_[first_];
+    first_ = (first_ + 1) % kMaxStepsInFlight;
+    --unread_;
+    return o;
+  }
   StepResult evaluate(const HostBatch& batch) override {
     return model_.forward(batch, /*train=*/false, 0, 0, LossDenominators{1.0, 1.0});
   }
@@ -53,10 +78,23 @@ class CpuEngine final : public TrainEngine {
   ops::CpuBackend<ops::CpuF32> backend_;
   BertModel<ops::CpuF32> model_;
   std::unique_ptr<Optimizer> optimizer_;
-  StepResult last_;
+  StepOutcome current_;
+  bool finite_ = true;
+  std::array<StepOutcome, kMaxStepsInFlight> done_{};  // ended, unread: a ring from first_
+  int first_ = 0, unread_ = 0;
 };
 
 }  // namespace
+
+void accumulate(StepResult& sum, const StepResult& r) {
+  sum.loss += r.loss;
+  sum.mlm_loss += r.mlm_loss;
+  sum.nsp_loss += r.nsp_loss;
+  sum.mlm_correct += r.mlm_correct;
+  sum.mlm_count += r.mlm_count;
+  sum.nsp_correct += r.nsp_correct;
+  sum.nsp_count += r.nsp_count;
+}
 
 std::unique_ptr<TrainEngine> make_cpu_engine(const EngineOptions& options) {
   return std::make_unique<CpuEngine>(options);

@@ -4,11 +4,13 @@
 // Contract:
 //  - Parameters cross the interface as fp32 host arrays in ParamLayout order (get_params/set_params): on the CPU the
 //    model's own weights, on a GPU the optimizer's fp32 master weights (never the bf16 copy the ops read).
-//  - A step: zero_grad(); then per micro-batch micro_step() (forward with dropout + backward, which accumulates into
-//    the gradients) and micro_result(); then optimizer_step(lr, grad_scale). On a device micro_step only enqueues;
-//    micro_result() and optimizer_step()'s stats wait for the device.
-//  - micro_step skips the backward of a micro-batch whose loss is not finite where it can see the loss (CPU); the
-//    caller stops the run on a non-finite loss either way.
+//  - A step: zero_grad(); per micro-batch micro_step() (forward with dropout + backward, which accumulates into the
+//    gradients); then optimizer_step(lr, grad_scale). On a device all three only enqueue work: the host never waits
+//    inside a step. finish_step() then waits for the oldest step not yet finished and returns its outcome, so a
+//    caller may enqueue step N+1 before reading step N (at most kMaxStepsInFlight steps unread).
+//  - A step whose loss is not finite is not applied: the CPU engine sees the loss (it skips that micro-batch's
+//    backward and the update); a device engine skips the update on the device when the gradient norm is not finite,
+//    which a non-finite loss makes it. The outcome says so (stats.skipped); the caller stops the run either way.
 //  - optimizer_state() / load_optimizer_state() use the CPU Optimizer's checkpoint form (StateTensor names
 //    "<param>.exp_avg" / "<param>.exp_avg_sq", optimizer kind and step count), so checkpoints are the same files
 //    whichever device wrote them.
@@ -33,13 +35,21 @@ struct EngineOptions {
   int32_t max_tokens = 0;  // largest micro-batch, in tokens
   int32_t max_seqs = 0;    // ... in sequences
   int32_t max_masked = 0;  // ... in masked positions
+  int32_t micro_batches_per_step = 1;  // largest number of micro_step calls in one step
   std::string optimizer = "lamb";  // "lamb" or "adamw" (CPU only)
   OptimizerOptions optim;
   int threads = 0;  // CPU threads (<= 0: all cores); ignored on a GPU
 };
 
+// What finish_step() returns for one step.
+struct StepOutcome {
+  StepResult result;  // summed over the step's micro-batches (losses are sums of the per-micro-batch losses)
+  StepStats stats;    // of the update; skipped when it was not applied
+};
+
 class TrainEngine {
  public:
+  static constexpr int kMaxStepsInFlight = 2;
   virtual ~TrainEngine() = default;
 
   virtual std::string device_name() const = 0;  // "cuda (NVIDIA H200)", "cpu (8 threads)"
@@ -50,13 +60,14 @@ class TrainEngine {
   virtual void set_params(const float* host) = 0;       // [num_params()]
   virtual void get_params(std::vector<float>& host) = 0;  // resized to num_params()
 
-  virtual void zero_grad() = 0;
+  virtual void zero_grad() = 0;  // begins a step
   // Forward (train, dropout keyed by seed/step/sample id) with the given loss denominators, then backward.
   virtual void micro_step(const HostBatch& batch, uint64_t seed, uint64_t step, LossDenominators denoms) = 0;
-  virtual StepResult micro_result() = 0;  // of the last micro_step; may wait for the device
-  // Multiplies the gradients by grad_scale, updates the weights; stats as Optimizer::step (may wait).
-  virtual StepStats optimizer_step(double lr, double grad_scale) = 0;
-  // Forward with dropout off and loss denominators of 1 (loss sums); the gradients are untouched.
+  // Ends the step: multiplies the gradients by grad_scale and updates the weights.
+  virtual void optimizer_step(double lr, double grad_scale) = 0;
+  // Waits for the oldest ended, unread step and returns its outcome. Throws if no step is unread.
+  virtual StepOutcome finish_step() = 0;
+  // Forward with dropout off and loss denominators of 1 (loss sums); the gradients are untouched. Waits.
   virtual StepResult evaluate(const HostBatch& batch) = 0;
 
   virtual int64_t optimizer_steps() = 0;  // completed, non-skipped updates
@@ -66,6 +77,9 @@ class TrainEngine {
   // error naming the tensor on a mismatch.
   virtual void load_optimizer_state(int64_t step, const std::vector<StateTensor>& tensors) = 0;
 };
+
+// Adds one micro-batch's result into a step's sum (the trainer's per-step record).
+void accumulate(StepResult& sum, const StepResult& r);
 
 // CpuBackend<CpuF32> + BertModel + the CPU optimizer: exactly the CPU trainer's arithmetic.
 std::unique_ptr<TrainEngine> make_cpu_engine(const EngineOptions& options);

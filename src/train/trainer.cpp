@@ -2,6 +2,7 @@
 #include "train/trainer.h"
 
 #include <algorithm>
+#include <array>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
@@ -352,6 +353,7 @@ void Trainer::Impl::setup() {
   eo.max_tokens = static_cast<int32_t>(cap_tokens);
   eo.max_seqs = static_cast<int32_t>(micro_batch);
   eo.max_masked = static_cast<int32_t>(cap_masked);
+  eo.micro_batches_per_step = static_cast<int32_t>(grad_accumulation);
   eo.optimizer = optim_name;
   eo.optim = oo;
   eo.threads = threads;
@@ -440,74 +442,67 @@ TrainSummary Trainer::run() {
   lo.start = m.state.cursor;
   Loader loader(*m.train_data, lo);
 
+  // m.state describes the steps ENQUEUED on the engine. The host reads a step's results one step late (it enqueues
+  // step N, then reads step N-1 while the device works on N), so the device never waits for the host between
+  // steps. Before anything that needs the weights of a step (evaluation, a checkpoint, the end), every enqueued step
+  // is read first ("drained"), so checkpoints and evaluations always see a state whose results were checked.
   auto done = [&] {
     return m.state.step >= m.max_steps || (m.max_samples > 0 && m.state.samples >= m.max_samples);
   };
+  struct Enqueued {
+    int64_t step = 0;  // 1-based
+    uint64_t samples = 0;
+    double lr = 0;
+    int64_t seqs = 0, tokens = 0;
+    bool last = false;
+  };
+  std::array<Enqueued, TrainEngine::kMaxStepsInFlight> queue{};
+  int q_first = 0, q_count = 0;
   int64_t last_eval_step = -1, last_checkpoint_step = m.last_checkpoint.empty() ? -1 : m.state.step;
   double last_draw_s = -1;
-  while (!done()) {
-    const auto step_start = Clock::now();
-    const int64_t step_index = m.state.step;  // updates already taken: dropout key and schedule position
-    const HostBatch& global = loader.next();
-    const LossDenominators denoms{std::max(1.0, static_cast<double>(global.num_masked())),
-                                  static_cast<double>(global.num_seqs())};
-    // Per micro-batch the loss is read back (the finite check, the per-step record and the progress line need it):
-    // on a GPU that waits for each micro-batch's forward and backward before the next one is enqueued.
-    m.engine->zero_grad();
-    StepResult sum;
-    for (int64_t a = 0; a < m.grad_accumulation; ++a) {
-      const int32_t b0 = static_cast<int32_t>(a * m.micro_batch), b1 = static_cast<int32_t>((a + 1) * m.micro_batch);
-      slice_batch(global, b0, std::min(b1, global.num_seqs()), m.micro);
-      m.engine->micro_step(m.micro, m.seed, static_cast<uint64_t>(step_index), denoms);
-      const StepResult r = m.engine->micro_result();
-      sum.loss += r.loss;
-      sum.mlm_loss += r.mlm_loss;
-      sum.nsp_loss += r.nsp_loss;
-      sum.mlm_correct += r.mlm_correct;
-      sum.mlm_count += r.mlm_count;
-      sum.nsp_correct += r.nsp_correct;
-      sum.nsp_count += r.nsp_count;
-      if (!std::isfinite(r.loss)) break;
-    }
-    if (m.hooks.after_forward) m.hooks.after_forward(step_index + 1, sum);
+  auto last_read = Clock::now();
+
+  // Reads the oldest enqueued step: checks it, records it, reports progress.
+  auto read_oldest = [&] {
+    const Enqueued e = queue[static_cast<size_t>(q_first)];
+    q_first = (q_first + 1) % TrainEngine::kMaxStepsInFlight;
+    --q_count;
+    StepOutcome out = m.engine->finish_step();  // waits for that step only
+    if (m.hooks.after_forward) m.hooks.after_forward(e.step, out.result);
     const std::string keep_note =
         m.last_checkpoint.empty() ? std::string(" (no checkpoint was written yet)")
                                   : " (the last good checkpoint, " + m.last_checkpoint.string() + ", is kept; "
                                     "restart from it with --resume)";
-    if (!std::isfinite(sum.loss)) {
+    if (!std::isfinite(out.result.loss)) {
       m.metrics->sync();
-      fail("step ", step_index + 1, ": the loss is not finite (", sum.loss,
+      fail("step ", e.step, ": the loss is not finite (", out.result.loss,
            "): training diverged; lower optim.lr or add schedule.warmup_steps", keep_note);
     }
-    const double lr = m.schedule.lr(step_index);
-    const StepStats stats = m.engine->optimizer_step(lr, 1.0);  // on a GPU: waits for the norm and skip flag
-    if (stats.skipped) {
+    if (out.stats.skipped) {
       m.metrics->sync();
-      fail("step ", step_index + 1, ": the gradients are not finite: training diverged; lower optim.lr or add "
+      fail("step ", e.step, ": the gradients are not finite: training diverged; lower optim.lr or add "
            "schedule.warmup_steps", keep_note);
     }
-    m.state.step = step_index + 1;
-    m.state.samples += static_cast<uint64_t>(global.num_seqs());
-    m.state.cursor = loader.cursor();
-    m.state.lr = lr;
-    const double step_s = seconds_since(step_start);
+    const double step_s = seconds_since(last_read);
+    last_read = Clock::now();
     const double elapsed_s = m.prior_elapsed_s + seconds_since(start);
     m.state.extra["elapsed_s"] = elapsed_s;
 
     StepRecord rec;
-    rec.step = m.state.step;
-    rec.samples = m.state.samples;
-    rec.loss = sum.loss;
-    rec.mlm_loss = sum.mlm_loss;
-    rec.nsp_loss = sum.nsp_loss;
-    rec.mlm_accuracy = sum.mlm_count ? static_cast<double>(sum.mlm_correct) / static_cast<double>(sum.mlm_count) : 0;
-    rec.lr = lr;
-    rec.grad_norm = stats.grad_norm;
+    rec.step = e.step;
+    rec.samples = e.samples;
+    rec.loss = out.result.loss;
+    rec.mlm_loss = out.result.mlm_loss;
+    rec.nsp_loss = out.result.nsp_loss;
+    rec.mlm_accuracy = out.result.mlm_count ? static_cast<double>(out.result.mlm_correct) /
+                                                  static_cast<double>(out.result.mlm_count)
+                                            : 0;
+    rec.lr = e.lr;
+    rec.grad_norm = out.stats.grad_norm;
     summary.steps.push_back(rec);
-    const double seq_per_s = global.num_seqs() / step_s, tokens_per_s = global.num_tokens() / step_s;
-
-    const bool last = done();
-    if (rec.step % m.log_interval == 0 || last) {
+    const double seq_per_s = static_cast<double>(e.seqs) / step_s,
+                 tokens_per_s = static_cast<double>(e.tokens) / step_s;
+    if (rec.step % m.log_interval == 0 || e.last) {
       m.metrics->write({{"step", rec.step},
                         {"samples", rec.samples},
                         {"loss", rec.loss},
@@ -524,17 +519,52 @@ TrainSummary Trainer::run() {
     const double run_s = seconds_since(start);
     const double steps_done = static_cast<double>(rec.step - summary.first_step);
     const double eta_s = run_s / steps_done * static_cast<double>(m.max_steps - rec.step);
-    if (tty ? (run_s - last_draw_s >= 0.1 || last) : (rec.step % m.log_interval == 0 || last)) {
+    if (tty ? (run_s - last_draw_s >= 0.1 || e.last) : (rec.step % m.log_interval == 0 || e.last)) {
       last_draw_s = run_s;
       std::fprintf(stderr, "%sstep %lld/%lld  loss %.4f  mlm acc %.4f  lr %.3g  %.1f seq/s  ETA %s%s",
                    tty ? "\r" : "", static_cast<long long>(rec.step), static_cast<long long>(m.max_steps), rec.loss,
                    rec.mlm_accuracy, rec.lr, seq_per_s, format_duration(eta_s).c_str(), tty ? "\x1b[K" : "\n");
       std::fflush(stderr);
     }
+  };
+  auto drain = [&] {
+    while (q_count > 0) read_oldest();
+  };
 
-    // Evaluation every eval.interval_samples samples (crossing a multiple), and the target check.
+  while (!done()) {
+    const int64_t step_index = m.state.step;  // updates already taken: dropout key and schedule position
+    const HostBatch& global = loader.next();
+    const LossDenominators denoms{std::max(1.0, static_cast<double>(global.num_masked())),
+                                  static_cast<double>(global.num_seqs())};
+    const double lr = m.schedule.lr(step_index);
+    // Enqueue the whole step: micro-batches (forward + backward accumulating the gradients), then the update.
+    m.engine->zero_grad();
+    for (int64_t a = 0; a < m.grad_accumulation; ++a) {
+      const int32_t b0 = static_cast<int32_t>(a * m.micro_batch), b1 = static_cast<int32_t>((a + 1) * m.micro_batch);
+      slice_batch(global, b0, std::min(b1, global.num_seqs()), m.micro);
+      m.engine->micro_step(m.micro, m.seed, static_cast<uint64_t>(step_index), denoms);
+    }
+    m.engine->optimizer_step(lr, 1.0);
+    m.state.step = step_index + 1;
+    m.state.samples += static_cast<uint64_t>(global.num_seqs());
+    m.state.cursor = loader.cursor();
+    m.state.lr = lr;
+    Enqueued& e = queue[static_cast<size_t>((q_first + q_count) % TrainEngine::kMaxStepsInFlight)];
+    e = Enqueued{m.state.step, m.state.samples, lr, global.num_seqs(), global.num_tokens(), done()};
+    ++q_count;
+
+    // Evaluation every eval.interval_samples samples (crossing a multiple), checkpoints, the end: drain first.
     const uint64_t before = m.state.samples - static_cast<uint64_t>(global.num_seqs());
-    if (m.eval_data && m.eval_interval > 0 && m.state.samples / m.eval_interval > before / m.eval_interval) {
+    const bool eval_due =
+        m.eval_data && m.eval_interval > 0 && m.state.samples / m.eval_interval > before / m.eval_interval;
+    const bool checkpoint_due =
+        m.checkpoint_interval > 0 && m.state.step % m.checkpoint_interval == 0 && !e.last;
+    if (eval_due || checkpoint_due || e.last) {
+      drain();
+    } else if (q_count > 1) {
+      read_oldest();  // the previous step, while the device runs this one
+    }
+    if (eval_due) {
       summary.evals.push_back(m.run_eval());
       last_eval_step = m.state.step;
       if (m.target_accuracy > 0 && summary.evals.back().mlm_accuracy >= m.target_accuracy) {
@@ -544,11 +574,12 @@ TrainSummary Trainer::run() {
         break;
       }
     }
-    if (m.checkpoint_interval > 0 && m.state.step % m.checkpoint_interval == 0 && !last) {
+    if (checkpoint_due) {
       m.save_checkpoint();
       last_checkpoint_step = m.state.step;
     }
   }
+  drain();
   if (tty) std::fprintf(stderr, "\n");
   if (m.eval_data && last_eval_step != m.state.step) {
     summary.evals.push_back(m.run_eval());

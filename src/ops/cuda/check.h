@@ -48,10 +48,11 @@ inline void* cuda_malloc_or_throw(size_t bytes, const char* what) {
     const bool have_info = cudaMemGetInfo(&free_b, &total_b) == cudaSuccess;
     constexpr double kGiB = 1024.0 * 1024.0 * 1024.0;
     if (have_info)
-      fail("out of GPU memory allocating ", bytes, " bytes (", static_cast<double>(bytes) / kGiB, " GiB) for ", what,
-           ": ", static_cast<double>(free_b) / kGiB, " GiB free of ", static_cast<double>(total_b) / kGiB,
-           " GiB on the device; use a smaller micro-batch (fewer tokens per step)");
-    fail("out of GPU memory allocating ", bytes, " bytes for ", what);
+      throw OutOfMemory(str_cat("out of GPU memory allocating ", bytes, " bytes (", static_cast<double>(bytes) / kGiB,
+                                " GiB) for ", what, ": ", static_cast<double>(free_b) / kGiB, " GiB free of ",
+                                static_cast<double>(total_b) / kGiB,
+                                " GiB on the device; use a smaller micro-batch (fewer tokens per step)"));
+    throw OutOfMemory(str_cat("out of GPU memory allocating ", bytes, " bytes for ", what));
   }
   if (err != cudaSuccess) throw_cuda_error(err, "cudaMalloc", __FILE__, __LINE__);
   return p;

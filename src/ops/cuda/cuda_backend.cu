@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <string>
 #include <string_view>
 
@@ -57,13 +58,24 @@ CudaBackend::CudaBackend(int device) : device_(device) {
               ") has no bf16 tensor cores; the CUDA backend needs sm_80 or newer (use --device cpu)");
   sm_count_ = prop.multiProcessorCount;
   NOPAD_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
+  NOPAD_CUDA_CHECK(cudaStreamCreateWithFlags(&copy_stream_, cudaStreamNonBlocking));
+  for (cudaEvent_t& e : fences_) NOPAD_CUDA_CHECK(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
+  NOPAD_CUDA_CHECK(cudaEventCreateWithFlags(&uploads_done_, cudaEventDisableTiming));
   gemm_ = std::make_unique<LtGemm>();
 }
 
 CudaBackend::~CudaBackend() {
   // No throwing from a destructor: statuses are deliberately ignored while tearing down.
   if (stream_) cudaStreamSynchronize(stream_);
+  if (copy_stream_) cudaStreamSynchronize(copy_stream_);
   for (cudaEvent_t e : op_events_) cudaEventDestroy(e);
+  for (cudaEvent_t e : fences_)
+    if (e) cudaEventDestroy(e);
+  if (uploads_done_) cudaEventDestroy(uploads_done_);
+  for (DownloadSlot& slot : downloads_) {
+    if (slot.done) cudaEventDestroy(slot.done);
+    if (slot.pinned) cudaFreeHost(slot.pinned);
+  }
   for (int s = 0; s < kNumSlots; ++s)
     if (scratch_[s]) cudaFree(scratch_[s]);
   for (StagingSlot& slot : staging_) {
@@ -71,6 +83,7 @@ CudaBackend::~CudaBackend() {
     if (slot.host) cudaFreeHost(slot.host);
   }
   gemm_.reset();
+  if (copy_stream_) cudaStreamDestroy(copy_stream_);
   if (stream_) cudaStreamDestroy(stream_);
 }
 
@@ -157,21 +170,28 @@ void CudaBackend::reset_op_times() {
 
 // ------------------------------------------------------------------------------------------------ memory
 
-void* CudaBackend::allocate_bytes(size_t bytes) { return cuda_malloc_or_throw(bytes, "a backend buffer"); }
+void* CudaBackend::allocate_bytes(size_t bytes) {
+  try {
+    void* p = cuda_malloc_or_throw(bytes, "a backend buffer");
+    allocated_bytes_ += bytes;
+    return p;
+  } catch (const OutOfMemory& e) {
+    throw OutOfMemory(str_cat(e.what(), " (this backend already holds ",
+                              static_cast<double>(allocated_bytes_) / (1024.0 * 1024.0 * 1024.0), " GiB)"));
+  }
+}
 
 void CudaBackend::free_bytes(void* ptr) {
   if (ptr) NOPAD_CUDA_CHECK(cudaFree(ptr));
 }
 
-void CudaBackend::upload_bytes(void* dst, const void* host_src, size_t bytes) {
-  // The caller may reuse host_src as soon as this returns: the bytes are in the pinned slot by then.
-  if (!bytes) return;
-  OpScope timed(*this, "upload");
+// The caller may reuse host_src as soon as an upload returns: the bytes are in a pinned slot by then.
+CudaBackend::StagingSlot& CudaBackend::next_staging_slot(const void* host_src, size_t bytes) {
   StagingSlot& slot = staging_[staging_next_];
   staging_next_ = (staging_next_ + 1) % kStagingSlots;
   if (slot.copied == nullptr) NOPAD_CUDA_CHECK(cudaEventCreateWithFlags(&slot.copied, cudaEventDisableTiming));
   NOPAD_CUDA_CHECK(cudaEventSynchronize(slot.copied));  // returns at once unless the GPU is kStagingSlots uploads behind
-  if (slot.capacity < bytes) {
+  if (slot.capacity < bytes) {  // grows to the largest upload seen, then never again
     if (slot.host) NOPAD_CUDA_CHECK(cudaFreeHost(slot.host));
     slot.host = nullptr;
     slot.capacity = 0;
@@ -179,8 +199,78 @@ void CudaBackend::upload_bytes(void* dst, const void* host_src, size_t bytes) {
     slot.capacity = bytes;
   }
   std::memcpy(slot.host, host_src, bytes);
+  return slot;
+}
+
+void CudaBackend::upload_bytes(void* dst, const void* host_src, size_t bytes) {
+  if (!bytes) return;
+  OpScope timed(*this, "upload");
+  StagingSlot& slot = next_staging_slot(host_src, bytes);
   NOPAD_CUDA_CHECK(cudaMemcpyAsync(dst, slot.host, bytes, cudaMemcpyHostToDevice, stream_));
   NOPAD_CUDA_CHECK(cudaEventRecord(slot.copied, stream_));
+}
+
+void CudaBackend::upload_bytes_async(void* dst, const void* host_src, size_t bytes) {
+  if (!bytes) return;
+  StagingSlot& slot = next_staging_slot(host_src, bytes);
+  NOPAD_CUDA_CHECK(cudaMemcpyAsync(dst, slot.host, bytes, cudaMemcpyHostToDevice, copy_stream_));
+  NOPAD_CUDA_CHECK(cudaEventRecord(slot.copied, copy_stream_));
+  uploads_since_wait_ = true;
+}
+
+void CudaBackend::compute_waits_for_uploads() {
+  if (!uploads_since_wait_) return;
+  NOPAD_CUDA_CHECK(cudaEventRecord(uploads_done_, copy_stream_));
+  NOPAD_CUDA_CHECK(cudaStreamWaitEvent(stream_, uploads_done_, 0));
+  uploads_since_wait_ = false;
+}
+
+uint64_t CudaBackend::fence_compute() {
+  const uint64_t fence = ++fences_made_;  // 0 is "no fence"
+  NOPAD_CUDA_CHECK(cudaEventRecord(fences_[fence % kFences], stream_));
+  return fence;
+}
+
+void CudaBackend::uploads_wait(uint64_t fence) {
+  if (fence == 0) return;
+  NOPAD_CHECK(fence <= fences_made_ && fences_made_ - fence < kFences, "CudaBackend::uploads_wait: fence ", fence,
+              " is no longer valid (", fences_made_, " fences made; one stays valid for ", kFences - 1, " more)");
+  NOPAD_CUDA_CHECK(cudaStreamWaitEvent(copy_stream_, fences_[fence % kFences], 0));
+}
+
+void CudaBackend::complete_download(DownloadSlot& slot) {
+  if (!slot.pending) return;
+  NOPAD_CUDA_CHECK(cudaEventSynchronize(slot.done));
+  std::memcpy(slot.host_dst, slot.pinned, slot.bytes);
+  slot.pending = false;
+}
+
+uint64_t CudaBackend::download_bytes_async(void* host_dst, const void* src, size_t bytes) {
+  const uint64_t ticket = ++downloads_made_;
+  DownloadSlot& slot = downloads_[ticket % kDownloadSlots];
+  complete_download(slot);  // the slot's previous result reaches its owner before the slot is reused
+  if (slot.done == nullptr) NOPAD_CUDA_CHECK(cudaEventCreateWithFlags(&slot.done, cudaEventDisableTiming));
+  if (slot.capacity < bytes) {  // grows to the largest download seen, then never again
+    if (slot.pinned) NOPAD_CUDA_CHECK(cudaFreeHost(slot.pinned));
+    slot.pinned = nullptr;
+    slot.capacity = 0;
+    NOPAD_CUDA_CHECK(cudaHostAlloc(&slot.pinned, std::max<size_t>(bytes, 256), cudaHostAllocDefault));
+    slot.capacity = std::max<size_t>(bytes, 256);
+  }
+  slot.host_dst = host_dst;
+  slot.bytes = bytes;
+  slot.ticket = ticket;
+  if (bytes) NOPAD_CUDA_CHECK(cudaMemcpyAsync(slot.pinned, src, bytes, cudaMemcpyDeviceToHost, stream_));
+  NOPAD_CUDA_CHECK(cudaEventRecord(slot.done, stream_));
+  slot.pending = true;
+  return ticket;
+}
+
+void CudaBackend::wait_download(uint64_t ticket) {
+  if (ticket == 0) return;
+  NOPAD_CHECK(ticket <= downloads_made_, "CudaBackend::wait_download: unknown ticket ", ticket);
+  DownloadSlot& slot = downloads_[ticket % kDownloadSlots];
+  if (slot.ticket == ticket) complete_download(slot);  // else it was completed when its slot was reused
 }
 
 void CudaBackend::download_bytes(void* host_dst, const void* src, size_t bytes) {
@@ -198,7 +288,10 @@ void CudaBackend::zero_bytes(void* x, size_t bytes) {
   NOPAD_CUDA_CHECK(cudaMemsetAsync(x, 0, bytes, stream_));
 }
 
-void CudaBackend::synchronize() { NOPAD_CUDA_CHECK(cudaStreamSynchronize(stream_)); }
+void CudaBackend::synchronize() {
+  NOPAD_CUDA_CHECK(cudaStreamSynchronize(copy_stream_));
+  NOPAD_CUDA_CHECK(cudaStreamSynchronize(stream_));
+}
 
 // Grow-only scratch: allocated on first use at the largest size seen, then reused. Growth is stream-ordered
 // (cudaFreeAsync/cudaMallocAsync on stream_), so it needs no host synchronisation; in steady state it never happens.
@@ -213,9 +306,9 @@ void* CudaBackend::scratch(Slot slot, size_t bytes) {
     (void)cudaGetLastError();
     size_t free_b = 0, total_b = 0;
     (void)cudaMemGetInfo(&free_b, &total_b);
-    fail("out of GPU memory growing scratch buffer ", static_cast<int>(slot), " to ", rounded, " bytes: ",
-         static_cast<double>(free_b) / (1 << 30), " GiB free of ", static_cast<double>(total_b) / (1 << 30),
-         " GiB; use a smaller micro-batch");
+    throw OutOfMemory(str_cat("out of GPU memory growing scratch buffer ", static_cast<int>(slot), " to ", rounded,
+                              " bytes: ", static_cast<double>(free_b) / (1 << 30), " GiB free of ",
+                              static_cast<double>(total_b) / (1 << 30), " GiB; use a smaller micro-batch"));
   }
   NOPAD_CUDA_CHECK(err);
   scratch_bytes_[slot] = rounded;

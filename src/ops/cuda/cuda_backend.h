@@ -37,12 +37,23 @@ class CudaBackend final : public ops::Backend<ops::GpuBf16> {
   cudaStream_t stream() const { return stream_; }
   int multiprocessors() const { return sm_count_; }
 
-  void* allocate_bytes(size_t bytes) override;  // cudaMalloc: setup time only
+  void* allocate_bytes(size_t bytes) override;  // cudaMalloc: setup time only; throws OutOfMemory when full
+  size_t allocated_bytes() const { return allocated_bytes_; }  // through allocate_bytes, not freed ones subtracted
   void free_bytes(void* ptr) override;
   void upload_bytes(void* dst, const void* host_src, size_t bytes) override;      // ordered on stream(), no wait
   void download_bytes(void* host_dst, const void* src, size_t bytes) override;    // waits for stream()
   void zero_bytes(void* x, size_t bytes) override;                                // cudaMemsetAsync on stream()
-  void synchronize() override;
+  void synchronize() override;                                                    // waits for both streams
+
+  // Copies beside compute (ops.h): async uploads run on copy_stream(), ordered against stream() with events; async
+  // downloads go through a pinned ring on stream() and are completed by wait_download (an event wait).
+  void upload_bytes_async(void* dst, const void* host_src, size_t bytes) override;
+  void compute_waits_for_uploads() override;
+  uint64_t fence_compute() override;
+  void uploads_wait(uint64_t fence) override;
+  uint64_t download_bytes_async(void* host_dst, const void* src, size_t bytes) override;
+  void wait_download(uint64_t ticket) override;
+  cudaStream_t copy_stream() const { return copy_stream_; }
 
   // Per-op GPU timing (the benchmark's breakdown). When on, each public op is bracketed by two events on stream()
   // from a grow-only pool; an op called from inside another counts towards the outer one. When off: one branch.
@@ -106,6 +117,7 @@ class CudaBackend final : public ops::Backend<ops::GpuBf16> {
 
   int device_ = 0;
   int sm_count_ = 0;
+  size_t allocated_bytes_ = 0;
   cudaStream_t stream_ = nullptr;
   std::unique_ptr<LtGemm> gemm_;
 
@@ -142,6 +154,29 @@ class CudaBackend final : public ops::Backend<ops::GpuBf16> {
   };
   StagingSlot staging_[kStagingSlots];
   size_t staging_next_ = 0;
+  StagingSlot& next_staging_slot(const void* host_src, size_t bytes);  // waits only if the ring is that far behind
+
+  cudaStream_t copy_stream_ = nullptr;  // async uploads
+  static constexpr size_t kFences = 16;
+  cudaEvent_t fences_[kFences] = {};  // fence_compute() markers, reused round-robin
+  uint64_t fences_made_ = 0;
+  cudaEvent_t uploads_done_ = nullptr;  // the copy stream's end, for compute_waits_for_uploads
+  bool uploads_since_wait_ = false;
+  // Async downloads: the copy lands in a pinned slot on stream(); wait_download waits for the slot's event and
+  // hands the bytes to the caller's buffer. A slot about to be reused is completed first, so no result is lost.
+  static constexpr size_t kDownloadSlots = 32;
+  struct DownloadSlot {
+    void* pinned = nullptr;
+    size_t capacity = 0;
+    cudaEvent_t done = nullptr;
+    void* host_dst = nullptr;
+    size_t bytes = 0;
+    uint64_t ticket = 0;
+    bool pending = false;
+  };
+  DownloadSlot downloads_[kDownloadSlots];
+  uint64_t downloads_made_ = 0;
+  void complete_download(DownloadSlot& slot);
 };
 
 }  // namespace nopad::cuda

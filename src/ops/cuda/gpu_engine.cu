@@ -4,6 +4,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <array>
 #include <cstddef>
 #include <string>
 #include <unordered_map>
@@ -42,7 +43,14 @@ class GpuEngine final : public TrainEngine {
         lamb_(lamb_tensors(model_.layout()), model_.num_params(), o.optim, backend_.stream()),
         host_params_(model_.num_params(), 0.0f),
         host_m_(model_.num_params(), 0.0f),
-        host_v_(model_.num_params(), 0.0f) {
+        host_v_(model_.num_params(), 0.0f),
+        micro_per_step_(std::max(1, o.micro_batches_per_step)) {
+    // Room for every result of the unread steps, the step being built and a few evaluation forwards.
+    model_.set_result_capacity(static_cast<size_t>(kMaxStepsInFlight + 1) * micro_per_step_ + 4);
+    for (PendingStep& p : steps_) {
+      p.tickets.reserve(static_cast<size_t>(micro_per_step_));
+      p.stats_host.assign(FusedLamb::state_size(), 0);
+    }
     // Host mirror of the optimizer in the CPU form, for checkpoints (never stepped).
     std::vector<ParamView> views;
     for (const ParamTensor& t : model_.layout().tensors())
@@ -73,26 +81,45 @@ class GpuEngine final : public TrainEngine {
     lamb_.download_master(host.data());
   }
 
-  void zero_grad() override { model_.zero_grad(); }
+  // A step only enqueues: the loss is not known while it is built, so backward runs whatever it is, and a
+  // non-finite loss shows up as a non-finite gradient norm, on which FusedLamb skips the update on the device.
+  void zero_grad() override {
+    building().tickets.clear();
+    model_.zero_grad();
+  }
   void micro_step(const HostBatch& batch, uint64_t seed, uint64_t step, LossDenominators denoms) override {
-    // Enqueued only: the loss is not known here, so backward runs whatever it is (the trainer stops on a
-    // non-finite loss before the optimizer step).
-    model_.forward_async(batch, /*train=*/true, seed, step, denoms);
+    PendingStep& p = building();
+    NOPAD_CHECK(p.tickets.size() < static_cast<size_t>(micro_per_step_), "GpuEngine: more than ",
+                micro_per_step_, " micro-batches in one step (EngineOptions::micro_batches_per_step)");
+    p.tickets.push_back(model_.forward_async(batch, /*train=*/true, seed, step, denoms));
     model_.backward(1.0);
   }
-  StepResult micro_result() override { return model_.read_result(); }  // waits for the stream
-  StepStats optimizer_step(double lr, double grad_scale) override {
+  void optimizer_step(double lr, double grad_scale) override {
+    NOPAD_CHECK(unread_ < kMaxStepsInFlight, "GpuEngine: more than ", kMaxStepsInFlight,
+                " steps unread (call finish_step)");
+    PendingStep& p = building();
     lamb_.step(model_.grads(), model_.params(), static_cast<float>(lr), static_cast<float>(grad_scale));
-    StepStats s;
-    s.skipped = lamb_.last_step_skipped();  // waits for the stream
-    s.grad_norm = lamb_.last_grad_norm();
-    return s;  // clip_factor is not reported by FusedLamb
+    p.stats_ticket = backend_.download_bytes_async(p.stats_host.data(), lamb_.device_state(), FusedLamb::state_size());
+    ++unread_;
+  }
+  StepOutcome finish_step() override {
+    NOPAD_CHECK(unread_ > 0, "GpuEngine::finish_step: no step to finish");
+    PendingStep& p = steps_[first_];
+    StepOutcome o;
+    for (const uint64_t t : p.tickets) accumulate(o.result, model_.read_result(t));  // waits for that forward
+    backend_.wait_download(p.stats_ticket);
+    const FusedLamb::Stats st = FusedLamb::decode_state(p.stats_host.data());
+    o.stats.grad_norm = st.grad_norm;
+    o.stats.skipped = st.skipped;  // clip_factor is not reported by FusedLamb
+    first_ = (first_ + 1) % static_cast<int>(steps_.size());
+    --unread_;
+    return o;
   }
   StepResult evaluate(const HostBatch& batch) override {
     return model_.forward(batch, /*train=*/false, 0, 0, LossDenominators{1.0, 1.0});
   }
 
-  int64_t optimizer_steps() override { return lamb_.step_count(); }
+  int64_t optimizer_steps() override { return lamb_.step_count(); }  // waits for the stream
   const Optimizer& optimizer_state() override {
     lamb_.download_moments(host_m_.data(), host_v_.data());
     mirror_->load_state(lamb_.step_count(), moment_views());
@@ -116,6 +143,14 @@ class GpuEngine final : public TrainEngine {
   }
 
  private:
+  struct PendingStep {
+    std::vector<uint64_t> tickets;        // the model's result tickets of its micro-batches
+    uint64_t stats_ticket = 0;            // the backend download of FusedLamb's state after its update
+    std::vector<unsigned char> stats_host;
+  };
+  // steps_[first_ .. first_ + unread_) are ended and unread; the next one is being built.
+  PendingStep& building() { return steps_[(first_ + unread_) % static_cast<int>(steps_.size())]; }
+
   std::vector<StateTensor> moment_views() const {
     std::vector<StateTensor> out;
     for (const ParamTensor& t : model_.layout().tensors()) {
@@ -131,6 +166,9 @@ class GpuEngine final : public TrainEngine {
   std::vector<float> host_params_, host_m_, host_v_;  // host staging for init and checkpoints
   std::unique_ptr<Optimizer> mirror_;
   std::string name_;
+  int micro_per_step_ = 1;
+  std::array<PendingStep, kMaxStepsInFlight + 1> steps_;
+  int first_ = 0, unread_ = 0;
 };
 
 }  // namespace
@@ -140,7 +178,14 @@ std::unique_ptr<TrainEngine> make_gpu_engine(const EngineOptions& options) {
               " is CPU-only for now; use lamb or --set train.device=cpu");
   std::string why;
   if (!cuda_device_visible(&why)) fail("no CUDA device: ", why, "; use --set train.device=cpu");
-  return std::make_unique<GpuEngine>(options);
+  try {
+    return std::make_unique<GpuEngine>(options);
+  } catch (const OutOfMemory& e) {
+    throw OutOfMemory(str_cat("the model for a micro-batch of ", options.max_seqs, " sequences (up to ",
+                              options.max_tokens, " tokens, ", options.max_masked,
+                              " masked positions) does not fit on the GPU: ", e.what(),
+                              ". Lower train.global_batch or raise train.grad_accumulation"));
+  }
 }
 
 }  // namespace nopad::cuda

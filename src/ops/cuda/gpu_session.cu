@@ -199,7 +199,12 @@ class GpuRunner final : public StepRunner {
 
 std::unique_ptr<StepRunner> make_gpu_runner(const BertConfig& config, int32_t max_tokens, int32_t max_seqs,
                                             int32_t max_masked, uint64_t seed, const OptimizerOptions& options) {
-  return std::make_unique<GpuRunner>(config, max_tokens, max_seqs, max_masked, seed, options);
+  try {
+    return std::make_unique<GpuRunner>(config, max_tokens, max_seqs, max_masked, seed, options);
+  } catch (const OutOfMemory& e) {
+    throw OutOfMemory(str_cat("the model for a batch of ", max_seqs, " sequences (up to ", max_tokens,
+                              " tokens) does not fit on the GPU: ", e.what(), ". Use a smaller --batch"));
+  }
 }
 
 }  // namespace nopad::cuda

@@ -13,6 +13,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
 #include <utility>
 
 #include "core/error.h"
@@ -310,6 +311,14 @@ FusedLamb::DeviceState FusedLamb::read_state() const {
   NOPAD_CUDA_CHECK(cudaMemcpyAsync(&s, state_, sizeof(s), cudaMemcpyDeviceToHost, stream_));
   NOPAD_CUDA_CHECK(cudaStreamSynchronize(stream_));
   return s;
+}
+
+size_t FusedLamb::state_size() { return sizeof(DeviceState); }
+
+FusedLamb::Stats FusedLamb::decode_state(const void* host_copy) {
+  DeviceState s{};
+  std::memcpy(&s, host_copy, sizeof(s));
+  return Stats{s.grad_norm, s.skipped != 0, s.step};
 }
 
 double FusedLamb::last_grad_norm() const { return read_state().grad_norm; }

@@ -56,6 +56,17 @@ class FusedLamb {
   // and weight_copy [total_numel] (device, bf16). Asynchronous on stream().
   void step(const float* grads, bf16* weight_copy, float lr, float grad_scale = 1.0f);
 
+  // What a step leaves for the host, read without waiting on the stream: copy state_size() bytes from
+  // device_state() after step() (e.g. CudaBackend::download_bytes_async) and decode the host copy.
+  struct Stats {
+    double grad_norm = 0;  // ||grad_scale * g|| before clipping
+    bool skipped = false;  // the step changed nothing (non-finite gradients)
+    int64_t step = 0;      // completed, non-skipped steps after it
+  };
+  const void* device_state() const { return state_; }
+  static size_t state_size();
+  static Stats decode_state(const void* host_copy);
+
   // Results of the last step; each waits for the stream (call outside the step loop's hot path).
   double last_grad_norm() const;   // ||grad_scale * g|| before clipping (inf/NaN when the step was skipped)
   bool last_step_skipped() const;
