@@ -113,6 +113,28 @@ TEST(BenchModel, CpuRunPrintsCompleteJson) {
   EXPECT_EQ(tokens, r.tokens);
 }
 
+// --graph on a device without graphs: the experiment says so, and still reports what T buckets would pad.
+TEST(BenchModel, GraphExperimentOnCpuReportsBucketPaddingOnly) {
+  const BenchData& data = bench_data();
+  ModelBenchOptions o;
+  o.model = (test::source_dir() / "data/configs/bert-tiny.json").string();
+  o.data = data.path.string();
+  o.batch = 4;
+  o.steps = 2;
+  o.warmup = 1;
+  o.device = "cpu";
+  o.threads = 2;
+  o.graph = true;
+  const nlohmann::json j = nlohmann::json::parse(run_model_bench(o).json);
+  ASSERT_TRUE(j.contains("graph_experiment"));
+  const nlohmann::json& g = j["graph_experiment"];
+  EXPECT_EQ(g["note"], "not supported on this device");
+  EXPECT_FALSE(g.contains("graph_ms"));
+  // Batches of 4 sequences of <= 64 tokens are < 256 rows: a 1024-row bucket pads more than a 128-row one.
+  EXPECT_GT(g["bucket_128_padding"].get<double>(), 0.0);
+  EXPECT_GT(g["bucket_1024_padding"].get<double>(), g["bucket_128_padding"].get<double>());
+}
+
 TEST(BenchModel, RejectsBatchLargerThanDataset) {
   const BenchData& data = bench_data();
   ModelBenchOptions o;

@@ -81,6 +81,9 @@ void setup(CLI::App& sub) {
   model->add_flag("--breakdown", mo->breakdown,
                   "after the timed run, rerun its batches with per-op GPU event timing: a table on stderr and "
                   "breakdown_ms_per_step in the JSON");
+  model->add_flag("--graph", mo->graph,
+                  "also measure launch overhead: the last timed step run eagerly vs replayed as a CUDA graph "
+                  "(graph_experiment in the JSON, with the padding that bucketing T for graphs would add)");
   model->callback([mo] {
     const nopad::ModelBenchResult r = nopad::run_model_bench(*mo);
     std::printf("%s\n", r.json.c_str());

@@ -10,6 +10,7 @@
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <vector>
 
 #include <nlohmann/json.hpp>
@@ -209,6 +210,46 @@ ModelBenchResult run_model_bench(const ModelBenchOptions& o) {
                      [](const auto& a, const auto& b) { return a.second > b.second; });
   }
 
+  // --graph: launch overhead. The last timed batch as one fixed step, run eagerly and replayed as a CUDA graph, the
+  // same number of times each (identical work: same batch, same dropout masks); and what rounding T up to a bucket
+  // (needed to replay graphs on real batches, whose T varies) would add in padded rows over the timed batches.
+  nlohmann::ordered_json graph_json;
+  if (o.graph) {
+    const HostBatch& b = batches[total - 1];
+    const uint64_t g_step = total - 1;
+    const int reps = static_cast<int>(std::max<uint64_t>(o.steps, 5));
+    if (runner->capture_step(b, lr, o.seed, g_step)) {
+      auto time_reps = [&](const std::function<void()>& one) {
+        one();  // warm
+        runner->synchronize();
+        const auto t = Clock::now();
+        for (int r = 0; r < reps; ++r) one();
+        runner->synchronize();
+        return std::chrono::duration<double, std::milli>(Clock::now() - t).count() / reps;
+      };
+      const double eager_ms = time_reps([&] { runner->train_step(b, lr, o.seed, g_step); });
+      const double graph_ms = time_reps([&] { runner->replay_captured(); });
+      const double eager2_ms = time_reps([&] { runner->train_step(b, lr, o.seed, g_step); });  // drift check
+      graph_json["tokens"] = b.num_tokens();
+      graph_json["reps"] = reps;
+      graph_json["eager_ms"] = 0.5 * (eager_ms + eager2_ms);
+      graph_json["eager_ms_spread"] = std::fabs(eager_ms - eager2_ms);
+      graph_json["graph_ms"] = graph_ms;
+      graph_json["graph_saving"] = 1.0 - graph_ms / (0.5 * (eager_ms + eager2_ms));
+    } else {
+      graph_json["note"] = "not supported on this device";
+    }
+    for (const int bucket : {128, 256, 1024}) {
+      double padded = 0, real = 0;
+      for (uint64_t i = o.warmup; i < total; ++i) {
+        const double t = batches[i].num_tokens();
+        real += t;
+        padded += std::ceil(t / bucket) * bucket;
+      }
+      graph_json["bucket_" + std::to_string(bucket) + "_padding"] = padded / real - 1.0;
+    }
+  }
+
   if (!o.workload.empty()) {
     std::ofstream f(o.workload);
     NOPAD_CHECK(f.good(), "cannot write the workload file ", o.workload);
@@ -239,6 +280,7 @@ ModelBenchResult run_model_bench(const ModelBenchOptions& o) {
   j["max_mem_gib"] = res.max_mem_gib;
   j["final_loss"] = res.final_loss;  // a non-finite loss is written as null
   j["mean_length"] = static_cast<double>(res.tokens) / static_cast<double>(res.seqs);
+  if (o.graph) j["graph_experiment"] = graph_json;
   if (o.breakdown) {
     nlohmann::ordered_json per_step = nlohmann::ordered_json::object();
     for (const auto& [name, ms] : breakdown) per_step[name] = ms / static_cast<double>(o.steps);

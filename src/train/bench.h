@@ -31,6 +31,13 @@ class StepRunner {
   // breakdown_ms() waits for queued work and returns ms per op name since then. Empty: not supported (CPU).
   virtual void set_breakdown(bool /*on*/) {}
   virtual std::vector<std::pair<std::string, double>> breakdown_ms() { return {}; }
+  // Launch-overhead measurement (bench --graph): capture one whole step on `batch` as a CUDA graph (after an eager
+  // run of the same step, so nothing is allocated or planned inside the capture); replay_captured() enqueues it
+  // again. Replays repeat the identical step (same batch, same dropout masks). false: not supported (CPU).
+  virtual bool capture_step(const HostBatch& /*batch*/, float /*lr*/, uint64_t /*seed*/, uint64_t /*step*/) {
+    return false;
+  }
+  virtual void replay_captured() {}
 };
 
 // CpuBackend<CpuF32> + BertModel + the CPU LAMB; BERT init from `seed`. threads <= 0: all cores.
@@ -57,6 +64,7 @@ struct ModelBenchOptions {
   double lr = 1e-4;
   bool per_step = false;  // synchronise around every step and report the median step time
   bool breakdown = false; // rerun the timed batches with per-op event timing; table on stderr, ms/step in the JSON
+  bool graph = false;     // also time one step replayed as a CUDA graph against the same step run eagerly
   int threads = 0;        // CPU runner only
 };
 

@@ -2,7 +2,8 @@
 // (BertModel<ops::CpuF32>): one unpadded batch of mixed lengths (1..512 tokens, masked positions, NSP labels), the
 // same weights on both sides (drawn on the CPU, rounded to bf16, and those rounded values given to both, so the GPU's
 // bf16 weight copy holds exactly what the CPU uses), dropout off and on (the GPU draws the CPU's masks, see
-// test_cuda_ops.cpp). Configurations: bert-tiny and a 2-layer H=1024 / 16-head model.
+// test_cuda_ops.cpp). Configurations: bert-tiny, a 2-layer H=1024 / 16-head model, and bert-base (12 layers,
+// H=768, 12 heads: the depth over which bf16 rounding accumulates in real training).
 //
 // Tolerances, and why:
 //  - losses (MLM and NSP separately): relative 1e-2. The GPU stores activations in bf16 (relative rounding <= 2^-9,
@@ -46,7 +47,7 @@ constexpr double kTolLoss = 1e-2, kTolGlobalNorm = 3e-2, kTolTensorNorm = 5e-2, 
 
 BertConfig tiny_config() { return BertConfig::from_file(std::string(NOPAD_SOURCE_DIR) + "/data/configs/bert-tiny.json"); }
 
-[[maybe_unused]] BertConfig wide_config() {
+BertConfig wide_config() {
   BertConfig c = tiny_config();
   c.hidden_size = 1024;
   c.num_attention_heads = 16;
@@ -160,9 +161,15 @@ void compare_models(const BertConfig& config, bool dropout) {
   }
 }
 
+BertConfig base_config() {
+  return BertConfig::from_file(std::string(NOPAD_SOURCE_DIR) + "/data/configs/bert-base.json");
+}
+
+enum class Arch { kTiny, kWide, kBase };
+
 struct ModelCase {
   const char* name;
-  bool wide;
+  Arch arch;
   bool dropout;
 };
 
@@ -170,14 +177,18 @@ class CudaModelTest : public ::testing::TestWithParam<ModelCase> {};
 
 TEST_P(CudaModelTest, ForwardBackwardMatchCpu) {
   const ModelCase c = GetParam();
-  compare_models<ops::GpuBf16>(c.wide ? wide_config() : tiny_config(), c.dropout);
+  const BertConfig config =
+      c.arch == Arch::kTiny ? tiny_config() : (c.arch == Arch::kWide ? wide_config() : base_config());
+  compare_models<ops::GpuBf16>(config, c.dropout);
 }
 
 INSTANTIATE_TEST_SUITE_P(Configs, CudaModelTest,
-                         ::testing::Values(ModelCase{"tiny_no_dropout", false, false},
-                                           ModelCase{"tiny_dropout", false, true},
-                                           ModelCase{"h1024_no_dropout", true, false},
-                                           ModelCase{"h1024_dropout", true, true}),
+                         ::testing::Values(ModelCase{"tiny_no_dropout", Arch::kTiny, false},
+                                           ModelCase{"tiny_dropout", Arch::kTiny, true},
+                                           ModelCase{"h1024_no_dropout", Arch::kWide, false},
+                                           ModelCase{"h1024_dropout", Arch::kWide, true},
+                                           ModelCase{"bert_base_no_dropout", Arch::kBase, false},
+                                           ModelCase{"bert_base_dropout", Arch::kBase, true}),
                          [](const ::testing::TestParamInfo<ModelCase>& info) { return std::string(info.param.name); });
 
 }  // namespace

@@ -215,17 +215,22 @@ void CudaBackend::upload_bytes_async(void* dst, const void* host_src, size_t byt
   StagingSlot& slot = next_staging_slot(host_src, bytes);
   NOPAD_CUDA_CHECK(cudaMemcpyAsync(dst, slot.host, bytes, cudaMemcpyHostToDevice, copy_stream_));
   NOPAD_CUDA_CHECK(cudaEventRecord(slot.copied, copy_stream_));
+  if (capture_mode_) {
+    NOPAD_CUDA_CHECK(cudaStreamSynchronize(copy_stream_));  // done before the captured work: no cross-stream node
+    return;
+  }
   uploads_since_wait_ = true;
 }
 
 void CudaBackend::compute_waits_for_uploads() {
-  if (!uploads_since_wait_) return;
+  if (!uploads_since_wait_ || capture_mode_) return;
   NOPAD_CUDA_CHECK(cudaEventRecord(uploads_done_, copy_stream_));
   NOPAD_CUDA_CHECK(cudaStreamWaitEvent(stream_, uploads_done_, 0));
   uploads_since_wait_ = false;
 }
 
 uint64_t CudaBackend::fence_compute() {
+  if (capture_mode_) return 0;
   const uint64_t fence = ++fences_made_;  // 0 is "no fence"
   NOPAD_CUDA_CHECK(cudaEventRecord(fences_[fence % kFences], stream_));
   return fence;
@@ -246,6 +251,7 @@ void CudaBackend::complete_download(DownloadSlot& slot) {
 }
 
 uint64_t CudaBackend::download_bytes_async(void* host_dst, const void* src, size_t bytes) {
+  if (capture_mode_) return 0;  // the captured step's results are not read
   const uint64_t ticket = ++downloads_made_;
   DownloadSlot& slot = downloads_[ticket % kDownloadSlots];
   complete_download(slot);  // the slot's previous result reaches its owner before the slot is reused

@@ -54,6 +54,10 @@ class CudaBackend final : public ops::Backend<ops::GpuBf16> {
   uint64_t download_bytes_async(void* host_dst, const void* src, size_t bytes) override;
   void wait_download(uint64_t ticket) override;
   cudaStream_t copy_stream() const { return copy_stream_; }
+  // While stream() is being captured into a CUDA graph: async uploads complete on the host at capture time (the
+  // graph reuses the uploaded batch), fences and async downloads are skipped (no cross-stream nodes, no pinned
+  // slots baked into the graph). For the benchmark's launch-overhead measurement only.
+  void set_capture_mode(bool on) { capture_mode_ = on; }
 
   // Per-op GPU timing (the benchmark's breakdown). When on, each public op is bracketed by two events on stream()
   // from a grow-only pool; an op called from inside another counts towards the outer one. When off: one branch.
@@ -157,6 +161,7 @@ class CudaBackend final : public ops::Backend<ops::GpuBf16> {
   StagingSlot& next_staging_slot(const void* host_src, size_t bytes);  // waits only if the ring is that far behind
 
   cudaStream_t copy_stream_ = nullptr;  // async uploads
+  bool capture_mode_ = false;
   static constexpr size_t kFences = 16;
   cudaEvent_t fences_[kFences] = {};  // fence_compute() markers, reused round-robin
   uint64_t fences_made_ = 0;

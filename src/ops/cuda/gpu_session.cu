@@ -58,10 +58,13 @@ struct GpuSession::Impl {
         backend(device),
         model(config, backend, max_tokens, max_seqs, max_masked),
         lamb(lamb_tensors(model.layout()), model.num_params(), options, backend.stream()) {}
+  cudaGraphExec_t graph = nullptr;  // capture_step
+
   ~Impl() {
     // No throwing from a destructor: statuses are ignored while tearing down.
     (void)cudaStreamSynchronize(backend.stream());
     for (cudaEvent_t e : lamb_events) (void)cudaEventDestroy(e);
+    if (graph) (void)cudaGraphExecDestroy(graph);
   }
   Impl(const Impl&) = delete;
   Impl& operator=(const Impl&) = delete;
@@ -164,6 +167,40 @@ std::vector<std::pair<std::string, double>> GpuSession::op_times_ms() {
   return out;
 }
 
+void GpuSession::capture_step(const HostBatch& batch, float lr, uint64_t seed, uint64_t step) {
+  Impl& s = *impl_;
+  NOPAD_CHECK(!s.timing, "GpuSession::capture_step: turn op timing off first");
+  train_step(batch, lr, seed, step);  // eager first: scratch grown, GEMM plans made, kernel attributes set
+  synchronize();
+  if (s.graph) {
+    NOPAD_CUDA_CHECK(cudaGraphExecDestroy(s.graph));
+    s.graph = nullptr;
+  }
+  const cudaStream_t stream = s.backend.stream();
+  s.backend.set_capture_mode(true);
+  NOPAD_CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+  cudaGraph_t g = nullptr;
+  try {
+    train_step(batch, lr, seed, step);
+  } catch (...) {
+    (void)cudaStreamEndCapture(stream, &g);
+    if (g) (void)cudaGraphDestroy(g);
+    s.backend.set_capture_mode(false);
+    throw;
+  }
+  const cudaError_t end = cudaStreamEndCapture(stream, &g);
+  s.backend.set_capture_mode(false);
+  NOPAD_CUDA_CHECK(end);
+  const cudaError_t inst = cudaGraphInstantiate(&s.graph, g, 0);
+  (void)cudaGraphDestroy(g);
+  NOPAD_CUDA_CHECK(inst);
+}
+
+void GpuSession::replay_captured() {
+  NOPAD_CHECK(impl_->graph != nullptr, "GpuSession::replay_captured: no captured step");
+  NOPAD_CUDA_CHECK(cudaGraphLaunch(impl_->graph, impl_->backend.stream()));
+}
+
 bool GpuSession::available() {
   int count = 0;
   const cudaError_t err = cudaGetDeviceCount(&count);
@@ -190,6 +227,11 @@ class GpuRunner final : public StepRunner {
   std::string device_name() const override { return session_.device_name(); }
   void set_breakdown(bool on) override { session_.set_op_timing(on); }
   std::vector<std::pair<std::string, double>> breakdown_ms() override { return session_.op_times_ms(); }
+  bool capture_step(const HostBatch& batch, float lr, uint64_t seed, uint64_t step) override {
+    session_.capture_step(batch, lr, seed, step);
+    return true;
+  }
+  void replay_captured() override { session_.replay_captured(); }
 
  private:
   GpuSession session_;

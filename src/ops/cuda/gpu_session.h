@@ -43,6 +43,10 @@ class GpuSession {
   void set_op_timing(bool on);
   std::vector<std::pair<std::string, double>> op_times_ms();
 
+  // One whole training step captured as a CUDA graph (StepRunner::capture_step) and its replay.
+  void capture_step(const HostBatch& batch, float lr, uint64_t seed, uint64_t step);
+  void replay_captured();
+
  private:
   struct Impl;
   std::unique_ptr<Impl> impl_;
