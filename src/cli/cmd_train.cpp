@@ -29,11 +29,17 @@ void setup(CLI::App& sub) {
   sub.add_option("--set", *overrides, "override a config key: --set optim.lr=2e-3 (repeatable)");
   sub.add_flag("--resume", *resume, "continue the run in run_dir from checkpoints/latest");
   sub.add_flag("--overwrite", *overwrite, "start over, deleting run_dir's checkpoints and metrics");
+  auto device = std::make_shared<std::string>();
+  sub.add_option("--device", *device,
+                 "auto, cpu or cuda: where to train (same as --set train.device=...; auto takes the GPU when one is "
+                 "visible, else the CPU, and says so)")
+      ->check(CLI::IsMember({"auto", "cpu", "cuda"}));
   sub.footer(keys_help());
   sub.callback([=] {
     if (*resume && *overwrite) nopad::fail("--resume and --overwrite exclude each other");
     nopad::Config config = nopad::Config::load(*config_path, nopad::train_config_schema());
     for (const auto& o : *overrides) config.apply_override(o);
+    if (!device->empty()) config.apply_override("train.device=" + *device);
     const nopad::StartMode mode = *resume ? nopad::StartMode::kResume
                                   : *overwrite ? nopad::StartMode::kOverwrite
                                                : nopad::StartMode::kFresh;

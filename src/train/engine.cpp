@@ -100,7 +100,7 @@ std::unique_ptr<TrainEngine> make_cpu_engine(const EngineOptions& options) {
   return std::make_unique<CpuEngine>(options);
 }
 
-std::string resolve_device(const std::string& device) {
+std::string resolve_device(const std::string& device, std::string* note) {
   NOPAD_CHECK(device == "auto" || device == "cpu" || device == "cuda", "train.device must be auto, cpu or cuda, got \"",
               device, "\"");
   if (device == "cpu") return "cpu";
@@ -110,7 +110,10 @@ std::string resolve_device(const std::string& device) {
 #else
   const std::string why = "this nopad was built without the CUDA backend (rebuild with -DNOPAD_CUDA=ON)";
 #endif
-  if (device == "auto") return "cpu";
+  if (device == "auto") {
+    if (note) *note = "no CUDA device (" + why + ")";
+    return "cpu";
+  }
   fail("no CUDA device: ", why, "; use --set train.device=cpu");
 }
 

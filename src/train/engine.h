@@ -86,7 +86,8 @@ std::unique_ptr<TrainEngine> make_cpu_engine(const EngineOptions& options);
 
 // "auto", "cpu" or "cuda" -> "cpu" or "cuda". auto: cuda when the build has CUDA and a device is visible. "cuda"
 // without either throws ("no CUDA device: ... use --set train.device=cpu"); anything else throws naming the choices.
-std::string resolve_device(const std::string& device);
+// When auto falls back to the CPU and `note` is given, *note says why ("no CUDA device: ...").
+std::string resolve_device(const std::string& device, std::string* note = nullptr);
 
 // The engine for a resolved device ("cpu" or "cuda").
 std::unique_ptr<TrainEngine> make_engine(const std::string& device, const EngineOptions& options);

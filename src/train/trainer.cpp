@@ -184,6 +184,7 @@ struct Trainer::Impl {
   int64_t log_interval = 1, checkpoint_interval = 0, checkpoint_keep = 3;
   int threads = 0;
   std::string device;  // resolved: "cpu" or "cuda"
+  std::string device_note;  // why auto chose the CPU
 
   BertConfig model_config;
   std::unique_ptr<Dataset> train_data, eval_data;
@@ -233,7 +234,7 @@ void Trainer::Impl::setup() {
               "train.target_mlm_accuracy is set but data.eval is not: the target is measured on the eval data");
   threads = static_cast<int>(cfg.get_int("train.threads"));
   NOPAD_CHECK(threads >= 0, "train.threads must be >= 0, got ", threads);
-  device = resolve_device(cfg.get_string("train.device"));
+  device = resolve_device(cfg.get_string("train.device"), &device_note);
 
   const std::string optim_name = cfg.get_string("optim.name");
   NOPAD_CHECK(optim_name == "lamb" || optim_name == "adamw", "optim.name must be lamb or adamw, got \"", optim_name,
@@ -358,7 +359,8 @@ void Trainer::Impl::setup() {
   eo.optim = oo;
   eo.threads = threads;
   engine = make_engine(device, eo);
-  std::fprintf(stderr, "device: %s\n", engine->device_name().c_str());
+  std::fprintf(stderr, "device: %s%s\n", engine->device_name().c_str(),
+               device_note.empty() ? "" : (" (train.device auto: " + device_note + ")").c_str());
   reserve_batch(micro, cap_tokens, static_cast<size_t>(micro_batch), cap_masked);
 
   state.seed = seed;
