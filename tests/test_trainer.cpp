@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 
 #include <fstream>
+#include <limits>
 #include <numeric>
 #include <sstream>
 
@@ -302,6 +303,93 @@ TEST(Trainer, NonFiniteLossStopsNamingTheStepAndKeepsTheLastCheckpoint) {
   const fs::path kept = latest_checkpoint(run2);
   ASSERT_FALSE(kept.empty());
   EXPECT_NO_THROW(load_checkpoint(kept));
+}
+
+// Loss scaling by a power of two is exact in fp32: a run with a fixed scale of 2^10 takes bit-identical steps.
+TEST(Trainer, FixedLossScaleOfAPowerOfTwoChangesNothingInFp32) {
+  test::TempDir dir("trainer-scale");
+  const fs::path model = write_model_config(dir.path(), 32, 1, 2);
+  const std::string extra = "train.global_batch = 4\ntrain.max_steps = 4\n";
+  const TrainSummary a = Trainer(make_config(base_config(dir / "a", model, extra)), StartMode::kFresh).run();
+  const TrainSummary b =
+      Trainer(make_config(base_config(dir / "b", model, extra + "train.loss_scale = \"1024\"\n")), StartMode::kFresh)
+          .run();
+  ASSERT_EQ(a.steps.size(), 4u);
+  ASSERT_EQ(b.steps.size(), 4u);
+  for (size_t i = 0; i < 4; ++i) {
+    EXPECT_EQ(a.steps[i].loss, b.steps[i].loss) << "step " << i + 1;
+    EXPECT_EQ(a.steps[i].grad_norm, b.steps[i].grad_norm) << "step " << i + 1;
+  }
+}
+
+// A dynamic loss scale: an overflowing step is skipped, the scale halves, the run goes on, the log says so, and the
+// scaler's state is checkpointed; when overflows persist down to the floor the run stops as diverged.
+TEST(Trainer, DynamicLossScaleSkipsOverflowsAndStopsWhenExhausted) {
+  test::TempDir dir("trainer-dyn");
+  const fs::path model = write_model_config(dir.path(), 32, 1, 2);
+  const fs::path run = dir / "run";
+  TrainHooks hooks;
+  hooks.after_forward = [](int64_t step, StepResult& r) {
+    if (step == 3) r.loss = std::numeric_limits<double>::infinity();
+  };
+  Trainer t(make_config(base_config(run, model, "train.global_batch = 4\ntrain.max_steps = 6\n"
+                                                "train.loss_scale = \"dynamic\"\ntrain.loss_scale_init = 1024\n"
+                                                "log.interval_steps = 1\n")),
+            StartMode::kFresh, hooks);
+  const TrainSummary sum = t.run();
+  EXPECT_EQ(sum.final_step, 6);
+  std::ifstream f(run / "metrics.jsonl");
+  std::string line;
+  std::vector<nlohmann::json> lines;
+  while (std::getline(f, line)) lines.push_back(nlohmann::json::parse(line));
+  ASSERT_EQ(lines.size(), 6u);
+  EXPECT_EQ(lines[1]["loss_scale"], 1024.0);
+  EXPECT_EQ(lines[2]["skipped"], true);
+  EXPECT_TRUE(lines[2]["loss"].is_null());  // written as JSON null, not a bare inf
+  EXPECT_EQ(lines[2]["loss_scale"], 1024.0);
+  // Step 4 was enqueued before step 3 was read: it ran at 1024 too; step 5 runs at the halved scale.
+  EXPECT_EQ(lines[3]["skipped"], false);
+  EXPECT_EQ(lines[4]["loss_scale"], 512.0);
+  const LoadedCheckpoint ck = load_checkpoint(latest_checkpoint(run));
+  ASSERT_TRUE(ck.state.extra.contains("loss_scale"));
+  EXPECT_EQ(ck.state.extra["loss_scale"]["scale"], 512.0);
+  EXPECT_EQ(ck.state.extra["loss_scale"]["overflows"], 1);
+
+  TrainHooks always;
+  always.after_forward = [](int64_t step, StepResult& r) {
+    if (step >= 2) r.loss = std::numeric_limits<double>::quiet_NaN();
+  };
+  Trainer t2(make_config(base_config(dir / "run2", model, "train.global_batch = 4\ntrain.max_steps = 40\n"
+                                                          "train.loss_scale = \"dynamic\"\n"
+                                                          "train.loss_scale_init = 8\n")),
+             StartMode::kFresh, always);
+  const std::string e = error_of([&] { t2.run(); });
+  EXPECT_NE(e.find("overflow even at loss scale"), std::string::npos) << e;
+  EXPECT_NE(e.find("training diverged"), std::string::npos) << e;
+}
+
+TEST(Trainer, PrecisionAndLossScaleKeysAreChecked) {
+  test::TempDir dir("trainer-prec");
+  const fs::path model = write_model_config(dir.path(), 32, 1, 2);
+  std::string e = error_of([&] {
+    Trainer(make_config(base_config(dir / "r", model, "train.precision = \"fp16\"\n")), StartMode::kFresh);
+  });
+  EXPECT_NE(e.find("train.precision fp16 needs a GPU"), std::string::npos) << e;
+  e = error_of([&] {
+    Trainer(make_config(base_config(dir / "r", model, "train.precision = \"fp8\"\n")), StartMode::kFresh);
+  });
+  EXPECT_NE(e.find("train.precision must be auto, fp32, bf16 or fp16"), std::string::npos) << e;
+  e = error_of([&] {
+    Trainer(make_config(base_config(dir / "r", model, "train.loss_scale = \"lots\"\n")), StartMode::kFresh);
+  });
+  EXPECT_NE(e.find("train.loss_scale must be auto, dynamic, none or a positive number"), std::string::npos) << e;
+  e = error_of([&] {
+    Trainer(make_config(base_config(dir / "r", model, "train.loss_scale = \"dynamic\"\n"
+                                                      "train.loss_scale_window = 0\n")),
+            StartMode::kFresh);
+  });
+  EXPECT_NE(e.find("growth_interval must be positive"), std::string::npos) << e;
+  EXPECT_FALSE(fs::exists(dir / "r"));
 }
 
 }  // namespace

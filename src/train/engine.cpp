@@ -40,11 +40,13 @@ class CpuEngine final : public TrainEngine {
     current_ = StepOutcome{};
     finite_ = true;
   }
-  void micro_step(const HostBatch& batch, uint64_t seed, uint64_t step, LossDenominators denoms) override {
+  std::string precision() const override { return "fp32"; }
+  void micro_step(const HostBatch& batch, uint64_t seed, uint64_t step, LossDenominators denoms,
+                  double loss_scale) override {
     const StepResult r = model_.forward(batch, /*train=*/true, seed, step, denoms);
     accumulate(current_.result, r);
     if (!std::isfinite(r.loss)) finite_ = false;
-    if (finite_) model_.backward(1.0);  // nothing more is accumulated once the step is lost
+    if (finite_) model_.backward(loss_scale);  // nothing more is accumulated once the step is lost
   }
   void optimizer_step(double lr, double grad_scale) override {
     NOPAD_CHECK(unread_ < kMaxStepsInFlight, "CpuEngine: more than ", kMaxStepsInFlight,
@@ -115,6 +117,18 @@ std::string resolve_device(const std::string& device, std::string* note) {
     return "cpu";
   }
   fail("no CUDA device: ", why, "; use --set train.device=cpu");
+}
+
+std::string resolve_precision(const std::string& precision, const std::string& device) {
+  NOPAD_CHECK(precision == "auto" || precision == "fp32" || precision == "bf16" || precision == "fp16",
+              "train.precision must be auto, fp32, bf16 or fp16, got \"", precision, "\"");
+  if (precision == "auto") return device == "cpu" ? "fp32" : "bf16";
+  if (device == "cpu")
+    NOPAD_CHECK(precision == "fp32", "train.precision ", precision,
+                " needs a GPU (train.device cuda); the CPU trains in fp32");
+  else
+    NOPAD_CHECK(precision != "fp32", "train.precision fp32 is CPU-only; on a GPU use bf16 or fp16");
+  return precision;
 }
 
 std::unique_ptr<TrainEngine> make_engine(const std::string& device, const EngineOptions& options) {

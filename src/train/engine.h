@@ -36,6 +36,7 @@ struct EngineOptions {
   int32_t max_seqs = 0;    // ... in sequences
   int32_t max_masked = 0;  // ... in masked positions
   int32_t micro_batches_per_step = 1;  // largest number of micro_step calls in one step
+  std::string precision = "auto";      // resolved by resolve_precision: fp32 (CPU), bf16 or fp16 (GPU)
   std::string optimizer = "lamb";  // "lamb" or "adamw" (CPU only)
   OptimizerOptions optim;
   int threads = 0;  // CPU threads (<= 0: all cores); ignored on a GPU
@@ -53,6 +54,7 @@ class TrainEngine {
   virtual ~TrainEngine() = default;
 
   virtual std::string device_name() const = 0;  // "cuda (NVIDIA H200)", "cpu (8 threads)"
+  virtual std::string precision() const = 0;    // "fp32", "bf16" or "fp16": the ops' activation type
   virtual const ParamLayout& layout() const = 0;
   size_t num_params() const { return layout().total_numel(); }
 
@@ -61,8 +63,10 @@ class TrainEngine {
   virtual void get_params(std::vector<float>& host) = 0;  // resized to num_params()
 
   virtual void zero_grad() = 0;  // begins a step
-  // Forward (train, dropout keyed by seed/step/sample id) with the given loss denominators, then backward.
-  virtual void micro_step(const HostBatch& batch, uint64_t seed, uint64_t step, LossDenominators denoms) = 0;
+  // Forward (train, dropout keyed by seed/step/sample id) with the given loss denominators, then backward of
+  // loss_scale x the loss (fp16 loss scaling: pass grad_scale = 1 / loss_scale to optimizer_step).
+  virtual void micro_step(const HostBatch& batch, uint64_t seed, uint64_t step, LossDenominators denoms,
+                          double loss_scale = 1.0) = 0;
   // Ends the step: multiplies the gradients by grad_scale and updates the weights.
   virtual void optimizer_step(double lr, double grad_scale) = 0;
   // Waits for the oldest ended, unread step and returns its outcome. Throws if no step is unread.
@@ -88,6 +92,10 @@ std::unique_ptr<TrainEngine> make_cpu_engine(const EngineOptions& options);
 // without either throws ("no CUDA device: ... use --set train.device=cpu"); anything else throws naming the choices.
 // When auto falls back to the CPU and `note` is given, *note says why ("no CUDA device: ...").
 std::string resolve_device(const std::string& device, std::string* note = nullptr);
+
+// train.precision for a resolved device: auto -> fp32 on the CPU, bf16 on a GPU; fp32 needs the CPU, bf16 and fp16
+// a GPU; anything else throws naming the choices.
+std::string resolve_precision(const std::string& precision, const std::string& device);
 
 // The engine for a resolved device ("cpu" or "cuda").
 std::unique_ptr<TrainEngine> make_engine(const std::string& device, const EngineOptions& options);

@@ -6,6 +6,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 
 #include "core/error.h"
 #include "core/progress.h"
@@ -14,6 +15,7 @@
 #include "optim/schedule.h"
 #include "train/checkpoint.h"
 #include "train/engine.h"
+#include "train/loss_scale.h"
 #include "train/metrics.h"
 
 namespace nopad {
@@ -33,6 +35,12 @@ ConfigSchema train_config_schema() {
   s.add("train.target_mlm_accuracy", 0.0, "stop once the eval masked-LM accuracy reaches this (0 = no target)");
   s.add("train.threads", 0, "CPU threads (0 = all cores)");
   s.add("train.device", "auto", "auto, cpu or cuda (auto: cuda when built with CUDA and a GPU is visible)");
+  s.add("train.precision", "auto", "auto, fp32 (CPU), bf16 or fp16 (GPU): the ops' activation type (auto: fp32 on "
+        "the CPU, bf16 on a GPU)");
+  s.add("train.loss_scale", "auto", "auto (dynamic for fp16, none otherwise), dynamic, none, or a fixed number: "
+        "the loss is multiplied by it before backward and the gradients divided by it");
+  s.add("train.loss_scale_init", 65536.0, "first dynamic loss scale");
+  s.add("train.loss_scale_window", 2000, "applied steps in a row after which the dynamic loss scale doubles");
   s.add("optim.name", "lamb", "optimizer: lamb or adamw");
   s.add("optim.lr", 1e-3, "peak learning rate");
   s.add("optim.beta1", 0.9, "Adam beta1");
@@ -185,6 +193,9 @@ struct Trainer::Impl {
   int threads = 0;
   std::string device;  // resolved: "cpu" or "cuda"
   std::string device_note;  // why auto chose the CPU
+  std::string precision;    // resolved: fp32, bf16 or fp16
+  double fixed_loss_scale = 1;  // train.loss_scale as a number (1 = none)
+  std::unique_ptr<DynamicLossScale> loss_scaler;  // train.loss_scale dynamic
 
   BertConfig model_config;
   std::unique_ptr<Dataset> train_data, eval_data;
@@ -235,6 +246,26 @@ void Trainer::Impl::setup() {
   threads = static_cast<int>(cfg.get_int("train.threads"));
   NOPAD_CHECK(threads >= 0, "train.threads must be >= 0, got ", threads);
   device = resolve_device(cfg.get_string("train.device"), &device_note);
+  precision = resolve_precision(cfg.get_string("train.precision"), device);
+  {
+    std::string ls = cfg.get_string("train.loss_scale");
+    if (ls == "auto") ls = precision == "fp16" ? "dynamic" : "none";
+    if (ls == "dynamic") {
+      LossScaleOptions lso;
+      lso.init = cfg.get_double("train.loss_scale_init");
+      lso.growth_interval = cfg.get_int("train.loss_scale_window");
+      try {
+        loss_scaler = std::make_unique<DynamicLossScale>(lso);
+      } catch (const Error& e) {
+        fail("train.loss_scale_init / train.loss_scale_window: ", e.what());
+      }
+    } else if (ls != "none") {
+      char* end = nullptr;
+      fixed_loss_scale = std::strtod(ls.c_str(), &end);
+      NOPAD_CHECK(end != ls.c_str() && *end == '\0' && std::isfinite(fixed_loss_scale) && fixed_loss_scale > 0,
+                  "train.loss_scale must be auto, dynamic, none or a positive number, got \"", ls, "\"");
+    }
+  }
 
   const std::string optim_name = cfg.get_string("optim.name");
   NOPAD_CHECK(optim_name == "lamb" || optim_name == "adamw", "optim.name must be lamb or adamw, got \"", optim_name,
@@ -355,11 +386,13 @@ void Trainer::Impl::setup() {
   eo.max_seqs = static_cast<int32_t>(micro_batch);
   eo.max_masked = static_cast<int32_t>(cap_masked);
   eo.micro_batches_per_step = static_cast<int32_t>(grad_accumulation);
+  eo.precision = precision;
   eo.optimizer = optim_name;
   eo.optim = oo;
   eo.threads = threads;
   engine = make_engine(device, eo);
-  std::fprintf(stderr, "device: %s%s\n", engine->device_name().c_str(),
+  std::fprintf(stderr, "device: %s, %s%s%s\n", engine->device_name().c_str(), engine->precision().c_str(),
+               loss_scaler ? ", dynamic loss scale" : (fixed_loss_scale != 1 ? ", fixed loss scale" : ""),
                device_note.empty() ? "" : (" (train.device auto: " + device_note + ")").c_str());
   reserve_batch(micro, cap_tokens, static_cast<size_t>(micro_batch), cap_masked);
 
@@ -370,6 +403,13 @@ void Trainer::Impl::setup() {
     engine->load_optimizer_state(resume_from->optimizer_steps, resume_from->optimizer_state());
     state = resume_from->state;
     if (state.extra.contains("elapsed_s")) prior_elapsed_s = state.extra.at("elapsed_s").get<double>();
+    if (loss_scaler && state.extra.contains("loss_scale")) {
+      try {
+        loss_scaler->load_json(state.extra.at("loss_scale"));
+      } catch (const Error& e) {
+        fail("checkpoint ", latest.string(), ": ", e.what());
+      }
+    }
     last_checkpoint = resume_from->dir;
     std::fprintf(stderr, "resuming from %s (step %lld, %llu samples)\n", latest.string().c_str(),
                  static_cast<long long>(state.step), static_cast<unsigned long long>(state.samples));
@@ -392,6 +432,7 @@ void Trainer::Impl::setup() {
 }
 
 fs::path Trainer::Impl::save_checkpoint() {
+  if (loss_scaler) state.extra["loss_scale"] = loss_scaler->to_json();
   std::vector<float> host;
   engine->get_params(host);
   state.optimizer_steps = engine->optimizer_steps();
@@ -457,6 +498,7 @@ TrainSummary Trainer::run() {
     double lr = 0;
     int64_t seqs = 0, tokens = 0;
     bool last = false;
+    double loss_scale = 1;  // what its backward was scaled by
   };
   std::array<Enqueued, TrainEngine::kMaxStepsInFlight> queue{};
   int q_first = 0, q_count = 0;
@@ -475,12 +517,26 @@ TrainSummary Trainer::run() {
         m.last_checkpoint.empty() ? std::string(" (no checkpoint was written yet)")
                                   : " (the last good checkpoint, " + m.last_checkpoint.string() + ", is kept; "
                                     "restart from it with --resume)";
-    if (!std::isfinite(out.result.loss)) {
+    // With a dynamic loss scale, an overflow (non-finite loss or gradients) is expected now and then: the update
+    // was not applied (the optimizer skips non-finite gradients; see TrainEngine), the scale backs off, the run goes
+    // on. Only when the scale is exhausted has training diverged.
+    bool overflow_skipped = false;
+    if (m.loss_scaler) {
+      const bool overflow = !std::isfinite(out.result.loss) || out.stats.skipped;
+      m.loss_scaler->update(e.loss_scale, overflow);
+      if (overflow && m.loss_scaler->exhausted()) {
+        m.metrics->sync();
+        fail("step ", e.step, ": the loss or gradients overflow even at loss scale ", e.loss_scale,
+             ": training diverged; lower optim.lr, add schedule.warmup_steps or use train.precision bf16", keep_note);
+      }
+      overflow_skipped = overflow;
+    }
+    if (!overflow_skipped && !std::isfinite(out.result.loss)) {
       m.metrics->sync();
       fail("step ", e.step, ": the loss is not finite (", out.result.loss,
            "): training diverged; lower optim.lr or add schedule.warmup_steps", keep_note);
     }
-    if (out.stats.skipped) {
+    if (!overflow_skipped && out.stats.skipped) {
       m.metrics->sync();
       fail("step ", e.step, ": the gradients are not finite: training diverged; lower optim.lr or add "
            "schedule.warmup_steps", keep_note);
@@ -504,19 +560,28 @@ TrainSummary Trainer::run() {
     summary.steps.push_back(rec);
     const double seq_per_s = static_cast<double>(e.seqs) / step_s,
                  tokens_per_s = static_cast<double>(e.tokens) / step_s;
-    if (rec.step % m.log_interval == 0 || e.last) {
-      m.metrics->write({{"step", rec.step},
-                        {"samples", rec.samples},
-                        {"loss", rec.loss},
-                        {"mlm_loss", rec.mlm_loss},
-                        {"nsp_loss", rec.nsp_loss},
-                        {"mlm_accuracy", rec.mlm_accuracy},
-                        {"lr", rec.lr},
-                        {"grad_norm", rec.grad_norm},
-                        {"seq_per_s", seq_per_s},
-                        {"tokens_per_s", tokens_per_s},
-                        {"elapsed_s", elapsed_s}});
+    if (rec.step % m.log_interval == 0 || e.last || overflow_skipped) {
+      nlohmann::json line = {{"step", rec.step},
+                             {"samples", rec.samples},
+                             {"loss", std::isfinite(rec.loss) ? nlohmann::json(rec.loss) : nlohmann::json()},
+                             {"mlm_loss", rec.mlm_loss},
+                             {"nsp_loss", rec.nsp_loss},
+                             {"mlm_accuracy", rec.mlm_accuracy},
+                             {"lr", rec.lr},
+                             {"grad_norm",
+                              std::isfinite(rec.grad_norm) ? nlohmann::json(rec.grad_norm) : nlohmann::json()},
+                             {"seq_per_s", seq_per_s},
+                             {"tokens_per_s", tokens_per_s},
+                             {"elapsed_s", elapsed_s}};
+      if (m.loss_scaler) {
+        line["loss_scale"] = e.loss_scale;
+        line["skipped"] = overflow_skipped;
+      }
+      m.metrics->write(line);
     }
+    if (overflow_skipped)
+      std::fprintf(stderr, "%sstep %lld: overflow at loss scale %g, update skipped; loss scale now %g\n",
+                   tty ? "\r\x1b[K" : "", static_cast<long long>(e.step), e.loss_scale, m.loss_scaler->scale());
     // Progress: a live line on a terminal, plain lines at the log interval otherwise.
     const double run_s = seconds_since(start);
     const double steps_done = static_cast<double>(rec.step - summary.first_step);
@@ -539,20 +604,21 @@ TrainSummary Trainer::run() {
     const LossDenominators denoms{std::max(1.0, static_cast<double>(global.num_masked())),
                                   static_cast<double>(global.num_seqs())};
     const double lr = m.schedule.lr(step_index);
+    const double loss_scale = m.loss_scaler ? m.loss_scaler->scale() : m.fixed_loss_scale;
     // Enqueue the whole step: micro-batches (forward + backward accumulating the gradients), then the update.
     m.engine->zero_grad();
     for (int64_t a = 0; a < m.grad_accumulation; ++a) {
       const int32_t b0 = static_cast<int32_t>(a * m.micro_batch), b1 = static_cast<int32_t>((a + 1) * m.micro_batch);
       slice_batch(global, b0, std::min(b1, global.num_seqs()), m.micro);
-      m.engine->micro_step(m.micro, m.seed, static_cast<uint64_t>(step_index), denoms);
+      m.engine->micro_step(m.micro, m.seed, static_cast<uint64_t>(step_index), denoms, loss_scale);
     }
-    m.engine->optimizer_step(lr, 1.0);
+    m.engine->optimizer_step(lr, 1.0 / loss_scale);
     m.state.step = step_index + 1;
     m.state.samples += static_cast<uint64_t>(global.num_seqs());
     m.state.cursor = loader.cursor();
     m.state.lr = lr;
     Enqueued& e = queue[static_cast<size_t>((q_first + q_count) % TrainEngine::kMaxStepsInFlight)];
-    e = Enqueued{m.state.step, m.state.samples, lr, global.num_seqs(), global.num_tokens(), done()};
+    e = Enqueued{m.state.step, m.state.samples, lr, global.num_seqs(), global.num_tokens(), done(), loss_scale};
     ++q_count;
 
     // Evaluation every eval.interval_samples samples (crossing a multiple), checkpoints, the end: drain first.

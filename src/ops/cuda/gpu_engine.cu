@@ -87,12 +87,14 @@ class GpuEngine final : public TrainEngine {
     building().tickets.clear();
     model_.zero_grad();
   }
-  void micro_step(const HostBatch& batch, uint64_t seed, uint64_t step, LossDenominators denoms) override {
+  std::string precision() const override { return "bf16"; }
+  void micro_step(const HostBatch& batch, uint64_t seed, uint64_t step, LossDenominators denoms,
+                  double loss_scale) override {
     PendingStep& p = building();
     NOPAD_CHECK(p.tickets.size() < static_cast<size_t>(micro_per_step_), "GpuEngine: more than ",
                 micro_per_step_, " micro-batches in one step (EngineOptions::micro_batches_per_step)");
     p.tickets.push_back(model_.forward_async(batch, /*train=*/true, seed, step, denoms));
-    model_.backward(1.0);
+    model_.backward(loss_scale);
   }
   void optimizer_step(double lr, double grad_scale) override {
     NOPAD_CHECK(unread_ < kMaxStepsInFlight, "GpuEngine: more than ", kMaxStepsInFlight,
@@ -176,6 +178,8 @@ class GpuEngine final : public TrainEngine {
 std::unique_ptr<TrainEngine> make_gpu_engine(const EngineOptions& options) {
   NOPAD_CHECK(options.optimizer == "lamb", "optim.name ", options.optimizer,
               " is CPU-only for now; use lamb or --set train.device=cpu");
+  NOPAD_CHECK(options.precision == "bf16" || options.precision == "auto", "train.precision ", options.precision,
+              " is not available on the GPU in this build; use bf16");
   std::string why;
   if (!cuda_device_visible(&why)) fail("no CUDA device: ", why, "; use --set train.device=cpu");
   try {
