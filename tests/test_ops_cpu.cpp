@@ -369,7 +369,27 @@ TEST(OpsCpu, ResidualLayernormWithoutDropoutAndMaskRate) {
     for (int t = cu[b]; t < cu[b + 1]; ++t)
       for (int j = 0; j < H; ++j, ++total)
         kept += dropout_keep(2024, 3, 1, ids[b], element_hidden(t - cu[b], j), 0.1f);
-  EXPECT_NEAR(static_cast<double>(kept) / total, 0.9, 0.01);
+  EXPECT_NEAR(static_cast<double>(kept) / total, 1.0 - dropout_threshold(0.1f) / 65536.0, 0.01);
+  // The dropped LN inputs are exactly those elements (x != 0 there), and the kept ones carry the contract's scale:
+  // z = x * 65536 / (65536 - 6554) (float) + 0; checked through mean = sum(z) / H of one row.
+  const float scale = dropout_keep_scale(dropout_threshold(0.1f));
+  be.bias_dropout_residual_layernorm_forward(x.data(), bias.data(), res.data(), gamma.data(), beta.data(), sv, H, 1e-12,
+                                             drop(0.1f, 1), out_p.data(), mean.data(), rstd.data());
+  for (int t : {0, 199, 200, 511}) {
+    const int b = t < 200 ? 0 : 1;
+    float m = 0;
+    for (int j = 0; j < H; ++j)
+      if (dropout_keep(2024, 3, 1, ids[b], element_hidden(t - cu[b], j), 0.1f)) m += x[t * H + j] * scale;
+    EXPECT_NEAR(mean[t], m / H, 1e-5) << "row " << t;
+  }
+  // A p whose threshold would be 65536 (nothing kept) is rejected with a clear error; 1 - 2^-16 is still accepted.
+  EXPECT_THROW(be.bias_dropout_residual_layernorm_forward(x.data(), bias.data(), res.data(), gamma.data(), beta.data(),
+                                                          sv, H, 1e-12, drop(0.99999f, 1), out_p.data(), mean.data(),
+                                                          rstd.data()),
+               Error);
+  EXPECT_NO_THROW(be.bias_dropout_residual_layernorm_forward(x.data(), bias.data(), res.data(), gamma.data(),
+                                                             beta.data(), sv, H, 1e-12, drop(kDropoutMaxP, 1),
+                                                             out_p.data(), mean.data(), rstd.data()));
 }
 
 }  // namespace

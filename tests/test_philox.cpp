@@ -1,9 +1,14 @@
-// Philox-4x32-10 against the Random123 known-answer vectors, and the statistics and keying of the dropout masks.
+// Philox-4x32-10 against the Random123 known-answer vectors; the 16-bit dropout draw contract (threshold and scale
+// arithmetic, drop fraction, field layout, keying); and the FMHA kernels' keep-bit exchange (ops/cuda/fmha_dropout.h)
+// run over 32 simulated lanes against the mask the CPU twin draws.
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <set>
+#include <vector>
 
 #include "core/philox.h"
+#include "ops/cuda/fmha_dropout.h"
 
 namespace nopad {
 namespace {
@@ -28,46 +33,225 @@ TEST(Philox, KnownAnswerVectors) {
   }
 }
 
-TEST(Philox, KeepRateMatchesProbability) {
-  for (float p : {0.1f, 0.5f}) {
+TEST(Philox, ThresholdAndScaleArithmetic) {
+  // p = 0: no draw, keep all, scale 1.
+  EXPECT_EQ(dropout_threshold(0.0f), 0u);
+  EXPECT_TRUE(dropout_keep(1, 2, 3, 4, 5, 0.0f));
+  EXPECT_EQ(dropout_keep_scale(0), 1.0f);
+  // p = 0.1: ceil(6553.6) = 6554; actual drop rate 6554 / 65536 = 0.1000061; scale 65536 / 58982 in float.
+  EXPECT_EQ(dropout_threshold(0.1f), 6554u);
+  EXPECT_NEAR(6554.0 / 65536.0, 0.1000061, 1e-7);
+  EXPECT_EQ(dropout_keep_scale(6554), static_cast<float>(65536.0 / 58982.0));
+  // p = 0.5: exact, threshold 32768, scale 2.
+  EXPECT_EQ(dropout_threshold(0.5f), 32768u);
+  EXPECT_EQ(dropout_keep_scale(32768), 2.0f);
+  // The largest supported p, 1 - 2^-16: threshold 65535 keeps exactly one value of 65536, scale 65536.
+  EXPECT_TRUE(dropout_p_supported(kDropoutMaxP));
+  EXPECT_EQ(dropout_threshold(kDropoutMaxP), 65535u);
+  EXPECT_EQ(dropout_keep_scale(65535), 65536.0f);
+  // A p just above it rounds up to threshold 65536 (nothing kept): rejected, as are p >= 1, p < 0 and NaN.
+  const float too_big = std::nextafter(kDropoutMaxP, 1.0f);
+  EXPECT_EQ(dropout_threshold(too_big), 65536u);
+  EXPECT_FALSE(dropout_p_supported(too_big));
+  EXPECT_FALSE(dropout_p_supported(1.0f));
+  EXPECT_FALSE(dropout_p_supported(-0.1f));
+  EXPECT_FALSE(dropout_p_supported(std::nanf("")));
+  EXPECT_TRUE(dropout_p_supported(0.0f));
+  // The smallest positive p still drops: threshold 1.
+  EXPECT_EQ(dropout_threshold(1e-30f), 1u);
+  // threshold = ceil(p * 65536) exactly, on a sweep of p (checked in double).
+  for (int i = 1; i < 2000; ++i) {
+    const float p = static_cast<float>(i) / 2000.0f;
+    EXPECT_EQ(dropout_threshold(p), static_cast<uint32_t>(std::ceil(static_cast<double>(p) * 65536.0))) << p;
+  }
+  // The device computes the scale as RN_float(1 / (65536 - t)) * 2^16; it must equal the host's double quotient
+  // rounded to float for every threshold (here float division stands in for __frcp_rn: both are correctly rounded).
+  for (uint32_t t = 0; t < 65536; ++t) {
+    const float device = (1.0f / static_cast<float>(65536u - t)) * 65536.0f;
+    ASSERT_EQ(device, dropout_keep_scale(t)) << "threshold " << t;
+  }
+  // E[mask * scale] = 1 for the exact quotient: keep probability (65536 - t) / 65536 times 65536 / (65536 - t).
+  const double exact = (65536.0 - 6554.0) / 65536.0 * (65536.0 / (65536.0 - 6554.0));
+  EXPECT_DOUBLE_EQ(exact, 1.0);
+}
+
+TEST(Philox, DropFractionOfAMillionDraws) {
+  for (float p : {0.1f, 0.5f, 0.9f}) {
     const int n = 1 << 20;
-    int kept = 0;
-    double sum_u = 0;
-    for (int e = 0; e < n; ++e) {
-      kept += dropout_keep(/*seed=*/1234, /*step=*/7, /*op_id=*/3, /*sample_id=*/e / 4096, element_hidden(e % 4096, 0), p);
-      sum_u += dropout_uniform(99, 1, 2, 5, static_cast<uint64_t>(e));
+    int dropped = 0;
+    for (int e = 0; e < n; ++e)
+      dropped += !dropout_keep(/*seed=*/1234, /*step=*/7, /*op_id=*/3, /*sample_id=*/e >> 16,
+                               element_hidden((e >> 10) & 63, e & 1023), p);  // all 8 fields of each block
+    const double q = dropout_threshold(p) / 65536.0;  // the exact drop probability of the contract
+    const double rate = static_cast<double>(dropped) / n;
+    const double sigma = std::sqrt(q * (1 - q) / n);  // binomial standard deviation of the rate
+    EXPECT_NEAR(rate, q, 5 * sigma) << "p=" << p;
+  }
+  // The 16-bit values themselves: mean (65535 / 2) and every high-byte value used.
+  const uint64_t key = dropout_stream_key(99, 1, 2);
+  double sum = 0;
+  std::vector<int> hist(256, 0);
+  const int n = 1 << 20;
+  for (int e = 0; e < n; ++e) {
+    const uint32_t v = dropout_bits16(key, 5, static_cast<uint64_t>(e));
+    ASSERT_LT(v, 65536u);
+    sum += v;
+    ++hist[v >> 8];
+  }
+  EXPECT_NEAR(sum / n, 32767.5, 5 * 65536.0 / std::sqrt(12.0 * n));
+  for (int b = 0; b < 256; ++b) EXPECT_NEAR(hist[b], n / 256.0, 6 * std::sqrt(n / 256.0)) << "high byte " << b;
+}
+
+TEST(Philox, EightElementsOfABlockUseEightDistinctFields) {
+  const uint64_t key = dropout_stream_key(5, 6, 7);
+  for (uint64_t base : {uint64_t{0}, element_hidden(3, 1016), element_attention(15, 511, 504)}) {
+    ASSERT_EQ(base % 8, 0u);
+    const Philox4x32 blk = dropout_philox(key, 42, dropout_block_index(base));
+    std::set<int> fields;
+    for (uint32_t i = 0; i < 8; ++i) {
+      const uint64_t e = base + i;
+      EXPECT_EQ(dropout_block_index(e), dropout_block_index(base)) << "one block serves all 8";
+      const uint32_t v = dropout_bits16(key, 42, e);
+      // Element i is word i >> 1, low half for even i, high half for odd i.
+      const uint32_t expect = (i & 1) ? blk.v[i >> 1] >> 16 : blk.v[i >> 1] & 0xFFFF;
+      EXPECT_EQ(v, expect) << "element " << i;
+      fields.insert(static_cast<int>(2 * (i >> 1) + (i & 1)));
     }
-    const double rate = static_cast<double>(kept) / n;
-    const double sigma = std::sqrt(p * (1 - p) / n);  // binomial standard deviation of the rate
-    EXPECT_NEAR(rate, 1.0 - p, 5 * sigma) << "p=" << p;
-    EXPECT_NEAR(sum_u / n, 0.5, 5 * std::sqrt(1.0 / 12 / n));
+    EXPECT_EQ(fields.size(), 8u);
+    // The 8 values are the block's 128 bits exactly once each: together they rebuild the 4 words.
+    for (int w = 0; w < 4; ++w)
+      EXPECT_EQ(dropout_bits16(key, 42, base + 2 * w) | (dropout_bits16(key, 42, base + 2 * w + 1) << 16), blk.v[w]);
+    // The next block is another counter.
+    EXPECT_NE(dropout_bits16(key, 42, base + 8), dropout_bits16(key, 42, base)) << "(equal with probability 2^-16)";
   }
 }
 
 TEST(Philox, MaskIsAFunctionOfSampleAndElementOnly) {
   // Same key -> same bits; changing any key part changes the stream.
   int same = 0, diff_sample = 0, diff_step = 0, diff_op = 0, diff_seed = 0;
+  auto bits = [](uint64_t seed, uint64_t step, uint32_t op, uint64_t sample, uint64_t e) {
+    return dropout_bits16(dropout_stream_key(seed, step, op), sample, e);
+  };
   for (uint64_t e = 0; e < 1000; ++e) {
-    const float u = dropout_uniform(1, 2, 3, 77, e);
-    same += u == dropout_uniform(1, 2, 3, 77, e);
-    diff_sample += u != dropout_uniform(1, 2, 3, 78, e);
-    diff_step += u != dropout_uniform(1, 3, 3, 77, e);
-    diff_op += u != dropout_uniform(1, 2, 4, 77, e);
-    diff_seed += u != dropout_uniform(2, 2, 3, 77, e);
+    const uint32_t u = bits(1, 2, 3, 77, e);
+    same += u == bits(1, 2, 3, 77, e);
+    diff_sample += u != bits(1, 2, 3, 78, e);
+    diff_step += u != bits(1, 3, 3, 77, e);
+    diff_op += u != bits(1, 2, 4, 77, e);
+    diff_seed += u != bits(2, 2, 3, 77, e);
   }
   EXPECT_EQ(same, 1000);
-  EXPECT_GE(diff_sample, 995);
-  EXPECT_GE(diff_step, 995);
-  EXPECT_GE(diff_op, 995);
-  EXPECT_GE(diff_seed, 995);
-  // p = 0 keeps everything; uniform values lie in [0, 1).
-  EXPECT_TRUE(dropout_keep(1, 2, 3, 4, 5, 0.0f));
-  EXPECT_LT(uniform_from_bits(0xffffffffu), 1.0f);
-  EXPECT_EQ(uniform_from_bits(0), 0.0f);
+  EXPECT_GE(diff_sample, 990);  // a 16-bit value repeats by chance with probability 2^-16
+  EXPECT_GE(diff_step, 990);
+  EXPECT_GE(diff_op, 990);
+  EXPECT_GE(diff_seed, 990);
   // Element keys keep their parts apart.
   EXPECT_NE(element_attention(0, 1, 0), element_attention(0, 0, 1));
   EXPECT_NE(element_attention(1, 0, 0), element_attention(0, 1, 0));
   EXPECT_NE(element_hidden(1, 0), element_hidden(0, 1));
+}
+
+// ------------------------------------------------------------------------------------------------ FMHA exchange
+namespace fd = cuda::fmha_dropout;
+
+// The carry-chain keep bits (host path of the same functions; the device path is add.cc/addc with the same meaning).
+TEST(FmhaDropoutExchange, KeepBitsByCarryEqualTheComparison) {
+  uint64_t state = 88172645463325252ull;
+  for (uint32_t threshold : {1u, 2u, 6554u, 32767u, 32768u, 65534u, 65535u}) {
+    const uint32_t c16 = fd::keep_c16(threshold);
+    // Fields at threshold - 1 and threshold (the boundary), next to 0 or 0xFFFF in the other half, then random words.
+    const uint32_t edges[] = {threshold - 1, threshold, (threshold - 1) | 0xFFFF0000u, threshold | 0xFFFF0000u,
+                              (threshold - 1) << 16, threshold << 16, ((threshold - 1) << 16) | 0xFFFF,
+                              (threshold << 16) | 0xFFFF};
+    for (int i = 0; i < 20000; ++i) {
+      state ^= state << 13, state ^= state >> 7, state ^= state << 17;
+      const uint32_t v = i < 8 ? edges[i] : static_cast<uint32_t>(state);
+      const uint32_t acc = fd::push_keep_lo(fd::push_keep_hi(1u, v, c16), v, c16);  // 1, then hi, then lo
+      ASSERT_EQ(acc, 4u | (((v >> 16) >= threshold) << 1) | ((v & 0xFFFF) >= threshold)) << v << " " << threshold;
+    }
+  }
+}
+
+// The kernels' exchange, simulated: 32 lanes compute their packed words with the same functions the kernels call,
+// the shuffles become array reads, and every lane's bit for accumulator element (nt, e) must equal the CPU twin's
+// keep decision for that (query, key).
+
+struct Sim {
+  uint64_t key = dropout_stream_key(2024, 9, 4);
+  uint64_t sample = 0x1234567890abcdefull;  // both halves of the counter's sample words nonzero
+  uint32_t threshold = dropout_threshold(0.3f);
+  Philox4x32 draw(uint32_t lo, uint32_t hi) const {
+    return dropout_philox(key, sample, (static_cast<uint64_t>(hi) << 32) | lo);
+  }
+  bool keep(uint32_t head, uint32_t q, uint32_t k) const {
+    return dropout_keep_threshold(key, sample, element_attention(head, q, k), threshold);
+  }
+};
+
+// Lane-group transpose as the kernels do it (fmha_common.cuh lane_transpose): stage b swaps with lane ^ (1 << b <<
+// lane_shift).
+template <int kSlotBits>
+void simulate_exchange(uint32_t (&x)[32], int lane_shift, int (*index)(int lane)) {
+  for (int b = 0; (1 << b) < 8 / kSlotBits; ++b) {
+    uint32_t sent[32], next[32];
+    for (int l = 0; l < 32; ++l) sent[l] = fd::xchg_send<kSlotBits>(x[l], static_cast<uint32_t>(index(l)), b);
+    for (int l = 0; l < 32; ++l)
+      next[l] = fd::xchg_merge<kSlotBits>(x[l], sent[l ^ ((1 << b) << lane_shift)], static_cast<uint32_t>(index(l)), b);
+    for (int l = 0; l < 32; ++l) x[l] = next[l];
+  }
+}
+
+TEST(FmhaDropoutExchange, ForwardQuadTransposeGivesEveryLaneItsBits) {
+  const Sim sim;
+  const auto draw = [&](uint32_t lo, uint32_t hi) { return sim.draw(lo, hi); };
+  int checked = 0, kept = 0;
+  // Rows past 2^15 and 2^17 exercise the high counter word; heads up to 15.
+  for (uint32_t head : {0u, 5u, 15u})
+    for (uint32_t row16 : {0u, 48u, 32768u + 16u, 131072u + 96u})  // the warp's first row (a multiple of 16)
+      for (uint32_t key_tile : {0u, 64u, 640u, 131072u + 64u}) {
+        uint32_t x[32];
+        for (int l = 0; l < 32; ++l)
+          x[l] = fd::fwd_lane_bits(draw, sim.threshold, head, row16 + (l >> 2), key_tile, l & 3);
+        simulate_exchange<2>(x, 0, [](int l) { return l & 3; });
+        for (int l = 0; l < 32; ++l)
+          for (int nt = 0; nt < 8; ++nt)
+            for (int e = 0; e < 4; ++e) {
+              const uint32_t q = row16 + (l >> 2) + 8 * (e >> 1), k = key_tile + 8 * nt + 2 * (l & 3) + (e & 1);
+              const bool bit = (x[l] >> fd::fwd_bit(nt, e)) & 1;
+              ASSERT_EQ(bit, sim.keep(head, q, k)) << "lane " << l << " nt " << nt << " e " << e << " q " << q
+                                                   << " k " << k;
+              ++checked;
+              kept += bit;
+            }
+      }
+  EXPECT_EQ(checked, 3 * 4 * 4 * 32 * 32);
+  EXPECT_NEAR(static_cast<double>(kept) / checked, 1.0 - sim.threshold / 65536.0, 0.02);
+}
+
+TEST(FmhaDropoutExchange, BackwardOctetTransposeGivesEveryLaneItsBits) {
+  const Sim sim;
+  const auto draw = [&](uint32_t lo, uint32_t hi) { return sim.draw(lo, hi); };
+  int checked = 0, kept = 0;
+  for (uint32_t head : {0u, 7u, 15u})
+    for (uint32_t key16 : {0u, 48u, 32768u + 16u, 131072u + 112u})  // the warp's first key
+      for (uint32_t q_tile : {0u, 64u, 704u, 131072u + 64u}) {
+        uint32_t x[32];
+        for (int l = 0; l < 32; ++l)
+          x[l] = fd::bwd_lane_bits(draw, sim.threshold, head, q_tile, key16, l >> 2, l & 3);
+        simulate_exchange<1>(x, 2, [](int l) { return l >> 2; });
+        for (int l = 0; l < 32; ++l)
+          for (int nt = 0; nt < 8; ++nt)
+            for (int e = 0; e < 4; ++e) {
+              const uint32_t k = key16 + (l >> 2) + 8 * (e >> 1), q = q_tile + 8 * nt + 2 * (l & 3) + (e & 1);
+              const bool bit = (x[l] >> fd::bwd_bit(nt, e)) & 1;
+              ASSERT_EQ(bit, sim.keep(head, q, k)) << "lane " << l << " nt " << nt << " e " << e << " q " << q
+                                                   << " k " << k;
+              ++checked;
+              kept += bit;
+            }
+      }
+  EXPECT_EQ(checked, 3 * 4 * 4 * 32 * 32);
+  EXPECT_NEAR(static_cast<double>(kept) / checked, 1.0 - sim.threshold / 65536.0, 0.02);
 }
 
 }  // namespace

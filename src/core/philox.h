@@ -7,7 +7,15 @@
 // where sample_id is the sequence's global identity (HostBatch::sample_ids[b]) and element is built from the position
 // *within the sequence* and feature/head indices (see element_hidden / element_attention), never from the row index in
 // this process's batch. So the same sample gets the same mask whatever batch, rank or order it is in.
+//
+// The draw is 16 bits per element: one Philox block (counter = (element >> 3, sample_id), key = the stream key) gives
+// 8 sixteen-bit values; element e takes word (e & 7) >> 1, low half for even e, high half for odd e. An element is
+// kept iff its value >= threshold = ceil(p * 65536), and kept values are scaled by 65536 / (65536 - threshold)
+// (rounded to float once), so E[mask * scale] = 1 for the exact quotient. p = 0 draws nothing and keeps everything;
+// p > 1 - 2^-16 (threshold 65536: nothing kept) is rejected by the callers (dropout_p_supported).
 #pragma once
+#include <math.h>
+
 #include <cstdint>
 
 #if defined(__CUDACC__)
@@ -74,33 +82,65 @@ NOPAD_HOST_DEVICE inline uint64_t element_attention(uint32_t head, uint32_t quer
   return (static_cast<uint64_t>(head) << 40) | (static_cast<uint64_t>(query_pos) << 20) | key_pos;
 }
 
-// 32 random bits for (stream key, sample_id, element). One Philox block serves 4 consecutive elements
-// (counter = element / 4 and the sample id; lane = element % 4), so a kernel walking elements in order pays one
-// block per 4 draws.
-NOPAD_HOST_DEVICE inline uint32_t dropout_bits(uint64_t stream_key, uint64_t sample_id, uint64_t element) {
-  const uint64_t block = element >> 2;
+// ------------------------------------------------------------------------------------------------ 16-bit draws
+constexpr uint32_t kDropoutRange = 65536;               // the draws are 16-bit values in [0, 65536)
+constexpr float kDropoutMaxP = 1.0f - 1.0f / 65536.0f;  // largest p that keeps something (threshold 65535)
+
+// Philox block index of an element: one block serves the 8 elements with the same element >> 3.
+NOPAD_HOST_DEVICE inline uint64_t dropout_block_index(uint64_t element) { return element >> 3; }
+
+// The Philox block (8 sixteen-bit draws) of block index `block` of sample `sample_id` in stream `stream_key`.
+NOPAD_HOST_DEVICE inline Philox4x32 dropout_philox(uint64_t stream_key, uint64_t sample_id, uint64_t block) {
   const uint32_t counter[4] = {static_cast<uint32_t>(block), static_cast<uint32_t>(block >> 32),
                                static_cast<uint32_t>(sample_id), static_cast<uint32_t>(sample_id >> 32)};
   const uint32_t key[2] = {static_cast<uint32_t>(stream_key), static_cast<uint32_t>(stream_key >> 32)};
-  return philox4x32(counter, key).v[element & 3];
+  return philox4x32(counter, key);
 }
 
-// Uniform float in [0, 1) from the top 24 bits (exactly representable in float).
-NOPAD_HOST_DEVICE inline float uniform_from_bits(uint32_t bits) {
-  return static_cast<float>(bits >> 8) * (1.0f / 16777216.0f);
+// The 16-bit draw of element e (only e & 7 matters) from its block: word (e & 7) >> 1, low half for even e.
+NOPAD_HOST_DEVICE inline uint32_t dropout_field(const Philox4x32& block, uint32_t e) {
+  return (block.v[(e & 7u) >> 1] >> (16u * (e & 1u))) & 0xFFFFu;
 }
-NOPAD_HOST_DEVICE inline float dropout_uniform(uint64_t seed, uint64_t step, uint32_t op_id, uint64_t sample_id,
-                                               uint64_t element) {
-  return uniform_from_bits(dropout_bits(dropout_stream_key(seed, step, op_id), sample_id, element));
+
+// 16 random bits for (stream key, sample_id, element).
+NOPAD_HOST_DEVICE inline uint32_t dropout_bits16(uint64_t stream_key, uint64_t sample_id, uint64_t element) {
+  return dropout_field(dropout_philox(stream_key, sample_id, dropout_block_index(element)),
+                       static_cast<uint32_t>(element));
 }
-// Keep with probability 1 - p (p = drop probability). p <= 0 keeps everything without drawing.
+
+// Keep iff the 16-bit draw >= threshold = ceil(p * 65536); 0 for p <= 0 (keep all). p * 65536 is exact in float, so
+// this is the exact ceiling. Returns 65536 for p > 1 - 2^-16, which callers reject (dropout_p_supported).
+NOPAD_HOST_DEVICE inline uint32_t dropout_threshold(float p) {
+  return p > 0.0f ? static_cast<uint32_t>(ceilf(p * 65536.0f)) : 0u;
+}
+// p in [0, 1 - 2^-16]: a probability whose threshold keeps something (NaN fails).
+NOPAD_HOST_DEVICE inline bool dropout_p_supported(float p) { return p >= 0.0f && p <= kDropoutMaxP; }
+
+// Keep-scale 65536 / (65536 - threshold), rounded to float once. The host computes the quotient in double and rounds
+// it; the device computes the correctly rounded float reciprocal of the (exact) integer divisor times 2^16, which is
+// the same float for every threshold (double rounding through double is innocuous for a division: 53 >= 2 * 24 + 2
+// bits; tests/test_philox.cpp checks all 65536 thresholds against the host expression).
+NOPAD_HOST_DEVICE inline float dropout_keep_scale(uint32_t threshold) {
+#if defined(__CUDA_ARCH__)
+  return __frcp_rn(static_cast<float>(kDropoutRange - threshold)) * 65536.0f;
+#else
+  return static_cast<float>(65536.0 / static_cast<double>(kDropoutRange - threshold));
+#endif
+}
+
+// Keep decisions. threshold 0 keeps everything without drawing.
+NOPAD_HOST_DEVICE inline bool dropout_keep_threshold(uint64_t stream_key, uint64_t sample_id, uint64_t element,
+                                                     uint32_t threshold) {
+  return threshold == 0 || dropout_bits16(stream_key, sample_id, element) >= threshold;
+}
+// Same from p (the stream key already mixed; what inner loops of reference code use).
+NOPAD_HOST_DEVICE inline bool dropout_keep_key(uint64_t stream_key, uint64_t sample_id, uint64_t element, float p) {
+  return dropout_keep_threshold(stream_key, sample_id, element, dropout_threshold(p));
+}
+// Keep with probability (65536 - threshold) / 65536 ~ 1 - p (p = drop probability). p <= 0 keeps everything.
 NOPAD_HOST_DEVICE inline bool dropout_keep(uint64_t seed, uint64_t step, uint32_t op_id, uint64_t sample_id,
                                            uint64_t element, float p) {
-  return p <= 0.0f || dropout_uniform(seed, step, op_id, sample_id, element) >= p;
-}
-// Same, with the stream key already mixed (what inner loops use).
-NOPAD_HOST_DEVICE inline bool dropout_keep_key(uint64_t stream_key, uint64_t sample_id, uint64_t element, float p) {
-  return p <= 0.0f || uniform_from_bits(dropout_bits(stream_key, sample_id, element)) >= p;
+  return p <= 0.0f || dropout_keep_key(dropout_stream_key(seed, step, op_id), sample_id, element, p);
 }
 
 }  // namespace nopad

@@ -8,12 +8,14 @@
 
 namespace nopad {
 
-void ParamLayout::add(std::string name, std::vector<int64_t> shape, ParamTensor::Init init, bool no_weight_decay) {
+void ParamLayout::add(std::string name, std::vector<int64_t> shape, ParamTensor::Init init, bool no_weight_decay,
+                      bool aligned) {
   ParamTensor t;
   t.name = std::move(name);
   t.shape = std::move(shape);
   t.numel = 1;
   for (int64_t d : t.shape) t.numel *= static_cast<size_t>(d);
+  if (aligned) total_ = (total_ + kParamAlign - 1) / kParamAlign * kParamAlign;
   t.offset = total_;
   t.init = init;
   t.no_weight_decay = no_weight_decay;
@@ -25,8 +27,10 @@ ParamLayout::ParamLayout(const BertConfig& c) {
   c.validate();
   using I = ParamTensor::Init;
   const int64_t H = c.hidden_size, F = c.intermediate_size;
-  auto weight = [&](const std::string& name, std::vector<int64_t> shape) { add(name, std::move(shape), I::kNormal, false); };
-  auto bias = [&](const std::string& name, int64_t n) { add(name, {n}, I::kZeros, true); };
+  auto weight = [&](const std::string& name, std::vector<int64_t> shape, bool aligned = true) {
+    add(name, std::move(shape), I::kNormal, false, aligned);
+  };
+  auto bias = [&](const std::string& name, int64_t n, bool aligned = true) { add(name, {n}, I::kZeros, true, aligned); };
   auto layernorm = [&](const std::string& prefix) {
     add(prefix + ".weight", {H}, I::kOnes, true);
     add(prefix + ".bias", {H}, I::kZeros, true);
@@ -38,11 +42,11 @@ ParamLayout::ParamLayout(const BertConfig& c) {
   for (int32_t l = 0; l < c.num_hidden_layers; ++l) {
     const std::string p = "bert.encoder.layer." + std::to_string(l) + ".";
     weight(p + "attention.self.query.weight", {H, H});  // q, k, v weights adjacent: the fused [3H, H] weight
-    weight(p + "attention.self.key.weight", {H, H});
-    weight(p + "attention.self.value.weight", {H, H});
+    weight(p + "attention.self.key.weight", {H, H}, false);
+    weight(p + "attention.self.value.weight", {H, H}, false);
     bias(p + "attention.self.query.bias", H);  // and the fused [3H] bias
-    bias(p + "attention.self.key.bias", H);
-    bias(p + "attention.self.value.bias", H);
+    bias(p + "attention.self.key.bias", H, false);
+    bias(p + "attention.self.value.bias", H, false);
     weight(p + "attention.output.dense.weight", {H, H});
     bias(p + "attention.output.dense.bias", H);
     layernorm(p + "attention.output.LayerNorm");
@@ -62,6 +66,12 @@ ParamLayout::ParamLayout(const BertConfig& c) {
   bias("cls.seq_relationship.bias", 2);
 }
 
+size_t ParamLayout::num_values() const {
+  size_t n = 0;
+  for (const auto& t : tensors_) n += t.numel;
+  return n;
+}
+
 const ParamTensor& ParamLayout::find(const std::string& name) const {
   for (const auto& t : tensors_)
     if (t.name == name) return t;
@@ -71,8 +81,11 @@ const ParamTensor& ParamLayout::find(const std::string& name) const {
 template <class S>
 void initialize_params(const ParamLayout& layout, const BertConfig& config, uint64_t seed, S* params) {
   const double std_dev = config.initializer_range;
+  size_t end = 0;  // the alignment gaps are written too (zeros), so the whole buffer is defined
   for (size_t i = 0; i < layout.tensors().size(); ++i) {
     const ParamTensor& t = layout.tensors()[i];
+    for (size_t g = end; g < t.offset; ++g) params[g] = S(0);
+    end = t.offset + t.numel;
     S* p = params + t.offset;
     switch (t.init) {
       case ParamTensor::Init::kZeros:
@@ -95,6 +108,7 @@ void initialize_params(const ParamLayout& layout, const BertConfig& config, uint
       }
     }
   }
+  for (size_t g = end; g < layout.total_numel(); ++g) params[g] = S(0);
 }
 
 template void initialize_params<float>(const ParamLayout&, const BertConfig&, uint64_t, float*);

@@ -3,9 +3,12 @@
 // table. Gradients and optimizer state use the same layout (same offsets).
 //
 // Layout rules:
-//  - Tensors are packed back to back in table order (no padding).
+//  - Tensors follow in table order, each starting at a multiple of kParamAlign elements (128 bytes of bf16, 256 of
+//    fp32), so every tensor can be read with 16-byte vector loads and handed to cuBLASLt well aligned whatever
+//    the sizes before it (the vocabulary, 30522, is not a multiple of 8). The gap elements belong to no tensor:
+//    they stay zero and nothing reads them.
 //  - Per layer, query/key/value weights are adjacent (so [3H, H] at the query weight's offset is the fused QKV
-//    weight) and the three biases are adjacent (a [3H] fused bias).
+//    weight) and the three biases are adjacent (a [3H] fused bias): only the group's start is aligned.
 //  - The MLM decoder weight is tied to bert.embeddings.word_embeddings.weight; Hugging Face also lists
 //    cls.predictions.decoder.weight (the tied alias) and cls.predictions.decoder.bias (an alias of
 //    cls.predictions.bias) in its state dict. They are not separate tensors here; exporters write the aliases.
@@ -18,6 +21,8 @@
 #include "model/config.h"
 
 namespace nopad {
+
+constexpr size_t kParamAlign = 64;  // elements
 
 struct ParamTensor {
   std::string name;            // Hugging Face state-dict name
@@ -33,13 +38,16 @@ class ParamLayout {
   explicit ParamLayout(const BertConfig& config);
 
   const std::vector<ParamTensor>& tensors() const { return tensors_; }
-  size_t total_numel() const { return total_; }
+  size_t total_numel() const { return total_; }  // the flat buffer, alignment gaps included
+  size_t num_values() const;                      // parameters proper: the sum of the tensors' numel
   // Throws nopad::Error if there is no tensor of that name.
   const ParamTensor& find(const std::string& name) const;
   size_t offset(const std::string& name) const { return find(name).offset; }
 
  private:
-  void add(std::string name, std::vector<int64_t> shape, ParamTensor::Init init, bool no_weight_decay);
+  // aligned = false continues right after the previous tensor (the q/k/v groups).
+  void add(std::string name, std::vector<int64_t> shape, ParamTensor::Init init, bool no_weight_decay,
+           bool aligned = true);
   std::vector<ParamTensor> tensors_;
   size_t total_ = 0;
 };

@@ -48,7 +48,9 @@ struct SeqView {
   const uint64_t* sample_ids = nullptr;  // [B], backend memory: dropout keys (see core/philox.h)
 };
 
-// Dropout of one op call: drop probability p (0 = off), kept values scaled by 1/(1-p).
+// Dropout of one op call: drop probability p (0 = off). Draws are 16 bits per element (core/philox.h): an element is
+// dropped with probability threshold / 65536, threshold = ceil(p * 65536), and kept values are scaled by
+// 65536 / (65536 - threshold) ~ 1/(1-p), so the expectation is unchanged.
 struct Dropout {
   float p = 0.0f;
   uint64_t seed = 0;

@@ -3,7 +3,8 @@
 // (random values rounded to bf16/fp16, so every implementation sees identical numbers).
 //
 // Each case prints its relative errors ||x - ref64|| / ||ref64|| for the GPU and for the CPU twin, so a failure report
-// shows by how much a bound was missed.
+// shows by how much a bound was missed. Every case runs every kernel variant (fmha.h: fwd_variant / bwd_variant), and
+// Fmha.PerfSmoke times each variant and checks its outputs against the default variant's on the same inputs.
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
@@ -13,6 +14,7 @@
 #include <cstdio>
 #include <cstring>
 #include <random>
+#include <string>
 #include <vector>
 
 #include "core/dtype.h"
@@ -138,7 +140,7 @@ Ref reference64(const Problem& pr) {
   const int64_t ld = 3 * int64_t{H};
   const double scale = 1.0 / std::sqrt(static_cast<double>(hd));
   const uint64_t key = dropout_stream_key(pr.seed, pr.step, pr.op_id);
-  const double inv_keep = 1.0 / (1.0 - static_cast<double>(pr.p));
+  const double keep_scale = dropout_keep_scale(dropout_threshold(pr.p));  // the 16-bit contract's float scale
   Ref r;
   r.ctx.assign(static_cast<size_t>(pr.T) * H, 0.0);
   r.lse.assign(static_cast<size_t>(pr.heads) * pr.T, 0.0);
@@ -168,7 +170,7 @@ Ref reference64(const Problem& pr) {
         r.lse[static_cast<size_t>(h) * pr.T + s0 + i] = mx + std::log(sum);
         for (int j = 0; j < L; ++j) {
           P[i * L + j] /= sum;
-          M[i * L + j] = dropout_keep_key(key, pr.sample_ids[b], element_attention(h, i, j), pr.p) ? inv_keep : 0.0;
+          M[i * L + j] = dropout_keep_key(key, pr.sample_ids[b], element_attention(h, i, j), pr.p) ? keep_scale : 0.0;
         }
         for (int d = 0; d < hd; ++d) {
           double o = 0;
@@ -369,19 +371,32 @@ void compare_all(const Problem& pr, const Out& gpu, const Out& cpu, const Ref& r
   }
 }
 
+std::string variant_label(int fwd, int bwd) {
+  return std::string("fwd ") + fmha_forward_variant_name(fwd) + ", bwd " + fmha_backward_variant_name(bwd);
+}
+
+// Runs every variant: pass v uses forward variant v % count and backward variant v % count, so each of both lists runs
+// at least once; all are compared with the same CPU twin and float64 reference.
 void run_case(const std::vector<int32_t>& lens, int heads, int hd, float p, bool fp16, const char* what) {
   ASSERT_TRUE(have_gpu()) << "no CUDA device: nopad_cuda_tests runs on a GPU machine (scripts/gpu-tests.sh)";
   const Problem pr = make_problem(lens, heads, hd, p, fp16, 42);
-  GpuRun g(pr);
-  upload(g, pr);
-  poison(g);
-  fmha_forward(g.p, nullptr);
-  fmha_backward(g.p, nullptr);
-  CK(cudaDeviceSynchronize());
-  const Out gpu = download(g, pr);
   const Out cpu = cpu_twin(pr);
   const Ref ref = reference64(pr);
-  compare_all(pr, gpu, cpu, ref, what);
+  GpuRun g(pr);
+  upload(g, pr);
+  const int nf = fmha_forward_variant_count(), nb = fmha_backward_variant_count();
+  for (int v = 0; v < std::max(nf, nb); ++v) {
+    g.p.fwd_variant = v % nf;
+    g.p.bwd_variant = v % nb;
+    const std::string label = std::string(what) + " [" + variant_label(g.p.fwd_variant, g.p.bwd_variant) + "]";
+    SCOPED_TRACE(label);
+    poison(g);
+    fmha_forward(g.p, nullptr);
+    fmha_backward(g.p, nullptr);
+    CK(cudaDeviceSynchronize());
+    const Out gpu = download(g, pr);
+    compare_all(pr, gpu, cpu, ref, label.c_str());
+  }
 }
 
 const std::vector<int32_t> kMixedLens = {1, 2, 17, 63, 64, 65, 127, 128, 129, 255, 511, 512, 700};
@@ -393,11 +408,13 @@ TEST(Fmha, Fp16Hd64Heads2Dropout) { run_case(kMixedLens, 2, 64, 0.1f, true, "fp1
 TEST(Fmha, Bf16Hd32Heads2Dropout) { run_case({1, 17, 64, 65, 200}, 2, 32, 0.1f, false, "bf16 hd32 h2 p0.1"); }
 TEST(Fmha, Bf16Hd128Heads2Dropout) { run_case({1, 17, 64, 65, 200}, 2, 128, 0.1f, false, "bf16 hd128 h2 p0.1"); }
 
-// The mask the kernels must reproduce drops a fraction p of the attention probabilities: count on the host with the
-// same Philox function over every (sequence, head, query, key) of the mixed batch; within 5 sigma of p.
+// The mask the kernels must reproduce drops a fraction threshold / 65536 = 0.1000061 (p = 0.1) of the attention
+// probabilities: count on the host with the same Philox function over every (sequence, head, query, key) of the mixed
+// batch; within 5 sigma.
 TEST(Fmha, DropoutFractionOfTheMask) {
   const Problem pr = make_problem(kMixedLens, 16, 64, 0.1f, false, 1);
   const uint64_t key = dropout_stream_key(pr.seed, pr.step, pr.op_id);
+  const double q = dropout_threshold(pr.p) / 65536.0;
   uint64_t dropped = 0, total = 0;
   for (size_t b = 0; b < pr.lens.size(); ++b)
     for (int h = 0; h < pr.heads; ++h)
@@ -407,27 +424,22 @@ TEST(Fmha, DropoutFractionOfTheMask) {
           ++total;
         }
   const double frac = static_cast<double>(dropped) / static_cast<double>(total);
-  const double sigma = std::sqrt(0.1 * 0.9 / static_cast<double>(total));
-  std::printf("  dropped %llu of %llu = %.5f (p = 0.1, sigma %.2e)\n", static_cast<unsigned long long>(dropped),
-              static_cast<unsigned long long>(total), frac, sigma);
-  EXPECT_LE(std::fabs(frac - 0.1), 5 * sigma);
+  const double sigma = std::sqrt(q * (1 - q) / static_cast<double>(total));
+  std::printf("  dropped %llu of %llu = %.6f (p = 0.1: threshold / 65536 = %.7f, sigma %.2e)\n",
+              static_cast<unsigned long long>(dropped), static_cast<unsigned long long>(total), frac, q, sigma);
+  EXPECT_LE(std::fabs(frac - q), 5 * sigma);
 }
 
 // Grouped launches: the short and the long sequences as two launches (seq_index subsets, one shared workspace) give
-// the same results as one launch over all sequences. ctx, lse, dk, dv are deterministic (bitwise equal); dq is summed
-// with float atomics in an unspecified order, so it is compared to 1 unit in the last 16-bit place.
+// the same results as one launch over all sequences, for every variant. ctx, lse, dk, dv are deterministic (bitwise
+// equal); dq is summed with float atomics in an unspecified order, so it is compared to 1 unit in the last 16-bit
+// place.
 TEST(Fmha, SeqIndexSubsetsMatchOneLaunch) {
   ASSERT_TRUE(have_gpu()) << "no CUDA device: nopad_cuda_tests runs on a GPU machine (scripts/gpu-tests.sh)";
   const std::vector<int32_t> lens = {700, 17, 129, 1, 512, 64, 65, 255, 2, 128};
   const Problem pr = make_problem(lens, 16, 64, 0.1f, false, 7);
   GpuRun g(pr);
   upload(g, pr);
-  poison(g);
-  fmha_forward(g.p, nullptr);
-  fmha_backward(g.p, nullptr);
-  CK(cudaDeviceSynchronize());
-  const Out one = download(g, pr);
-
   std::vector<int32_t> short_idx, long_idx;
   int short_max = 0, long_max = 0;
   for (size_t b = 0; b < lens.size(); ++b) {
@@ -442,37 +454,50 @@ TEST(Fmha, SeqIndexSubsetsMatchOneLaunch) {
   std::vector<int32_t> all_idx = short_idx;
   all_idx.insert(all_idx.end(), long_idx.begin(), long_idx.end());
   CK(cudaMemcpy(g.idx.ptr, all_idx.data(), all_idx.size() * sizeof(int32_t), cudaMemcpyHostToDevice));
-  poison(g);
-  FmhaParams ps = g.p, pl = g.p;
-  ps.seq_index = g.idx.ptr;
-  ps.num_launch_seqs = static_cast<int32_t>(short_idx.size());
-  ps.max_seqlen = short_max;
-  pl.seq_index = g.idx.ptr + short_idx.size();
-  pl.num_launch_seqs = static_cast<int32_t>(long_idx.size());
-  pl.max_seqlen = long_max;
-  fmha_forward(pl, nullptr);
-  fmha_forward(ps, nullptr);
-  fmha_backward(ps, nullptr);
-  fmha_backward(pl, nullptr);
-  CK(cudaDeviceSynchronize());
-  const Out two = download(g, pr);
-  ASSERT_EQ(count_nonfinite(two.ctx) + count_nonfinite(two.lse) + count_nonfinite(two.dqkv), 0u)
-      << "the two subset launches left elements unwritten";
-  EXPECT_EQ(0, std::memcmp(one.ctx.data(), two.ctx.data(), one.ctx.size() * sizeof(float))) << "ctx differs";
-  EXPECT_EQ(0, std::memcmp(one.lse.data(), two.lse.data(), one.lse.size() * sizeof(float))) << "lse differs";
-  const int H = pr.H();
-  size_t bad_kv = 0, bad_q = 0;
-  for (int t = 0; t < pr.T; ++t)
-    for (int c = 0; c < 3 * H; ++c) {
-      const float a = one.dqkv[static_cast<size_t>(t) * 3 * H + c], b = two.dqkv[static_cast<size_t>(t) * 3 * H + c];
-      if (c >= H) {
-        bad_kv += a != b;
-      } else {
-        bad_q += std::fabs(a - b) > std::fabs(a) * (1.0f / 128) + 1e-6f;
+
+  const int nf = fmha_forward_variant_count(), nb = fmha_backward_variant_count();
+  for (int v = 0; v < std::max(nf, nb); ++v) {
+    g.p.fwd_variant = v % nf;
+    g.p.bwd_variant = v % nb;
+    SCOPED_TRACE(variant_label(g.p.fwd_variant, g.p.bwd_variant));
+    poison(g);
+    fmha_forward(g.p, nullptr);
+    fmha_backward(g.p, nullptr);
+    CK(cudaDeviceSynchronize());
+    const Out one = download(g, pr);
+
+    poison(g);
+    FmhaParams ps = g.p, pl = g.p;
+    ps.seq_index = g.idx.ptr;
+    ps.num_launch_seqs = static_cast<int32_t>(short_idx.size());
+    ps.max_seqlen = short_max;
+    pl.seq_index = g.idx.ptr + short_idx.size();
+    pl.num_launch_seqs = static_cast<int32_t>(long_idx.size());
+    pl.max_seqlen = long_max;
+    fmha_forward(pl, nullptr);
+    fmha_forward(ps, nullptr);
+    fmha_backward(ps, nullptr);
+    fmha_backward(pl, nullptr);
+    CK(cudaDeviceSynchronize());
+    const Out two = download(g, pr);
+    ASSERT_EQ(count_nonfinite(two.ctx) + count_nonfinite(two.lse) + count_nonfinite(two.dqkv), 0u)
+        << "the two subset launches left elements unwritten";
+    EXPECT_EQ(0, std::memcmp(one.ctx.data(), two.ctx.data(), one.ctx.size() * sizeof(float))) << "ctx differs";
+    EXPECT_EQ(0, std::memcmp(one.lse.data(), two.lse.data(), one.lse.size() * sizeof(float))) << "lse differs";
+    const int H = pr.H();
+    size_t bad_kv = 0, bad_q = 0;
+    for (int t = 0; t < pr.T; ++t)
+      for (int c = 0; c < 3 * H; ++c) {
+        const float a = one.dqkv[static_cast<size_t>(t) * 3 * H + c], b = two.dqkv[static_cast<size_t>(t) * 3 * H + c];
+        if (c >= H) {
+          bad_kv += a != b;
+        } else {
+          bad_q += std::fabs(a - b) > std::fabs(a) * (1.0f / 128) + 1e-6f;
+        }
       }
-    }
-  EXPECT_EQ(bad_kv, 0u) << "dk/dv elements differ between one launch and two subset launches";
-  EXPECT_EQ(bad_q, 0u) << "dq elements differ by more than one bf16 ulp between one launch and two subset launches";
+    EXPECT_EQ(bad_kv, 0u) << "dk/dv elements differ between one launch and two subset launches";
+    EXPECT_EQ(bad_q, 0u) << "dq elements differ by more than one bf16 ulp between one launch and two subset launches";
+  }
 }
 
 TEST(Fmha, RejectsBadParams) {
@@ -493,13 +518,70 @@ TEST(Fmha, RejectsBadParams) {
   p.qkv = dummy;
   p.dropout_p = 0.1f;
   EXPECT_THROW(fmha_forward(p, nullptr), nopad::Error) << "dropout without sample_ids";
+  p.sample_ids = reinterpret_cast<const uint64_t*>(dummy);
+  p.dropout_p = 0.99999f;  // threshold ceil(0.99999 * 65536) = 65536: nothing could be kept
+  EXPECT_THROW(fmha_forward(p, nullptr), nopad::Error) << "p whose 16-bit threshold keeps nothing";
+  p.dropout_p = 1.0f;
+  EXPECT_THROW(fmha_forward(p, nullptr), nopad::Error) << "p = 1";
   p.dropout_p = 0.0f;
+  p.fwd_variant = fmha_forward_variant_count();
+  EXPECT_THROW(fmha_forward(p, nullptr), nopad::Error) << "forward variant out of range";
+  p.fwd_variant = -1;
   p.d_ctx = p.d_qkv = p.workspace = dummy;
   p.workspace_bytes = 4;
   EXPECT_THROW(fmha_backward(p, nullptr), nopad::Error) << "workspace too small";
+  p.workspace_bytes = 1 << 20;
+  p.bwd_variant = -2;
+  EXPECT_THROW(fmha_backward(p, nullptr), nopad::Error) << "backward variant out of range";
 }
 
-// Performance smoke (prints only): 64 sequences, mean length ~256, 16 heads x 64, bf16, dropout 0 and 0.1.
+// Variant selection: the field when >= 0, else NOPAD_FMHA_{FWD,BWD}_VARIANT, else the default; names exist.
+TEST(Fmha, VariantSelection) {
+  FmhaParams p;
+  const int nf = fmha_forward_variant_count(), nb = fmha_backward_variant_count();
+  ASSERT_GE(nf, 1);
+  ASSERT_GE(nb, 1);
+  for (int v = 0; v < nf; ++v) {
+    p.fwd_variant = v;
+    EXPECT_EQ(fmha_forward_variant(p), v);
+    EXPECT_GT(std::strlen(fmha_forward_variant_name(v)), 0u);
+  }
+  for (int v = 0; v < nb; ++v) {
+    p.bwd_variant = v;
+    EXPECT_EQ(fmha_backward_variant(p), v);
+    EXPECT_GT(std::strlen(fmha_backward_variant_name(v)), 0u);
+  }
+  p.fwd_variant = p.bwd_variant = -1;
+  const int df = fmha_forward_variant(p), db = fmha_backward_variant(p);
+  EXPECT_TRUE(df >= 0 && df < nf);
+  EXPECT_TRUE(db >= 0 && db < nb);
+  std::printf("  default variants (with the environment): forward %d %s, backward %d %s\n", df,
+              fmha_forward_variant_name(df), db, fmha_backward_variant_name(db));
+  EXPECT_THROW(fmha_forward_variant_name(nf), nopad::Error);
+}
+
+// Elements of x that differ from the reference r by more than rel * |r| + abs_tol (and non-finite ones); max |x - r|.
+struct Agreement {
+  size_t bad = 0;
+  double max_abs = 0;
+  bool bitwise = true;
+};
+Agreement agree(const std::vector<float>& r, const std::vector<float>& x, double rel, double abs_tol) {
+  Agreement a;
+  for (size_t i = 0; i < r.size(); ++i) {
+    const double d = std::fabs(static_cast<double>(x[i]) - r[i]);
+    a.bitwise = a.bitwise && std::memcmp(&x[i], &r[i], sizeof(float)) == 0;
+    if (!std::isfinite(x[i]) || d > rel * std::fabs(r[i]) + abs_tol) ++a.bad;
+    if (std::isfinite(d)) a.max_abs = std::max(a.max_abs, d);
+  }
+  return a;
+}
+
+// Performance smoke: 64 sequences of 128..384 tokens (T ~ 16,200), 16 heads x 64, bf16, dropout 0 and 0.1, the same
+// inputs for every variant. One line per forward variant (forward alone), one per backward variant (backward alone,
+// after the default forward), then the default pair as forward and forward+backward (the historical line) and the
+// fastest pair. Each variant's outputs must agree with the default variant's to 2 units in the last 16-bit place
+// (they differ only in fp32 summation order, and dq in its atomics' order); "bitwise" says when they are identical.
 TEST(Fmha, PerfSmoke) {
   ASSERT_TRUE(have_gpu()) << "no CUDA device: nopad_cuda_tests runs on a GPU machine (scripts/gpu-tests.sh)";
   std::mt19937 rng(5);
@@ -509,37 +591,107 @@ TEST(Fmha, PerfSmoke) {
   Problem pr = make_problem(lens, 16, 64, 0.1f, false, 9);
   GpuRun g(pr);
   upload(g, pr);
-  double flop = 0;
+  double flop = 0;  // forward: 2 products of 2 L^2 hd flops per head
   for (int l : lens) flop += 4.0 * l * l * pr.hd * pr.heads;
   cudaEvent_t e0, e1;
   CK(cudaEventCreate(&e0));
   CK(cudaEventCreate(&e1));
   const int iters = 20;
-  // p = 0 and p = 0.1 on the same problem: the difference is the cost of the Philox dropout.
+  // Mean time of one call of fn over `iters` calls, after one warm-up call.
+  const auto time_ms = [&](const auto& fn) {
+    fn();
+    float ms = 0;
+    if (cudaEventRecord(e0) != cudaSuccess) return -1.0;
+    for (int i = 0; i < iters; ++i) fn();
+    if (cudaEventRecord(e1) != cudaSuccess || cudaEventSynchronize(e1) != cudaSuccess ||
+        cudaEventElapsedTime(&ms, e0, e1) != cudaSuccess)
+      return -1.0;
+    return static_cast<double>(ms) / iters;
+  };
+  const double ulp2 = 2.0 / 256;  // 2 bf16 units in the last place, relative
+  const int nf = fmha_forward_variant_count(), nb = fmha_backward_variant_count();
+  FmhaParams defaults = g.p;
+  defaults.fwd_variant = defaults.bwd_variant = -1;
+  const int def_f = fmha_forward_variant(defaults), def_b = fmha_backward_variant(defaults);
+
   for (const float drop_p : {0.0f, 0.1f}) {
     g.p.dropout_p = drop_p;
+    // The default variants' outputs: the reference every variant is compared with.
+    g.p.fwd_variant = def_f;
+    g.p.bwd_variant = def_b;
+    poison(g);
     fmha_forward(g.p, nullptr);
     fmha_backward(g.p, nullptr);
-    CK(cudaEventRecord(e0));
-    for (int i = 0; i < iters; ++i) fmha_forward(g.p, nullptr);
-    CK(cudaEventRecord(e1));
-    CK(cudaEventSynchronize(e1));
-    float ms_f = 0;
-    CK(cudaEventElapsedTime(&ms_f, e0, e1));
-    CK(cudaEventRecord(e0));
-    for (int i = 0; i < iters; ++i) {
+    CK(cudaDeviceSynchronize());
+    const Out ref = download(g, pr);
+    ASSERT_EQ(count_nonfinite(ref.ctx) + count_nonfinite(ref.lse) + count_nonfinite(ref.dqkv), 0u);
+
+    double best_f = 1e30, best_b = 1e30;
+    int best_fv = def_f, best_bv = def_b;
+    for (int v = 0; v < nf; ++v) {
+      g.p.fwd_variant = v;
+      poison(g);
+      fmha_forward(g.p, nullptr);
+      CK(cudaDeviceSynchronize());
+      const Out o = download(g, pr);
+      const Agreement ac = agree(ref.ctx, o.ctx, ulp2, 1e-6), al = agree(ref.lse, o.lse, 1e-5, 1e-5);
+      const double ms = time_ms([&] { fmha_forward(g.p, nullptr); });
+      std::printf("  fmha perf: T=%d, 16x64, p=%.1f: forward  variant %d %-7s %.3f ms (%.1f TFLOP/s); vs default: "
+                  "ctx %s (max |diff| %.1e, %zu beyond 2 ulp), lse %s (%zu beyond 1e-5)\n",
+                  pr.T, static_cast<double>(drop_p), v, fmha_forward_variant_name(v), ms, flop / ms * 1e-9,
+                  ac.bitwise ? "bitwise" : "differs", ac.max_abs, ac.bad, al.bitwise ? "bitwise" : "differs", al.bad);
+      EXPECT_EQ(ac.bad, 0u) << "forward variant " << fmha_forward_variant_name(v) << ": ctx disagrees with the default";
+      EXPECT_EQ(al.bad, 0u) << "forward variant " << fmha_forward_variant_name(v) << ": lse disagrees with the default";
+      if (ms > 0 && ms < best_f && ac.bad == 0 && al.bad == 0) best_f = ms, best_fv = v;
+    }
+    g.p.fwd_variant = def_f;
+    for (int v = 0; v < nb; ++v) {
+      g.p.bwd_variant = v;
+      poison(g);
       fmha_forward(g.p, nullptr);
       fmha_backward(g.p, nullptr);
+      CK(cudaDeviceSynchronize());
+      const Out o = download(g, pr);
+      std::vector<float> rq, rkv, oq, okv;  // the dq block, and the dk/dv blocks
+      for (size_t i = 0; i < o.dqkv.size(); ++i) {
+        const bool q = (i % (3 * static_cast<size_t>(pr.H()))) < static_cast<size_t>(pr.H());
+        (q ? rq : rkv).push_back(ref.dqkv[i]);
+        (q ? oq : okv).push_back(o.dqkv[i]);
+      }
+      const Agreement aq = agree(rq, oq, ulp2, 1e-6), akv = agree(rkv, okv, ulp2, 1e-6);
+      const double ms = time_ms([&] { fmha_backward(g.p, nullptr); });
+      std::printf("  fmha perf: T=%d, 16x64, p=%.1f: backward variant %d %-7s %.3f ms (%.1f TFLOP/s counting 2.5x the "
+                  "forward FLOPs); vs default: dq %s (max |diff| %.1e, %zu beyond 2 ulp), dk/dv %s (%zu beyond)\n",
+                  pr.T, static_cast<double>(drop_p), v, fmha_backward_variant_name(v), ms, 2.5 * flop / ms * 1e-9,
+                  aq.bitwise ? "bitwise" : "differs", aq.max_abs, aq.bad, akv.bitwise ? "bitwise" : "differs",
+                  akv.bad);
+      EXPECT_EQ(aq.bad + akv.bad, 0u) << "backward variant " << fmha_backward_variant_name(v)
+                                      << ": d_qkv disagrees with the default";
+      if (ms > 0 && ms < best_b && aq.bad + akv.bad == 0) best_b = ms, best_bv = v;
     }
-    CK(cudaEventRecord(e1));
-    CK(cudaEventSynchronize(e1));
-    float ms_fb = 0;
-    CK(cudaEventElapsedTime(&ms_fb, e0, e1));
-    ms_f /= iters;
-    ms_fb /= iters;
+
+    // The default pair, in the historical format, and the fastest pair.
+    g.p.fwd_variant = def_f;
+    g.p.bwd_variant = def_b;
+    const double ms_f = time_ms([&] { fmha_forward(g.p, nullptr); });
+    const double ms_fb = time_ms([&] {
+      fmha_forward(g.p, nullptr);
+      fmha_backward(g.p, nullptr);
+    });
     std::printf("  fmha perf: T=%d, 16x64, p=%.1f: forward %.3f ms (%.1f TFLOP/s), forward+backward %.3f ms "
+                "(%.1f TFLOP/s counting 3.5x the forward FLOPs) [default: fwd %s, bwd %s]\n",
+                pr.T, static_cast<double>(drop_p), ms_f, flop / ms_f * 1e-9, ms_fb, 3.5 * flop / ms_fb * 1e-9,
+                fmha_forward_variant_name(def_f), fmha_backward_variant_name(def_b));
+    g.p.fwd_variant = best_fv;
+    g.p.bwd_variant = best_bv;
+    const double ms_best = time_ms([&] {
+      fmha_forward(g.p, nullptr);
+      fmha_backward(g.p, nullptr);
+    });
+    std::printf("  fmha perf: T=%d, 16x64, p=%.1f: fastest pair fwd %s + bwd %s: forward+backward %.3f ms "
                 "(%.1f TFLOP/s counting 3.5x the forward FLOPs)\n",
-                pr.T, static_cast<double>(drop_p), ms_f, flop / ms_f * 1e-9, ms_fb, 3.5 * flop / ms_fb * 1e-9);
+                pr.T, static_cast<double>(drop_p), fmha_forward_variant_name(best_fv),
+                fmha_backward_variant_name(best_bv), ms_best, 3.5 * flop / ms_best * 1e-9);
   }
   CK(cudaEventDestroy(e0));
   CK(cudaEventDestroy(e1));

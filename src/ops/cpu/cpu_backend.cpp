@@ -33,23 +33,27 @@ S gelu_grad(S x) {
   return cdf + x * pdf;
 }
 
-// Keep-scale of one dropout element: 1/(1-p) if kept, 0 if dropped, 1 without dropout.
+// Keep-scale of one dropout element (core/philox.h): dropout_keep_scale(threshold) if the element's 16-bit draw is
+// >= threshold = ceil(p * 65536), 0 if it is dropped, 1 without dropout (p = 0 draws nothing). The scale is the
+// float the GPU kernels use, converted to S.
 struct DropoutMask {
   uint64_t stream_key = 0;
-  float p = 0.0f;
-  double inv_keep = 1.0;
-  explicit DropoutMask(const Dropout& d) : p(d.p) {
-    NOPAD_CHECK(d.p >= 0.0f && d.p < 1.0f, "dropout probability must be in [0, 1), got ", d.p);
-    if (p > 0.0f) {
+  uint32_t threshold = 0;
+  float keep_scale = 1.0f;
+  explicit DropoutMask(const Dropout& d) {
+    NOPAD_CHECK(dropout_p_supported(d.p), "dropout probability must be in [0, 1 - 2^-16] (a 16-bit draw must be "
+                "able to keep an element), got ", d.p);
+    threshold = dropout_threshold(d.p);
+    if (threshold > 0) {
       stream_key = dropout_stream_key(d.seed, d.step, d.op_id);
-      inv_keep = 1.0 / (1.0 - static_cast<double>(p));
+      keep_scale = dropout_keep_scale(threshold);
     }
   }
-  bool on() const { return p > 0.0f; }
+  bool on() const { return threshold > 0; }
   template <class S>
   S scale(uint64_t sample_id, uint64_t element) const {
     if (!on()) return S(1);
-    return dropout_keep_key(stream_key, sample_id, element, p) ? static_cast<S>(inv_keep) : S(0);
+    return dropout_keep_threshold(stream_key, sample_id, element, threshold) ? static_cast<S>(keep_scale) : S(0);
   }
 };
 

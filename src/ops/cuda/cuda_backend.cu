@@ -21,15 +21,14 @@ namespace {
 bf* dev(nopad::bf16* p) { return reinterpret_cast<bf*>(p); }
 const bf* dev(const nopad::bf16* p) { return reinterpret_cast<const bf*>(p); }
 
-// Host-side preparation of a dropout call: same validation, key and keep-scale as the twin's DropoutMask.
+// Host-side preparation of a dropout call: the twin's validation and stream key; the kernels derive the threshold and
+// keep-scale from p (core/philox.h).
 DropoutArgs dropout_args(const ops::Dropout& d) {
-  NOPAD_CHECK(d.p >= 0.0f && d.p < 1.0f, "dropout probability must be in [0, 1), got ", d.p);
+  NOPAD_CHECK(dropout_p_supported(d.p), "dropout probability must be in [0, ", kDropoutMaxP,
+              "] (16-bit draws: a larger p keeps nothing), got ", d.p);
   DropoutArgs a;
   a.p = d.p;
-  if (d.p > 0.0f) {
-    a.stream_key = dropout_stream_key(d.seed, d.step, d.op_id);
-    a.inv_keep = static_cast<float>(1.0 / (1.0 - static_cast<double>(d.p)));
-  }
+  if (d.p > 0.0f) a.stream_key = dropout_stream_key(d.seed, d.step, d.op_id);
   return a;
 }
 
@@ -348,7 +347,7 @@ void CudaBackend::embed_layernorm_dropout_forward(const int32_t* tokens, const i
   a.out = dev(out);
   a.mean_out = ln_mean;
   a.rstd_out = ln_rstd;
-  launch_ln_forward(LnKind::kEmbed, a, stream_);
+  launch_ln_forward(LnKind::kEmbed, a, kernel_variants().ln_forward, sm_count_, stream_);
 }
 
 void CudaBackend::embed_layernorm_dropout_backward(const A* d_out, const int32_t* tokens, const int32_t* positions,
@@ -380,9 +379,10 @@ void CudaBackend::embed_layernorm_dropout_backward(const A* d_out, const int32_t
   a.d_word = g.d_word;
   a.d_position = g.d_position;
   a.d_token_type = g.d_token_type;
-  const int blocks = ln_backward_blocks(a.rows, sm_count_);
+  const LnVariant& v = kernel_variants().ln_backward;
+  const int blocks = ln_backward_blocks(LnKind::kEmbed, a.H, a.rows, v, sm_count_);
   a.partial = static_cast<float*>(scratch(kLnPartials, sizeof(float) * blocks * 2 * static_cast<size_t>(a.H)));
-  launch_ln_backward(LnKind::kEmbed, a, blocks, stream_);
+  launch_ln_backward(LnKind::kEmbed, a, v, blocks, stream_);
   launch_column_finish(a.partial, blocks, a.H, 2, g.d_ln_gamma, g.d_ln_beta, nullptr, stream_);
 }
 
@@ -409,7 +409,7 @@ void CudaBackend::dense_forward(const A* x, const W* weight, const W* bias, int6
   p.ldd = n;
   p.bias = bias;
   gemm_->run(p, stream_);
-  if (gelu) launch_gelu_forward(dev(pre_act), dev(y), rows * n, stream_);
+  if (gelu) launch_gelu_forward(dev(pre_act), dev(y), rows * n, kernel_variants().gelu_forward_wide, stream_);
 }
 
 void CudaBackend::column_sums_accumulate(const A* m, int64_t rows, int32_t n, G* out) {
@@ -420,16 +420,41 @@ void CudaBackend::column_sums_accumulate(const A* m, int64_t rows, int32_t n, G*
   launch_column_finish(partial, chunks, n, 1, out, nullptr, nullptr, stream_);
 }
 
+// d_bias (and dpre for GELU) along KernelVariants::dense_bias_grad (dense.h):
+//  kSeparate: dGELU pass, products, column-sum pass over dpre;
+//  kOnePass:  one pass writes dpre and its column partials (without GELU: the column-sum pass reads dy), then the
+//             products;
+//  kEpilogue: dGELU pass (one-pass kernel without column sums), dx product, dW product with the BGRADB epilogue
+//             writing the column sums of dpre into fp32 scratch, added into d_bias by a one-block finish. Where
+//             cuBLASLt has no algorithm for that product, it runs without the epilogue and d_bias takes the
+//             one-pass column sums (or the separate pass where n % 8 != 0, as the MLM decoder's V = 30522).
 void CudaBackend::dense_backward(const A* dy, const A* x, const W* weight, const A* pre_act, int64_t rows, int32_t k,
                                  int32_t n, ops::Activation act, A* dx, bool accumulate_dx, G* d_weight, G* d_bias) {
   OpScope timed(*this, "dense_bwd", k, n);
   if (rows == 0) return;  // dx has no rows; the parameter gradients receive += 0
-  const A* dpre = dy;
-  if (act == ops::Activation::kGelu) {
-    NOPAD_CHECK(pre_act != nullptr, "dense_backward with GELU needs pre_act");
-    A* buf = static_cast<A*>(scratch(kDpre, sizeof(A) * static_cast<size_t>(rows) * n));
-    launch_gelu_backward(dev(dy), dev(pre_act), dev(buf), rows * n, stream_);
-    dpre = buf;
+  const bool gelu = act == ops::Activation::kGelu;
+  NOPAD_CHECK(!gelu || pre_act != nullptr, "dense_backward with GELU needs pre_act");
+  A* buf = gelu ? static_cast<A*>(scratch(kDpre, sizeof(A) * static_cast<size_t>(rows) * n)) : nullptr;
+  const A* dpre = gelu ? buf : dy;
+  // The one-pass kernel needs n % 8 == 0 and 16-byte aligned rows.
+  const bool one_pass_ok = dense_grad_pass_supported(n, dy, pre_act, buf);
+  BiasGradPath path = kernel_variants().dense_bias_grad;
+  if (path == BiasGradPath::kEpilogue && d_weight == nullptr) path = BiasGradPath::kOnePass;
+  if (path == BiasGradPath::kOnePass && !one_pass_ok) path = BiasGradPath::kSeparate;
+  bool bias_done = d_bias == nullptr;
+
+  if (gelu) {
+    if (path == BiasGradPath::kOnePass && d_bias) {
+      const int chunks = dense_grad_chunks(rows);
+      float* partial = static_cast<float*>(scratch(kColPartials, sizeof(float) * chunks * static_cast<size_t>(n)));
+      launch_dense_grad_pass(dev(dy), dev(pre_act), dev(buf), rows, n, partial, stream_);
+      launch_column_finish(partial, chunks, n, 1, d_bias, nullptr, nullptr, stream_);
+      bias_done = true;
+    } else if (path != BiasGradPath::kSeparate && one_pass_ok) {  // dpre alone
+      launch_dense_grad_pass(dev(dy), dev(pre_act), dev(buf), rows, n, nullptr, stream_);
+    } else {
+      launch_gelu_backward(dev(dy), dev(pre_act), dev(buf), rows * n, stream_);
+    }
   }
   if (dx) {  // dx^T[k, rows] = W^T[k, n] dpre^T[n, rows]
     GemmProblem p;
@@ -459,9 +484,32 @@ void CudaBackend::dense_backward(const A* dy, const A* x, const W* weight, const
     p.ldd = k;
     p.d_fp32 = true;
     p.beta = 1.0f;
-    gemm_->run(p, stream_);
+    bool ran = false;
+    if (path == BiasGradPath::kEpilogue && !bias_done) {
+      p.bias_grad = static_cast<float*>(scratch(kBiasGrad, sizeof(float) * static_cast<size_t>(n)));
+      ran = gemm_->try_run(p, stream_);
+      if (ran) {
+        launch_column_finish(p.bias_grad, 1, n, 1, d_bias, nullptr, nullptr, stream_);  // d_bias += column sums
+        bias_done = true;
+      } else {
+        path = dense_grad_pass_supported(n, dpre, nullptr, nullptr) ? BiasGradPath::kOnePass : BiasGradPath::kSeparate;
+      }
+      p.bias_grad = nullptr;
+    }
+    if (!ran) gemm_->run(p, stream_);
   }
-  if (d_bias) column_sums_accumulate(dpre, rows, n, d_bias);
+  if (!bias_done) {
+    if (path == BiasGradPath::kOnePass) {  // column sums of dpre (or dy) alone
+      const int chunks = dense_grad_chunks(rows);
+      float* partial = static_cast<float*>(scratch(kColPartials, sizeof(float) * chunks * static_cast<size_t>(n)));
+      launch_dense_grad_pass(dev(dpre), nullptr, nullptr, rows, n, partial, stream_);
+      launch_column_finish(partial, chunks, n, 1, d_bias, nullptr, nullptr, stream_);
+    } else {
+      column_sums_accumulate(dpre, rows, n, d_bias);
+      path = BiasGradPath::kSeparate;
+    }
+  }
+  if (d_bias) last_bias_grad_path() = path;
 }
 
 // ------------------------------------------------------------------------------------------------ attention
@@ -547,7 +595,7 @@ void CudaBackend::bias_dropout_residual_layernorm_forward(const A* x, const W* b
   a.out = dev(out);
   a.mean_out = ln_mean;
   a.rstd_out = ln_rstd;
-  launch_ln_forward(LnKind::kResidual, a, stream_);
+  launch_ln_forward(LnKind::kResidual, a, kernel_variants().ln_forward, sm_count_, stream_);
 }
 
 void CudaBackend::bias_dropout_residual_layernorm_backward(const A* d_out, const A* x, const W* bias,
@@ -575,9 +623,10 @@ void CudaBackend::bias_dropout_residual_layernorm_backward(const A* d_out, const
   a.rstd = ln_rstd;
   a.dz = dev(d_residual);
   a.d_x = dev(d_x);
-  const int blocks = ln_backward_blocks(a.rows, sm_count_);
+  const LnVariant& v = kernel_variants().ln_backward;
+  const int blocks = ln_backward_blocks(LnKind::kResidual, hidden, a.rows, v, sm_count_);
   a.partial = static_cast<float*>(scratch(kLnPartials, sizeof(float) * blocks * 3 * static_cast<size_t>(hidden)));
-  launch_ln_backward(LnKind::kResidual, a, blocks, stream_);
+  launch_ln_backward(LnKind::kResidual, a, v, blocks, stream_);
   launch_column_finish(a.partial, blocks, hidden, 3, d_ln_gamma, d_ln_beta, d_bias, stream_);
 }
 
@@ -593,7 +642,7 @@ void CudaBackend::layernorm_plain_forward(const A* x, const W* gamma, const W* b
   a.out = dev(out);
   a.mean_out = mean;
   a.rstd_out = rstd;
-  launch_ln_forward(LnKind::kPlain, a, stream_);
+  launch_ln_forward(LnKind::kPlain, a, kernel_variants().ln_forward, sm_count_, stream_);
 }
 
 void CudaBackend::layernorm_plain_backward(const A* dy, const A* x, const St* mean, const St* rstd, const W* gamma,
@@ -608,9 +657,10 @@ void CudaBackend::layernorm_plain_backward(const A* dy, const A* x, const St* me
   a.mean = mean;
   a.rstd = rstd;
   a.dz = dev(dz);
-  const int blocks = ln_backward_blocks(rows, sm_count_);
+  const LnVariant& v = kernel_variants().ln_backward;
+  const int blocks = ln_backward_blocks(LnKind::kPlain, H, rows, v, sm_count_);
   a.partial = static_cast<float*>(scratch(kLnPartials, sizeof(float) * blocks * 2 * static_cast<size_t>(H)));
-  launch_ln_backward(LnKind::kPlain, a, blocks, stream_);
+  launch_ln_backward(LnKind::kPlain, a, v, blocks, stream_);
   launch_column_finish(a.partial, blocks, H, 2, d_gamma, d_beta, nullptr, stream_);
 }
 
@@ -631,7 +681,8 @@ void CudaBackend::mlm_head_loss_forward(const A* hidden, const int32_t* mlm_posi
                           saved.ln_rstd);
   // Decoder with the tied word embeddings: logits [M, V] land in saved.probs and become probabilities in place.
   dense_forward(saved.ln_out, w.word_embeddings, w.output_bias, M, H, V, ops::Activation::kNone, saved.probs, nullptr);
-  launch_softmax_ce_forward(dev(saved.probs), mlm_labels, M, V, loss_sum, num_correct, stream_);
+  launch_softmax_ce_forward(dev(saved.probs), mlm_labels, M, V, loss_sum, num_correct,
+                            kernel_variants().softmax_ce_registers, stream_);
 }
 
 void CudaBackend::mlm_head_loss_backward(double loss_scale, const int32_t* mlm_positions, const int32_t* mlm_labels,
@@ -641,7 +692,8 @@ void CudaBackend::mlm_head_loss_backward(double loss_scale, const int32_t* mlm_p
   OpScope timed(*this, "mlm_head_bwd");
   const int32_t H = w.hidden, V = w.vocab_size, M = num_masked;
   if (M == 0) return;
-  launch_ce_backward(dev(saved.probs), mlm_labels, M, V, static_cast<float>(loss_scale), stream_);
+  launch_ce_backward(dev(saved.probs), mlm_labels, M, V, static_cast<float>(loss_scale),
+                     kernel_variants().ce_backward_rows, stream_);
   A* d_ln_out = static_cast<A*>(scratch(kHeadA, sizeof(A) * static_cast<size_t>(M) * H));
   // d_ln_out = d_logits W_emb; d_word_embeddings += d_logits^T ln_out; d_output_bias += column sums of d_logits.
   dense_backward(saved.probs, saved.ln_out, w.word_embeddings, nullptr, M, H, V, ops::Activation::kNone, d_ln_out,
@@ -671,7 +723,8 @@ void CudaBackend::nsp_head_loss_forward(const A* hidden, const ops::SeqView& seq
   launch_tanh_forward(dev(saved.pooled), int64_t{B} * H, stream_);
   dense_forward(saved.pooled, w.classifier_weight, w.classifier_bias, B, H, 2, ops::Activation::kNone, saved.probs,
                 nullptr);
-  launch_softmax_ce_forward(dev(saved.probs), nsp_labels, B, 2, loss_sum, num_correct, stream_);
+  launch_softmax_ce_forward(dev(saved.probs), nsp_labels, B, 2, loss_sum, num_correct,
+                            kernel_variants().softmax_ce_registers, stream_);
 }
 
 void CudaBackend::nsp_head_loss_backward(double loss_scale, const ops::SeqView& seqs, const int32_t* nsp_labels,
@@ -680,7 +733,8 @@ void CudaBackend::nsp_head_loss_backward(double loss_scale, const ops::SeqView& 
   OpScope timed(*this, "nsp_head_bwd");
   const int32_t H = w.hidden, B = seqs.num_seqs;
   if (B == 0) return;
-  launch_ce_backward(dev(saved.probs), nsp_labels, B, 2, static_cast<float>(loss_scale), stream_);
+  launch_ce_backward(dev(saved.probs), nsp_labels, B, 2, static_cast<float>(loss_scale),
+                     kernel_variants().ce_backward_rows, stream_);
   A* d_pooled = static_cast<A*>(scratch(kHeadA, sizeof(A) * static_cast<size_t>(B) * H));
   dense_backward(saved.probs, saved.pooled, w.classifier_weight, nullptr, B, H, 2, ops::Activation::kNone, d_pooled,
                  false, g.d_classifier_weight, g.d_classifier_bias);

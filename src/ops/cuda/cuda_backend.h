@@ -110,7 +110,8 @@ class CudaBackend final : public ops::Backend<ops::GpuBf16> {
  private:
   // One grow-only buffer per purpose, so an op holding one can call a helper (dense_backward, LN backward) that
   // holds another.
-  enum Slot { kDpre, kColPartials, kLnPartials, kHeadA, kHeadB, kFmhaWorkspace, kNumSlots };
+  // kBiasGrad: the fp32 [n] column sums the BGRADB epilogue writes (dense_backward).
+  enum Slot { kDpre, kColPartials, kLnPartials, kHeadA, kHeadB, kFmhaWorkspace, kBiasGrad, kNumSlots };
   void* scratch(Slot slot, size_t bytes);
   // LayerNorm over rows of x [rows, H] (no residual, no dropout), and its backward (dz written; d_gamma/d_beta +=).
   void layernorm_plain_forward(const A* x, const W* gamma, const W* beta, int64_t rows, int32_t H, double eps, A* out,

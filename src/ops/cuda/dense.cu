@@ -1,10 +1,12 @@
 // The dense (linear) layer's device side: cuBLASLt products with cached plans (dense.h has the row-/column-major
-// mapping), exact-erf GELU forward/backward kernels, and the first stage of the deterministic d_bias column sum.
-// CPU twin: dense_forward / dense_backward in ops/cpu/cpu_backend.cpp.
+// mapping; the BGRADB epilogue gives d_bias from the dW product), exact-erf GELU forward/backward kernels, the
+// one-pass dGELU + column-sum kernel and the first stage of the separate deterministic d_bias column sum, and the
+// process-wide KernelVariants. CPU twin: dense_forward / dense_backward in ops/cpu/cpu_backend.cpp.
 //
 // Why GELU is not a cuBLASLt epilogue: CUBLASLT_EPILOGUE_GELU(_BIAS) is the tanh approximation, while BERT's "gelu"
 // (and the CPU twin) is the exact 0.5 x (1 + erf(x / sqrt 2)). So the GEMM writes pre_act through the BIAS epilogue
-// and gelu_forward_kernel writes y from it (one extra bf16 read + write of [rows, n]).
+// and a GELU kernel writes y from it (one extra bf16 read + write of [rows, n]). erff compiles to ~20 FMA-pipe
+// instructions and one MUFU, so the pass is bandwidth-bound as long as enough loads are in flight (the wide kernel).
 #include <algorithm>
 
 #include "ops/cuda/check.h"
@@ -44,12 +46,15 @@ uint32_t alignment_of(const void* p) {
 }  // namespace
 
 LtGemm::Plan& LtGemm::plan_for(const GemmProblem& p) {
-  const Key key = {p.trans_a,          p.trans_b, p.m, p.n, p.k, p.lda, p.ldb, p.ldd, p.d_fp32, p.bias != nullptr,
-                   p.beta != 0.0f, alignment_of(p.a), alignment_of(p.b), alignment_of(p.d)};
+  const Key key = {p.trans_a,          p.trans_b,         p.m,          p.n,         p.k,
+                   p.lda,              p.ldb,             p.ldd,        p.d_fp32,    p.bias != nullptr,
+                   p.beta != 0.0f,     alignment_of(p.a), alignment_of(p.b), alignment_of(p.d),
+                   p.bias_grad != nullptr, p.bias_grad ? alignment_of(p.bias_grad) : 0};
   auto it = plans_.find(key);
   if (it != plans_.end()) return it->second;
 
   // New problem: build its descriptors and pick an algorithm (allocates: happens once per shape).
+  NOPAD_CHECK(!(p.bias && p.bias_grad), "LtGemm: a bias and a bias gradient in one product");
   Plan plan;
   const cudaDataType_t ab_type = CUDA_R_16BF, d_type = p.d_fp32 ? CUDA_R_32F : CUDA_R_16BF;
   NOPAD_CUBLAS_CHECK(cublasLtMatmulDescCreate(&plan.desc, CUBLAS_COMPUTE_32F, CUDA_R_32F));
@@ -65,6 +70,16 @@ LtGemm::Plan& LtGemm::plan_for(const GemmProblem& p) {
                                                       sizeof bias_type));
     NOPAD_CUBLAS_CHECK(
         cublasLtMatmulDescSetAttribute(plan.desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &p.bias, sizeof p.bias));
+  }
+  if (p.bias_grad) {  // column sums of op(B) over the k dimension, fp32 (the output type), written not accumulated
+    NOPAD_CHECK(p.d_fp32, "LtGemm: the BGRADB epilogue is only used with fp32 outputs");
+    const cublasLtEpilogue_t epi = CUBLASLT_EPILOGUE_BGRADB;
+    const cudaDataType_t grad_type = CUDA_R_32F;
+    NOPAD_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(plan.desc, CUBLASLT_MATMUL_DESC_EPILOGUE, &epi, sizeof epi));
+    NOPAD_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(plan.desc, CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE, &grad_type,
+                                                      sizeof grad_type));
+    NOPAD_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(plan.desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &p.bias_grad,
+                                                      sizeof p.bias_grad));
   }
   // Stored (pre-op) shapes, column-major: A is [k, m] when transposed, else [m, k]; likewise B.
   NOPAD_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&plan.a, ab_type, p.trans_a ? p.k : p.m, p.trans_a ? p.m : p.k, p.lda));
@@ -90,31 +105,69 @@ LtGemm::Plan& LtGemm::plan_for(const GemmProblem& p) {
   if (st == CUBLAS_STATUS_SUCCESS)
     st = cublasLtMatmulAlgoGetHeuristic(handle_, plan.desc, plan.a, plan.b, plan.d, plan.d, pref, 1, &result, &found);
   cublasLtMatmulPreferenceDestroy(pref);
+  // An epilogue the library does not offer for this problem may be reported as NOT_SUPPORTED rather than as 0
+  // results: for a bias-gradient product both mean "no algorithm" (the caller falls back).
+  if (p.bias_grad && st == CUBLAS_STATUS_NOT_SUPPORTED) {
+    st = CUBLAS_STATUS_SUCCESS;
+    found = 0;
+  }
   if (st != CUBLAS_STATUS_SUCCESS || found == 0) {
     cublasLtMatrixLayoutDestroy(plan.a);
     cublasLtMatrixLayoutDestroy(plan.b);
     cublasLtMatrixLayoutDestroy(plan.d);
     cublasLtMatmulDescDestroy(plan.desc);
     if (st != CUBLAS_STATUS_SUCCESS) throw_cublas_error(st, "cublasLtMatmulAlgoGetHeuristic", __FILE__, __LINE__);
-    fail("cuBLASLt has no algorithm for the product m=", p.m, " n=", p.n, " k=", p.k, " (transa ", p.trans_a,
-         ", transb ", p.trans_b, ", lda ", p.lda, ", ldb ", p.ldb, ", ldd ", p.ldd, ", ", p.d_fp32 ? "fp32" : "bf16",
-         " output, bias ", p.bias != nullptr, ", alignments ", al_a, "/", al_b, "/", al_d, " bytes)");
+    return plans_.emplace(key, Plan{}).first->second;  // cached "no algorithm"
   }
   plan.algo = result.algo;
+  plan.found = true;
   return plans_.emplace(key, plan).first->second;
+}
+
+void LtGemm::enqueue(Plan& plan, const GemmProblem& p, cudaStream_t stream) {
+  // The pointers are per call; setting an attribute allocates nothing.
+  if (p.bias)
+    NOPAD_CUBLAS_CHECK(
+        cublasLtMatmulDescSetAttribute(plan.desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &p.bias, sizeof p.bias));
+  if (p.bias_grad)
+    NOPAD_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(plan.desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &p.bias_grad,
+                                                      sizeof p.bias_grad));
+  const float alpha = 1.0f, beta = p.beta;
+  NOPAD_CUBLAS_CHECK(cublasLtMatmul(handle_, plan.desc, &alpha, p.a, plan.a, p.b, plan.b, &beta, p.d, plan.d, p.d,
+                                    plan.d, &plan.algo, workspace_, kWorkspaceBytes, stream));
 }
 
 void LtGemm::run(const GemmProblem& p, cudaStream_t stream) {
   if (p.m == 0 || p.n == 0) return;
   NOPAD_CHECK(p.k > 0 || p.beta != 0.0f, "LtGemm: k = 0 with beta = 0 would leave D unwritten");
+  NOPAD_CHECK(p.k > 0 || p.bias_grad == nullptr, "LtGemm: k = 0 would leave the bias gradient unwritten");
   if (p.k == 0) return;  // D += 0
   Plan& plan = plan_for(p);
-  if (p.bias)  // the pointer is per call; setting an attribute allocates nothing
-    NOPAD_CUBLAS_CHECK(
-        cublasLtMatmulDescSetAttribute(plan.desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &p.bias, sizeof p.bias));
-  const float alpha = 1.0f, beta = p.beta;
-  NOPAD_CUBLAS_CHECK(cublasLtMatmul(handle_, plan.desc, &alpha, p.a, plan.a, p.b, plan.b, &beta, p.d, plan.d, p.d,
-                                    plan.d, &plan.algo, workspace_, kWorkspaceBytes, stream));
+  if (!plan.found)
+    fail("cuBLASLt has no algorithm for the product m=", p.m, " n=", p.n, " k=", p.k, " (transa ", p.trans_a,
+         ", transb ", p.trans_b, ", lda ", p.lda, ", ldb ", p.ldb, ", ldd ", p.ldd, ", ", p.d_fp32 ? "fp32" : "bf16",
+         " output, bias ", p.bias != nullptr, ", bias gradient ", p.bias_grad != nullptr, ", alignments ",
+         alignment_of(p.a), "/", alignment_of(p.b), "/", alignment_of(p.d), " bytes)");
+  enqueue(plan, p, stream);
+}
+
+bool LtGemm::try_run(const GemmProblem& p, cudaStream_t stream) {
+  if (p.m == 0 || p.n == 0 || p.k == 0) return false;  // nothing the caller could rely on gets written
+  Plan& plan = plan_for(p);
+  if (!plan.found) return false;
+  enqueue(plan, p, stream);
+  return true;
+}
+
+// ------------------------------------------------------------------------------------------------ variants
+
+KernelVariants& kernel_variants() {
+  static KernelVariants v;
+  return v;
+}
+BiasGradPath& last_bias_grad_path() {
+  static BiasGradPath path = BiasGradPath::kSeparate;
+  return path;
 }
 
 // ------------------------------------------------------------------------------------------------ elementwise
@@ -123,7 +176,8 @@ namespace {
 
 constexpr int kThreads = 256;
 
-// Vectorised over 8 elements where the pointers allow it, scalar tail otherwise.
+// First implementation: one 16-byte vector per thread per grid-stride step, scalar tail (or all scalar when the
+// pointers are not 16-byte aligned).
 __global__ void gelu_forward_kernel(const bf* __restrict__ pre, bf* __restrict__ y, int64_t count, bool vec) {
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
   int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
@@ -138,6 +192,36 @@ __global__ void gelu_forward_kernel(const bf* __restrict__ pre, bf* __restrict__
     i = count / 8 * 8 + static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;  // tail
   }
   for (; i < count; i += stride) y[i] = __float2bfloat16_rn(gelu_erf(__bfloat162float(pre[i])));
+}
+
+// Wide: a thread owns kWideVecs vectors spaced one block apart (each warp access stays 512 contiguous bytes) and
+// issues all their loads before the first erf, so 64 bytes per thread are in flight while it computes. The pass is
+// then limited by memory, not by the latency of one load followed by ~200 instructions of erf. Pointers 16-byte
+// aligned; the count % 8 tail is done by block 0.
+constexpr int kWideVecs = 4;
+__global__ void __launch_bounds__(kThreads) gelu_forward_wide_kernel(const bf* __restrict__ pre, bf* __restrict__ y,
+                                                                     int64_t count) {
+  const int64_t nvec = count / 8;
+  const int64_t base = static_cast<int64_t>(blockIdx.x) * kThreads * kWideVecs + threadIdx.x;
+  Bf16x8 in[kWideVecs];
+#pragma unroll
+  for (int u = 0; u < kWideVecs; ++u)
+    if (base + u * kThreads < nvec) in[u] = ld16(pre + (base + u * kThreads) * 8);
+#pragma unroll
+  for (int u = 0; u < kWideVecs; ++u) {
+    if (base + u * kThreads >= nvec) continue;
+    Bf16x8 out;
+#pragma unroll
+    for (int h = 0; h < 4; ++h) {
+      const float2 f = __bfloat1622float2(in[u].h[h]);
+      out.h[h] = __floats2bfloat162_rn(gelu_erf(f.x), gelu_erf(f.y));
+    }
+    st16(y + (base + u * kThreads) * 8, out);
+  }
+  if (blockIdx.x == 0 && threadIdx.x < count - nvec * 8) {
+    const int64_t i = nvec * 8 + threadIdx.x;
+    y[i] = __float2bfloat16_rn(gelu_erf(__bfloat162float(pre[i])));
+  }
 }
 
 __global__ void gelu_backward_kernel(const bf* __restrict__ dy, const bf* __restrict__ pre, bf* __restrict__ dpre,
@@ -178,12 +262,89 @@ __global__ void column_sum_partial_kernel(const bf* __restrict__ m, int64_t rows
   partial[static_cast<int64_t>(blockIdx.y) * n + j] = s;
 }
 
+// The one-pass d_bias kernel over a [rows, n] matrix (n % 8 == 0, 16-byte aligned): block (strip, chunk) covers
+// columns [256 strip, 256 strip + 256) and rows [kGradRowsPerChunk chunk, ...). Warp w of the block reads rows
+// r0 + w, r0 + w + 8, ... (512 contiguous bytes per warp and row; kGradUnroll rows' loads issued together), lane l owns
+// columns 8l..8l+7 of the strip. kGelu: dpre = dy * gelu'(pre) is written (bf16). kColSum: each thread sums its
+// columns of dpre before the bf16 rounding (the twin sums its fp32 dpre) over its rows in increasing order, then the
+// block adds its 8 warps in warp order into partial[chunk][j]: a fixed order for a given rows and n.
+constexpr int kGradCols = 256, kGradWarps = 8, kGradUnroll = 4, kGradRowsPerChunk = 128;
+template <bool kGelu, bool kColSum>
+__global__ void __launch_bounds__(kGradWarps * 32) dense_grad_pass_kernel(const bf* __restrict__ dy,
+                                                                          const bf* __restrict__ pre,
+                                                                          bf* __restrict__ dpre, int64_t rows,
+                                                                          int32_t n, float* __restrict__ partial) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int32_t j0 = blockIdx.x * kGradCols + lane * 8;
+  const bool active = j0 < n;
+  const int64_t r0 = static_cast<int64_t>(blockIdx.y) * kGradRowsPerChunk;
+  const int64_t r1 = r0 + kGradRowsPerChunk < rows ? r0 + kGradRowsPerChunk : rows;
+  float acc[8];
+#pragma unroll
+  for (int i = 0; i < 8; ++i) acc[i] = 0.0f;
+  for (int64_t r = r0 + warp; r < r1; r += kGradWarps * kGradUnroll) {
+    Bf16x8 d[kGradUnroll], x[kGradUnroll];
+#pragma unroll
+    for (int u = 0; u < kGradUnroll; ++u) {
+      const int64_t rr = r + u * kGradWarps;
+      if (active && rr < r1) {
+        d[u] = ld16(dy + rr * n + j0);
+        if constexpr (kGelu) x[u] = ld16(pre + rr * n + j0);
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < kGradUnroll; ++u) {
+      const int64_t rr = r + u * kGradWarps;
+      if (!(active && rr < r1)) continue;
+      float v[8];
+#pragma unroll
+      for (int h = 0; h < 4; ++h) {
+        const float2 f = __bfloat1622float2(d[u].h[h]);
+        v[2 * h] = f.x;
+        v[2 * h + 1] = f.y;
+      }
+      if constexpr (kGelu) {
+#pragma unroll
+        for (int h = 0; h < 4; ++h) {
+          const float2 f = __bfloat1622float2(x[u].h[h]);
+          v[2 * h] *= gelu_erf_grad(f.x);
+          v[2 * h + 1] *= gelu_erf_grad(f.y);
+        }
+        store8(dpre + rr * n + j0, v);
+      }
+      if constexpr (kColSum) {
+#pragma unroll
+        for (int i = 0; i < 8; ++i) acc[i] += v[i];
+      }
+    }
+  }
+  if constexpr (kColSum) {
+    __shared__ float red[kGradWarps][kGradCols];
+#pragma unroll
+    for (int i = 0; i < 8; ++i) red[warp][lane * 8 + i] = acc[i];
+    __syncthreads();
+    const int32_t j = blockIdx.x * kGradCols + threadIdx.x;  // blockDim.x == kGradCols
+    if (j < n) {
+      float s = 0.0f;
+#pragma unroll
+      for (int w = 0; w < kGradWarps; ++w) s += red[w][threadIdx.x];
+      partial[static_cast<int64_t>(blockIdx.y) * n + j] = s;
+    }
+  }
+}
+
 }  // namespace
 
-void launch_gelu_forward(const bf* pre, bf* y, int64_t count, cudaStream_t stream) {
+void launch_gelu_forward(const bf* pre, bf* y, int64_t count, bool wide, cudaStream_t stream) {
   if (count <= 0) return;
-  gelu_forward_kernel<<<elementwise_blocks(count), kThreads, 0, stream>>>(pre, y, count,
-                                                                           aligned16(pre) && aligned16(y));
+  if (wide && aligned16(pre) && aligned16(y)) {
+    const int64_t blocks = std::max<int64_t>(1, (count / 8 + kThreads * kWideVecs - 1) / (kThreads * kWideVecs));
+    NOPAD_CHECK(blocks <= 0x7fffffff, "GELU forward over ", count, " elements: too many blocks");
+    gelu_forward_wide_kernel<<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(pre, y, count);
+  } else {
+    gelu_forward_kernel<<<elementwise_blocks(count), kThreads, 0, stream>>>(pre, y, count,
+                                                                             aligned16(pre) && aligned16(y));
+  }
   NOPAD_CUDA_CHECK_LAUNCH();
 }
 
@@ -205,6 +366,35 @@ void launch_column_sum_partial(const bf* m, int64_t rows, int32_t n, int chunks,
   const int64_t rows_per_chunk = (rows + chunks - 1) / chunks;
   const dim3 grid(static_cast<unsigned>(ceil_div(n, kThreads)), static_cast<unsigned>(chunks));
   column_sum_partial_kernel<<<grid, kThreads, 0, stream>>>(m, rows, n, rows_per_chunk, partial);
+  NOPAD_CUDA_CHECK_LAUNCH();
+}
+
+bool dense_grad_pass_supported(int32_t n, const void* dy, const void* pre, const void* dpre) {
+  return n > 0 && n % 8 == 0 && aligned16(dy) && (pre == nullptr || aligned16(pre)) &&
+         (dpre == nullptr || aligned16(dpre));
+}
+
+int dense_grad_chunks(int64_t rows) {
+  return static_cast<int>(std::max<int64_t>(1, ceil_div(rows, kGradRowsPerChunk)));
+}
+
+void launch_dense_grad_pass(const bf* dy, const bf* pre, bf* dpre, int64_t rows, int32_t n, float* partial,
+                            cudaStream_t stream) {
+  if (rows <= 0 || n <= 0) return;
+  NOPAD_CHECK(dense_grad_pass_supported(n, dy, pre, dpre), "dense gradient pass needs n % 8 == 0 (got ", n,
+              ") and 16-byte aligned pointers");
+  NOPAD_CHECK((pre == nullptr) == (dpre == nullptr), "dense gradient pass: pre_act and dpre go together");
+  const int chunks = dense_grad_chunks(rows);
+  NOPAD_CHECK(chunks <= 65535, "dense gradient pass over ", rows, " rows: more than 65535 row chunks");
+  const dim3 grid(static_cast<unsigned>(ceil_div(n, kGradCols)), static_cast<unsigned>(chunks));
+  if (pre && partial)
+    dense_grad_pass_kernel<true, true><<<grid, kGradWarps * 32, 0, stream>>>(dy, pre, dpre, rows, n, partial);
+  else if (pre)
+    dense_grad_pass_kernel<true, false><<<grid, kGradWarps * 32, 0, stream>>>(dy, pre, dpre, rows, n, nullptr);
+  else if (partial)
+    dense_grad_pass_kernel<false, true><<<grid, kGradWarps * 32, 0, stream>>>(dy, nullptr, nullptr, rows, n, partial);
+  else
+    return;  // nothing asked for
   NOPAD_CUDA_CHECK_LAUNCH();
 }
 

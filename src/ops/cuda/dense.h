@@ -13,9 +13,15 @@
 //             m = k, n = n, k = rows; A = x (stored [k,rows], lda k, N); B = dpre (stored [n,rows], ldb n, T);
 //             D = dW fp32 (stored [k,n], ldd k), beta = 1. (bf16 A/B with fp32 C/D under CUBLAS_COMPUTE_32F is one
 //             of cuBLASLt's supported type combinations.)
+//             With bias_grad set, the BGRADB epilogue also writes (=, not +=) bias_grad[n] = sum over the k rows of
+//             op(B), i.e. the column sums of dpre: d_bias without a separate pass (the caller adds it into d_bias).
 // Algorithms are chosen once per problem (shape, transposes, leading dimensions, output type, epilogue, beta != 0,
 // pointer alignments) with cublasLtMatmulAlgoGetHeuristic and cached together with their descriptors, so a call on
-// a known shape allocates nothing.
+// a known shape allocates nothing. A problem the heuristic has no algorithm for is cached as such too: try_run then
+// returns false at once, so a caller's fallback costs no repeated heuristic queries.
+//
+// This header also holds KernelVariants: the selectable implementations of the memory-bound ops (LayerNorm family,
+// GELU, d_bias, softmax cross-entropy). Host-only, so the GPU tests (.cpp) can switch them.
 #pragma once
 #include <cublasLt.h>
 #include <cuda_runtime.h>
@@ -40,7 +46,44 @@ struct GemmProblem {
   bool d_fp32 = false;
   float beta = 0.0f;           // 0: D is written without being read (poisoned outputs stay safe)
   const void* bias = nullptr;  // bf16 [m], or null (bf16 D only)
+  float* bias_grad = nullptr;  // fp32 [n] written by the BGRADB epilogue (fp32 D only; not with bias)
 };
+
+// ------------------------------------------------------------------------------------------------ kernel variants
+// Each memory-bound op keeps its first implementation selectable next to the newer one, so that one GPU run can time
+// both (tests/cuda/test_cuda_ops.cpp, CudaPerf.*) and check both against the CPU twin (CudaOps.*). Process-wide;
+// CudaBackend reads it at every op call. Every combination computes the same values up to fp32 summation order.
+struct LnVariant {
+  // false: warp per row, 4 rows per 128-thread block, one row in flight per warp, grid min(rows/4, 2 x SMs) in the
+  // backward. true: the row-group kernel (layernorm.cu): a group of threads per row, each block walks a contiguous
+  // range of rows with the next row's loads in flight, dropout drawn once per row.
+  bool row_group = true;
+  int vectors = 0;        // row group: 16-byte vectors (8 features) per thread, 1, 2 or 4; 0 = by hidden size
+  int blocks_per_sm = 0;  // row group: blocks per SM in the grid; 0 = as many as fit (the backward: see layernorm.cu)
+};
+enum class BiasGradPath {
+  kSeparate,  // dGELU pass, then a separate column-sum pass over dpre (the first implementation)
+  kOnePass,   // one pass: dpre = dy * gelu'(pre) written and its column sums taken from registers (without GELU: the
+              // column-sum pass alone, 16-byte loads)
+  kEpilogue,  // the dW product's BGRADB epilogue (falls back to kOnePass where cuBLASLt has no algorithm for it)
+};
+// Defaults: the fastest of each pair on an H200 at BERT-large sizes (CudaPerf.*, 2026-11-23: T = 24,657, H = 1024,
+// dropout 0.1; docs/performance.md): LayerNorm forward warp-per-row 0.061 ms vs row-group 0.077-0.091; backward
+// row-group v1 0.104 ms vs warp-per-row 0.191 (embedding backward 0.187 vs 0.588); wide GELU 0.116 vs 0.141; FFN-in
+// backward with d_bias one-pass 0.815 ms vs separate 0.856 vs epilogue 0.881 (QKV: 0.477 / 0.470 / 0.527); softmax
+// CE from registers (MLM forward 1.15 vs 1.23 ms); CE backward flat grid (MLM backward 2.39 vs 7.71 ms per row).
+struct KernelVariants {
+  LnVariant ln_forward{false, 0, 0};
+  LnVariant ln_backward{true, 1, 0};
+  bool gelu_forward_wide = true;  // GELU forward: 4 vectors per thread, all loads issued first (false: 1 vector)
+  BiasGradPath dense_bias_grad = BiasGradPath::kOnePass;
+  bool softmax_ce_registers = true;  // softmax CE: one read of the logits row into registers (false: three passes)
+  bool ce_backward_rows = false;     // CE backward: a block per row, 4-byte vectors (false: flat grid, scalar)
+};
+KernelVariants& kernel_variants();  // dense.cu
+// How the last dense_backward with a d_bias obtained it (set by CudaBackend; tests read it to see whether the
+// epilogue ran or fell back).
+BiasGradPath& last_bias_grad_path();
 
 class LtGemm {
  public:
@@ -49,16 +92,19 @@ class LtGemm {
   ~LtGemm();
   LtGemm(const LtGemm&) = delete;
   LtGemm& operator=(const LtGemm&) = delete;
-  void run(const GemmProblem& p, cudaStream_t stream);
+  void run(const GemmProblem& p, cudaStream_t stream);  // throws when cuBLASLt has no algorithm
+  bool try_run(const GemmProblem& p, cudaStream_t stream);  // false (nothing enqueued) when it has none
 
  private:
   struct Plan {
     cublasLtMatmulDesc_t desc = nullptr;
     cublasLtMatrixLayout_t a = nullptr, b = nullptr, d = nullptr;
     cublasLtMatmulAlgo_t algo{};
+    bool found = false;  // false: cached "no algorithm" (descriptors destroyed)
   };
-  using Key = std::array<int64_t, 14>;
+  using Key = std::array<int64_t, 16>;
   Plan& plan_for(const GemmProblem& p);
+  void enqueue(Plan& plan, const GemmProblem& p, cudaStream_t stream);
 
   cublasLtHandle_t handle_ = nullptr;
   void* workspace_ = nullptr;

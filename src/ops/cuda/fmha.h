@@ -11,6 +11,10 @@
 // Grouping (the grouped multi-stream scheduler): when seq_index is not null, a launch covers only the sequences
 // seq_index[0 .. num_launch_seqs) (indices into cu_seqlens), so groups of sequences can run as separate launches on
 // separate streams over the same tensors; max_seqlen is then the longest sequence of the group.
+// Dropout follows core/philox.h's 16-bit contract: p must be in [0, 1 - 2^-16] (dropout_p_supported).
+// Kernel variants (tile shapes, docs/fmha.md "Variants") are chosen per call: fwd_variant / bwd_variant when >= 0,
+// else the environment variables NOPAD_FMHA_FWD_VARIANT / NOPAD_FMHA_BWD_VARIANT (read once per process) when set,
+// else the built-in default. Every variant computes the same function (same mask bits; fp32 summation order differs).
 // No host synchronisation, no allocation: the backward's fp32 scratch is the caller's (fmha_backward_workspace_bytes).
 // It needs no initialisation: fmha_backward writes every workspace element that its launch reads (the D rows and
 // the zeroed dq accumulator rows of the launch's sequences) before reading it, and touches no other rows, so
@@ -46,7 +50,18 @@ struct FmhaParams {
   uint64_t seed = 0, step = 0;
   uint32_t op_id = 0;
   bool fp16 = false;                    // element type: false = bf16, true = fp16
+  int32_t fwd_variant = -1;             // forward kernel variant, -1 = default (see above)
+  int32_t bwd_variant = -1;             // backward kernel variant, -1 = default
 };
+
+// The variants, for tests and benchmarks: count, and a short name of each ("m64w4" ...: tile rows x warps).
+int fmha_forward_variant_count();
+const char* fmha_forward_variant_name(int variant);
+int fmha_backward_variant_count();
+const char* fmha_backward_variant_name(int variant);
+// The variant a call with these params runs (the field, else the environment, else the default).
+int fmha_forward_variant(const FmhaParams& p);
+int fmha_backward_variant(const FmhaParams& p);
 
 // Bytes of scratch fmha_backward needs for these sizes.
 size_t fmha_backward_workspace_bytes(int32_t num_tokens, int32_t num_heads, int32_t head_dim);

@@ -1,11 +1,14 @@
 // FMHA backward (FlashAttention-2 style) on mma.sync tensor cores:
-//   1. fmha_bwd_pre_kernel:   D = rowsum(dO * O) per (head, token) into the workspace; zeroes this launch's dq_accum rows.
-//   2. fmha_bwd_kernel:       one CTA per (key tile of 64, head, sequence); 4 warps x 16 keys; loops over the query
-//                             tiles (Q, dO, lse, D double-buffered with cp.async), recomputes P, regenerates the dropout
-//                             mask, accumulates dK, dV in registers and adds dQ into fp32 dq_accum with atomicAdd.
-//   3. fmha_bwd_dq_kernel:    dq_accum -> d_qkv's q block (bf16/fp16).
+//   1. fmha_bwd_pre_kernel: D = rowsum(dO * O) per (head, token) into the workspace; zeroes the launch's dq_accum rows.
+//   2. fmha_bwd_kernel:     one CTA per (key tile of 16 x warps, head, sequence), warps x 16 keys; loops over the query
+//                           tiles of 64 (Q, dO, lse, D double-buffered with cp.async), recomputes P, regenerates the
+//                           dropout mask (one Philox block per 8 keys of a query, bits exchanged over 8 lanes),
+//                           accumulates dK, dV in registers and adds dQ into fp32 dq_accum with atomicAdd. The tile
+//                           shapes of kBwdVariants are instantiated and chosen per call (fmha.h).
+//   3. fmha_bwd_dq_kernel:  dq_accum -> d_qkv's q block (bf16/fp16).
 // Workspace: D [heads, T] fp32, then (256-byte aligned) dq_accum [T, H] fp32. Design: docs/fmha.md.
 #include <cmath>
+#include <type_traits>
 
 #include "ops/cuda/fmha_common.cuh"
 
@@ -72,80 +75,89 @@ __global__ void __launch_bounds__(32 * kPreRows) fmha_bwd_dq_kernel(const Kernel
   }
 }
 
-template <int HD>
-constexpr int bwd_smem_bytes() {
-  // K, V, Q x2, dO x2 (16-bit), dS^T 64x64 (16-bit), lse x2 and D x2 (fp32).
-  return (2 * kBlockN * HD + 4 * kBlockM * HD + kBlockN * kBlockM) * 2 + 4 * kBlockM * 4;
-}
+// kWarps warps x 16 keys per CTA; the query tiles are 64 wide.
+template <int HD, int kWarps>
+struct BwdShape {
+  static constexpr int kBlockN = 16 * kWarps;   // keys per CTA
+  static constexpr int kThreads = 32 * kWarps;
+  static constexpr int kDqParts = kWarps / 4;   // dQ: warps w and w + 4 (8 warps) split one 16-query group's head dims
+  static constexpr int kDqCols = HD / kDqParts;  // head dims of dQ per warp
+  static_assert(kWarps == 4 || kWarps == 8, "4 or 8 warps");
+  // K, V (kBlockN x HD), Q x2, dO x2 (64 x HD), dS^T (kBlockN x 64), all 16-bit; lse x2 and D x2 (fp32).
+  static constexpr int kSmemBytes = (2 * kBlockN * HD + 4 * kTile * HD + kBlockN * kTile) * 2 + 4 * kTile * 4;
+};
 
-// CTAs per SM to fit the registers for: at head_dim <= 64, 168 registers give 3 CTAs (12 warps) per SM instead of 2;
-// at 128 the cap would spill the dK/dV accumulators.
-constexpr int bwd_min_ctas(int hd) { return hd <= 64 ? 3 : 1; }
-
-template <int HD, bool kFp16, bool kDrop>
-__global__ void __launch_bounds__(kThreads, bwd_min_ctas(HD))
-    fmha_bwd_kernel(const KernelArgs args, const float* D, float* dq_acc) {
+template <int HD, int kWarps, int kMinCtas, bool kFp16, bool kDrop>
+__global__ void __launch_bounds__(32 * kWarps, kMinCtas)
+    fmha_bwd_kernel(const __grid_constant__ KernelArgs args, const float* D, float* dq_acc) {
+  using Sh = BwdShape<HD, kWarps>;
   constexpr int kKSteps = HD / 16;
   constexpr int kDTiles = HD / 8;
-  constexpr int kNTiles = kBlockM / 8;  // n-tiles of S^T over the query tile
+  constexpr int kNTiles = kTile / 8;  // n-tiles of S^T over the query tile
   const FmhaParams& p = args.p;
 
   int b, s0, L;
   launch_sequence(p, static_cast<int>(blockIdx.z), b, s0, L);
-  const int k0 = static_cast<int>(blockIdx.x) * kBlockN;
+  const int k0 = static_cast<int>(blockIdx.x) * Sh::kBlockN;
   if (k0 >= L) return;
   const int head = static_cast<int>(blockIdx.y);
   const int H = p.num_heads * HD, T = p.num_tokens;
   const int64_t ld = 3 * int64_t{H};
   const uint16_t* qkv = static_cast<const uint16_t*>(p.qkv);
-  const uint16_t* gQ = qkv + int64_t{s0} * ld + head * HD;
+  const uint16_t* gQ = qkv + int64_t{s0} * ld + head * HD;  // the Q/dO tile last issued
   const uint16_t* gdO = static_cast<const uint16_t*>(p.d_ctx) + int64_t{s0} * H + head * HD;
   const float* gLse = p.lse + int64_t{head} * T + s0;
   const float* gD = D + int64_t{head} * T + s0;
 
   extern __shared__ __align__(128) uint16_t smem[];
-  uint16_t* sK = smem;                     // [64][HD]
-  uint16_t* sV = sK + kBlockN * HD;        // [64][HD]
-  uint16_t* sQ = sV + kBlockN * HD;        // [2][64][HD]
-  uint16_t* sdO = sQ + 2 * kBlockM * HD;   // [2][64][HD]
-  uint16_t* sdS = sdO + 2 * kBlockM * HD;  // [64 keys][64 queries], swizzled as a 64-column tile
-  float* sLse = reinterpret_cast<float*>(sdS + kBlockN * kBlockM);  // [2][64], log2 domain; +inf past the end
-  float* sD = sLse + 2 * kBlockM;                                     // [2][64]
+  uint16_t* sK = smem;                              // [kBlockN][HD]
+  uint16_t* sV = sK + Sh::kBlockN * HD;             // [kBlockN][HD]
+  uint16_t* sQ = sV + Sh::kBlockN * HD;             // [2][64][HD]
+  uint16_t* sdO = sQ + 2 * kTile * HD;              // [2][64][HD]
+  uint16_t* sdS = sdO + 2 * kTile * HD;             // [kBlockN keys][64 queries], swizzled as a 64-column tile
+  float* sLse = reinterpret_cast<float*>(sdS + Sh::kBlockN * kTile);  // [2][64], log2 domain; +inf past the end
+  float* sD = sLse + 2 * kTile;                                        // [2][64]
 
   const int tid = static_cast<int>(threadIdx.x);
-  auto load_q_tile = [&](int i, int buf) {
-    const int qs = i * kBlockM;
-    load_tile_async<HD>(sQ + buf * kBlockM * HD, gQ + int64_t{qs} * ld, ld, L - qs);
-    load_tile_async<HD>(sdO + buf * kBlockM * HD, gdO + int64_t{qs} * H, H, L - qs);
-    if (tid < kBlockM) {  // plain loads; published by the __syncthreads at the top of the iteration that uses them
+  const TileCopy<HD, kTile, Sh::kThreads> q_copy(ld), do_copy(H);
+  // Issues the copies of query tile i (its first row at gQ / gdO) into buffer buf.
+  const auto load_q_tile = [&](int i, int buf) {
+    const int qs = i * kTile;
+    q_copy.load(sQ + buf * kTile * HD, gQ, L - qs);
+    do_copy.load(sdO + buf * kTile * HD, gdO, L - qs);
+    if (tid < kTile) {  // plain loads; published by the __syncthreads at the top of the iteration that uses them
       const bool ok = qs + tid < L;
-      sLse[buf * kBlockM + tid] = ok ? gLse[qs + tid] * kLog2e : INFINITY;
-      sD[buf * kBlockM + tid] = ok ? gD[qs + tid] : 0.0f;
+      sLse[buf * kTile + tid] = ok ? gLse[qs + tid] * kLog2e : INFINITY;
+      sD[buf * kTile + tid] = ok ? gD[qs + tid] : 0.0f;
     }
   };
-  load_tile_async<HD>(sK, qkv + int64_t{s0 + k0} * ld + H + head * HD, ld, L - k0);
-  load_tile_async<HD>(sV, qkv + int64_t{s0 + k0} * ld + 2 * H + head * HD, ld, L - k0);
+  {
+    const TileCopy<HD, Sh::kBlockN, Sh::kThreads> kv_copy(ld);
+    const uint16_t* gK = qkv + int64_t{s0 + k0} * ld + H + head * HD;
+    kv_copy.load(sK, gK, L - k0);
+    kv_copy.load(sV, gK + H, L - k0);
+  }
   load_q_tile(0, 0);
   cp_async_commit();
 
   const int warp = tid >> 5, lane = tid & 31;
   const int g = lane >> 2, t = lane & 3;
   const int wrow = warp * 16;  // this warp's first key within the K tile
+  // A warp whose 16 keys all lie past the end skips its products (warp-uniform) and joins the barriers only.
+  const bool keys_live = k0 + wrow < L;
   const bool key_ok0 = k0 + wrow + g < L, key_ok1 = k0 + wrow + g + 8 < L;
-  // Dropout in the transposed layout: for a query column, one Philox block covers keys 4a..4a+3, i.e. rows g = 4a+r
-  // of lanes r = 0..3 (lane bits 2-3). Lane r draws block r of {(q 2t, keys g0..), (q 2t+1, keys g0..),
-  // (q 2t, keys g0+8..), (q 2t+1, keys g0+8..)} with g0 = 4a: one Philox call per lane per n-tile. The keep bits of
-  // a whole tile (a nibble per n-tile) are then transposed over those 4 lanes with 3 shuffles.
-  const int quad_r = g & 3;
-  uint32_t s_lo = 0, s_hi = 0, key_q = 0, head_hi = 0;
+  // k-steps (16 keys) of the dQ product that hold keys < L: the dS^T rows of dead warps are never written or read.
+  const int dq_ksteps = min(Sh::kBlockN / 16, (L - k0 + 15) / 16);
+  const int dq_qgroup = warp & 3;                       // dQ: this warp's 16 queries of the tile
+  const int dq_col0 = (warp >> 2) * Sh::kDqCols;        // and its first head dim
+
+  uint32_t s_lo = 0, s_hi = 0;
   if constexpr (kDrop) {
     const uint64_t sample = p.sample_ids[b];
     s_lo = static_cast<uint32_t>(sample);
     s_hi = static_cast<uint32_t>(sample >> 32);
-    const int drop_key4 = k0 + wrow + (g & ~3) + ((quad_r >> 1) ? 8 : 0);
-    key_q = static_cast<uint32_t>(drop_key4) >> 2;          // low word: (query << 18) | key / 4
-    head_hi = static_cast<uint32_t>(head) << 6;             // high word: (head << 6) | (query >> 14)
   }
+  const auto draw = [&](uint32_t lo, uint32_t hi) { return dropout_block(args, s_lo, s_hi, lo, hi); };
 
   float dv[kDTiles][4], dk[kDTiles][4];
 #pragma unroll
@@ -153,135 +165,129 @@ __global__ void __launch_bounds__(kThreads, bwd_min_ctas(HD))
 #pragma unroll
     for (int e = 0; e < 4; ++e) dv[i][e] = dk[i][e] = 0.0f;
 
-  const int num_qt = (L + kBlockM - 1) / kBlockM;
-  for (int i = 0; i < num_qt; ++i) {
-    const int buf = i & 1, qs = i * kBlockM;
-    cp_async_wait<0>();
-    __syncthreads();  // tile i (and its lse/D) visible; every warp done with tile i-1's buffers and with sdS
-    if (i + 1 < num_qt) load_q_tile(i + 1, buf ^ 1);
-    cp_async_commit();
-    const uint16_t* q = sQ + buf * kBlockM * HD;
-    const uint16_t* d_o = sdO + buf * kBlockM * HD;
-    const float* lse2 = sLse + buf * kBlockM;
-    const float* Dq = sD + buf * kBlockM;
+  // One query tile. kPartial: fewer than 64 valid queries (the sequence's last tile): 16-query groups past the end skip
+  // their products; P is already 0 there (lse = +inf). Full tiles carry no such code.
+  const auto tile = [&](int qs, int buf, auto partial) {
+    constexpr bool kPartial = decltype(partial)::value;
+    const int qvalid = L - qs;  // > 0; < 64 only when kPartial
+    const uint16_t* q = sQ + buf * kTile * HD;
+    const uint16_t* d_o = sdO + buf * kTile * HD;
+    const float* lse2 = sLse + buf * kTile;
+    const float* Dq = sD + buf * kTile;
 
-    // Keep mask of this tile, bit 4 nt + e for accumulator element e of n-tile nt; independent of S and dP, so the
-    // integer work can overlap the tensor-core work below.
-    uint32_t keep = 0;
-    if constexpr (kDrop) {
-      uint32_t mine = 0;  // nibble nt: bit k = keep of element k of this lane's block
+    if (keys_live) {
+      // S^T = K Q^T and dP^T = V dO^T: this warp's 16 keys x 64 queries.
+      float s[kNTiles][4], dp[kNTiles][4];
+#pragma unroll
+      for (int n = 0; n < kNTiles; ++n)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) s[n][e] = dp[n][e] = 0.0f;
+#pragma unroll
+      for (int kk = 0; kk < kKSteps; ++kk) {
+        uint32_t ka[4], va[4];
+        const int a_off = swz<HD>(wrow + (lane & 7) + ((lane >> 3) & 1) * 8, kk * 2 + (lane >> 4));
+        ldmatrix_x4(ka, sK + a_off);
+        ldmatrix_x4(va, sV + a_off);
+#pragma unroll
+        for (int np = 0; np < kNTiles / 2; ++np) {
+          if (kPartial && np * 16 >= qvalid) continue;  // all 16 queries past the end
+          const int b_off = swz<HD>(np * 16 + (lane & 7) + (lane >> 4) * 8, kk * 2 + ((lane >> 3) & 1));
+          uint32_t r[4];
+          ldmatrix_x4(r, q + b_off);
+          mma16816<kFp16>(s[2 * np], ka, r[0], r[1]);
+          mma16816<kFp16>(s[2 * np + 1], ka, r[2], r[3]);
+          ldmatrix_x4(r, d_o + b_off);
+          mma16816<kFp16>(dp[2 * np], va, r[0], r[1]);
+          mma16816<kFp16>(dp[2 * np + 1], va, r[2], r[3]);
+        }
+      }
+
+      // Keep mask of this tile, bit fmha_dropout::bwd_bit(nt, e) for accumulator element e of n-tile nt. Independent
+      // of S and dP, so the scheduler interleaves its integer work with the MMAs above.
+      uint32_t keep = 0;
+      if constexpr (kDrop) {
+        keep = lane_transpose<1, 2>(
+            fmha_dropout::bwd_lane_bits(draw, args.threshold, static_cast<uint32_t>(head), static_cast<uint32_t>(qs),
+                                        static_cast<uint32_t>(k0 + wrow), static_cast<uint32_t>(g),
+                                        static_cast<uint32_t>(t)),
+            static_cast<uint32_t>(g));
+      }
+
+      // P^T = exp(S^T * scale - lse) (0 for keys or queries past the end), dropout, dS^T = P^T (dP'^T - D). The mask
+      // serves both P' (dV) and dP' (dS).
 #pragma unroll
       for (int nt = 0; nt < kNTiles; ++nt) {
-        const uint32_t qpos = static_cast<uint32_t>(qs + nt * 8 + 2 * t + (quad_r & 1));
-        const Philox4x32 blk = dropout_block(args, s_lo, s_hi, (qpos << 18) | key_q, head_hi | (qpos >> 14));
-        const uint32_t bits = static_cast<uint32_t>(blk.v[0] >= args.keep_min) |
-                              (static_cast<uint32_t>(blk.v[1] >= args.keep_min) << 1) |
-                              (static_cast<uint32_t>(blk.v[2] >= args.keep_min) << 2) |
-                              (static_cast<uint32_t>(blk.v[3] >= args.keep_min) << 3);
-        mine |= bits << (4 * nt);
-      }
-      // Lane quad_r ^ x holds block (element) quad_r ^ x; this lane needs bit quad_r of each of its nibbles.
 #pragma unroll
-      for (int x = 0; x < 4; ++x) {
-        const uint32_t w = x == 0 ? mine : __shfl_xor_sync(0xffffffffu, mine, 4 * x);
-        keep |= ((w >> quad_r) & 0x11111111u) << (quad_r ^ x);
+        for (int e = 0; e < 4; ++e) {
+          const int qc = nt * 8 + 2 * t + (e & 1);
+          const bool ok = (e < 2) ? key_ok0 : key_ok1;
+          const float pr = ok ? exp2_ftz(fmaf(s[nt][e], args.scale_log2, -lse2[qc])) : 0.0f;
+          const float kf = kDrop ? (((keep >> fmha_dropout::bwd_bit(nt, e)) & 1u) ? args.keep_scale : 0.0f) : 1.0f;
+          s[nt][e] = pr * kf;                         // P' (for dV)
+          dp[nt][e] = pr * (dp[nt][e] * kf - Dq[qc]);  // dS (unscaled)
+        }
       }
-    }
 
-    // S^T = K Q^T and dP^T = V dO^T: this warp's 16 keys x 64 queries.
-    float s[kNTiles][4], dp[kNTiles][4];
+      // dV += P'^T dO, dK += dS^T Q: the accumulators of n-tiles 2kk, 2kk+1 are the A fragment of k-step kk.
 #pragma unroll
-    for (int n = 0; n < kNTiles; ++n)
+      for (int kk = 0; kk < kTile / 16; ++kk) {
+        if (kPartial && kk * 16 >= qvalid) continue;  // P' and dS are zero there; dQ skips these queries too
+        const uint32_t pa[4] = {pack2<kFp16>(s[2 * kk][0], s[2 * kk][1]), pack2<kFp16>(s[2 * kk][2], s[2 * kk][3]),
+                                pack2<kFp16>(s[2 * kk + 1][0], s[2 * kk + 1][1]),
+                                pack2<kFp16>(s[2 * kk + 1][2], s[2 * kk + 1][3])};
+        const uint32_t da[4] = {pack2<kFp16>(dp[2 * kk][0], dp[2 * kk][1]),
+                                pack2<kFp16>(dp[2 * kk][2], dp[2 * kk][3]),
+                                pack2<kFp16>(dp[2 * kk + 1][0], dp[2 * kk + 1][1]),
+                                pack2<kFp16>(dp[2 * kk + 1][2], dp[2 * kk + 1][3])};
 #pragma unroll
-      for (int e = 0; e < 4; ++e) s[n][e] = dp[n][e] = 0.0f;
-#pragma unroll
-    for (int kk = 0; kk < kKSteps; ++kk) {
-      uint32_t ka[4], va[4];
-      const int a_off = swz<HD>(wrow + (lane & 7) + ((lane >> 3) & 1) * 8, kk * 2 + (lane >> 4));
-      ldmatrix_x4(ka, sK + a_off);
-      ldmatrix_x4(va, sV + a_off);
-#pragma unroll
-      for (int np = 0; np < kNTiles / 2; ++np) {
-        const int b_off = swz<HD>(np * 16 + (lane & 7) + (lane >> 4) * 8, kk * 2 + ((lane >> 3) & 1));
-        uint32_t r[4];
-        ldmatrix_x4(r, q + b_off);
-        mma16816<kFp16>(s[2 * np], ka, r[0], r[1]);
-        mma16816<kFp16>(s[2 * np + 1], ka, r[2], r[3]);
-        ldmatrix_x4(r, d_o + b_off);
-        mma16816<kFp16>(dp[2 * np], va, r[0], r[1]);
-        mma16816<kFp16>(dp[2 * np + 1], va, r[2], r[3]);
+        for (int d2 = 0; d2 < HD / 16; ++d2) {
+          const int off = swz<HD>(kk * 16 + (lane & 7) + ((lane >> 3) & 1) * 8, d2 * 2 + (lane >> 4));
+          uint32_t r[4];
+          ldmatrix_x4_trans(r, d_o + off);
+          mma16816<kFp16>(dv[2 * d2], pa, r[0], r[1]);
+          mma16816<kFp16>(dv[2 * d2 + 1], pa, r[2], r[3]);
+          ldmatrix_x4_trans(r, q + off);
+          mma16816<kFp16>(dk[2 * d2], da, r[0], r[1]);
+          mma16816<kFp16>(dk[2 * d2 + 1], da, r[2], r[3]);
+        }
+        // dS^T to shared memory (rows = keys, columns = queries) for dQ = dS K.
+        *reinterpret_cast<uint32_t*>(sdS + swz<64>(wrow + g, 2 * kk) + 2 * t) = da[0];
+        *reinterpret_cast<uint32_t*>(sdS + swz<64>(wrow + g + 8, 2 * kk) + 2 * t) = da[1];
+        *reinterpret_cast<uint32_t*>(sdS + swz<64>(wrow + g, 2 * kk + 1) + 2 * t) = da[2];
+        *reinterpret_cast<uint32_t*>(sdS + swz<64>(wrow + g + 8, 2 * kk + 1) + 2 * t) = da[3];
       }
-    }
-
-    // P^T = exp(S^T * scale - lse) (0 for keys or queries past the end), dropout, dS^T = P^T (dP'^T - D).
-    // The mask is drawn once per tile and serves both P' (dV) and dP' (dS).
-#pragma unroll
-    for (int nt = 0; nt < kNTiles; ++nt) {
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int qc = nt * 8 + 2 * t + (e & 1);
-        const bool ok = (e < 2) ? key_ok0 : key_ok1;
-        const float pr = ok ? exp2f(fmaf(s[nt][e], args.scale_log2, -lse2[qc])) : 0.0f;
-        const float kf = kDrop ? (((keep >> (4 * nt + e)) & 1u) ? args.inv_keep : 0.0f) : 1.0f;
-        s[nt][e] = pr * kf;                         // P' (for dV)
-        dp[nt][e] = pr * (dp[nt][e] * kf - Dq[qc]);  // dS (unscaled)
-      }
-    }
-
-    // dV += P'^T dO, dK += dS^T Q: the accumulators of n-tiles 2kk, 2kk+1 are the A fragment of k-step kk.
-#pragma unroll
-    for (int kk = 0; kk < kBlockM / 16; ++kk) {
-      const uint32_t pa[4] = {pack2<kFp16>(s[2 * kk][0], s[2 * kk][1]), pack2<kFp16>(s[2 * kk][2], s[2 * kk][3]),
-                              pack2<kFp16>(s[2 * kk + 1][0], s[2 * kk + 1][1]),
-                              pack2<kFp16>(s[2 * kk + 1][2], s[2 * kk + 1][3])};
-      const uint32_t da[4] = {pack2<kFp16>(dp[2 * kk][0], dp[2 * kk][1]),
-                              pack2<kFp16>(dp[2 * kk][2], dp[2 * kk][3]),
-                              pack2<kFp16>(dp[2 * kk + 1][0], dp[2 * kk + 1][1]),
-                              pack2<kFp16>(dp[2 * kk + 1][2], dp[2 * kk + 1][3])};
-#pragma unroll
-      for (int d2 = 0; d2 < HD / 16; ++d2) {
-        const int off = swz<HD>(kk * 16 + (lane & 7) + ((lane >> 3) & 1) * 8, d2 * 2 + (lane >> 4));
-        uint32_t r[4];
-        ldmatrix_x4_trans(r, d_o + off);
-        mma16816<kFp16>(dv[2 * d2], pa, r[0], r[1]);
-        mma16816<kFp16>(dv[2 * d2 + 1], pa, r[2], r[3]);
-        ldmatrix_x4_trans(r, q + off);
-        mma16816<kFp16>(dk[2 * d2], da, r[0], r[1]);
-        mma16816<kFp16>(dk[2 * d2 + 1], da, r[2], r[3]);
-      }
-      // dS^T to shared memory (rows = keys, columns = queries) for dQ = dS K.
-      *reinterpret_cast<uint32_t*>(sdS + swz<64>(wrow + g, 2 * kk) + 2 * t) = da[0];
-      *reinterpret_cast<uint32_t*>(sdS + swz<64>(wrow + g + 8, 2 * kk) + 2 * t) = da[1];
-      *reinterpret_cast<uint32_t*>(sdS + swz<64>(wrow + g, 2 * kk + 1) + 2 * t) = da[2];
-      *reinterpret_cast<uint32_t*>(sdS + swz<64>(wrow + g + 8, 2 * kk + 1) + 2 * t) = da[3];
     }
     __syncthreads();  // all of dS^T written
 
-    // dQ (this warp's 16 queries x HD) = dS K over the tile's 64 keys; A = dS read transposed from dS^T.
-    float dq[kDTiles][4];
+    // dQ (16 queries x kDqCols head dims per warp) = dS K over the keys < L; A = dS read transposed from dS^T.
+    if (kPartial && dq_qgroup * 16 >= qvalid) return;  // these 16 queries do not exist
+    constexpr int kQTiles = Sh::kDqCols / 8;
+    float dq[kQTiles][4];
 #pragma unroll
-    for (int n = 0; n < kDTiles; ++n) dq[n][0] = dq[n][1] = dq[n][2] = dq[n][3] = 0.0f;
+    for (int n = 0; n < kQTiles; ++n) dq[n][0] = dq[n][1] = dq[n][2] = dq[n][3] = 0.0f;
 #pragma unroll
-    for (int kk = 0; kk < kBlockN / 16; ++kk) {
+    for (int kk = 0; kk < Sh::kBlockN / 16; ++kk) {
+      if (kk >= dq_ksteps) break;
       uint32_t a[4];
-      ldmatrix_x4_trans(a, sdS + swz<64>(kk * 16 + (lane & 7) + (lane >> 4) * 8, warp * 2 + ((lane >> 3) & 1)));
+      ldmatrix_x4_trans(a, sdS + swz<64>(kk * 16 + (lane & 7) + (lane >> 4) * 8, dq_qgroup * 2 + ((lane >> 3) & 1)));
 #pragma unroll
-      for (int d2 = 0; d2 < HD / 16; ++d2) {
+      for (int d2 = 0; d2 < Sh::kDqCols / 16; ++d2) {
         uint32_t r[4];
-        ldmatrix_x4_trans(r, sK + swz<HD>(kk * 16 + (lane & 7) + ((lane >> 3) & 1) * 8, d2 * 2 + (lane >> 4)));
+        ldmatrix_x4_trans(
+            r, sK + swz<HD>(kk * 16 + (lane & 7) + ((lane >> 3) & 1) * 8, dq_col0 / 8 + d2 * 2 + (lane >> 4)));
         mma16816<kFp16>(dq[2 * d2], a, r[0], r[1]);
         mma16816<kFp16>(dq[2 * d2 + 1], a, r[2], r[3]);
       }
     }
-    const int qr0 = qs + wrow + g, qr1 = qr0 + 8;
+    const int qr0 = qs + dq_qgroup * 16 + g, qr1 = qr0 + 8;
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     // Lanes t, t^1 swap half their values so that each holds 4 consecutive columns of one row: the even lane row g,
     // the odd lane row g+8; one 16-byte atomic instead of four 4-byte ones.
     const bool odd = (t & 1) != 0;
     const int qr = odd ? qr1 : qr0;
-    float* dst_row = dq_acc + int64_t{s0 + qr} * H + head * HD + 4 * (t >> 1);
+    float* dst_row = dq_acc + int64_t{s0 + qr} * H + head * HD + dq_col0 + 4 * (t >> 1);
 #pragma unroll
-    for (int n = 0; n < kDTiles; ++n) {
+    for (int n = 0; n < kQTiles; ++n) {
       const float r0 = __shfl_xor_sync(0xffffffffu, odd ? dq[n][0] : dq[n][2], 1);
       const float r1 = __shfl_xor_sync(0xffffffffu, odd ? dq[n][1] : dq[n][3], 1);
       const float4 v = odd ? make_float4(r0 * p.scale, r1 * p.scale, dq[n][2] * p.scale, dq[n][3] * p.scale)
@@ -290,8 +296,8 @@ __global__ void __launch_bounds__(kThreads, bwd_min_ctas(HD))
     }
 #else
 #pragma unroll
-    for (int n = 0; n < kDTiles; ++n) {
-      const int col = head * HD + n * 8 + 2 * t;
+    for (int n = 0; n < kQTiles; ++n) {
+      const int col = head * HD + dq_col0 + n * 8 + 2 * t;
       if (qr0 < L) {
         float* dst = dq_acc + int64_t{s0 + qr0} * H + col;
         atomicAdd(dst, dq[n][0] * p.scale);
@@ -304,9 +310,28 @@ __global__ void __launch_bounds__(kThreads, bwd_min_ctas(HD))
       }
     }
 #endif
+  };
+
+  const int num_qt = (L + kTile - 1) / kTile;
+  for (int i = 0; i < num_qt; ++i) {
+    const int buf = i & 1, qs = i * kTile;
+    cp_async_wait<0>();
+    __syncthreads();  // tile i (and its lse/D) visible; every warp done with tile i-1's buffers and with sdS
+    if (i + 1 < num_qt) {
+      gQ += kTile * ld;  // now tile i + 1's
+      gdO += kTile * int64_t{H};
+      load_q_tile(i + 1, buf ^ 1);
+    }
+    cp_async_commit();
+    if (qs + kTile <= L) {
+      tile(qs, buf, std::false_type{});
+    } else {
+      tile(qs, buf, std::true_type{});
+    }
   }
 
   // dK (scaled) and dV into d_qkv's k and v blocks, rows of this warp's keys that exist.
+  if (!keys_live) return;
   uint16_t* dqkv = static_cast<uint16_t*>(p.d_qkv);
   const int kr0 = k0 + wrow + g, kr1 = kr0 + 8;
 #pragma unroll
@@ -325,38 +350,83 @@ __global__ void __launch_bounds__(kThreads, bwd_min_ctas(HD))
   }
 }
 
-template <int HD, bool kFp16>
-void launch_backward(const FmhaParams& p, int32_t n, cudaStream_t stream) {
-  const KernelArgs args = make_args(p);
-  float* D = static_cast<float*>(p.workspace);
-  float* dq_acc = reinterpret_cast<float*>(static_cast<char*>(p.workspace) + dq_accum_offset(p.num_tokens, p.num_heads));
-  const dim3 row_grid((p.max_seqlen + kPreRows - 1) / kPreRows, n);
-  fmha_bwd_pre_kernel<kFp16><<<row_grid, 32 * kPreRows, 0, stream>>>(args, D, dq_acc);
-  NOPAD_CUDA_CHECK_LAUNCH();
-  constexpr int smem = bwd_smem_bytes<HD>();
-  const dim3 grid((p.max_seqlen + kBlockN - 1) / kBlockN, p.num_heads, n);
+// ------------------------------------------------------------------------------------------------ variants
+// CTAs per SM asked for (launch bounds). 4 warps at HD <= 64: 3 CTAs (168 registers, a few spills) or 2 (no cap, no
+// spills); 8 warps: 1 (no cap). HD = 128 is never capped (the dK/dV accumulators alone are 128 registers).
+struct BwdVariant {
+  const char* name;
+  int warps, min_ctas;
+};
+constexpr BwdVariant kBwdVariants[] = {
+    {"n64w4", 4, 3},   // 0: 64 keys, 4 warps x 16 keys, 12 warps per SM (the design before variants)
+    {"n64w4r", 4, 2},  // 1: the same without the register cap: 8 warps per SM, no spills
+    {"n128w8", 8, 1},  // 2: 128 keys, 8 warps: half the Q/dO tile loads and half the dQ atomics per key
+};
+constexpr int kNumBwdVariants = static_cast<int>(sizeof(kBwdVariants) / sizeof(kBwdVariants[0]));
+constexpr int kDefaultBwdVariant = 0;
+
+template <int HD, int kWarps, int kMinCtas, bool kFp16>
+void launch_backward_main(const KernelArgs& args, const float* D, float* dq_acc, int32_t n, cudaStream_t stream) {
+  using Sh = BwdShape<HD, kWarps>;
+  constexpr int kMin = HD > 64 ? 1 : kMinCtas;
+  const dim3 grid((args.p.max_seqlen + Sh::kBlockN - 1) / Sh::kBlockN, args.p.num_heads, n);
   if (args.dropout) {
-    ensure_smem<fmha_bwd_kernel<HD, kFp16, true>>(smem);
-    fmha_bwd_kernel<HD, kFp16, true><<<grid, kThreads, smem, stream>>>(args, D, dq_acc);
+    constexpr auto kernel = fmha_bwd_kernel<HD, kWarps, kMin, kFp16, true>;
+    ensure_smem<kernel>(Sh::kSmemBytes);
+    kernel<<<grid, Sh::kThreads, Sh::kSmemBytes, stream>>>(args, D, dq_acc);
   } else {
-    ensure_smem<fmha_bwd_kernel<HD, kFp16, false>>(smem);
-    fmha_bwd_kernel<HD, kFp16, false><<<grid, kThreads, smem, stream>>>(args, D, dq_acc);
+    constexpr auto kernel = fmha_bwd_kernel<HD, kWarps, kMin, kFp16, false>;
+    ensure_smem<kernel>(Sh::kSmemBytes);
+    kernel<<<grid, Sh::kThreads, Sh::kSmemBytes, stream>>>(args, D, dq_acc);
   }
-  NOPAD_CUDA_CHECK_LAUNCH();
-  fmha_bwd_dq_kernel<kFp16><<<row_grid, 32 * kPreRows, 0, stream>>>(args, dq_acc);
   NOPAD_CUDA_CHECK_LAUNCH();
 }
 
+template <int HD, bool kFp16>
+void launch_backward(const KernelArgs& args, int variant, int32_t n, cudaStream_t stream) {
+  const FmhaParams& p = args.p;
+  float* D = static_cast<float*>(p.workspace);
+  float* dq_acc =
+      reinterpret_cast<float*>(static_cast<char*>(p.workspace) + dq_accum_offset(p.num_tokens, p.num_heads));
+  const dim3 row_grid((p.max_seqlen + kPreRows - 1) / kPreRows, n);
+  fmha_bwd_pre_kernel<kFp16><<<row_grid, 32 * kPreRows, 0, stream>>>(args, D, dq_acc);
+  NOPAD_CUDA_CHECK_LAUNCH();
+  // At HD = 128 the register cap makes no difference (never capped there), so variant 1 runs variant 0's kernel.
+  if (HD > 64 && variant == 1) variant = 0;
+  switch (variant) {
+    case 0: launch_backward_main<HD, 4, 3, kFp16>(args, D, dq_acc, n, stream); break;
+    case 1:
+      if constexpr (HD <= 64) launch_backward_main<HD, 4, 2, kFp16>(args, D, dq_acc, n, stream);
+      break;
+    case 2: launch_backward_main<HD, 8, 1, kFp16>(args, D, dq_acc, n, stream); break;
+    default: fail("fmha_backward: no variant ", variant);
+  }
+  fmha_bwd_dq_kernel<kFp16><<<row_grid, 32 * kPreRows, 0, stream>>>(args, dq_acc);
+  NOPAD_CUDA_CHECK_LAUNCH();
+}
+static_assert(kNumBwdVariants == 3, "launch_backward dispatches every variant");
+
 template <int HD>
-void launch_backward_hd(const FmhaParams& p, int32_t n, cudaStream_t stream) {
-  if (p.fp16) {
-    launch_backward<HD, true>(p, n, stream);
+void launch_backward_hd(const KernelArgs& args, int variant, int32_t n, cudaStream_t stream) {
+  if (args.p.fp16) {
+    launch_backward<HD, true>(args, variant, n, stream);
   } else {
-    launch_backward<HD, false>(p, n, stream);
+    launch_backward<HD, false>(args, variant, n, stream);
   }
 }
 
 }  // namespace fmha_detail
+
+int fmha_backward_variant_count() { return fmha_detail::kNumBwdVariants; }
+const char* fmha_backward_variant_name(int variant) {
+  NOPAD_CHECK(variant >= 0 && variant < fmha_detail::kNumBwdVariants, "no backward variant ", variant);
+  return fmha_detail::kBwdVariants[variant].name;
+}
+int fmha_backward_variant(const FmhaParams& p) {
+  using namespace fmha_detail;
+  static const int env = variant_from_env("NOPAD_FMHA_BWD_VARIANT", kNumBwdVariants);
+  return choose_variant(p.bwd_variant, env, kDefaultBwdVariant, kNumBwdVariants, "FmhaParams::bwd_variant");
+}
 
 size_t fmha_backward_workspace_bytes(int32_t num_tokens, int32_t num_heads, int32_t head_dim) {
   NOPAD_CHECK(num_tokens >= 0 && num_heads >= 0 && head_dim >= 0, "fmha_backward_workspace_bytes: negative size");
@@ -375,11 +445,13 @@ void fmha_backward(const FmhaParams& p, cudaStream_t stream) {
   const size_t need = fmha_backward_workspace_bytes(p.num_tokens, p.num_heads, p.head_dim);
   NOPAD_CHECK(p.workspace_bytes >= need, "fmha_backward: workspace of ", p.workspace_bytes, " bytes is too small, ",
               "need ", need, " (fmha_backward_workspace_bytes)");
+  const int variant = fmha_backward_variant(p);
   if (n == 0 || p.max_seqlen == 0) return;
+  const KernelArgs args = make_args(p);
   switch (p.head_dim) {
-    case 32: launch_backward_hd<32>(p, n, stream); break;
-    case 64: launch_backward_hd<64>(p, n, stream); break;
-    case 128: launch_backward_hd<128>(p, n, stream); break;
+    case 32: launch_backward_hd<32>(args, variant, n, stream); break;
+    case 64: launch_backward_hd<64>(args, variant, n, stream); break;
+    case 128: launch_backward_hd<128>(args, variant, n, stream); break;
     default: fail("fmha_backward: unsupported head_dim ", p.head_dim);
   }
 }

@@ -1,25 +1,24 @@
 // Device building blocks shared by the FMHA forward and backward kernels (fmha_forward.cu, fmha_backward.cu):
 // tensor-core mma.sync m16n8k16 (bf16/fp16 in, fp32 accumulate), ldmatrix, cp.async with zero fill, the XOR-swizzled
-// shared-memory tile layout, the Philox dropout block, and the host-side validation both entry points use.
-// Design notes: docs/fmha.md.
+// shared-memory tile layout, the Philox dropout block and the keep-bit lane exchange (fmha_dropout.h), variant
+// selection, and the host-side validation both entry points use. Design notes: docs/fmha.md.
 #pragma once
 #include <cuda_runtime.h>
 
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
+#include <cstdlib>
 
 #include "core/error.h"
 #include "core/philox.h"
 #include "ops/cuda/check.h"
 #include "ops/cuda/fmha.h"
+#include "ops/cuda/fmha_dropout.h"
 
 namespace nopad::cuda::fmha_detail {
 
-constexpr int kBlockM = 64;   // query rows per tile
-constexpr int kBlockN = 64;   // key rows per tile
-constexpr int kWarps = 4;     // 16 rows of the CTA's own tile per warp
-constexpr int kThreads = kWarps * 32;
+constexpr int kTile = 64;  // keys per K/V tile (forward), queries per Q/dO tile (backward)
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr int kMaxSeqlen = 1 << 20;  // element_attention packs positions in 20 bits
 
@@ -53,17 +52,42 @@ __device__ __forceinline__ void cp_async_wait() {
   asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
 }
 
-// Copies rows [0, 64) x [0, HD) of a row-major global matrix (leading dimension ld elements, first row at g) into a
-// swizzled tile; rows >= nvalid are zero-filled (so masked keys and values can never inject NaN/Inf).
-template <int HD>
-__device__ __forceinline__ void load_tile_async(uint16_t* tile, const uint16_t* g, int64_t ld, int nvalid) {
-  constexpr int kChunks = HD / 8;
-  for (int i = static_cast<int>(threadIdx.x); i < kBlockN * kChunks; i += kThreads) {
-    const int r = i / kChunks, c = i % kChunks;
-    const bool ok = r < nvalid;
-    cp_async16(tile + swz<HD>(r, c), g + (ok ? r * ld : 0) + c * 8, ok);
+// The 16-byte copies of a kRows x HD tile of a row-major global matrix (leading dimension ld elements) into a
+// swizzled shared tile, planned once per thread: thread tid copies chunk tid % (HD/8) of rows row0 + k * kStep
+// (kStep = kThreads / (HD/8), k < kIters). kStep is a multiple of 8, so the swizzle is the same for all k and the
+// shared offset of copy k is smem_off + k * kStep * HD; the global pointer advances by kStep * ld. Each tile load is
+// then a compare, a pointer add and a cp.async per copy.
+template <int HD, int kRows, int kThreads>
+struct TileCopy {
+  static constexpr int kChunks = HD / 8;
+  static constexpr int kStep = kThreads / kChunks;
+  static constexpr int kIters = kRows / kStep;
+  static_assert(kThreads % kChunks == 0 && kStep % 8 == 0 && kRows % kStep == 0, "whole rounds of 16-byte copies");
+  int row0;        // first row this thread copies
+  int smem_off;    // element offset of its first copy in the swizzled tile
+  int64_t g_off;   // element offset of its first copy from the tile's row 0 in global memory
+  int64_t g_step;  // kStep * ld
+  __device__ __forceinline__ explicit TileCopy(int64_t ld) {
+    const int tid = static_cast<int>(threadIdx.x);
+    row0 = tid / kChunks;
+    const int c = tid % kChunks;
+    smem_off = swz<HD>(row0, c);
+    g_off = row0 * ld + c * 8;
+    g_step = kStep * ld;
   }
-}
+  // Copies rows [0, kRows) of the tile whose row 0 is at g; rows >= nvalid (>= 1) are zero-filled and not read (the
+  // source pointer of such a copy is clamped to row 0, which exists). (Zero-filling them with predicated shared
+  // stores instead makes ptxas branch around each copy: more instructions.)
+  __device__ __forceinline__ void load(uint16_t* tile, const uint16_t* g, int nvalid) const {
+    const uint16_t* src = g + g_off;
+#pragma unroll
+    for (int k = 0; k < kIters; ++k) {
+      const bool ok = row0 + k * kStep < nvalid;
+      cp_async16(tile + smem_off + k * kStep * HD, ok ? src : g, ok);
+      src += g_step;
+    }
+  }
+};
 
 // ------------------------------------------------------------------------------------------------ tensor cores
 __device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], const uint16_t* p) {
@@ -120,37 +144,34 @@ __device__ __forceinline__ float to_f32(uint16_t x) {
   }
 }
 
+// 2^x on the MUFU unit alone (ex2.approx.ftz): the same approximation exp2f uses, minus exp2f's rescaling of results
+// below 2^-126 (three more instructions per element), which flush to 0 here; such probabilities are far below what a
+// 16-bit P or an fp32 row sum >= 1 can resolve. exp2_ftz(-inf) = +0.
+__device__ __forceinline__ float exp2_ftz(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+  return y;
+}
+
 // ------------------------------------------------------------------------------------------------ dropout
 constexpr int kPhiloxRounds = 10;
-
-// Block index of element_attention(head, query_pos, key4 .. key4+3), key4 a multiple of 4.
-__device__ __forceinline__ uint64_t attention_block(int head, int query_pos, int key4) {
-  return element_attention(static_cast<uint32_t>(head), static_cast<uint32_t>(query_pos),
-                           static_cast<uint32_t>(key4)) >>
-         2;
-}
 
 // ------------------------------------------------------------------------------------------------ launch args
 struct KernelArgs {
   FmhaParams p;
   uint64_t stream_key;  // dropout_stream_key(seed, step, op_id)
   float scale_log2;     // scale * log2(e): scores in the exp2 domain
-  float inv_keep;       // 1 / (1 - dropout_p)
-  bool dropout;         // dropout_p > 0
+  float keep_scale;     // dropout_keep_scale(threshold): 65536 / (65536 - threshold) as float; 1 without dropout
+  uint32_t threshold;   // keep iff the 16-bit draw >= threshold = ceil(p * 65536); 0 without dropout
+  bool dropout;         // threshold > 0
   // Philox key schedule of stream_key, one pair per round: kernel parameters, so the key XORs read the constant bank
   // instead of spending registers or adds.
   uint32_t key0[kPhiloxRounds], key1[kPhiloxRounds];
-  // Keep an element iff its 32 random bits >= keep_min: the same as uniform_from_bits(bits) >= dropout_p, since
-  // (bits >> 8) * 2^-24 >= p <=> (bits >> 8) >= ceil(p * 2^24) <=> bits >= ceil(p * 2^24) << 8 (all exact).
-  uint32_t keep_min;
 };
 
-// The Philox block that core/philox.h dropout_bits() draws from for block (b_lo, b_hi) (low and high words of
-// element / 4) of sample (s_lo, s_hi); v[e & 3] is dropout_bits(stream_key, sample_id, e). Same rounds as
-// philox4x32(), bit for bit, with the key schedule precomputed; the sample half of the counter is loop-invariant, so
-// its round-0 product is hoisted out of the tile loops by the compiler.
-// Within one attention row, the low word of the block is (query << 18) + key / 4 with key / 4 < 2^18: adding to the
-// key never carries into the high word, so callers step b_lo with 32-bit adds.
+// The Philox block core/philox.h's dropout_philox() computes for block index (b_hi:b_lo) of sample (s_hi:s_lo), bit for
+// bit: the rounds of philox4x32() with the key schedule precomputed. The sample half of the counter is loop-invariant,
+// so its round-0 product is hoisted out of the tile loops by the compiler.
 __device__ __forceinline__ Philox4x32 dropout_block(const KernelArgs& a, uint32_t s_lo, uint32_t s_hi, uint32_t b_lo,
                                                    uint32_t b_hi) {
   uint32_t c0 = b_lo, c1 = b_hi, c2 = s_lo, c3 = s_hi;
@@ -165,6 +186,20 @@ __device__ __forceinline__ Philox4x32 dropout_block(const KernelArgs& a, uint32_
     c3 = lo0;
   }
   return Philox4x32{{c0, c1, c2, c3}};
+}
+
+// Byte-wise butterfly transpose of kSlotBits-bit slots over the 8 / kSlotBits lanes that differ in lane bits
+// kLaneShift..: i is the lane's index in that group (fmha_dropout.h; the forward uses <2, 0> over a quad, the backward
+// <1, 2> over the 8 lanes of one t). One shuffle per stage.
+template <int kSlotBits, int kLaneShift>
+__device__ __forceinline__ uint32_t lane_transpose(uint32_t x, uint32_t i) {
+#pragma unroll
+  for (int b = 0; (1 << b) < 8 / kSlotBits; ++b) {
+    const uint32_t y =
+        __shfl_xor_sync(0xffffffffu, fmha_dropout::xchg_send<kSlotBits>(x, i, b), (1 << b) << kLaneShift);
+    x = fmha_dropout::xchg_merge<kSlotBits>(x, y, i, b);
+  }
+  return x;
 }
 
 // ------------------------------------------------------------------------------------------------ launch args
@@ -187,8 +222,8 @@ inline int32_t validate_common(const FmhaParams& p, const char* op) {
   NOPAD_CHECK(p.max_seqlen >= 0 && p.max_seqlen < kMaxSeqlen, op, ": max_seqlen ", p.max_seqlen,
               " out of range [0, 2^20) (dropout keys pack positions in 20 bits)");
   NOPAD_CHECK(p.scale > 0.0f && std::isfinite(p.scale), op, ": scale must be positive and finite, got ", p.scale);
-  NOPAD_CHECK(p.dropout_p >= 0.0f && p.dropout_p < 1.0f, op, ": dropout probability must be in [0, 1), got ",
-              p.dropout_p);
+  NOPAD_CHECK(dropout_p_supported(p.dropout_p), op, ": dropout probability must be in [0, 1 - 2^-16] (a 16-bit ",
+              "draw must be able to keep an element), got ", p.dropout_p);
   NOPAD_CHECK(p.qkv != nullptr && p.ctx != nullptr && p.lse != nullptr && p.cu_seqlens != nullptr, op,
               ": qkv, ctx, lse and cu_seqlens must not be null");
   NOPAD_CHECK(p.dropout_p == 0.0f || p.sample_ids != nullptr, op, ": dropout needs sample_ids");
@@ -209,9 +244,10 @@ inline int32_t validate_common(const FmhaParams& p, const char* op) {
 inline KernelArgs make_args(const FmhaParams& p) {
   KernelArgs a{};
   a.p = p;
-  a.dropout = p.dropout_p > 0.0f;
+  a.threshold = dropout_threshold(p.dropout_p);
+  a.dropout = a.threshold > 0;
   a.stream_key = a.dropout ? dropout_stream_key(p.seed, p.step, p.op_id) : 0;
-  a.inv_keep = a.dropout ? static_cast<float>(1.0 / (1.0 - static_cast<double>(p.dropout_p))) : 1.0f;
+  a.keep_scale = a.dropout ? dropout_keep_scale(a.threshold) : 1.0f;
   a.scale_log2 = p.scale * kLog2e;
   uint32_t k0 = static_cast<uint32_t>(a.stream_key), k1 = static_cast<uint32_t>(a.stream_key >> 32);
   for (int r = 0; r < kPhiloxRounds; ++r) {  // philox4x32's schedule: bumped between rounds
@@ -222,8 +258,24 @@ inline KernelArgs make_args(const FmhaParams& p) {
     a.key0[r] = k0;
     a.key1[r] = k1;
   }
-  a.keep_min = a.dropout ? static_cast<uint32_t>(std::ceil(static_cast<double>(p.dropout_p) * 16777216.0)) << 8 : 0;
   return a;
+}
+
+// The variant a call runs: the params field when >= 0, else the environment variable `env` (read once per process and
+// variable) when set, else `fallback`. Out-of-range values are errors that name where they came from.
+inline int variant_from_env(const char* env, int count) {
+  const char* s = std::getenv(env);
+  if (s == nullptr || *s == '\0') return -1;
+  char* end = nullptr;
+  const long v = std::strtol(s, &end, 10);
+  NOPAD_CHECK(*end == '\0' && v >= 0 && v < count, "environment variable ", env, "=", s,
+              " is not a variant index in [0, ", count, ")");
+  return static_cast<int>(v);
+}
+inline int choose_variant(int field, int env_value, int fallback, int count, const char* what) {
+  NOPAD_CHECK(field < count && field >= -1, what, " ", field, " is not a variant index in [0, ", count, ") or -1");
+  if (field >= 0) return field;
+  return env_value >= 0 ? env_value : fallback;
 }
 
 // Raises a kernel's dynamic shared memory limit once per process and kernel instantiation (the template argument is

@@ -1,32 +1,40 @@
-// FMHA forward (FlashAttention-2 style) on mma.sync tensor cores: one CTA per (query tile of 64, head, sequence),
-// 4 warps x 16 query rows, K/V tiles of 64 keys double-buffered in shared memory with cp.async, online softmax in fp32
-// registers, dropout from Philox in the kernel. Design: docs/fmha.md.
+// FMHA forward (FlashAttention-2 style) on mma.sync tensor cores: one CTA per (query tile, head, sequence), each warp
+// owning 16 or 32 query rows (one or two m16 tiles), K/V tiles of 64 keys double-buffered in shared memory with
+// cp.async and shared by all warps, online softmax in fp32 registers, dropout from Philox in the kernel (one block per
+// 8 mask elements, keep bits exchanged inside each quad). Tile shapes are template parameters; the variants listed in
+// kFwdVariants are instantiated and chosen per call (fmha.h). Design: docs/fmha.md.
 #include <cmath>
+#include <type_traits>
 
 #include "ops/cuda/fmha_common.cuh"
 
 namespace nopad::cuda {
 namespace fmha_detail {
 
-template <int HD>
-constexpr int fwd_smem_bytes() {
-  return (kBlockM * HD + 2 * kBlockN * HD + 2 * kBlockN * HD) * 2;  // Q, K x2, V x2 (16-bit elements)
-}
+// kWarps warps x kMT m16 tiles of query rows per warp.
+template <int HD, int kWarps, int kMT>
+struct FwdShape {
+  static constexpr int kWarpRows = 16 * kMT;
+  static constexpr int kBlockM = kWarps * kWarpRows;  // query rows per CTA
+  static constexpr int kThreads = 32 * kWarps;
+  // Q fragments live in registers for the whole CTA when they fit next to 2 x kMT x HD/2 accumulator floats;
+  // otherwise (kMT = 2 at HD = 128) they are re-read from shared memory for every key tile.
+  static constexpr bool kQInRegs = kMT == 1;
+  static constexpr int kSmemBytes = (kBlockM * HD + 4 * kTile * HD) * 2;  // Q, K x2, V x2 (16-bit elements)
+};
 
-// CTAs per SM to fit the registers for: at head_dim <= 64, 128 registers give 4 CTAs (16 warps) per SM instead of 3;
-// at 128 the cap would spill the accumulators.
-constexpr int fwd_min_ctas(int hd) { return hd <= 64 ? 4 : 1; }
-
-template <int HD, bool kFp16, bool kDrop>
-__global__ void __launch_bounds__(kThreads, fwd_min_ctas(HD)) fmha_fwd_kernel(const KernelArgs args) {
+template <int HD, int kWarps, int kMT, int kMinCtas, bool kFp16, bool kDrop>
+__global__ void __launch_bounds__(32 * kWarps, kMinCtas) fmha_fwd_kernel(const __grid_constant__ KernelArgs args) {
+  using Sh = FwdShape<HD, kWarps, kMT>;
   constexpr int kKSteps = HD / 16;  // k-steps of Q K^T over the head dimension
   constexpr int kDTiles = HD / 8;   // n-tiles of the output over the head dimension
-  constexpr int kNTiles = kBlockN / 8;
+  constexpr int kNTiles = kTile / 8;
+  constexpr int kQF = Sh::kQInRegs ? kMT : 1;
   const FmhaParams& p = args.p;
 
   int b, s0, L;
   launch_sequence(p, static_cast<int>(blockIdx.z), b, s0, L);
-  const int q0 = static_cast<int>(blockIdx.x) * kBlockM;
+  const int q0 = static_cast<int>(blockIdx.x) * Sh::kBlockM;
   if (q0 >= L) return;  // CTA past its sequence's end (grid.x covers the longest sequence of the launch)
   const int head = static_cast<int>(blockIdx.y);
   const int H = p.num_heads * HD;
@@ -35,175 +43,232 @@ __global__ void __launch_bounds__(kThreads, fwd_min_ctas(HD)) fmha_fwd_kernel(co
 
   extern __shared__ __align__(128) uint16_t smem[];
   uint16_t* sQ = smem;
-  uint16_t* sK = sQ + kBlockM * HD;       // [2][64][HD]
-  uint16_t* sV = sK + 2 * kBlockN * HD;   // [2][64][HD]
+  uint16_t* sK = sQ + Sh::kBlockM * HD;  // [2][64][HD]
+  uint16_t* sV = sK + 2 * kTile * HD;    // [2][64][HD]
 
-  const uint16_t* gK = qkv + int64_t{s0} * ld + H + head * HD;
+  const uint16_t* gK = qkv + int64_t{s0} * ld + H + head * HD;  // the K/V tile last issued
   const uint16_t* gV = gK + H;
-  load_tile_async<HD>(sQ, qkv + int64_t{s0 + q0} * ld + head * HD, ld, L - q0);
-  load_tile_async<HD>(sK, gK, ld, L);
-  load_tile_async<HD>(sV, gV, ld, L);
+  {
+    const TileCopy<HD, Sh::kBlockM, Sh::kThreads> q_copy(ld);
+    q_copy.load(sQ, qkv + int64_t{s0 + q0} * ld + head * HD, L - q0);
+  }
+  const TileCopy<HD, kTile, Sh::kThreads> kv_copy(ld);
+  kv_copy.load(sK, gK, L);
+  kv_copy.load(sV, gV, L);
   cp_async_commit();
 
   const int warp = static_cast<int>(threadIdx.x) >> 5, lane = static_cast<int>(threadIdx.x) & 31;
   const int g = lane >> 2, t = lane & 3;
-  const int wrow = warp * 16;  // this warp's first row within the Q tile
+  const int wrow = warp * Sh::kWarpRows;  // this warp's first row within the Q tile
+  // A warp whose rows all lie past the end only joins the barriers and the copies (warp-uniform).
+  const bool live = q0 + wrow < L;
 
-  uint32_t qf[kKSteps][4];
-  float acc[kDTiles][4];
+  uint32_t qf[kQF][kKSteps][4];
+  float acc[kMT][kDTiles][4];
 #pragma unroll
-  for (int i = 0; i < kDTiles; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.0f;
-  float row_max[2] = {-INFINITY, -INFINITY};  // running max of rows g and g+8, exp2 domain
-  float row_sum[2] = {0.0f, 0.0f};            // this thread's partial running sums (quad-reduced at the end)
+  for (int mt = 0; mt < kMT; ++mt)
+#pragma unroll
+    for (int i = 0; i < kDTiles; ++i) acc[mt][i][0] = acc[mt][i][1] = acc[mt][i][2] = acc[mt][i][3] = 0.0f;
+  float row_max[kMT][2], row_sum[kMT][2];  // running max (raw scores) of rows g, g+8; this thread's partial sums
+#pragma unroll
+  for (int mt = 0; mt < kMT; ++mt) {
+    row_max[mt][0] = row_max[mt][1] = -INFINITY;
+    row_sum[mt][0] = row_sum[mt][1] = 0.0f;
+  }
 
-  // Dropout: lanes t and t^1 cover the same 4 keys (2t, 2t+1 lie in one aligned group of 4); the even lane draws the
-  // Philox block of row g, the odd lane that of row g+8, and they swap the halves the other needs (as bits, one
-  // shuffle per tile).
-  const bool odd = (t & 1) != 0;
   uint32_t s_lo = 0, s_hi = 0;
-  uint32_t blk_lo = 0, blk_hi = 0;  // block of (this lane's drop row, key 4 (t/2)); key tile j adds 16 j, n-tile 2 nt
   if constexpr (kDrop) {
     const uint64_t sample = p.sample_ids[b];
     s_lo = static_cast<uint32_t>(sample);
     s_hi = static_cast<uint32_t>(sample >> 32);
-    const uint64_t blk = attention_block(head, q0 + wrow + g + (odd ? 8 : 0), (t >> 1) * 4);
-    blk_lo = static_cast<uint32_t>(blk);
-    blk_hi = static_cast<uint32_t>(blk >> 32);
   }
+  const auto draw = [&](uint32_t lo, uint32_t hi) { return dropout_block(args, s_lo, s_hi, lo, hi); };
 
-  const int num_kt = (L + kBlockN - 1) / kBlockN;
-  for (int j = 0; j < num_kt; ++j) {
-    cp_async_wait<0>();
-    __syncthreads();  // tile j visible to all warps; every warp is done with tile j-1's buffer
-    if (j == 0) {
-#pragma unroll
-      for (int kk = 0; kk < kKSteps; ++kk)
-        ldmatrix_x4(qf[kk], sQ + swz<HD>(wrow + (lane & 7) + ((lane >> 3) & 1) * 8, kk * 2 + (lane >> 4)));
-    }
-    if (j + 1 < num_kt) {
-      const int buf = (j + 1) & 1, k1 = (j + 1) * kBlockN;
-      load_tile_async<HD>(sK + buf * kBlockN * HD, gK + int64_t{k1} * ld, ld, L - k1);
-      load_tile_async<HD>(sV + buf * kBlockN * HD, gV + int64_t{k1} * ld, ld, L - k1);
-    }
-    cp_async_commit();
-    const uint16_t* k = sK + (j & 1) * kBlockN * HD;
-    const uint16_t* v = sV + (j & 1) * kBlockN * HD;
+  // One key tile. kPartial: the tile holds fewer than 64 valid keys (the sequence's last tile): 16-key groups past the
+  // end skip their products and the keys past the end are masked; full tiles carry no such code.
+  const auto tile = [&](const uint16_t* k, const uint16_t* v, int kbase, auto partial) {
+    constexpr bool kPartial = decltype(partial)::value;
+    const int kvalid = L - kbase;  // > 0; < 64 only when kPartial
 
-    // Keep mask of this tile, bit 4 nt + e for accumulator element s[nt][e]; independent of S, so the integer work
-    // can overlap the tensor-core work below.
-    uint32_t keep = 0;
-    if constexpr (kDrop) {
-      uint32_t own = 0, send = 0;  // bits 4 nt + {0, 1}
+    // S = Q K^T for this warp's rows x 64 keys.
+    float s[kMT][kNTiles][4];
 #pragma unroll
-      for (int nt = 0; nt < kNTiles; ++nt) {
-        const Philox4x32 blk = dropout_block(args, s_lo, s_hi, blk_lo + static_cast<uint32_t>(16 * j + 2 * nt), blk_hi);
-        const uint32_t k0 = blk.v[0] >= args.keep_min, k1 = blk.v[1] >= args.keep_min;
-        const uint32_t k2 = blk.v[2] >= args.keep_min, k3 = blk.v[3] >= args.keep_min;
-        own |= ((odd ? k2 : k0) | ((odd ? k3 : k1) << 1)) << (4 * nt);
-        send |= ((odd ? k0 : k2) | ((odd ? k1 : k3) << 1)) << (4 * nt);
-      }
-      const uint32_t got = __shfl_xor_sync(0xffffffffu, send, 1);
-      keep = odd ? (got | (own << 2)) : (own | (got << 2));
-    }
-
-    // S = Q K^T for this warp's 16 rows x 64 keys.
-    float s[kNTiles][4];
+    for (int mt = 0; mt < kMT; ++mt)
 #pragma unroll
-    for (int i = 0; i < kNTiles; ++i) s[i][0] = s[i][1] = s[i][2] = s[i][3] = 0.0f;
+      for (int i = 0; i < kNTiles; ++i) s[mt][i][0] = s[mt][i][1] = s[mt][i][2] = s[mt][i][3] = 0.0f;
 #pragma unroll
     for (int kk = 0; kk < kKSteps; ++kk) {
+      uint32_t qa[kMT][4];
+#pragma unroll
+      for (int mt = 0; mt < kMT; ++mt) {
+        if constexpr (Sh::kQInRegs) {
+#pragma unroll
+          for (int i = 0; i < 4; ++i) qa[mt][i] = qf[mt][kk][i];
+        } else {
+          ldmatrix_x4(qa[mt], sQ + swz<HD>(wrow + 16 * mt + (lane & 7) + ((lane >> 3) & 1) * 8, kk * 2 + (lane >> 4)));
+        }
+      }
 #pragma unroll
       for (int np = 0; np < kNTiles / 2; ++np) {
+        if (kPartial && np * 16 >= kvalid) continue;  // all 16 keys past the end
         uint32_t r[4];  // keys np*16 .. +15 (n), head dims kk*16 .. +15 (k)
         ldmatrix_x4(r, k + swz<HD>(np * 16 + (lane & 7) + (lane >> 4) * 8, kk * 2 + ((lane >> 3) & 1)));
-        mma16816<kFp16>(s[2 * np], qf[kk], r[0], r[1]);
-        mma16816<kFp16>(s[2 * np + 1], qf[kk], r[2], r[3]);
+#pragma unroll
+        for (int mt = 0; mt < kMT; ++mt) {
+          mma16816<kFp16>(s[mt][2 * np], qa[mt], r[0], r[1]);
+          mma16816<kFp16>(s[mt][2 * np + 1], qa[mt], r[2], r[3]);
+        }
       }
     }
 
-    // Mask keys past the end (last tile only), online softmax on raw scores: scale > 0, so the max commutes with
-    // the scaling, which folds into one FFMA per element before exp2.
-    const int kbase = j * kBlockN;
-    if (kbase + kBlockN > L) {
-#pragma unroll
-      for (int nt = 0; nt < kNTiles; ++nt)
-#pragma unroll
-        for (int e = 0; e < 4; ++e)
-          if (kbase + nt * 8 + 2 * t + (e & 1) >= L) s[nt][e] = -INFINITY;
-    }
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      float mx = row_max[r];
-#pragma unroll
-      for (int nt = 0; nt < kNTiles; ++nt) mx = fmaxf(mx, fmaxf(s[nt][2 * r], s[nt][2 * r + 1]));
-      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-      // mx is finite: every key tile holds at least one key < L.
-      const float alpha = exp2f((row_max[r] - mx) * args.scale_log2);  // 0 on the first tile (row_max = -inf)
-      row_max[r] = mx;
-      const float mx_s = mx * args.scale_log2;
-      float sum = 0.0f;
-#pragma unroll
-      for (int nt = 0; nt < kNTiles; ++nt) {
-        s[nt][2 * r] = exp2f(fmaf(s[nt][2 * r], args.scale_log2, -mx_s));
-        s[nt][2 * r + 1] = exp2f(fmaf(s[nt][2 * r + 1], args.scale_log2, -mx_s));
-        sum += s[nt][2 * r] + s[nt][2 * r + 1];
-      }
-      row_sum[r] = row_sum[r] * alpha + sum;  // the softmax denominator is taken before dropout
-#pragma unroll
-      for (int dt = 0; dt < kDTiles; ++dt) {
-        acc[dt][2 * r] *= alpha;
-        acc[dt][2 * r + 1] *= alpha;
-      }
-    }
-
-    // Dropped elements are zeroed; the 1/(1-p) of the kept ones is applied once, in the epilogue.
+    // Keep mask of this tile for each m-tile, bit fmha_dropout::fwd_bit(nt, e) for accumulator element s[mt][nt][e].
+    // Independent of S, so the scheduler interleaves its integer work with the MMAs above. (Written after them: with
+    // two m-tiles per warp the other order makes ptxas 13.0 fail register allocation.)
+    uint32_t keep[kMT];
     if constexpr (kDrop) {
 #pragma unroll
-      for (int nt = 0; nt < kNTiles; ++nt)
+      for (int mt = 0; mt < kMT; ++mt) {
+        const uint32_t row_g = static_cast<uint32_t>(q0 + wrow + 16 * mt + g);
+        keep[mt] = lane_transpose<2, 0>(
+            fmha_dropout::fwd_lane_bits(draw, args.threshold, static_cast<uint32_t>(head), row_g,
+                                        static_cast<uint32_t>(kbase), static_cast<uint32_t>(t)),
+            static_cast<uint32_t>(t));
+      }
+    }
+
+    // Keys past the end to -inf (partial tile only); online softmax on raw scores: scale > 0, so the max commutes
+    // with the scaling, which folds into one FFMA per element before exp2.
 #pragma unroll
-        for (int e = 0; e < 4; ++e) s[nt][e] = ((keep >> (4 * nt + e)) & 1u) ? s[nt][e] : 0.0f;
+    for (int mt = 0; mt < kMT; ++mt) {
+      if constexpr (kPartial) {
+#pragma unroll
+        for (int nt = 0; nt < kNTiles; ++nt)
+#pragma unroll
+          for (int e = 0; e < 4; ++e)
+            if (nt * 8 + 2 * t + (e & 1) >= kvalid) s[mt][nt][e] = -INFINITY;
+      }
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        float mx = row_max[mt][r];
+#pragma unroll
+        for (int nt = 0; nt < kNTiles; ++nt) mx = fmaxf(mx, fmaxf(s[mt][nt][2 * r], s[mt][nt][2 * r + 1]));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+        // mx is finite: every key tile holds at least one key < L.
+        const float alpha = exp2_ftz((row_max[mt][r] - mx) * args.scale_log2);  // 0 on the first tile
+        row_max[mt][r] = mx;
+        const float mx_s = mx * args.scale_log2;
+        float sum = 0.0f;
+#pragma unroll
+        for (int nt = 0; nt < kNTiles; ++nt) {
+          s[mt][nt][2 * r] = exp2_ftz(fmaf(s[mt][nt][2 * r], args.scale_log2, -mx_s));
+          s[mt][nt][2 * r + 1] = exp2_ftz(fmaf(s[mt][nt][2 * r + 1], args.scale_log2, -mx_s));
+          sum += s[mt][nt][2 * r] + s[mt][nt][2 * r + 1];
+        }
+        row_sum[mt][r] = row_sum[mt][r] * alpha + sum;  // the softmax denominator is taken before dropout
+#pragma unroll
+        for (int dt = 0; dt < kDTiles; ++dt) {
+          acc[mt][dt][2 * r] *= alpha;
+          acc[mt][dt][2 * r + 1] *= alpha;
+        }
+      }
+      // Dropped elements are zeroed; the keep-scale of the kept ones is applied once, in the epilogue.
+      if constexpr (kDrop) {
+#pragma unroll
+        for (int nt = 0; nt < kNTiles; ++nt)
+#pragma unroll
+          for (int e = 0; e < 4; ++e)
+            s[mt][nt][e] = ((keep[mt] >> fmha_dropout::fwd_bit(nt, e)) & 1u) ? s[mt][nt][e] : 0.0f;
+      }
     }
 
     // O += P' V: the S accumulators of n-tiles 2kk, 2kk+1 are exactly the A fragment of k-step kk.
 #pragma unroll
-    for (int kk = 0; kk < kBlockN / 16; ++kk) {
-      const uint32_t a[4] = {pack2<kFp16>(s[2 * kk][0], s[2 * kk][1]), pack2<kFp16>(s[2 * kk][2], s[2 * kk][3]),
-                             pack2<kFp16>(s[2 * kk + 1][0], s[2 * kk + 1][1]),
-                             pack2<kFp16>(s[2 * kk + 1][2], s[2 * kk + 1][3])};
+    for (int kk = 0; kk < kTile / 16; ++kk) {
+      if (kPartial && kk * 16 >= kvalid) continue;  // P' is zero for these keys
+      uint32_t a[kMT][4];
+#pragma unroll
+      for (int mt = 0; mt < kMT; ++mt) {
+        a[mt][0] = pack2<kFp16>(s[mt][2 * kk][0], s[mt][2 * kk][1]);
+        a[mt][1] = pack2<kFp16>(s[mt][2 * kk][2], s[mt][2 * kk][3]);
+        a[mt][2] = pack2<kFp16>(s[mt][2 * kk + 1][0], s[mt][2 * kk + 1][1]);
+        a[mt][3] = pack2<kFp16>(s[mt][2 * kk + 1][2], s[mt][2 * kk + 1][3]);
+      }
 #pragma unroll
       for (int dp = 0; dp < HD / 16; ++dp) {
         uint32_t r[4];  // keys kk*16 .. +15 (k), head dims dp*16 .. +15 (n), transposed
         ldmatrix_x4_trans(r, v + swz<HD>(kk * 16 + (lane & 7) + ((lane >> 3) & 1) * 8, dp * 2 + (lane >> 4)));
-        mma16816<kFp16>(acc[2 * dp], a, r[0], r[1]);
-        mma16816<kFp16>(acc[2 * dp + 1], a, r[2], r[3]);
+#pragma unroll
+        for (int mt = 0; mt < kMT; ++mt) {
+          mma16816<kFp16>(acc[mt][2 * dp], a[mt], r[0], r[1]);
+          mma16816<kFp16>(acc[mt][2 * dp + 1], a[mt], r[2], r[3]);
+        }
       }
     }
-  }
+  };
 
-  // Epilogue: O = acc / sum, lse = max + log(sum) in natural log; O staged through this warp's own rows of sQ (only
-  // this warp ever read them) for 16-byte coalesced stores.
-  const int T = p.num_tokens;
-  float inv[2];
+  const int num_kt = (L + kTile - 1) / kTile;
+  for (int j = 0; j < num_kt; ++j) {
+    cp_async_wait<0>();
+    __syncthreads();  // tile j visible to all warps; every warp is done with tile j-1's buffer
+    if constexpr (Sh::kQInRegs) {
+      if (j == 0 && live) {
 #pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    float sum = row_sum[r];
-    sum += __shfl_xor_sync(0xffffffffu, sum, 1);
-    sum += __shfl_xor_sync(0xffffffffu, sum, 2);
-    inv[r] = (kDrop ? args.inv_keep : 1.0f) / sum;
-    const int row = q0 + wrow + g + 8 * r;
-    if (t == 0 && row < L) p.lse[int64_t{head} * T + s0 + row] = row_max[r] * p.scale + logf(sum);
+        for (int mt = 0; mt < kMT; ++mt)
+#pragma unroll
+          for (int kk = 0; kk < kKSteps; ++kk)
+            ldmatrix_x4(qf[mt][kk],
+                        sQ + swz<HD>(wrow + 16 * mt + (lane & 7) + ((lane >> 3) & 1) * 8, kk * 2 + (lane >> 4)));
+      }
+    }
+    if (j + 1 < num_kt) {  // one barrier per tile suffices: the buffer overwritten was last read before it
+      const int buf = (j + 1) & 1, k1 = (j + 1) * kTile;
+      gK += kTile * ld;  // now tile j + 1's
+      gV += kTile * ld;
+      kv_copy.load(sK + buf * kTile * HD, gK, L - k1);
+      kv_copy.load(sV + buf * kTile * HD, gV, L - k1);
+    }
+    cp_async_commit();
+    if (!live) continue;
+    const uint16_t* k = sK + (j & 1) * kTile * HD;
+    const uint16_t* v = sV + (j & 1) * kTile * HD;
+    if ((j + 1) * kTile <= L) {
+      tile(k, v, j * kTile, std::false_type{});
+    } else {
+      tile(k, v, j * kTile, std::true_type{});
+    }
   }
+  if (!live) return;
+
+  // Epilogue: O = acc * keep_scale / sum, lse = max + log(sum) in natural log; O staged through this warp's own rows of
+  // sQ (only this warp ever read them) for 16-byte coalesced stores.
+  const int T = p.num_tokens;
+  uint16_t* ctx = static_cast<uint16_t*>(p.ctx);
 #pragma unroll
-  for (int dt = 0; dt < kDTiles; ++dt) {
-    *reinterpret_cast<uint32_t*>(sQ + swz<HD>(wrow + g, dt) + 2 * t) =
-        pack2<kFp16>(acc[dt][0] * inv[0], acc[dt][1] * inv[0]);
-    *reinterpret_cast<uint32_t*>(sQ + swz<HD>(wrow + g + 8, dt) + 2 * t) =
-        pack2<kFp16>(acc[dt][2] * inv[1], acc[dt][3] * inv[1]);
+  for (int mt = 0; mt < kMT; ++mt) {
+    const int mrow = wrow + 16 * mt;
+    float inv[2];
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      float sum = row_sum[mt][r];
+      sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+      sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+      // sum >= 1 (the row max contributes exp2(0)): a reciprocal without the IEEE division's slow-path call.
+      inv[r] = (kDrop ? args.keep_scale : 1.0f) * __frcp_rn(sum);
+      const int row = q0 + mrow + g + 8 * r;
+      if (t == 0 && row < L) p.lse[int64_t{head} * T + s0 + row] = row_max[mt][r] * p.scale + logf(sum);
+    }
+    __syncwarp();  // (kQInRegs = false) every lane's last ldmatrix of these rows is done before they are overwritten
+#pragma unroll
+    for (int dt = 0; dt < kDTiles; ++dt) {
+      *reinterpret_cast<uint32_t*>(sQ + swz<HD>(mrow + g, dt) + 2 * t) =
+          pack2<kFp16>(acc[mt][dt][0] * inv[0], acc[mt][dt][1] * inv[0]);
+      *reinterpret_cast<uint32_t*>(sQ + swz<HD>(mrow + g + 8, dt) + 2 * t) =
+          pack2<kFp16>(acc[mt][dt][2] * inv[1], acc[mt][dt][3] * inv[1]);
+    }
   }
   __syncwarp();
-  uint16_t* ctx = static_cast<uint16_t*>(p.ctx);
-  for (int i = lane; i < 16 * kDTiles; i += 32) {
+  for (int i = lane; i < Sh::kWarpRows * kDTiles; i += 32) {
     const int r = i / kDTiles, c = i % kDTiles, row = q0 + wrow + r;
     if (row < L)
       *reinterpret_cast<uint4*>(ctx + int64_t{s0 + row} * H + head * HD + c * 8) =
@@ -211,44 +276,93 @@ __global__ void __launch_bounds__(kThreads, fwd_min_ctas(HD)) fmha_fwd_kernel(co
   }
 }
 
-template <int HD, bool kFp16, bool kDrop>
-void launch_forward_drop(const KernelArgs& args, const dim3 grid, cudaStream_t stream) {
-  constexpr int smem = fwd_smem_bytes<HD>();
-  ensure_smem<fmha_fwd_kernel<HD, kFp16, kDrop>>(smem);
-  fmha_fwd_kernel<HD, kFp16, kDrop><<<grid, kThreads, smem, stream>>>(args);
+// ------------------------------------------------------------------------------------------------ variants
+// CTAs per SM each variant asks registers for (launch bounds): 16 rows per warp at HD <= 64 fits 128 registers, so
+// 4 CTAs of 4 warps (16 warps per SM) instead of 3; two m-tiles per warp need 230-255 registers (2 CTAs of 4 warps, or
+// 4 of 2 warps); HD = 128 is left unconstrained (a cap would spill the accumulators).
+struct FwdVariant {
+  const char* name;
+  int warps, m_tiles;
+};
+constexpr FwdVariant kFwdVariants[] = {
+    {"m64w4", 4, 1},   // 0: 64 query rows, 4 warps x 16 rows (the design before variants)
+    {"m128w4", 4, 2},  // 1: 128 query rows, 4 warps x 32 rows: each K/V fragment read from shared memory feeds 2 MMAs
+    {"m64w2", 2, 2},   // 2: 64 query rows, 2 warps x 32 rows: same reuse with the 64-row tile granularity
+    {"m128w8", 8, 1},  // 3: 128 query rows, 8 warps x 16 rows: half the K/V tile loads per query row
+};
+constexpr int kNumFwdVariants = static_cast<int>(sizeof(kFwdVariants) / sizeof(kFwdVariants[0]));
+constexpr int kDefaultFwdVariant = 0;
+
+constexpr int fwd_min_ctas(int hd, int warps, int m_tiles) {
+  if (hd > 64) return 1;
+  if (m_tiles == 1) return warps == 4 ? 4 : 2;  // 128 registers: 16 warps per SM
+  return warps == 4 ? 2 : 4;                    // no cap (255): 8 warps per SM
+}
+
+template <int HD, int kWarps, int kMT, bool kFp16, bool kDrop>
+void launch_forward_kernel(const KernelArgs& args, int32_t num_launch, cudaStream_t stream) {
+  using Sh = FwdShape<HD, kWarps, kMT>;
+  constexpr auto kernel = fmha_fwd_kernel<HD, kWarps, kMT, fwd_min_ctas(HD, kWarps, kMT), kFp16, kDrop>;
+  ensure_smem<kernel>(Sh::kSmemBytes);
+  const dim3 grid((args.p.max_seqlen + Sh::kBlockM - 1) / Sh::kBlockM, args.p.num_heads, num_launch);
+  kernel<<<grid, Sh::kThreads, Sh::kSmemBytes, stream>>>(args);
   NOPAD_CUDA_CHECK_LAUNCH();
 }
 
-template <int HD, bool kFp16>
-void launch_forward(const FmhaParams& p, int32_t num_launch, cudaStream_t stream) {
-  const KernelArgs args = make_args(p);
-  const dim3 grid((p.max_seqlen + kBlockM - 1) / kBlockM, p.num_heads, num_launch);
+template <int HD, int kWarps, int kMT>
+void launch_forward_shape(const KernelArgs& args, int32_t n, cudaStream_t stream) {
+  const bool fp16 = args.p.fp16;
   if (args.dropout) {
-    launch_forward_drop<HD, kFp16, true>(args, grid, stream);
+    fp16 ? launch_forward_kernel<HD, kWarps, kMT, true, true>(args, n, stream)
+         : launch_forward_kernel<HD, kWarps, kMT, false, true>(args, n, stream);
   } else {
-    launch_forward_drop<HD, kFp16, false>(args, grid, stream);
+    fp16 ? launch_forward_kernel<HD, kWarps, kMT, true, false>(args, n, stream)
+         : launch_forward_kernel<HD, kWarps, kMT, false, false>(args, n, stream);
   }
 }
 
+// Two m-tiles per warp at HD = 128 would need 2 x 64 accumulator floats plus 64 for S (ptxas spills or fails), so those
+// variants run the default's kernel there (not instantiated).
 template <int HD>
-void launch_forward_hd(const FmhaParams& p, int32_t n, cudaStream_t stream) {
-  if (p.fp16) {
-    launch_forward<HD, true>(p, n, stream);
-  } else {
-    launch_forward<HD, false>(p, n, stream);
+void launch_forward_hd(const KernelArgs& args, int variant, int32_t n, cudaStream_t stream) {
+  if (HD > 64 && kFwdVariants[variant].m_tiles > 1) variant = kDefaultFwdVariant;
+  switch (variant) {
+    case 0: launch_forward_shape<HD, 4, 1>(args, n, stream); break;
+    case 1:
+      if constexpr (HD <= 64) launch_forward_shape<HD, 4, 2>(args, n, stream);
+      break;
+    case 2:
+      if constexpr (HD <= 64) launch_forward_shape<HD, 2, 2>(args, n, stream);
+      break;
+    case 3: launch_forward_shape<HD, 8, 1>(args, n, stream); break;
+    default: fail("fmha_forward: no variant ", variant);
   }
 }
+static_assert(kNumFwdVariants == 4, "launch_forward_hd dispatches every variant");
 
 }  // namespace fmha_detail
+
+int fmha_forward_variant_count() { return fmha_detail::kNumFwdVariants; }
+const char* fmha_forward_variant_name(int variant) {
+  NOPAD_CHECK(variant >= 0 && variant < fmha_detail::kNumFwdVariants, "no forward variant ", variant);
+  return fmha_detail::kFwdVariants[variant].name;
+}
+int fmha_forward_variant(const FmhaParams& p) {
+  using namespace fmha_detail;
+  static const int env = variant_from_env("NOPAD_FMHA_FWD_VARIANT", kNumFwdVariants);
+  return choose_variant(p.fwd_variant, env, kDefaultFwdVariant, kNumFwdVariants, "FmhaParams::fwd_variant");
+}
 
 void fmha_forward(const FmhaParams& p, cudaStream_t stream) {
   using namespace fmha_detail;
   const int32_t n = validate_common(p, "fmha_forward");
+  const int variant = fmha_forward_variant(p);
   if (n == 0 || p.max_seqlen == 0) return;
+  const KernelArgs args = make_args(p);
   switch (p.head_dim) {
-    case 32: launch_forward_hd<32>(p, n, stream); break;
-    case 64: launch_forward_hd<64>(p, n, stream); break;
-    case 128: launch_forward_hd<128>(p, n, stream); break;
+    case 32: launch_forward_hd<32>(args, variant, n, stream); break;
+    case 64: launch_forward_hd<64>(args, variant, n, stream); break;
+    case 128: launch_forward_hd<128>(args, variant, n, stream); break;
     default: fail("fmha_forward: unsupported head_dim ", p.head_dim);
   }
 }

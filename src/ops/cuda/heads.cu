@@ -1,6 +1,8 @@
 // Kernels of the MLM and NSP heads (CPU twins: mlm_head_loss_* and nsp_head_loss_* in ops/cpu/cpu_backend.cpp):
 // row gather and scatter-add, the row-wise softmax cross-entropy (forward writes probabilities in place of the
 // logits and adds the loss / correct count into one scalar each), its gradient, and tanh forward/backward.
+// The softmax CE and its gradient have two implementations each (KernelVariants in dense.h): the first ones (three
+// passes over a row / a flat scalar grid) and the row-in-registers / block-per-row ones.
 #include <cfloat>
 #include <climits>
 
@@ -19,7 +21,7 @@ __global__ void gather_rows_kernel(const bf* __restrict__ src, const int32_t* __
   const bf* s = src + int64_t{index[i]} * H;
   bf* d = dst + i * H;
   for (int j = threadIdx.x * 8; j < H; j += blockDim.x * 8)
-    *reinterpret_cast<Bf16x8*>(d + j) = *reinterpret_cast<const Bf16x8*>(s + j);
+    st16(d + j, ld16(s + j));
 }
 
 // dst[index[i]] += src[i] (fp32 add, one rounding). Rows of index must be distinct (each is one block).
@@ -108,6 +110,131 @@ __global__ void __launch_bounds__(kBlock) softmax_ce_kernel(bf* __restrict__ log
   }
 }
 
+// One-read variant (KernelVariants::softmax_ce_registers): the row is read once into registers as bf16 pairs (V even,
+// V <= 2 * kCeBlock * kCePairs), then max/argmax, the sum of exponentials and the probabilities all come from those
+// registers: one HBM read and one write of the logits instead of three reads (the first-index tie rule and the
+// arithmetic are those of softmax_ce_kernel; only the order of the exp sum differs). Two 512-thread blocks per SM
+// keep two rows' loads in flight; 30 pairs per thread (V <= 30720, BERT's 30522) is what fits 64 registers without
+// spilling.
+constexpr int kCeBlock = 512, kCePairs = 30;
+__global__ void __launch_bounds__(kCeBlock, 2) softmax_ce_regs_kernel(bf* __restrict__ logits,
+                                                                     const int32_t* __restrict__ labels, int32_t V,
+                                                                     float* loss_sum, int32_t* num_correct) {
+  __shared__ float red_v[32];
+  __shared__ int red_i[32];
+  __shared__ float red_s[32];
+  __shared__ float label_logit;  // read before the row is overwritten (shared: no register held through the kernel)
+  __nv_bfloat162* row = reinterpret_cast<__nv_bfloat162*>(logits + static_cast<int64_t>(blockIdx.x) * V);
+  const int32_t pairs = V / 2;
+  const int label = labels[blockIdx.x];
+  if (threadIdx.x == 0) label_logit = __bfloat162float(logits[static_cast<int64_t>(blockIdx.x) * V + label]);
+  __nv_bfloat162 x[kCePairs];
+#pragma unroll
+  for (int i = 0; i < kCePairs; ++i) {
+    const int p = threadIdx.x + i * kCeBlock;
+    if (p < pairs) x[i] = row[p];
+  }
+  float mx = -FLT_MAX;
+  int am = INT_MAX;
+#pragma unroll
+  for (int i = 0; i < kCePairs; ++i) {  // indices increase with i, and .x before .y: keeps the first maximum
+    const int p = threadIdx.x + i * kCeBlock;
+    if (p >= pairs) continue;
+    const float2 f = __bfloat1622float2(x[i]);
+    if (f.x > mx) {
+      mx = f.x;
+      am = 2 * p;
+    }
+    if (f.y > mx) {
+      mx = f.y;
+      am = 2 * p + 1;
+    }
+  }
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) {
+    const float ov = __shfl_xor_sync(0xffffffffu, mx, o);
+    const int oi = __shfl_xor_sync(0xffffffffu, am, o);
+    if (ov > mx || (ov == mx && oi < am)) {
+      mx = ov;
+      am = oi;
+    }
+  }
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  if (lane == 0) {
+    red_v[warp] = mx;
+    red_i[warp] = am;
+  }
+  __syncthreads();
+  if (warp == 0) {
+    mx = lane < kCeBlock / 32 ? red_v[lane] : -FLT_MAX;
+    am = lane < kCeBlock / 32 ? red_i[lane] : INT_MAX;
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+      const float ov = __shfl_xor_sync(0xffffffffu, mx, o);
+      const int oi = __shfl_xor_sync(0xffffffffu, am, o);
+      if (ov > mx || (ov == mx && oi < am)) {
+        mx = ov;
+        am = oi;
+      }
+    }
+    if (lane == 0) {
+      red_v[0] = mx;
+      red_i[0] = am;
+    }
+  }
+  __syncthreads();
+  mx = red_v[0];
+  am = red_i[0];
+  float sum = 0.0f;
+#pragma unroll
+  for (int i = 0; i < kCePairs; ++i) {
+    const int p = threadIdx.x + i * kCeBlock;
+    if (p >= pairs) continue;
+    const float2 f = __bfloat1622float2(x[i]);
+    sum += expf(f.x - mx) + expf(f.y - mx);
+  }
+  sum = block_sum(sum, red_s);
+  const float lse = mx + logf(sum);
+#pragma unroll
+  for (int i = 0; i < kCePairs; ++i) {
+    const int p = threadIdx.x + i * kCeBlock;
+    if (p >= pairs) continue;
+    const float2 f = __bfloat1622float2(x[i]);
+    row[p] = __floats2bfloat162_rn(expf(f.x - lse), expf(f.y - lse));
+  }
+  if (threadIdx.x == 0) {
+    atomicAdd(loss_sum, lse - label_logit);
+    atomicAdd(num_correct, am == label ? 1 : 0);
+  }
+}
+
+// d_logits = scale * (probs - onehot(label)), in place: a block per row, bf16 pairs (V even, 4-byte aligned rows),
+// several pairs' loads in flight per thread; same arithmetic as ce_backward_kernel.
+constexpr int kCeBwdThreads = 256, kCeBwdUnroll = 4;
+__global__ void __launch_bounds__(kCeBwdThreads) ce_backward_rows_kernel(bf* __restrict__ probs,
+                                                                        const int32_t* __restrict__ labels, int32_t V,
+                                                                        float scale) {
+  __nv_bfloat162* row = reinterpret_cast<__nv_bfloat162*>(probs + static_cast<int64_t>(blockIdx.x) * V);
+  const int32_t pairs = V / 2;
+  const int label = labels[blockIdx.x];
+  for (int p0 = threadIdx.x; p0 < pairs; p0 += kCeBwdThreads * kCeBwdUnroll) {
+    __nv_bfloat162 x[kCeBwdUnroll];
+#pragma unroll
+    for (int u = 0; u < kCeBwdUnroll; ++u)
+      if (p0 + u * kCeBwdThreads < pairs) x[u] = row[p0 + u * kCeBwdThreads];
+#pragma unroll
+    for (int u = 0; u < kCeBwdUnroll; ++u) {
+      const int p = p0 + u * kCeBwdThreads;
+      if (p >= pairs) continue;
+      const float2 f = __bfloat1622float2(x[u]);
+      float d0 = f.x * scale, d1 = f.y * scale;
+      if (2 * p == label) d0 -= scale;
+      if (2 * p + 1 == label) d1 -= scale;
+      row[p] = __floats2bfloat162_rn(d0, d1);
+    }
+  }
+}
+
 // d_logits = scale * (probs - onehot(label)), in place.
 __global__ void ce_backward_kernel(bf* __restrict__ probs, const int32_t* __restrict__ labels, int32_t rows,
                                    int32_t V, float scale) {
@@ -142,6 +269,8 @@ int flat_blocks(int64_t count) {
   return static_cast<int>(b < 1 ? 1 : (b > 65536 ? 65536 : b));
 }
 
+bool aligned4(const void* p) { return reinterpret_cast<uintptr_t>(p) % 4 == 0; }
+
 void check_rows_h(int32_t H) { NOPAD_CHECK(H > 0 && H % 8 == 0, "CUDA head kernels need hidden % 8 == 0, got ", H); }
 
 }  // namespace
@@ -162,10 +291,12 @@ void launch_scatter_add_rows(const bf* src, const int32_t* index, int32_t count,
 }
 
 void launch_softmax_ce_forward(bf* logits, const int32_t* labels, int32_t rows, int32_t V, float* loss_sum,
-                               int32_t* num_correct, cudaStream_t stream) {
+                               int32_t* num_correct, bool registers, cudaStream_t stream) {
   if (rows <= 0) return;
   NOPAD_CHECK(V > 0, "softmax cross-entropy over an empty vocabulary");
-  if (V >= 4096) {
+  if (registers && V >= 4096 && V % 2 == 0 && V <= 2 * kCeBlock * kCePairs && aligned4(logits)) {
+    softmax_ce_regs_kernel<<<rows, kCeBlock, 0, stream>>>(logits, labels, V, loss_sum, num_correct);
+  } else if (V >= 4096) {
     softmax_ce_kernel<1024><<<rows, 1024, 0, stream>>>(logits, labels, V, loss_sum, num_correct);
   } else {
     softmax_ce_kernel<64><<<rows, 64, 0, stream>>>(logits, labels, V, loss_sum, num_correct);
@@ -173,9 +304,15 @@ void launch_softmax_ce_forward(bf* logits, const int32_t* labels, int32_t rows, 
   NOPAD_CUDA_CHECK_LAUNCH();
 }
 
-void launch_ce_backward(bf* probs, const int32_t* labels, int32_t rows, int32_t V, float scale, cudaStream_t stream) {
+void launch_ce_backward(bf* probs, const int32_t* labels, int32_t rows, int32_t V, float scale, bool rows_kernel,
+                        cudaStream_t stream) {
   const int64_t count = static_cast<int64_t>(rows) * V;
   if (count <= 0) return;
+  if (rows_kernel && V >= 1024 && V % 2 == 0 && aligned4(probs)) {
+    ce_backward_rows_kernel<<<rows, kCeBwdThreads, 0, stream>>>(probs, labels, V, scale);
+    NOPAD_CUDA_CHECK_LAUNCH();
+    return;
+  }
   ce_backward_kernel<<<flat_blocks(count), kThreads, 0, stream>>>(probs, labels, rows, V, scale);
   NOPAD_CUDA_CHECK_LAUNCH();
 }

@@ -1,4 +1,4 @@
-// Device helpers shared by the CUDA backend's kernels (embed.cu, layernorm.cu, dense.cu, heads.cu): bf16 <-> fp32
+// Device helpers shared by the CUDA backend's kernels (layernorm.cu, dense.cu, heads.cu): bf16 <-> fp32
 // vectors of 8 (one 16-byte load/store), warp and block reductions, exact-erf GELU, the dropout keep-scale drawn from
 // core/philox.h exactly as the CPU twin draws it, and the row -> sequence lookup.
 #pragma once
@@ -8,19 +8,33 @@
 #include <cstdint>
 
 #include "core/philox.h"
+#include "ops/cuda/dense.h"  // KernelVariants, LnVariant
 
 namespace nopad::cuda {
 
 using bf = __nv_bfloat16;
 
 // 8 bf16 = 16 bytes: the unit of every vectorised load/store here (callers guarantee 16-byte alignment: H % 8 == 0
-// and 256-byte aligned base pointers from cudaMalloc).
+// and 256-byte aligned base pointers from cudaMalloc). Memory is accessed only through ld16/st16, which move a uint4:
+// one 128-bit instruction. (Copying a Bf16x8 straight from memory compiles to four 32-bit accesses, one per member,
+// so a warp would touch every sector four times.)
 struct alignas(16) Bf16x8 {
   __nv_bfloat162 h[4];
 };
+__device__ __forceinline__ Bf16x8 ld16(const bf* p) {
+  const uint4 u = *reinterpret_cast<const uint4*>(p);
+  Bf16x8 x;
+  memcpy(&x, &u, sizeof x);  // a register move
+  return x;
+}
+__device__ __forceinline__ void st16(bf* p, const Bf16x8& x) {
+  uint4 u;
+  memcpy(&u, &x, sizeof u);
+  *reinterpret_cast<uint4*>(p) = u;
+}
 
 __device__ __forceinline__ void load8(const bf* p, float v[8]) {
-  const Bf16x8 x = *reinterpret_cast<const Bf16x8*>(p);
+  const Bf16x8 x = ld16(p);
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
     const float2 f = __bfloat1622float2(x.h[i]);
@@ -32,7 +46,7 @@ __device__ __forceinline__ void store8(bf* p, const float v[8]) {
   Bf16x8 x;
 #pragma unroll
   for (int i = 0; i < 4; ++i) x.h[i] = __floats2bfloat162_rn(v[2 * i], v[2 * i + 1]);
-  *reinterpret_cast<Bf16x8*>(p) = x;
+  st16(p, x);
 }
 
 __device__ __forceinline__ float warp_sum(float v) {
@@ -67,37 +81,38 @@ __device__ __forceinline__ float gelu_erf_grad(float x) {
   return cdf + x * pdf;
 }
 
-// Dropout of one call, host-prepared: the mixed stream key and the keep-scale 1/(1-p) rounded to float the way the
-// CPU twin rounds it (computed in double, then converted), so kept values match bit for bit before the LayerNorm.
+// Dropout of one call (core/philox.h's 16-bit contract): the mixed stream key and p. The threshold ceil(p * 65536) and
+// the keep-scale 65536 / (65536 - threshold) are derived from p on the device (dropout_threshold, dropout_keep_scale:
+// exact, and the same float the CPU twin uses); they depend only on kernel parameters, so the compiler computes them
+// once per thread. `inv_keep` is no longer read (the scale follows from p); it stays until the host code that fills
+// it (cuda_backend.cu's dropout_args) drops it. Callers validate p with dropout_p_supported.
 struct DropoutArgs {
   uint64_t stream_key = 0;
   float p = 0.0f;
-  float inv_keep = 1.0f;
+  float inv_keep = 1.0f;  // unused, see above
 };
-// 1/(1-p) when kept, 0 when dropped, 1 without dropout.
+// keep-scale when kept, 0 when dropped, 1 without dropout (the twin's DropoutMask::scale).
 __device__ __forceinline__ float dropout_scale(const DropoutArgs& d, uint64_t sample_id, uint64_t element) {
-  if (d.p <= 0.0f) return 1.0f;
-  return dropout_keep_key(d.stream_key, sample_id, element, d.p) ? d.inv_keep : 0.0f;
+  const uint32_t threshold = dropout_threshold(d.p);
+  if (threshold == 0) return 1.0f;
+  return dropout_bits16(d.stream_key, sample_id, element) >= threshold ? dropout_keep_scale(threshold) : 0.0f;
 }
-// Eight consecutive features j0..j0+7 (j0 % 4 == 0) of one row: two Philox blocks instead of eight, since one block
-// serves the 4 elements (pos << 32 | j) with the same j / 4 (core/philox.h). Same bits as dropout_scale per element.
+// Eight consecutive features j0..j0+7 of one row, j0 % 8 == 0: exactly one Philox block (element_hidden(pos, j0) >> 3
+// covers features j0..j0+7), feature j0 + i taking 16-bit field i. Same values as dropout_scale per element.
 __device__ __forceinline__ void dropout_scale8(const DropoutArgs& d, uint64_t sample_id, uint32_t pos, uint32_t j0,
                                                float s[8]) {
-  if (d.p <= 0.0f) {
+  const uint32_t threshold = dropout_threshold(d.p);
+  if (threshold == 0) {
 #pragma unroll
     for (int i = 0; i < 8; ++i) s[i] = 1.0f;
     return;
   }
+  const float scale = dropout_keep_scale(threshold);
+  const Philox4x32 r = dropout_philox(d.stream_key, sample_id, dropout_block_index(element_hidden(pos, j0)));
 #pragma unroll
-  for (int half = 0; half < 2; ++half) {
-    const uint64_t element = element_hidden(pos, j0 + 4 * half);
-    const uint64_t block = element >> 2;
-    const uint32_t counter[4] = {static_cast<uint32_t>(block), static_cast<uint32_t>(block >> 32),
-                                 static_cast<uint32_t>(sample_id), static_cast<uint32_t>(sample_id >> 32)};
-    const uint32_t key[2] = {static_cast<uint32_t>(d.stream_key), static_cast<uint32_t>(d.stream_key >> 32)};
-    const Philox4x32 r = philox4x32(counter, key);
-#pragma unroll
-    for (int i = 0; i < 4; ++i) s[4 * half + i] = uniform_from_bits(r.v[i]) >= d.p ? d.inv_keep : 0.0f;
+  for (int w = 0; w < 4; ++w) {
+    s[2 * w] = (r.v[w] & 0xFFFFu) >= threshold ? scale : 0.0f;  // low half: feature j0 + 2w
+    s[2 * w + 1] = (r.v[w] >> 16) >= threshold ? scale : 0.0f;  // high half: feature j0 + 2w + 1
   }
 }
 
@@ -154,28 +169,41 @@ struct LnArgs {
   float* d_token_type = nullptr;
   float* partial = nullptr;  // [blocks][nacc][H]: d_gamma | d_beta (| d_bias, kResidual) sums of each block
 };
-void launch_ln_forward(LnKind kind, const LnArgs& a, cudaStream_t stream);
-// Blocks of the backward grid for `rows` (fixed for a given rows and device: the reduction order is deterministic).
-int ln_backward_blocks(int64_t rows, int sm_count);
-void launch_ln_backward(LnKind kind, const LnArgs& a, int blocks, cudaStream_t stream);
+// `v` picks the implementation (dense.h, KernelVariants); sm_count sizes the row-group grid.
+void launch_ln_forward(LnKind kind, const LnArgs& a, const LnVariant& v, int sm_count, cudaStream_t stream);
+// Blocks of the backward grid (a pure function of its arguments and the device: the reduction order is fixed); the
+// caller sizes partial as [blocks][nacc][H] and passes the same kind, H, rows and v to launch_ln_backward.
+int ln_backward_blocks(LnKind kind, int32_t H, int64_t rows, const LnVariant& v, int sm_count);
+void launch_ln_backward(LnKind kind, const LnArgs& a, const LnVariant& v, int blocks, cudaStream_t stream);
 // out_q[j] += sum over b of partial[b][q][j] for q < nacc (fixed order; null outputs skipped). partial is [blocks][nacc][H].
 void launch_column_finish(const float* partial, int blocks, int H, int nacc, float* out0, float* out1, float* out2,
                           cudaStream_t stream);
 
 // dense.cu: elementwise GELU and column sums (the d_bias reduction, first stage).
-void launch_gelu_forward(const bf* pre, bf* y, int64_t count, cudaStream_t stream);
+// y = gelu(pre); wide: 4 vectors in flight per thread (KernelVariants::gelu_forward_wide), else the first kernel.
+void launch_gelu_forward(const bf* pre, bf* y, int64_t count, bool wide, cudaStream_t stream);
 void launch_gelu_backward(const bf* dy, const bf* pre, bf* dpre, int64_t count, cudaStream_t stream);
 int column_sum_chunks(int64_t rows);
 // partial[c][j] = sum of m[r][j] over the rows r of chunk c (m is [rows, n]).
 void launch_column_sum_partial(const bf* m, int64_t rows, int32_t n, int chunks, float* partial, cudaStream_t stream);
+// The one-pass kernel over dy [rows, n]: with pre (and dpre) it writes dpre = dy * gelu'(pre); with partial it writes
+// partial[c][j] = sum over the rows of chunk c of dpre (or dy) [r][j], c < dense_grad_chunks(rows). Needs
+// dense_grad_pass_supported (n % 8 == 0, 16-byte aligned pointers).
+bool dense_grad_pass_supported(int32_t n, const void* dy, const void* pre, const void* dpre);
+int dense_grad_chunks(int64_t rows);
+void launch_dense_grad_pass(const bf* dy, const bf* pre, bf* dpre, int64_t rows, int32_t n, float* partial,
+                            cudaStream_t stream);
 
 // heads.cu
 void launch_gather_rows(const bf* src, const int32_t* index, int32_t count, int32_t H, bf* dst, cudaStream_t stream);
 void launch_scatter_add_rows(const bf* src, const int32_t* index, int32_t count, int32_t H, bf* dst,
                              cudaStream_t stream);
+// registers / rows_kernel: KernelVariants::softmax_ce_registers / ce_backward_rows (used where V allows, else the
+// first kernels).
 void launch_softmax_ce_forward(bf* logits, const int32_t* labels, int32_t rows, int32_t V, float* loss_sum,
-                               int32_t* num_correct, cudaStream_t stream);
-void launch_ce_backward(bf* probs, const int32_t* labels, int32_t rows, int32_t V, float scale, cudaStream_t stream);
+                               int32_t* num_correct, bool registers, cudaStream_t stream);
+void launch_ce_backward(bf* probs, const int32_t* labels, int32_t rows, int32_t V, float scale, bool rows_kernel,
+                        cudaStream_t stream);
 void launch_tanh_forward(bf* x, int64_t count, cudaStream_t stream);
 void launch_tanh_backward(bf* d, const bf* y, int64_t count, cudaStream_t stream);
 

@@ -1,18 +1,34 @@
 // The LayerNorm family of the CUDA backend, forward and backward (CPU twins: layernorm_row / layernorm_row_backward
 // and the embed_layernorm_dropout, bias_dropout_residual_layernorm and MLM-head LayerNorm code of
-// ops/cpu/cpu_backend.cpp).
+// ops/cpu/cpu_backend.cpp). Kinds: kPlain LN(x); kEmbed LN(word[tok] + position[pos] + token_type[seg]) then dropout;
+// kResidual LN(dropout(x + bias) + residual). H % 8 == 0, H <= 1024. fp32 math throughout; mean and variance are
+// two-pass over registers (as the twin). Dropout bits come from dropout_scale8, the twin's Philox draws.
 //
-// One warp per row, 4 warps per block. A lane owns the 8-feature groups j0 = (c*32 + lane)*8, c < VPL, so the row
-// lives in registers (VPL*8 floats per lane, H <= VPL*256) and is loaded with 16-byte vectors. fp32 math throughout;
-// mean and variance are two-pass over the registers (as the CPU twin). Dropout bits are drawn per 4 features with
-// the same Philox call the CPU twin makes per feature.
+// Two implementations (KernelVariants::ln_forward / ln_backward in dense.h, kept until GPU timings pick one):
+//  - Warp per row (the first one): 4 warps per block, a lane owns the 8-feature groups j0 = (c*32 + lane)*8,
+//    c < VPL, so the row lives in registers (VPL*8 floats per lane). The backward grid is min(rows/4, 2 x SMs) blocks
+//    striding over rows; it draws the dropout mask twice per row (for the LN input and for d_x).
+//  - Row group: a row is owned by a group of T = 32*ceil(H / (256 V)) threads (the whole block), thread t owning the
+//    V vectors j0 = (c*T + t)*8, c < V; a row sum is a warp shuffle plus, for T > 32, one exchange through shared
+//    memory (one barrier). Each block walks a contiguous range of rows and loads row r+1 (raw bf16, plus its mean,
+//    rstd and dropout key) before computing row r, so a row's loads are always in flight; the row -> sequence lookup
+//    is a cursor that moves forward (no binary search per row). The dropout mask is drawn once per row and kept as
+//    bits. Fewer accumulators per thread than the warp kernel (8V features instead of 32) leave room for more
+//    resident warps.
 //
-// Backward is deterministic except the embedding-table scatter: each warp keeps per-lane column accumulators for
-// d_gamma, d_beta (and d_bias) over the rows it visits in a fixed order, the block combines its warps in a fixed
-// order into partial[block][nacc][H] (nacc = 2, or 3 with d_bias), and launch_column_finish adds the block partials into the gradients in a fixed
-// order. The embedding scatter-add into d_word/d_position/d_token_type uses fp32 atomics, so its summation order (and
-// the last bits of those gradients) varies from run to run.
+// Backward is deterministic except the embedding-table scatter. Column gradients (d_gamma, d_beta, and d_bias for
+// kResidual) are per-thread register sums over the rows a block visits in increasing order, written per block to
+// partial[block][nacc][H] (the warp kernel first combines its 4 warps in warp order), then launch_column_finish adds
+// the block partials in a fixed order. Both grids are a pure function of (rows, H, variant, device), so the order is
+// fixed per device and size. The embedding scatter-add into d_word/d_position/d_token_type uses fp32 atomics, so
+// its summation order (and the last bits of those gradients) varies from run to run; the row-group kernel adds the
+// token-type gradient once per run of equal segments in its rows (segments are runs of 0s then 1s per sequence)
+// instead of once per row, which removes nearly all atomics on those 2 hot rows.
+#include <algorithm>
+#include <atomic>
+
 #include "ops/cuda/check.h"
+#include "ops/cuda/dense.h"
 #include "ops/cuda/kernels.cuh"
 
 namespace nopad::cuda {
@@ -213,16 +229,408 @@ __global__ void __launch_bounds__(kWarps * 32) ln_backward_kernel(const LnArgs a
   }
 }
 
-__global__ void column_finish_kernel(const float* __restrict__ partial, int blocks, int H, int nacc, float* out0,
-                                     float* out1, float* out2) {
-  const int col = blockIdx.x * blockDim.x + threadIdx.x;  // over nacc * H
-  if (col >= nacc * H) return;
+// ------------------------------------------------------------------------------------------------ row group
+
+// One row's inputs as loaded (raw bf16 vectors), so the next row's loads can be in flight while this one is computed.
+template <LnKind K, int V, bool kBackward>
+struct RowIn {
+  Bf16x8 a[V];   // x (kPlain, kResidual) or the word row (kEmbed)
+  Bf16x8 b[V];   // residual (kResidual) or the position row (kEmbed)
+  Bf16x8 c[V];   // the token-type row (kEmbed)
+  Bf16x8 dy[V];  // d_out (backward)
+  float mean, rstd;  // backward
+  int32_t tok, pos, seg;  // kEmbed
+  RowKey key;
+};
+
+// Which sequence the rows belong to, for dropout keys: rows only move forward within a block.
+struct SeqCursor {
+  int32_t b = 0;
+  int64_t start = 0, end = 0;
+  uint64_t sample = 0;
+};
+__device__ __forceinline__ void seq_cursor_init(const LnArgs& a, int64_t row, SeqCursor& s) {
+  s.b = row_to_seq(a.cu_seqlens, a.num_seqs, row);
+  s.start = a.cu_seqlens[s.b];
+  s.end = a.cu_seqlens[s.b + 1];
+  s.sample = a.sample_ids[s.b];
+}
+__device__ __forceinline__ RowKey seq_cursor_key(const LnArgs& a, int64_t row, SeqCursor& s) {
+  while (row >= s.end && s.b + 1 < a.num_seqs) {  // sequences are non-empty: usually one step at a boundary
+    ++s.b;
+    s.start = s.end;
+    s.end = a.cu_seqlens[s.b + 1];
+    s.sample = a.sample_ids[s.b];
+  }
+  RowKey k;
+  k.sample = s.sample;
+  k.pos = static_cast<uint32_t>(row - s.start);
+  return k;
+}
+
+template <LnKind K, int V, bool kBackward>
+__device__ __forceinline__ void load_row(const LnArgs& a, int64_t row, RowIn<K, V, kBackward>& in) {
+  const int64_t H = a.H;
+  const int T = blockDim.x, t = threadIdx.x;
+  if constexpr (K == LnKind::kEmbed) {
+    in.tok = a.tokens[row];
+    in.pos = a.positions[row];
+    in.seg = a.segments[row];
+  }
+#pragma unroll
+  for (int c = 0; c < V; ++c) {
+    const int j0 = (c * T + t) * 8;
+    if (j0 >= H) continue;
+    if constexpr (K == LnKind::kEmbed) {
+      in.a[c] = ld16(a.word + int64_t{in.tok} * H + j0);
+      in.b[c] = ld16(a.position + int64_t{in.pos} * H + j0);
+      in.c[c] = ld16(a.token_type + int64_t{in.seg} * H + j0);
+    } else {
+      in.a[c] = ld16(a.x + row * H + j0);
+      if constexpr (K == LnKind::kResidual) in.b[c] = ld16(a.residual + row * H + j0);
+    }
+    if constexpr (kBackward) in.dy[c] = ld16(a.d_out + row * H + j0);
+  }
+  if constexpr (kBackward) {
+    in.mean = a.mean[row];
+    in.rstd = a.rstd[row];
+  }
+}
+
+__device__ __forceinline__ void unpack8(const Bf16x8& x, float v[8]) {
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const float2 f = __bfloat1622float2(x.h[i]);
+    v[2 * i] = f.x;
+    v[2 * i + 1] = f.y;
+  }
+}
+
+// Keep bits of the thread's 8V features of one row (bit 8c + i: feature (c*T + t)*8 + i kept; all set without
+// dropout) and the keep-scale of a kept feature. One draw per row (dropout_scale8, the twin's draws), used for the LN
+// input and for d_x alike. The scale is taken from the draw itself (the largest of the 8V values: every kept one
+// holds it), so this code follows dropout_scale8's definition of it; if all 8V features are dropped it is unused.
+template <int V>
+__device__ __forceinline__ uint32_t keep_bits(const LnArgs& a, const RowKey& key, float& scale) {
+  static_assert(V * 8 <= 32, "keep bits fit one word");
+  scale = 1.0f;
+  if (a.drop.p <= 0.0f) return 0xffffffffu;
+  uint32_t bits = 0;
+  float kept = 0.0f;
+  const int T = blockDim.x, t = threadIdx.x;
+#pragma unroll
+  for (int c = 0; c < V; ++c) {
+    const int j0 = (c * T + t) * 8;
+    if (j0 >= a.H) continue;
+    float s[8];
+    dropout_scale8(a.drop, key.sample, key.pos, static_cast<uint32_t>(j0), s);
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      bits |= (s[i] != 0.0f ? 1u : 0u) << (c * 8 + i);
+      kept = fmaxf(kept, s[i]);
+    }
+  }
+  scale = kept;
+  return bits;
+}
+__device__ __forceinline__ float keep_scale(uint32_t bits, int bit, float scale) {
+  return (bits >> bit) & 1u ? scale : 0.0f;
+}
+
+// Sums over the row (the whole block). kTwo: x and y together. Every thread gets the same bits (xor butterfly, then
+// the warps' sums added in warp order). red is [2][2][32]; `parity` alternates the halves, so one barrier suffices:
+// a half is rewritten only after the next reduction's barrier, which every reader of it has passed.
+template <bool kTwo>
+__device__ __forceinline__ void row_sum(float& x, float& y, float (*red)[2][32], int& parity) {
+  x = warp_sum(x);
+  if constexpr (kTwo) y = warp_sum(y);
+  const int nwarps = blockDim.x >> 5;
+  if (nwarps == 1) return;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  if (lane == 0) {
+    red[parity][0][warp] = x;
+    if constexpr (kTwo) red[parity][1][warp] = y;
+  }
+  __syncthreads();
+  float sx = 0.0f, sy = 0.0f;
+  for (int w = 0; w < nwarps; ++w) {
+    sx += red[parity][0][w];
+    if constexpr (kTwo) sy += red[parity][1][w];
+  }
+  x = sx;
+  if constexpr (kTwo) y = sy;
+  parity ^= 1;
+}
+
+// Rows [blockIdx.x * rows_per_block, ...) of this block; the loop bounds are block-uniform (barriers inside).
+template <LnKind K, int V>
+__global__ void __launch_bounds__(128 / V) ln_forward_rg_kernel(const LnArgs a, int64_t rows_per_block) {
+  __shared__ float red[2][2][32];
+  int parity = 0;
+  const int T = blockDim.x, t = threadIdx.x;
+  const int H = a.H;
+  const int64_t r0 = static_cast<int64_t>(blockIdx.x) * rows_per_block;
+  const int64_t r1 = r0 + rows_per_block < a.rows ? r0 + rows_per_block : a.rows;
+  if (r0 >= r1) return;  // the whole block
+  const bool keyed = K != LnKind::kPlain && a.drop.p > 0.0f;
+  // gamma, beta and bias are re-read per row (L1 hits) rather than held: 12 V registers fewer.
+  SeqCursor seq;
+  RowIn<K, V, false> cur;
+  if (keyed) {
+    seq_cursor_init(a, r0, seq);
+    cur.key = seq_cursor_key(a, r0, seq);
+  }
+  load_row<K, V, false>(a, r0, cur);
+  for (int64_t row = r0; row < r1; ++row) {
+    RowIn<K, V, false> next;
+    if (row + 1 < r1) {  // in flight while this row is computed
+      load_row<K, V, false>(a, row + 1, next);
+      if (keyed) next.key = seq_cursor_key(a, row + 1, seq);
+    }
+    float inv_keep = 1.0f;
+    const uint32_t bits = keyed ? keep_bits<V>(a, cur.key, inv_keep) : 0xffffffffu;
+    float z[V][8];
+    float sum = 0.0f, unused = 0.0f;
+#pragma unroll
+    for (int c = 0; c < V; ++c) {
+      const int j0 = (c * T + t) * 8;
+      if (j0 >= H) continue;
+      unpack8(cur.a[c], z[c]);
+      if constexpr (K == LnKind::kResidual) {
+        float r[8], b[8];
+        unpack8(cur.b[c], r);
+        load8(a.bias + j0, b);
+#pragma unroll
+        for (int i = 0; i < 8; ++i) z[c][i] = (z[c][i] + b[i]) * keep_scale(bits, c * 8 + i, inv_keep) + r[i];
+      } else if constexpr (K == LnKind::kEmbed) {
+        float p[8], tt[8];
+        unpack8(cur.b[c], p);
+        unpack8(cur.c[c], tt);
+#pragma unroll
+        for (int i = 0; i < 8; ++i) z[c][i] = (z[c][i] + p[i]) + tt[i];  // the twin's order
+      }
+#pragma unroll
+      for (int i = 0; i < 8; ++i) sum += z[c][i];
+    }
+    row_sum<false>(sum, unused, red, parity);
+    const float mean = sum / static_cast<float>(H);
+    float sq = 0.0f;
+#pragma unroll
+    for (int c = 0; c < V; ++c)
+      if ((c * T + t) * 8 < H)
+#pragma unroll
+        for (int i = 0; i < 8; ++i) sq += (z[c][i] - mean) * (z[c][i] - mean);
+    row_sum<false>(sq, unused, red, parity);
+    const float var = sq / static_cast<float>(H);
+    const float rstd = 1.0f / sqrtf(var + a.eps);
+#pragma unroll
+    for (int c = 0; c < V; ++c) {
+      const int j0 = (c * T + t) * 8;
+      if (j0 >= H) continue;
+      float g[8], b[8], o[8];
+      load8(a.gamma + j0, g);
+      load8(a.beta + j0, b);
+#pragma unroll
+      for (int i = 0; i < 8; ++i) {
+        o[i] = (z[c][i] - mean) * rstd * g[i] + b[i];
+        if constexpr (K == LnKind::kEmbed) o[i] *= keep_scale(bits, c * 8 + i, inv_keep);  // dropout after the LN
+      }
+      store8(a.out + row * H + j0, o);
+    }
+    if (t == 0) {
+      a.mean_out[row] = mean;
+      a.rstd_out[row] = rstd;
+    }
+    cur = next;
+  }
+}
+
+// Register budget of the backward: at V = 1 (128 threads per row at H = 1024) six resident blocks, i.e. <= 80
+// registers, which ptxas meets without spills for kPlain and kResidual (the embedding kernel, run once per step, gets
+// five). V = 2 is left unconstrained (~170 registers, spills below that). V = 4 is not offered: it spills at 255.
+template <LnKind K, int V>
+constexpr int ln_backward_min_blocks() {
+  return V == 1 ? (K == LnKind::kEmbed ? 5 : 6) : 1;
+}
+
+template <LnKind K, int V>
+__global__ void __launch_bounds__(128 / V, ln_backward_min_blocks<K, V>())
+    ln_backward_rg_kernel(const LnArgs a, int64_t rows_per_block) {
+  constexpr int kAcc = K == LnKind::kResidual ? 3 : 2;  // d_gamma, d_beta (, d_bias)
+  __shared__ float red[2][2][32];
+  int parity = 0;
+  const int T = blockDim.x, t = threadIdx.x;
+  const int H = a.H;
+  const int64_t r0 = static_cast<int64_t>(blockIdx.x) * rows_per_block;
+  const int64_t r1 = r0 + rows_per_block < a.rows ? r0 + rows_per_block : a.rows;
+  const bool keyed = K != LnKind::kPlain && a.drop.p > 0.0f;
+  float acc[kAcc][V][8];
+#pragma unroll
+  for (int q = 0; q < kAcc; ++q)
+#pragma unroll
+    for (int c = 0; c < V; ++c)
+#pragma unroll
+      for (int i = 0; i < 8; ++i) acc[q][c][i] = 0.0f;
+  // gamma and bias are re-read per row (L1 hits) rather than held in registers.
+  // kEmbed: the token-type gradient of the current run of equal segments, added with atomics when the run ends.
+  int32_t run_seg = -1;
+  float run[V][8];
+#pragma unroll
+  for (int c = 0; c < V; ++c)
+#pragma unroll
+    for (int i = 0; i < 8; ++i) run[c][i] = 0.0f;
+
+  SeqCursor seq;
+  RowIn<K, V, true> cur;
+  if (r0 < r1) {
+    if (keyed) {
+      seq_cursor_init(a, r0, seq);
+      cur.key = seq_cursor_key(a, r0, seq);
+    }
+    load_row<K, V, true>(a, r0, cur);
+  }
+  for (int64_t row = r0; row < r1; ++row) {
+    RowIn<K, V, true> next;
+    if (row + 1 < r1) {  // in flight while this row is computed
+      load_row<K, V, true>(a, row + 1, next);
+      if (keyed) next.key = seq_cursor_key(a, row + 1, seq);
+    }
+    float inv_keep = 1.0f;
+    const uint32_t bits = keyed ? keep_bits<V>(a, cur.key, inv_keep) : 0xffffffffu;
+    const float mean = cur.mean, rstd = cur.rstd;
+    float gdy[V][8], xhat[V][8];  // dy * gamma and the normalised input, kept across the row sum
+    float sum_g = 0.0f, sum_gx = 0.0f;
+#pragma unroll
+    for (int c = 0; c < V; ++c) {
+      const int j0 = (c * T + t) * 8;
+      if (j0 >= H) continue;
+      float dy[8], g[8];
+      unpack8(cur.dy[c], dy);
+      load8(a.gamma + j0, g);
+      unpack8(cur.a[c], xhat[c]);  // becomes the LN input z, then xhat
+      if constexpr (K == LnKind::kResidual) {
+        float r[8], b[8];
+        unpack8(cur.b[c], r);
+        load8(a.bias + j0, b);
+#pragma unroll
+        for (int i = 0; i < 8; ++i)
+          xhat[c][i] = (xhat[c][i] + b[i]) * keep_scale(bits, c * 8 + i, inv_keep) + r[i];
+      } else if constexpr (K == LnKind::kEmbed) {
+        float p[8], tt[8];
+        unpack8(cur.b[c], p);
+        unpack8(cur.c[c], tt);
+#pragma unroll
+        for (int i = 0; i < 8; ++i) {
+          xhat[c][i] = (xhat[c][i] + p[i]) + tt[i];
+          dy[i] *= keep_scale(bits, c * 8 + i, inv_keep);  // the output dropout comes first in backward
+        }
+      }
+#pragma unroll
+      for (int i = 0; i < 8; ++i) {
+        xhat[c][i] = (xhat[c][i] - mean) * rstd;
+        gdy[c][i] = dy[i] * g[i];
+        sum_g += gdy[c][i];
+        sum_gx += gdy[c][i] * xhat[c][i];
+        acc[0][c][i] += dy[i] * xhat[c][i];
+        acc[1][c][i] += dy[i];
+      }
+    }
+    row_sum<true>(sum_g, sum_gx, red, parity);
+    sum_g /= static_cast<float>(H);
+    sum_gx /= static_cast<float>(H);
+    if constexpr (K == LnKind::kEmbed) {
+      if (cur.seg != run_seg) {
+        if (run_seg >= 0)
+#pragma unroll
+          for (int c = 0; c < V; ++c) {
+            const int j0 = (c * T + t) * 8;
+            if (j0 >= H) continue;
+            atomic_add8(a.d_token_type + int64_t{run_seg} * H + j0, run[c]);
+#pragma unroll
+            for (int i = 0; i < 8; ++i) run[c][i] = 0.0f;
+          }
+        run_seg = cur.seg;
+      }
+    }
+#pragma unroll
+    for (int c = 0; c < V; ++c) {
+      const int j0 = (c * T + t) * 8;
+      if (j0 >= H) continue;
+      float dz[8];
+#pragma unroll
+      for (int i = 0; i < 8; ++i) dz[i] = rstd * (gdy[c][i] - sum_g - xhat[c][i] * sum_gx);
+      if constexpr (K == LnKind::kPlain) {
+        store8(a.dz + row * H + j0, dz);
+      } else if constexpr (K == LnKind::kResidual) {
+        float dx[8];
+#pragma unroll
+        for (int i = 0; i < 8; ++i) {
+          dx[i] = dz[i] * keep_scale(bits, c * 8 + i, inv_keep);
+          acc[2][c][i] += dx[i];  // d_bias from the unrounded dx, as the twin
+        }
+        store8(a.dz + row * H + j0, dz);
+        store8(a.d_x + row * H + j0, dx);
+      } else {
+        atomic_add8(a.d_word + int64_t{cur.tok} * H + j0, dz);
+        atomic_add8(a.d_position + int64_t{cur.pos} * H + j0, dz);
+#pragma unroll
+        for (int i = 0; i < 8; ++i) run[c][i] += dz[i];
+      }
+    }
+    cur = next;
+  }
+  if constexpr (K == LnKind::kEmbed) {
+    if (run_seg >= 0)
+#pragma unroll
+      for (int c = 0; c < V; ++c) {
+        const int j0 = (c * T + t) * 8;
+        if (j0 < H) atomic_add8(a.d_token_type + int64_t{run_seg} * H + j0, run[c]);
+      }
+  }
+  // This block's column sums (zeros for a block without rows): each thread owns its features, no combining needed.
+  float* out = a.partial + static_cast<int64_t>(blockIdx.x) * kAcc * H;
+#pragma unroll
+  for (int q = 0; q < kAcc; ++q)
+#pragma unroll
+    for (int c = 0; c < V; ++c) {
+      const int j0 = (c * T + t) * 8;
+      if (j0 >= H) continue;
+      *reinterpret_cast<float4*>(out + q * H + j0) =
+          make_float4(acc[q][c][0], acc[q][c][1], acc[q][c][2], acc[q][c][3]);
+      *reinterpret_cast<float4*>(out + q * H + j0 + 4) =
+          make_float4(acc[q][c][4], acc[q][c][5], acc[q][c][6], acc[q][c][7]);
+    }
+}
+
+// ------------------------------------------------------------------------------------------------ column finish
+
+// out_q[j] += sum over b < blocks of partial[b][q][j]. Block: 32 columns x kFinishSplit row slices; slice s sums the
+// partial rows b = s, s + kFinishSplit, ... in increasing order, then the slices are added in slice order: a fixed
+// order for a given `blocks`, and kFinishSplit x more loads in flight than one thread per column.
+constexpr int kFinishCols = 32, kFinishSplit = 16;
+__global__ void __launch_bounds__(kFinishCols * kFinishSplit) column_finish_kernel(const float* __restrict__ partial,
+                                                                                int blocks, int H, int nacc,
+                                                                                float* out0, float* out1,
+                                                                                float* out2) {
+  __shared__ float red[kFinishSplit][kFinishCols];
+  const int tx = threadIdx.x % kFinishCols, ty = threadIdx.x / kFinishCols;
+  const int col = blockIdx.x * kFinishCols + tx;  // over nacc * H
+  const int64_t stride = static_cast<int64_t>(nacc) * H;
+  float s = 0.0f;
+  if (col < nacc * H) {
+#pragma unroll 4
+    for (int b = ty; b < blocks; b += kFinishSplit) s += partial[b * stride + col];
+  }
+  red[ty][tx] = s;
+  __syncthreads();
+  if (ty != 0 || col >= nacc * H) return;
   const int q = col / H, j = col - q * H;
   float* out = q == 0 ? out0 : (q == 1 ? out1 : out2);
   if (out == nullptr) return;
-  float s = 0.0f;
-  for (int b = 0; b < blocks; ++b) s += partial[static_cast<int64_t>(b) * nacc * H + col];
-  out[j] += s;
+  float total = 0.0f;
+#pragma unroll
+  for (int w = 0; w < kFinishSplit; ++w) total += red[w][tx];
+  out[j] += total;
 }
 
 template <LnKind K, int VPL>
@@ -260,11 +668,112 @@ void dispatch_backward(const LnArgs& a, int blocks, cudaStream_t stream) {
     launch_backward_vpl<K, 4>(a, blocks, stream);
 }
 
+// --- row-group launch geometry
+
+// Vectors per thread: the variant's choice, or by H. Defaults (an informed guess until GPU timings decide): the
+// forward keeps a whole row in one warp up to H = 1024 (no barrier per row; 32 floats of z per lane), the backward
+// uses one vector per thread (128 threads per row at H = 1024), where its accumulators (8 features x 3) leave room for
+// the prefetched row and many resident warps.
+int rg_vectors(const LnVariant& v, int32_t H, bool backward) {
+  int vec = v.vectors;
+  if (vec == 0) vec = backward ? 1 : (H <= 256 ? 1 : (H <= 512 ? 2 : 4));
+  NOPAD_CHECK(vec == 1 || vec == 2 || (vec == 4 && !backward),
+              "LayerNorm row-group kernel: vectors per thread must be ",
+              backward ? "1 or 2 in the backward" : "1, 2 or 4", ", got ", vec);
+  return vec;
+}
+int rg_threads(int32_t H, int vec) { return 32 * ceil_div(H, 256 * vec); }  // <= 128 for H <= 1024
+
+template <LnKind K, int V>
+const void* rg_kernel(bool backward) {
+  if constexpr (V == 4)
+    return reinterpret_cast<const void*>(&ln_forward_rg_kernel<K, V>);  // rg_vectors never gives the backward V = 4
+  else
+    return backward ? reinterpret_cast<const void*>(&ln_backward_rg_kernel<K, V>)
+                    : reinterpret_cast<const void*>(&ln_forward_rg_kernel<K, V>);
+}
+const void* rg_kernel_for(LnKind kind, int vec, bool backward) {
+#define NOPAD_RG_CASE(KIND)                                 \
+  case KIND:                                                \
+    return vec == 1   ? rg_kernel<KIND, 1>(backward)        \
+           : vec == 2 ? rg_kernel<KIND, 2>(backward)        \
+                      : rg_kernel<KIND, 4>(backward);
+  switch (kind) {
+    NOPAD_RG_CASE(LnKind::kPlain)
+    NOPAD_RG_CASE(LnKind::kEmbed)
+    NOPAD_RG_CASE(LnKind::kResidual)
+  }
+#undef NOPAD_RG_CASE
+  return nullptr;
+}
+
+// Resident blocks per SM of a row-group kernel (cudaOccupancy*, a host query; cached per kernel and block size).
+int rg_occupancy(LnKind kind, int vec, bool backward, int threads) {
+  static std::atomic<int> cache[3][3][2][5] = {};  // kind, log2 vec, backward, threads / 32
+  const int vi = vec == 1 ? 0 : (vec == 2 ? 1 : 2);
+  std::atomic<int>& slot = cache[static_cast<int>(kind)][vi][backward ? 1 : 0][threads / 32];
+  int n = slot.load(std::memory_order_relaxed);
+  if (n > 0) return n;
+  NOPAD_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, rg_kernel_for(kind, vec, backward), threads, 0));
+  n = n > 0 ? n : 1;
+  slot.store(n, std::memory_order_relaxed);
+  return n;
+}
+
+// Blocks of a row-group grid: blocks_per_sm x SMs (capped by residency; the backward's default caps at 8 blocks per
+// SM, enough rows in flight, few partials), at most one per row, and no block without rows.
+int rg_blocks(LnKind kind, int32_t H, int64_t rows, const LnVariant& v, int sm_count, bool backward) {
+  if (rows <= 0) return 1;
+  const int vec = rg_vectors(v, H, backward);
+  const int occ = rg_occupancy(kind, vec, backward, rg_threads(H, vec));
+  int per_sm = v.blocks_per_sm > 0 ? std::min(v.blocks_per_sm, occ) : (backward ? std::min(occ, 8) : occ);
+  const int64_t cap = static_cast<int64_t>(per_sm) * (sm_count > 0 ? sm_count : 1);
+  const int64_t blocks = std::min<int64_t>(rows, cap);
+  const int64_t rows_per_block = (rows + blocks - 1) / blocks;
+  return static_cast<int>((rows + rows_per_block - 1) / rows_per_block);
+}
+
+template <LnKind K, int V>
+void launch_rg(const LnArgs& a, int blocks, bool backward, cudaStream_t stream) {
+  const int threads = rg_threads(a.H, V);
+  const int64_t rows_per_block = (a.rows + blocks - 1) / blocks;
+  if constexpr (V != 4) {
+    if (backward) {
+      ln_backward_rg_kernel<K, V><<<blocks, threads, 0, stream>>>(a, rows_per_block);
+      NOPAD_CUDA_CHECK_LAUNCH();
+      return;
+    }
+  }
+  ln_forward_rg_kernel<K, V><<<blocks, threads, 0, stream>>>(a, rows_per_block);
+  NOPAD_CUDA_CHECK_LAUNCH();
+}
+template <LnKind K>
+void dispatch_rg(const LnArgs& a, int vec, int blocks, bool backward, cudaStream_t stream) {
+  if (vec == 1)
+    launch_rg<K, 1>(a, blocks, backward, stream);
+  else if (vec == 2)
+    launch_rg<K, 2>(a, blocks, backward, stream);
+  else
+    launch_rg<K, 4>(a, blocks, backward, stream);
+}
+void launch_row_group(LnKind kind, const LnArgs& a, int vec, int blocks, bool backward, cudaStream_t stream) {
+  switch (kind) {
+    case LnKind::kPlain: dispatch_rg<LnKind::kPlain>(a, vec, blocks, backward, stream); break;
+    case LnKind::kEmbed: dispatch_rg<LnKind::kEmbed>(a, vec, blocks, backward, stream); break;
+    case LnKind::kResidual: dispatch_rg<LnKind::kResidual>(a, vec, blocks, backward, stream); break;
+  }
+}
+
 }  // namespace
 
-void launch_ln_forward(LnKind kind, const LnArgs& a, cudaStream_t stream) {
+void launch_ln_forward(LnKind kind, const LnArgs& a, const LnVariant& v, int sm_count, cudaStream_t stream) {
   check_hidden(a.H);
   if (a.rows <= 0) return;
+  if (v.row_group) {
+    launch_row_group(kind, a, rg_vectors(v, a.H, false), rg_blocks(kind, a.H, a.rows, v, sm_count, false), false,
+                     stream);
+    return;
+  }
   switch (kind) {
     case LnKind::kPlain: dispatch_forward<LnKind::kPlain>(a, stream); break;
     case LnKind::kEmbed: dispatch_forward<LnKind::kEmbed>(a, stream); break;
@@ -272,14 +781,21 @@ void launch_ln_forward(LnKind kind, const LnArgs& a, cudaStream_t stream) {
   }
 }
 
-int ln_backward_blocks(int64_t rows, int sm_count) {
+int ln_backward_blocks(LnKind kind, int32_t H, int64_t rows, const LnVariant& v, int sm_count) {
+  check_hidden(H);
+  if (v.row_group) return rg_blocks(kind, H, rows, v, sm_count, true);
   const int64_t wanted = (rows + kWarps - 1) / kWarps;
   const int64_t cap = 2 * static_cast<int64_t>(sm_count > 0 ? sm_count : 1);  // a few rows per warp, small partials
   return static_cast<int>(wanted < cap ? (wanted > 0 ? wanted : 1) : cap);
 }
 
-void launch_ln_backward(LnKind kind, const LnArgs& a, int blocks, cudaStream_t stream) {
+void launch_ln_backward(LnKind kind, const LnArgs& a, const LnVariant& v, int blocks, cudaStream_t stream) {
   check_hidden(a.H);
+  if (v.row_group) {
+    NOPAD_CHECK(blocks >= 1, "LayerNorm backward with ", blocks, " blocks");
+    launch_row_group(kind, a, rg_vectors(v, a.H, true), blocks, true, stream);
+    return;
+  }
   switch (kind) {
     case LnKind::kPlain: dispatch_backward<LnKind::kPlain>(a, blocks, stream); break;
     case LnKind::kEmbed: dispatch_backward<LnKind::kEmbed>(a, blocks, stream); break;
@@ -290,9 +806,8 @@ void launch_ln_backward(LnKind kind, const LnArgs& a, int blocks, cudaStream_t s
 void launch_column_finish(const float* partial, int blocks, int H, int nacc, float* out0, float* out1, float* out2,
                           cudaStream_t stream) {
   if (H <= 0 || blocks <= 0) return;
-  constexpr int kThreads = 256;
-  column_finish_kernel<<<ceil_div(int64_t{nacc} * H, kThreads), kThreads, 0, stream>>>(partial, blocks, H, nacc,
-                                                                                        out0, out1, out2);
+  column_finish_kernel<<<ceil_div(int64_t{nacc} * H, kFinishCols), kFinishCols * kFinishSplit, 0, stream>>>(
+      partial, blocks, H, nacc, out0, out1, out2);
   NOPAD_CUDA_CHECK_LAUNCH();
 }
 
