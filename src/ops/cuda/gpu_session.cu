@@ -178,7 +178,7 @@ void GpuSession::capture_step(const HostBatch& batch, float lr, uint64_t seed, u
   }
   const cudaStream_t stream = s.backend.stream();
   s.backend.set_capture_mode(true);
-  NOPAD_CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+  NOPAD_CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeRelaxed));
   cudaGraph_t g = nullptr;
   try {
     train_step(batch, lr, seed, step);
