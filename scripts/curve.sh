@@ -4,6 +4,8 @@
 # same config on the same shards (the shards are byte-identical wherever they are prepared).
 #   DEVICE=cuda|cpu bash scripts/curve.sh    trains on that device; metrics land in $OUT/curve-$DEVICE.jsonl
 #   CPU_METRICS=FILE                         compare with this CPU run's metrics.jsonl when given
+#   SEED=N                                   train.seed (default: the config's); the metrics file is then
+#                                            $OUT/curve-$DEVICE-seedN.jsonl
 # Needs the corpus at .carry/enwiki-20150515-AA.txt.xz (or CORPUS=path to the .txt) and a built nopad
 # (NOPAD=build-gpu/nopad by default).
 set -euo pipefail
@@ -19,13 +21,14 @@ if [ ! -f "$DATA/dataset.json" ]; then
   "$NOPAD" prepare --input "$CORPUS" --vocab data/vocab/bert-uncased-vocab.txt --output "$DATA" --max-seq-length 128 \
     --max-predictions 20 --dupe-factor 1 --overwrite --quiet
 fi
-RUN=/tmp/nopad-curve-$DEVICE
+NAME=curve-$DEVICE${SEED:+-seed$SEED}
+RUN=/tmp/nopad-$NAME
 "$NOPAD" train --config configs/bert-base-curve.toml --set run_dir="$RUN" --set data.train="$DATA" \
-  --set train.device="$DEVICE" --overwrite >"$OUT/curve-$DEVICE.log" 2>&1 ||
-  { tail -20 "$OUT/curve-$DEVICE.log"; exit 1; }
-grep -E "device:|step (1|100|200|300)/|done" "$OUT/curve-$DEVICE.log"
-cp "$RUN/metrics.jsonl" "$OUT/curve-$DEVICE.jsonl"
+  --set train.device="$DEVICE" ${SEED:+--set train.seed=$SEED} --overwrite >"$OUT/$NAME.log" 2>&1 ||
+  { tail -20 "$OUT/$NAME.log"; exit 1; }
+grep -E "device:|step (1|100|200|300)/|done" "$OUT/$NAME.log"
+cp "$RUN/metrics.jsonl" "$OUT/$NAME.jsonl"
 if [ -n "${CPU_METRICS:-}" ]; then
-  python3 scripts/compare_curves.py "$OUT/curve-$DEVICE.jsonl" "$CPU_METRICS" --names "$DEVICE-bf16" cpu-fp32 \
+  python3 scripts/compare_curves.py "$OUT/$NAME.jsonl" "$CPU_METRICS" --names "$DEVICE-bf16" cpu-fp32 \
     --window 25 --svg "$OUT/curve.svg"
 fi
