@@ -8,6 +8,8 @@
 // and a GELU kernel writes y from it (one extra bf16 read + write of [rows, n]). erff compiles to ~20 FMA-pipe
 // instructions and one MUFU, so the pass is bandwidth-bound as long as enough loads are in flight (the wide kernel).
 #include <algorithm>
+#include <cstdlib>
+#include <string_view>
 
 #include "ops/cuda/check.h"
 #include "ops/cuda/dense.h"
@@ -18,6 +20,8 @@ namespace nopad::cuda {
 // ------------------------------------------------------------------------------------------------ cuBLASLt
 
 LtGemm::LtGemm() {
+  const char* env = std::getenv("NOPAD_GEMM_AUTOTUNE");
+  autotune_ = env == nullptr || std::string_view(env) != "0";
   NOPAD_CUBLAS_CHECK(cublasLtCreate(&handle_));
   workspace_ = cuda_malloc_or_throw(kWorkspaceBytes, "the cuBLASLt workspace");
 }
@@ -90,7 +94,7 @@ LtGemm::Plan& LtGemm::plan_for(const GemmProblem& p) {
   NOPAD_CUBLAS_CHECK(cublasLtMatmulPreferenceCreate(&pref));
   const uint64_t ws = kWorkspaceBytes;
   const uint32_t al_a = alignment_of(p.a), al_b = alignment_of(p.b), al_d = alignment_of(p.d);
-  cublasLtMatmulHeuristicResult_t result{};
+  cublasLtMatmulHeuristicResult_t results[kCandidates]{};
   int found = 0;
   cublasStatus_t st =
       cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws, sizeof ws);
@@ -103,7 +107,8 @@ LtGemm::Plan& LtGemm::plan_for(const GemmProblem& p) {
   if (st == CUBLAS_STATUS_SUCCESS)
     st = cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, &al_d, sizeof al_d);
   if (st == CUBLAS_STATUS_SUCCESS)
-    st = cublasLtMatmulAlgoGetHeuristic(handle_, plan.desc, plan.a, plan.b, plan.d, plan.d, pref, 1, &result, &found);
+    st = cublasLtMatmulAlgoGetHeuristic(handle_, plan.desc, plan.a, plan.b, plan.d, plan.d, pref, kCandidates,
+                                        results, &found);
   cublasLtMatmulPreferenceDestroy(pref);
   // An epilogue the library does not offer for this problem may be reported as NOT_SUPPORTED rather than as 0
   // results: for a bias-gradient product both mean "no algorithm" (the caller falls back).
@@ -119,9 +124,66 @@ LtGemm::Plan& LtGemm::plan_for(const GemmProblem& p) {
     if (st != CUBLAS_STATUS_SUCCESS) throw_cublas_error(st, "cublasLtMatmulAlgoGetHeuristic", __FILE__, __LINE__);
     return plans_.emplace(key, Plan{}).first->second;  // cached "no algorithm"
   }
-  plan.algo = result.algo;
+  plan.algo = results[0].algo;
+  for (int i = 0; i < found && i < kCandidates; ++i)
+    if (results[i].state == CUBLAS_STATUS_SUCCESS) plan.candidates[plan.num_candidates++] = results[i].algo;
   plan.found = true;
+  plan.tuned = !autotune_ || plan.num_candidates <= 1;
   return plans_.emplace(key, plan).first->second;
+}
+
+// Times each candidate algorithm on this call's operands and keeps the fastest. D is written by the timing runs; where
+// the product accumulates into D (beta != 0) they write a scratch copy instead, so the caller's D is untouched until
+// its own run. A candidate the library refuses at run time is skipped. Setup-time only: it allocates and waits.
+void LtGemm::tune(Plan& plan, const GemmProblem& p, cudaStream_t stream) {
+  plan.tuned = true;
+  void* d = p.d;
+  void* scratch = nullptr;
+  if (p.beta != 0.0f) {
+    const size_t bytes = static_cast<size_t>(p.ldd) * static_cast<size_t>(p.n) * (p.d_fp32 ? 4 : 2);
+    scratch = cuda_malloc_or_throw(bytes, "a GEMM autotuning scratch output");
+    NOPAD_CUDA_CHECK(cudaMemsetAsync(scratch, 0, bytes, stream));
+    d = scratch;
+  }
+  cudaEvent_t ev[2] = {nullptr, nullptr};
+  NOPAD_CUDA_CHECK(cudaEventCreate(&ev[0]));
+  NOPAD_CUDA_CHECK(cudaEventCreate(&ev[1]));
+  const float alpha = 1.0f, beta = p.beta;
+  constexpr int kReps = 3;
+  double best_ms = 0, first_ms = -1;
+  int best = -1;
+  for (int c = 0; c < plan.num_candidates; ++c) {
+    const cublasLtMatmulAlgo_t* algo = &plan.candidates[c];
+    auto once = [&] {
+      return cublasLtMatmul(handle_, plan.desc, &alpha, p.a, plan.a, p.b, plan.b, &beta, d, plan.d, d, plan.d, algo,
+                            workspace_, kWorkspaceBytes, stream);
+    };
+    if (once() != CUBLAS_STATUS_SUCCESS) continue;  // warm-up; refused: not a candidate
+    NOPAD_CUDA_CHECK(cudaEventRecord(ev[0], stream));
+    cublasStatus_t st = CUBLAS_STATUS_SUCCESS;
+    for (int r = 0; r < kReps && st == CUBLAS_STATUS_SUCCESS; ++r) st = once();
+    NOPAD_CUDA_CHECK(cudaEventRecord(ev[1], stream));
+    NOPAD_CUDA_CHECK(cudaEventSynchronize(ev[1]));
+    if (st != CUBLAS_STATUS_SUCCESS) continue;
+    float ms = 0;
+    NOPAD_CUDA_CHECK(cudaEventElapsedTime(&ms, ev[0], ev[1]));
+    const double per_call = static_cast<double>(ms) / kReps;
+    if (c == 0) first_ms = per_call;
+    if (best < 0 || per_call < best_ms) {
+      best_ms = per_call;
+      best = c;
+    }
+  }
+  (void)cudaEventDestroy(ev[0]);
+  (void)cudaEventDestroy(ev[1]);
+  if (scratch) NOPAD_CUDA_CHECK(cudaFree(scratch));
+  NOPAD_CUDA_CHECK(cudaGetLastError());
+  if (best < 0) return;  // every candidate refused at run time: keep the heuristic's first (enqueue will report it)
+  plan.algo = plan.candidates[best];
+  ++tuning_.shapes;
+  tuning_.changed += best != 0;
+  tuning_.first_ms += first_ms >= 0 ? first_ms : best_ms;
+  tuning_.chosen_ms += best_ms;
 }
 
 void LtGemm::enqueue(Plan& plan, const GemmProblem& p, cudaStream_t stream) {
@@ -132,6 +194,7 @@ void LtGemm::enqueue(Plan& plan, const GemmProblem& p, cudaStream_t stream) {
   if (p.bias_grad)
     NOPAD_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(plan.desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &p.bias_grad,
                                                       sizeof p.bias_grad));
+  if (!plan.tuned) tune(plan, p, stream);
   const float alpha = 1.0f, beta = p.beta;
   NOPAD_CUBLAS_CHECK(cublasLtMatmul(handle_, plan.desc, &alpha, p.a, plan.a, p.b, plan.b, &beta, p.d, plan.d, p.d,
                                     plan.d, &plan.algo, workspace_, kWorkspaceBytes, stream));

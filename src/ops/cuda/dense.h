@@ -94,18 +94,35 @@ class LtGemm {
   LtGemm& operator=(const LtGemm&) = delete;
   void run(const GemmProblem& p, cudaStream_t stream);  // throws when cuBLASLt has no algorithm
   bool try_run(const GemmProblem& p, cudaStream_t stream);  // false (nothing enqueued) when it has none
+  // Autotuning: on a shape's first use, the heuristic's first kCandidates algorithms are timed on the real operands
+  // (into a scratch D where D is accumulated into) and the fastest is kept for good. This waits for the GPU once per
+  // new shape (the first training step), never after. Off with NOPAD_GEMM_AUTOTUNE=0 (the heuristic's first choice).
+  struct TuningStats {
+    int shapes = 0;        // plans tuned
+    int changed = 0;       // where a candidate other than the heuristic's first won
+    double first_ms = 0;   // summed time of the heuristic's first choice, one call per shape
+    double chosen_ms = 0;  // summed time of the chosen ones
+  };
+  const TuningStats& tuning_stats() const { return tuning_; }
 
  private:
+  static constexpr int kCandidates = 8;  // heuristic results timed on a shape's first use
   struct Plan {
     cublasLtMatmulDesc_t desc = nullptr;
     cublasLtMatrixLayout_t a = nullptr, b = nullptr, d = nullptr;
     cublasLtMatmulAlgo_t algo{};
     bool found = false;  // false: cached "no algorithm" (descriptors destroyed)
+    bool tuned = false;  // algo is the fastest of the candidates (or the heuristic's first, autotuning off)
+    int num_candidates = 0;
+    cublasLtMatmulAlgo_t candidates[kCandidates]{};
   };
   using Key = std::array<int64_t, 16>;
   Plan& plan_for(const GemmProblem& p);
   void enqueue(Plan& plan, const GemmProblem& p, cudaStream_t stream);
 
+  void tune(Plan& plan, const GemmProblem& p, cudaStream_t stream);
+  bool autotune_ = true;
+  TuningStats tuning_;
   cublasLtHandle_t handle_ = nullptr;
   void* workspace_ = nullptr;
   std::map<Key, Plan> plans_;
