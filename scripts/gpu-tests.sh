@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Everything the GPU machine checks in one call: build with the CUDA backend, run the whole test suite, report the
-# GPUs, and run the Hugging Face compatibility check (transformers is installed there, not in CI).
+# GPUs, run the Hugging Face compatibility check (transformers is installed there, not in CI), then fp16 end to end:
+# bert-tiny trained with train.precision=fp16 and a dynamic loss scale (the loss must fall), a run whose first loss
+# scale must overflow (it backs off and goes on), and one bf16-vs-fp16 step-time line of BERT-large.
 # Logs go to $OUT (or out/gpu when OUT is unset). Usage: bash scripts/gpu-tests.sh
 #   NOPAD_CMAKE_EXTRA="..."   extra CMake arguments (e.g. -DCMAKE_CUDA_ARCHITECTURES=90a-real to build one target)
 #   CUDA_TEST_FILTER=PATTERN  GoogleTest filter for nopad_cuda_tests (default: all)
@@ -38,5 +40,93 @@ for n in 8 32; do
   python3 scripts/hf_compat.py --nopad ./build-gpu/nopad --checkpoint "$ckpt" --data $hf/data --samples $n \
     2>&1 | tee -a "$out/hf.log" "$out/summary.txt" || status=1
 done
+
+# fp16 end to end, on the data prepared above. check_fp16 MODE RUN_DIR LOG RC: one summary line, exit 1 on failure.
+#   train:    the run finished (exit 0, step 50), fp16 with a dynamic loss scale, every metrics line carries
+#             loss_scale, and the loss fell (mean of the first 5 applied steps - mean of the last 10 > 1.0; bert-tiny
+#             goes from ~11.0 to ~8.0 in 50 steps of this config on the CPU)
+#   overflow: the run finished, "overflow at loss scale" was logged, metrics has skipped steps, the scale fell below
+#             its start, and the last step was applied with a finite loss
+check_fp16() {
+  python3 - "$@" <<'PY'
+import json, math, sys
+mode, run, log_path, rc = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
+log = open(log_path, errors="replace").read()
+problems = []
+if rc != 0:
+    problems.append(f"nopad train exited {rc}: " + " | ".join(log.strip().splitlines()[-2:]))
+if "fp16, dynamic loss scale" not in log:
+    problems.append("the device line does not say 'fp16, dynamic loss scale'")
+try:
+    lines = [json.loads(l) for l in open(run + "/metrics.jsonl")]
+except OSError as e:
+    lines = []
+    problems.append(f"no metrics.jsonl: {e}")
+steps = [l for l in lines if not l.get("eval")]
+if not steps:
+    problems.append("no training lines in metrics.jsonl")
+missing = [l["step"] for l in steps if "loss_scale" not in l]
+if missing:
+    problems.append(f"{len(missing)} metrics lines without loss_scale (first: step {missing[0]})")
+applied = [l for l in steps if not l.get("skipped") and l.get("loss") is not None]
+skipped = [l["step"] for l in steps if l.get("skipped")]
+scales = [l["loss_scale"] for l in steps if "loss_scale" in l]
+detail = ""
+if mode == "train":
+    if steps and steps[-1]["step"] != 50:
+        problems.append(f"last step {steps[-1]['step']}, expected 50")
+    if len(applied) >= 15:
+        first = sum(l["loss"] for l in applied[:5]) / 5
+        last = sum(l["loss"] for l in applied[-10:]) / 10
+        detail = f"loss {first:.3f} -> {last:.3f} (first 5 / last 10 applied steps)"
+        if not first - last > 1.0:
+            problems.append(f"the loss did not fall enough: {detail}")
+    else:
+        problems.append(f"only {len(applied)} applied steps")
+else:
+    if "overflow at loss scale" not in log:
+        problems.append("no 'overflow at loss scale' line in the log")
+    if not skipped:
+        problems.append("no skipped step in metrics.jsonl")
+    if scales and not min(scales) < scales[0]:
+        problems.append(f"the loss scale never fell below its start {scales[0]}")
+    if steps and (steps[-1].get("skipped") or steps[-1].get("loss") is None or not math.isfinite(steps[-1]["loss"])):
+        problems.append(f"the last step ({steps[-1]['step']}) was not applied with a finite loss")
+    if steps:
+        detail = f"last step {steps[-1]['step']} loss {steps[-1].get('loss')}"
+if scales:
+    detail += f", loss scale {scales[0]:g} -> {scales[-1]:g}"
+detail += f", {len(skipped)} overflow steps skipped {skipped[:8]}"
+print(f"fp16 {mode}: {'FAILED: ' + '; '.join(problems) if problems else 'OK'} ({len(steps)} steps logged, {detail.strip(', ')})")
+sys.exit(1 if problems else 0)
+PY
+}
+
+step "fp16 training (bert-tiny, 50 steps, train.precision=fp16, dynamic loss scale)"
+fp=/tmp/nopad-fp16
+./build-gpu/nopad train --config configs/bert-tiny-sample.toml --set run_dir=$fp/run --set data.train=$hf/data \
+  --set data.eval=$hf/data --set eval.max_samples=256 --set train.device=cuda --set train.precision=fp16 \
+  --set train.max_steps=50 --set log.interval_steps=1 --overwrite > "$out/fp16-train.log" 2>&1
+check_fp16 train $fp/run "$out/fp16-train.log" $? 2>&1 | tee -a "$out/summary.txt" || status=1
+
+step "fp16 overflow (loss scale starting at 2^24, the largest allowed: the NSP gradient alone overflows fp16)"
+./build-gpu/nopad train --config configs/bert-tiny-sample.toml --set run_dir=$fp/overflow --set data.train=$hf/data \
+  --set data.eval=$hf/data --set eval.max_samples=256 --set train.device=cuda --set train.precision=fp16 \
+  --set train.loss_scale=dynamic --set train.loss_scale_init=16777216 --set train.max_steps=20 \
+  --set log.interval_steps=1 --overwrite > "$out/fp16-overflow.log" 2>&1
+check_fp16 overflow $fp/overflow "$out/fp16-overflow.log" $? 2>&1 | tee -a "$out/summary.txt" || status=1
+
+step "bf16 vs fp16 step time (BERT-large, batch 64 of the sample data, 10 timed steps)"
+for prec in bf16 fp16; do
+  if ./build-gpu/nopad bench model --model data/configs/bert-large-mlperf.json --data $hf/data --batch 64 --steps 10 \
+      --warmup 3 --precision $prec > "$out/bench-$prec.json" 2> "$out/bench-$prec.log"; then
+    python3 -c 'import json,sys; j=json.load(open(sys.argv[1])); print("perf bench bert-large batch 64 %s: %.2f ms/step, %.1f seq/s, %.1f TFLOP/s, %d skipped, final loss %s" % (j["precision"], j["step_ms"], j["seqs_per_s"], j["model_tflops"], j["skipped_steps"], j["final_loss"]))' \
+      "$out/bench-$prec.json" | tee -a "$out/summary.txt"
+  else
+    echo "perf bench $prec FAILED: $(tail -1 "$out/bench-$prec.log")" | tee -a "$out/summary.txt"
+    status=1
+  fi
+done
+
 step "done, status $status"
 exit $status

@@ -72,6 +72,13 @@ void setup(CLI::App& sub) {
   model->add_option("--steps", mo->steps, "timed steps")->capture_default_str();
   model->add_option("--warmup", mo->warmup, "untimed steps first")->capture_default_str();
   model->add_option("--device", mo->device, "cuda or cpu")->capture_default_str();
+  model->add_option("--precision", mo->precision,
+                    "the ops' type: auto (bf16 on cuda, fp32 on cpu), bf16 or fp16 (cuda), fp32 (cpu)")
+      ->capture_default_str();
+  model->add_option("--loss-scale", mo->loss_scale,
+                    "fixed loss scale: backward of scale * loss, the update divides it out (skipped_steps in the "
+                    "JSON counts updates skipped for overflow)")
+      ->capture_default_str();
   model->add_option("--workload", mo->workload, "write the timed batches' 'length masked' lines here (for peers)");
   model->add_option("--seed", mo->seed, "init, shuffle and dropout seed")->capture_default_str();
   model->add_option("--dropout", mo->dropout, "dropout probability (default: the config's)");

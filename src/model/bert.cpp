@@ -422,5 +422,6 @@ void BertModel<P>::backward(double loss_scale) {
 template class BertModel<ops::CpuF32>;
 template class BertModel<ops::CpuF64>;
 template class BertModel<ops::GpuBf16>;  // driven by the CUDA backend; needs no CUDA headers
+template class BertModel<ops::GpuF16>;   // likewise
 
 }  // namespace nopad

@@ -9,10 +9,11 @@
 //
 // Precision: BertModel<P> takes an ops::Precision policy (ops/ops.h). Parameters are P::Weight (params()),
 // parameter gradients P::Grad (grads()), activations and their gradients P::Act, LayerNorm mean/rstd, attention
-// log-sum-exp and loss sums P::Stat. On the CPU (CpuF32, CpuF64) all four are one type. On the GPU (GpuBf16) the
-// ops read bf16 weights and activations for tensor-core GEMMs, gradients accumulate in fp32 across micro-batches so
-// small updates are not lost, and statistics stay fp32; params() is then the bf16 copy the ops read, and the
-// optimiser owns the fp32 master weights and refreshes that copy after each step.
+// log-sum-exp and loss sums P::Stat. On the CPU (CpuF32, CpuF64) all four are one type. On the GPU (GpuBf16,
+// GpuF16) the ops read bf16 or fp16 weights and activations for tensor-core GEMMs, gradients accumulate in fp32 across
+// micro-batches so small updates are not lost, and statistics stay fp32; params() is then the 16-bit copy the ops
+// read, and the optimiser owns the fp32 master weights and refreshes that copy after each step. With fp16, backward
+// is run with a loss scale (backward(loss_scale)) so that activation gradients stay inside fp16's range.
 //
 // Host arrays (set_params, get_params, get_grads, init_params' values) are HostScalar: float where the policy's
 // weights are 16-bit (converted on upload/download), the policy's own Weight type otherwise.
@@ -182,5 +183,6 @@ class BertModel {
 extern template class BertModel<ops::CpuF32>;
 extern template class BertModel<ops::CpuF64>;
 extern template class BertModel<ops::GpuBf16>;
+extern template class BertModel<ops::GpuF16>;
 
 }  // namespace nopad

@@ -1,6 +1,7 @@
 // The fused-op interface the BERT model is written against (docs/ops.md). One abstract Backend per precision
 // policy (below): the CPU reference (ops/cpu: CpuF32 for training, CpuF64 for gradient checks) and the CUDA backend
-// (ops/cuda: GpuBf16, bf16 activations and weight copies with fp32 gradients and statistics) implement it.
+// (ops/cuda: GpuBf16 and GpuF16, bf16 or fp16 activations and weight copies with fp32 gradients and statistics)
+// implement it.
 //
 // Contracts common to every op:
 //  - All pointers are backend memory (host memory on the CPU, device memory on the GPU); shapes and element counts
@@ -25,7 +26,7 @@ namespace nopad::ops {
 
 // The element types of one backend:
 //   Act    activations, saved activations and activation gradients
-//   Weight the weights the ops read (on the GPU a bf16 copy of the fp32 master weights the optimiser owns)
+//   Weight the weights the ops read (on the GPU a bf16 or fp16 copy of the fp32 master weights the optimiser owns)
 //   Grad   parameter gradients (accumulated across micro-batches)
 //   Stat   LayerNorm mean/rstd, attention log-sum-exp, loss sums
 template <class A, class W, class G, class St>
@@ -38,6 +39,9 @@ struct Precision {
 using CpuF32 = Precision<float, float, float, float>;
 using CpuF64 = Precision<double, double, double, double>;
 using GpuBf16 = Precision<bf16, bf16, float, float>;
+// fp16 activations and weight copies: 3 more mantissa bits than bf16 but a range of +-65504, so training scales the
+// loss (train.loss_scale) to keep small gradients out of the subnormals and skips the steps whose gradients overflow.
+using GpuF16 = Precision<f16, f16, float, float>;
 
 // Which rows belong to which sequence. Sequence b is rows [cu_seqlens[b], cu_seqlens[b+1]).
 struct SeqView {

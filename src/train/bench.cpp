@@ -30,8 +30,8 @@ namespace {
 class CpuRunner final : public StepRunner {
  public:
   CpuRunner(const BertConfig& config, int32_t max_tokens, int32_t max_seqs, int32_t max_masked, uint64_t seed,
-            const OptimizerOptions& options, int threads)
-      : backend_(threads), model_(config, backend_, max_tokens, max_seqs, max_masked) {
+            const OptimizerOptions& options, int threads, double loss_scale)
+      : backend_(threads), model_(config, backend_, max_tokens, max_seqs, max_masked), loss_scale_(loss_scale) {
     model_.init_params(seed);
     std::vector<ParamView> views;
     for (const ParamTensor& t : model_.layout().tensors())
@@ -41,10 +41,11 @@ class CpuRunner final : public StepRunner {
   void train_step(const HostBatch& batch, float lr, uint64_t seed, uint64_t step) override {
     model_.zero_grad();
     last_ = model_.forward(batch, /*train=*/true, seed, step);
-    model_.backward(1.0);
-    optimizer_->step(lr, 1.0);
+    model_.backward(loss_scale_);
+    skipped_ += optimizer_->step(lr, 1.0 / loss_scale_).skipped ? 1 : 0;
   }
   StepResult last_result() override { return last_; }
+  int64_t skipped_steps() override { return skipped_; }
   void synchronize() override {}  // the CPU backend is synchronous
   size_t peak_memory_bytes() override {
     rusage u{};
@@ -57,6 +58,8 @@ class CpuRunner final : public StepRunner {
   ops::CpuBackend<ops::CpuF32> backend_;
   BertModel<ops::CpuF32> model_;
   std::unique_ptr<Lamb> optimizer_;
+  double loss_scale_ = 1.0;
+  int64_t skipped_ = 0;
   StepResult last_;
 };
 
@@ -82,8 +85,8 @@ std::vector<int64_t> masked_per_sequence(const HostBatch& b) {
 
 std::unique_ptr<StepRunner> make_cpu_runner(const BertConfig& config, int32_t max_tokens, int32_t max_seqs,
                                             int32_t max_masked, uint64_t seed, const OptimizerOptions& options,
-                                            int threads) {
-  return std::make_unique<CpuRunner>(config, max_tokens, max_seqs, max_masked, seed, options, threads);
+                                            int threads, double loss_scale) {
+  return std::make_unique<CpuRunner>(config, max_tokens, max_seqs, max_masked, seed, options, threads, loss_scale);
 }
 
 uint64_t sequence_train_flops(const BertConfig& c, int64_t n, int64_t m) {
@@ -111,6 +114,15 @@ ModelBenchResult run_model_bench(const ModelBenchOptions& o) {
   NOPAD_CHECK(o.steps >= 1, "--steps must be at least 1");
   NOPAD_CHECK(o.lr > 0 && std::isfinite(o.lr), "--lr must be positive");
   NOPAD_CHECK(o.dropout < 1, "--dropout must be below 1");
+  NOPAD_CHECK(std::isfinite(o.loss_scale) && o.loss_scale > 0, "--loss-scale must be a positive number, got ",
+              o.loss_scale);
+  NOPAD_CHECK(o.precision == "auto" || o.precision == "fp32" || o.precision == "bf16" || o.precision == "fp16",
+              "--precision must be auto, fp32, bf16 or fp16, got \"", o.precision, "\"");
+  const std::string precision = o.precision != "auto" ? o.precision : (o.device == "cpu" ? "fp32" : "bf16");
+  NOPAD_CHECK(o.device == "cuda" || precision == "fp32", "--precision ", precision,
+              " needs --device cuda (the CPU runs fp32)");
+  NOPAD_CHECK(o.device == "cpu" || precision != "fp32", "--precision fp32 needs --device cpu (the GPU runs bf16 or "
+              "fp16)");
 #ifndef NOPAD_HAVE_CUDA
   NOPAD_CHECK(o.device != "cuda", "this nopad was built without the CUDA backend; rebuild with -DNOPAD_CUDA=ON or "
                                   "use --device cpu");
@@ -148,10 +160,10 @@ ModelBenchResult run_model_bench(const ModelBenchOptions& o) {
   OptimizerOptions oo;  // LAMB with MLPerf's defaults
   std::unique_ptr<StepRunner> runner;
   if (o.device == "cpu") {
-    runner = make_cpu_runner(config, max_tokens, max_seqs, max_masked, o.seed, oo, o.threads);
+    runner = make_cpu_runner(config, max_tokens, max_seqs, max_masked, o.seed, oo, o.threads, o.loss_scale);
   } else {
 #ifdef NOPAD_HAVE_CUDA
-    runner = cuda::make_gpu_runner(config, max_tokens, max_seqs, max_masked, o.seed, oo);
+    runner = cuda::make_gpu_runner(config, max_tokens, max_seqs, max_masked, o.seed, oo, precision, o.loss_scale);
 #endif
   }
   NOPAD_CHECK(runner != nullptr, "no runner for device ", o.device);
@@ -179,6 +191,7 @@ ModelBenchResult run_model_bench(const ModelBenchOptions& o) {
   runner->synchronize();
   const double secs = std::chrono::duration<double>(Clock::now() - t0).count();
   final_loss = runner->last_result().loss;
+  const int64_t skipped = runner->skipped_steps();  // warm-up and timed steps whose update was skipped
   NOPAD_CHECK(secs > 0, "timed loop took no time");
 
   ModelBenchResult res;
@@ -266,6 +279,9 @@ ModelBenchResult run_model_bench(const ModelBenchOptions& o) {
   nlohmann::ordered_json j;
   j["bench"] = "model";
   j["device"] = o.device;
+  j["precision"] = precision;
+  j["loss_scale"] = o.loss_scale;
+  j["skipped_steps"] = skipped;
   j["gpu"] = gpu;
   j["model"] = std::filesystem::path(o.model).stem().string();
   j["batch"] = o.batch;
@@ -289,15 +305,18 @@ ModelBenchResult run_model_bench(const ModelBenchOptions& o) {
   res.json = j.dump();
 
   std::fprintf(stderr,
-               "bench model: %s on %s (%s), batch %llu, %llu timed steps after %llu warm-up\n"
+               "bench model: %s on %s (%s, %s), batch %llu, %llu timed steps after %llu warm-up\n"
                "  step_ms %10.2f (%s)   seqs/s %10.1f   real tokens/s %12.0f\n"
                "  model TFLOP/s %7.1f   MFU %5.1f%%   peak memory %.2f GiB   final loss %.4f\n",
-               j["model"].get<std::string>().c_str(), gpu.c_str(), o.device.c_str(),
+               j["model"].get<std::string>().c_str(), gpu.c_str(), o.device.c_str(), precision.c_str(),
                static_cast<unsigned long long>(o.batch), static_cast<unsigned long long>(o.steps),
                static_cast<unsigned long long>(o.warmup), res.step_ms, o.per_step ? "median" : "mean",
                res.seqs_per_s, res.real_tokens_per_s, res.model_tflops, 100.0 * res.mfu, res.max_mem_gib,
                res.final_loss);
   if (!std::isfinite(final_loss)) std::fprintf(stderr, "  WARNING: the last timed step's loss is not finite\n");
+  if (skipped > 0)
+    std::fprintf(stderr, "  WARNING: %lld of %llu steps skipped their update (gradients not finite: lower "
+                 "--loss-scale)\n", static_cast<long long>(skipped), static_cast<unsigned long long>(total));
   if (o.breakdown) {
     double sum = 0;
     for (const auto& op : breakdown) sum += op.second;

@@ -24,6 +24,8 @@ class StepRunner {
   // Enqueues the step; on a device nothing is waited for. last_result() gives the loss of the last step (waits).
   virtual void train_step(const HostBatch& batch, float lr, uint64_t seed, uint64_t step) = 0;
   virtual StepResult last_result() = 0;
+  // Optimiser steps skipped so far because the gradients were not finite (an fp16 loss scale that overflows); waits.
+  virtual int64_t skipped_steps() { return 0; }
   virtual void synchronize() = 0;                 // returns once all queued work has finished
   virtual size_t peak_memory_bytes() = 0;         // high-water mark of the memory the run uses
   virtual std::string device_name() const = 0;
@@ -40,10 +42,11 @@ class StepRunner {
   virtual void replay_captured() {}
 };
 
-// CpuBackend<CpuF32> + BertModel + the CPU LAMB; BERT init from `seed`. threads <= 0: all cores.
+// CpuBackend<CpuF32> + BertModel + the CPU LAMB; BERT init from `seed`. threads <= 0: all cores. loss_scale as
+// ModelBenchOptions::loss_scale.
 std::unique_ptr<StepRunner> make_cpu_runner(const BertConfig& config, int32_t max_tokens, int32_t max_seqs,
                                             int32_t max_masked, uint64_t seed, const OptimizerOptions& options,
-                                            int threads = 0);
+                                            int threads = 0, double loss_scale = 1.0);
 
 // Training FLOPs of one sequence of n tokens with m masked positions: 3x the forward matmul FLOPs (encoder GEMMs,
 // attention QK^T and PV, MLM head on masked rows, pooler + NSP), exactly as peers/common.py model_flops.
@@ -58,6 +61,8 @@ struct ModelBenchOptions {
   uint64_t steps = 20;    // timed steps
   uint64_t warmup = 5;    // untimed steps first
   std::string device = "cuda";  // cuda or cpu
+  std::string precision = "auto";  // the ops' type: auto (bf16 on cuda, fp32 on cpu), bf16 or fp16 (cuda), fp32 (cpu)
+  double loss_scale = 1.0;  // fixed: backward of loss_scale * loss, the update divides it out (fp16 runs may raise it)
   std::string workload;   // optional: write "length masked" lines of the timed batches
   uint64_t seed = 1;
   double dropout = -1;    // < 0: the config's dropout probabilities
@@ -75,7 +80,7 @@ struct ModelBenchResult {
   uint64_t seqs = 0, tokens = 0, flops = 0;
 };
 
-constexpr double kPeakBf16Flops = 989e12;  // H100/H200 SXM dense bf16 datasheet
+constexpr double kPeakBf16Flops = 989e12;  // H100/H200 SXM dense bf16 datasheet (dense fp16: the same)
 
 // Runs the benchmark; prints a short table on stderr and returns the report. Throws nopad::Error on bad input.
 ModelBenchResult run_model_bench(const ModelBenchOptions& options);

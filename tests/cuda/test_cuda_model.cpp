@@ -1,11 +1,16 @@
-// The whole BertModel on the GPU (BertModel<ops::GpuBf16> over cuda::CudaBackend) against the CPU model
-// (BertModel<ops::CpuF32>): one unpadded batch of mixed lengths (1..512 tokens, masked positions, NSP labels), the
-// same weights on both sides (drawn on the CPU, rounded to bf16, and those rounded values given to both, so the GPU's
-// bf16 weight copy holds exactly what the CPU uses), dropout off and on (the GPU draws the CPU's masks, see
-// test_cuda_ops.cpp). Configurations: bert-tiny, a 2-layer H=1024 / 16-head model, and bert-base (12 layers,
-// H=768, 12 heads: the depth over which bf16 rounding accumulates in real training).
+// The whole BertModel on the GPU (BertModel<ops::GpuBf16> over cuda::CudaBackend, and BertModel<ops::GpuF16> over
+// cuda::CudaBackendF16) against the CPU model (BertModel<ops::CpuF32>): one unpadded batch of mixed lengths (1..512
+// tokens, masked positions, NSP labels), the same weights on both sides (drawn on the CPU, rounded to the GPU's 16-bit
+// type, and those rounded values given to both, so the GPU's weight copy holds exactly what the CPU uses), dropout off
+// and on (the GPU draws the CPU's masks, see test_cuda_ops.cpp). Configurations: bert-tiny, a 2-layer H=1024 /
+// 16-head model, and bert-base (12 layers, H=768, 12 heads: the depth over which 16-bit rounding accumulates in real
+// training), each in bf16 and fp16.
 //
-// Tolerances, and why:
+// fp16 runs backward with a loss scale of 4096, as fp16 training does (train.loss_scale): unscaled, the gradients of
+// the non-label logits (~3e-5 / M) and much of what flows back from them would be fp16 subnormals. The GPU's
+// gradients are divided by the scale (a power of two: exact) before the comparison.
+//
+// Tolerances (bf16; fp16's are a quarter of each, see below), and why:
 //  - losses (MLM and NSP separately): relative 1e-2. The GPU stores activations in bf16 (relative rounding <= 2^-9,
 //    ~2e-3, per value) between ops that compute in fp32; a value passes through a handful of such roundings before
 //    the logits, and the loss, an average of log-softmax terms over many rows, averages the independent errors, so
@@ -18,6 +23,9 @@
 //    fed by few rows (token_type, classifier) see the least averaging, hence 5%. The floor covers tensors whose exact
 //    gradient is zero (attention key biases: softmax ignores a per-key constant), where both sides hold rounding
 //    noise only.
+//  - fp16: 11 significant bits against bf16's 8, so every rounding error above is 8x smaller; a quarter of the bf16
+//    tolerances (and of the noise floor, and of 1 - the minimum cosine) keeps twice bf16's margin. Correct counts
+//    keep bf16's allowance.
 //
 // Needs a GPU (built as nopad_cuda_tests, not registered with CTest).
 #include <cuda_runtime.h>
@@ -29,6 +37,7 @@
 #include <cstdlib>
 #include <iterator>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "core/dtype.h"
@@ -44,6 +53,8 @@ namespace {
 
 constexpr double kTolLoss = 1e-2, kTolGlobalNorm = 3e-2, kTolTensorNorm = 5e-2, kNormFloor = 1e-3,
                  kMinCosine = 0.99;
+constexpr double kF16Factor = 0.25;     // fp16 tolerances = bf16's x this
+constexpr double kF16LossScale = 4096;  // fp16 backward's loss scale
 
 BertConfig tiny_config() { return BertConfig::from_file(std::string(NOPAD_SOURCE_DIR) + "/data/configs/bert-tiny.json"); }
 
@@ -90,28 +101,33 @@ double norm(const float* x, size_t n) {
   return std::sqrt(s);
 }
 
-// Runs forward + backward on both models and compares. P is ops::GpuBf16; a template so that the body is only
-// instantiated when the library provides BertModel<ops::GpuBf16>.
+// Runs forward + backward on both models and compares. P is ops::GpuBf16 or ops::GpuF16.
 template <class P>
 void compare_models(const BertConfig& config, bool dropout) {
+  using H = typename P::Weight;  // bf16 or f16
+  constexpr bool kF16 = std::is_same_v<H, f16>;
+  const double f = kF16 ? kF16Factor : 1.0;
+  const double tol_loss = kTolLoss * f, tol_global = kTolGlobalNorm * f, tol_tensor = kTolTensorNorm * f,
+               floor = kNormFloor * f, min_cosine = 1.0 - (1.0 - kMinCosine) * f;
+  const double loss_scale = kF16 ? kF16LossScale : 1.0;
   const HostBatch batch = make_batch(config, 42);
   const int32_t T = batch.num_tokens(), B = batch.num_seqs(), M = batch.num_masked();
   ASSERT_GT(M, 0);
-  std::printf("    T=%d B=%d M=%d H=%d layers=%d dropout=%d\n", T, B, M, config.hidden_size, config.num_hidden_layers,
-              int(dropout));
+  std::printf("    %s: T=%d B=%d M=%d H=%d layers=%d dropout=%d\n", kF16 ? "fp16" : "bf16", T, B, M, config.hidden_size,
+              config.num_hidden_layers, int(dropout));
 
   ops::CpuBackend<ops::CpuF32> cpu_backend(0);
-  cuda::CudaBackend gpu_backend(0);
+  cuda::CudaBackendT<P> gpu_backend(0);
   BertModel<ops::CpuF32> cpu(config, cpu_backend, T, B, M);
   BertModel<P> gpu(config, gpu_backend, T, B, M);
   const size_t n = cpu.num_params();
   ASSERT_EQ(gpu.num_params(), n);
 
-  // Identical starting weights: BERT init on the CPU, rounded to bf16, the rounded values to both.
+  // Identical starting weights: BERT init on the CPU, rounded to the GPU's type, the rounded values to both.
   cpu.init_params(2024);
   std::vector<float> w(n);
   cpu.get_params(w.data());
-  for (float& x : w) x = to_float(to_bf16(x));
+  for (float& x : w) x = to_float(convert<H>(x));
   cpu.set_params(w.data());
   gpu.set_params(w.data());
   {
@@ -119,7 +135,7 @@ void compare_models(const BertConfig& config, bool dropout) {
     gpu.get_params(back.data());
     size_t diff = 0;
     for (size_t i = 0; i < n; ++i) diff += back[i] != w[i];
-    ASSERT_EQ(diff, 0u) << "bf16 weight round trip through the GPU model changed values";
+    ASSERT_EQ(diff, 0u) << "16-bit weight round trip through the GPU model changed values";
   }
 
   cpu.zero_grad();
@@ -131,33 +147,36 @@ void compare_models(const BertConfig& config, bool dropout) {
               rg.mlm_loss, rc.mlm_loss, rg.nsp_loss, rc.nsp_loss, (long long)rg.mlm_correct,
               (long long)rc.mlm_correct, (long long)rg.nsp_correct, (long long)rc.nsp_correct);
   EXPECT_TRUE(std::isfinite(rg.mlm_loss) && std::isfinite(rg.nsp_loss));
-  EXPECT_NEAR(rg.mlm_loss, rc.mlm_loss, kTolLoss * std::fabs(rc.mlm_loss)) << "MLM loss";
-  EXPECT_NEAR(rg.nsp_loss, rc.nsp_loss, kTolLoss * std::fabs(rc.nsp_loss)) << "NSP loss";
+  EXPECT_NEAR(rg.mlm_loss, rc.mlm_loss, tol_loss * std::fabs(rc.mlm_loss)) << "MLM loss";
+  EXPECT_NEAR(rg.nsp_loss, rc.nsp_loss, tol_loss * std::fabs(rc.nsp_loss)) << "NSP loss";
   EXPECT_EQ(rg.mlm_count, rc.mlm_count);
   EXPECT_EQ(rg.nsp_count, rc.nsp_count);
   EXPECT_LE(std::llabs(rg.mlm_correct - rc.mlm_correct), std::max<long long>(2, M / 50)) << "MLM correct count";
   EXPECT_LE(std::llabs(rg.nsp_correct - rc.nsp_correct), std::max<long long>(2, B / 50)) << "NSP correct count";
 
   cpu.backward(1.0);
-  gpu.backward(1.0);
+  gpu.backward(loss_scale);
   std::vector<float> gc(n), gg(n, std::nanf(""));
   cpu.get_grads(gc.data());
   gpu.get_grads(gg.data());
   size_t nans = 0;
-  for (float x : gg) nans += !std::isfinite(x);
-  ASSERT_EQ(nans, 0u) << "non-finite GPU gradients";
+  for (float& x : gg) {
+    nans += !std::isfinite(x);
+    x = static_cast<float>(x / loss_scale);  // a power of two: exact
+  }
+  ASSERT_EQ(nans, 0u) << "non-finite GPU gradients (loss scale " << loss_scale << ")";
 
   const double global_c = norm(gc.data(), n), global_g = norm(gg.data(), n);
   double dot = 0;
   for (size_t i = 0; i < n; ++i) dot += double(gc[i]) * gg[i];
   const double cosine = dot / (global_c * global_g);
   std::printf("    grad norm gpu %.6g cpu %.6g, cosine %.6f\n", global_g, global_c, cosine);
-  EXPECT_NEAR(global_g, global_c, kTolGlobalNorm * global_c) << "global gradient norm";
-  EXPECT_GT(cosine, kMinCosine) << "cosine of the full gradient vectors";
+  EXPECT_NEAR(global_g, global_c, tol_global * global_c) << "global gradient norm";
+  EXPECT_GT(cosine, min_cosine) << "cosine of the full gradient vectors";
 
   for (const ParamTensor& t : cpu.layout().tensors()) {
     const double nc = norm(gc.data() + t.offset, t.numel), ng = norm(gg.data() + t.offset, t.numel);
-    EXPECT_NEAR(ng, nc, kTolTensorNorm * nc + kNormFloor * global_c) << "gradient norm of " << t.name;
+    EXPECT_NEAR(ng, nc, tol_tensor * nc + floor * global_c) << "gradient norm of " << t.name;
   }
 }
 
@@ -171,6 +190,7 @@ struct ModelCase {
   const char* name;
   Arch arch;
   bool dropout;
+  bool fp16 = false;  // GpuF16 instead of GpuBf16
 };
 
 class CudaModelTest : public ::testing::TestWithParam<ModelCase> {};
@@ -179,7 +199,10 @@ TEST_P(CudaModelTest, ForwardBackwardMatchCpu) {
   const ModelCase c = GetParam();
   const BertConfig config =
       c.arch == Arch::kTiny ? tiny_config() : (c.arch == Arch::kWide ? wide_config() : base_config());
-  compare_models<ops::GpuBf16>(config, c.dropout);
+  if (c.fp16)
+    compare_models<ops::GpuF16>(config, c.dropout);
+  else
+    compare_models<ops::GpuBf16>(config, c.dropout);
 }
 
 INSTANTIATE_TEST_SUITE_P(Configs, CudaModelTest,
@@ -188,7 +211,12 @@ INSTANTIATE_TEST_SUITE_P(Configs, CudaModelTest,
                                            ModelCase{"h1024_no_dropout", Arch::kWide, false},
                                            ModelCase{"h1024_dropout", Arch::kWide, true},
                                            ModelCase{"bert_base_no_dropout", Arch::kBase, false},
-                                           ModelCase{"bert_base_dropout", Arch::kBase, true}),
+                                           ModelCase{"bert_base_dropout", Arch::kBase, true},
+                                           ModelCase{"fp16_tiny_no_dropout", Arch::kTiny, false, true},
+                                           ModelCase{"fp16_tiny_dropout", Arch::kTiny, true, true},
+                                           ModelCase{"fp16_h1024_no_dropout", Arch::kWide, false, true},
+                                           ModelCase{"fp16_h1024_dropout", Arch::kWide, true, true},
+                                           ModelCase{"fp16_bert_base_dropout", Arch::kBase, true, true}),
                          [](const ::testing::TestParamInfo<ModelCase>& info) { return std::string(info.param.name); });
 
 }  // namespace

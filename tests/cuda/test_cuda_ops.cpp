@@ -1,7 +1,9 @@
-// Every op of the CUDA backend (ops/cuda) against its CPU twin CpuBackend<CpuF32> (ops/cpu). Inputs are drawn on the
-// host, rounded to bf16, and the same rounded values go to both backends, so the only differences left are the GPU's
-// bf16 outputs/intermediates and fp32 summation order. GPU outputs are poisoned (0xFF bytes = NaN) before each op, so
-// an element the op forgot to write shows up as NaN. Comparisons are norm-relative, ||gpu - cpu|| / ||cpu||.
+// Every op of the CUDA backend (ops/cuda) against its CPU twin CpuBackend<CpuF32> (ops/cpu), for both 16-bit
+// policies: every CudaOps test is a typed test over the element type (CudaOps/bf16.* runs CudaBackend = GpuBf16,
+// CudaOps/f16.* runs CudaBackendF16 = GpuF16). Inputs are drawn on the host, rounded to the type under test, and the
+// same rounded values go to both backends, so the only differences left are the GPU's 16-bit outputs/intermediates
+// and fp32 summation order. GPU outputs are poisoned (0xFF bytes = NaN) before each op, so an element the op forgot to
+// write shows up as NaN. Comparisons are norm-relative, ||gpu - cpu|| / ||cpu||.
 // Parameter gradients start from random nonzero values on both sides and the compared quantity is the change
 // (after - before), which checks += semantics as well as the value. Dropout runs at p = 0 and p = 0.1: agreement at
 // p = 0.1 proves the GPU draws the twin's masks.
@@ -17,12 +19,14 @@
 #include <memory>
 #include <numeric>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "core/dtype.h"
 #include "core/error.h"
 #include "core/rng.h"
 #include "ops/cpu/cpu_backend.h"
+#include "ops/cuda/check.h"
 #include "ops/cuda/cuda_backend.h"
 #include "ops/cuda/dense.h"  // KernelVariants: which implementation of each memory-bound op runs
 
@@ -30,22 +34,48 @@ namespace nopad {
 namespace {
 
 using Cpu = ops::CpuBackend<ops::CpuF32>;
-using Gpu = cuda::CudaBackend;
 using Vec = std::vector<float>;
 
-// Tolerances (norm-relative). Rounding one value to bf16 has relative error <= 2^-9 (~2e-3), rms ~ 2^-9/sqrt(3).
-//  kTolOut:  one bf16 rounding of an fp32 result (LayerNorm outputs, GEMM outputs with fp32 accumulation): the norm
+// Tolerances (norm-relative), per element type H. Rounding one value to bf16 (8 significant bits) has relative error
+// <= 2^-8 (~4e-3), rms ~1e-3 over many values; fp16 (11 significant bits) <= 2^-11 (~5e-4), 8x smaller. The bf16
+// values:
+//  kTolOut:  one 16-bit rounding of an fp32 result (LayerNorm outputs, GEMM outputs with fp32 accumulation): the norm
 //            ratio sits near 1e-3; 1e-2 leaves room for fp32 order differences and the odd larger element.
-//  kTolChain: two or three bf16 roundings in a chain (GELU on the rounded pre-activation, dx through a rounded dpre,
-//            backward through bf16 d_logits): a few 1e-3 each, so 2e-2.
-//  kTolF32:  gradients computed in fp32 from identical inputs (embedding/LayerNorm parameter grads): only summation
-//            order differs, ~1e-6; 1e-3 allows for the atomics' varying order.
-//  kTolGrad: fp32 parameter grads whose GEMM operands are bf16-rounded intermediates: errors average out over the
+//  kTolChain: two or three 16-bit roundings in a chain (GELU on the rounded pre-activation, dx through a rounded dpre,
+//            backward through 16-bit d_logits): a few 1e-3 each, so 2e-2.
+//  kTolDeep: longer chains (attention gradients through 16-bit P and dS, head gradients through d_logits, dz, dpre
+//            and the rounded d_hidden, softmax of 16-bit logits rounded again): 3e-2.
+//  kTolGrad: fp32 parameter grads whose GEMM operands are 16-bit-rounded intermediates: errors average out over the
 //            reduction, ~1e-3; 1e-2.
-constexpr double kTolOut = 1e-2, kTolChain = 2e-2, kTolF32 = 1e-3, kTolGrad = 1e-2;
+// fp16's are a quarter of these: its rounding errors are 8x smaller, so this keeps twice bf16's margin over the
+// expected error. kTolF32 (gradients computed in fp32 from identical inputs: embedding/LayerNorm parameter grads,
+// only summation order differs, ~1e-6; 1e-3 allows for the atomics' varying order) does not depend on the type.
+template <class H>
+constexpr double kTypeFactor = std::is_same_v<H, f16> ? 0.25 : 1.0;
+template <class H>
+constexpr double kTolOut = 1e-2 * kTypeFactor<H>;
+template <class H>
+constexpr double kTolChain = 2e-2 * kTypeFactor<H>;
+template <class H>
+constexpr double kTolDeep = 3e-2 * kTypeFactor<H>;
+template <class H>
+constexpr double kTolGrad = 1e-2 * kTypeFactor<H>;
+constexpr double kTolF32 = 1e-3;
 
-Gpu& gpu() {
-  static Gpu g(0);
+// The MLM head's loss scale in its test: fp16 training scales the loss (train.loss_scale) so that d_logits = scale *
+// (probs - onehot) / M stays in fp16's normal range (unscaled, the ~3e-5 / M of a non-label logit would be an fp16
+// subnormal); 4096 is a typical dynamic scale. bf16 has fp32's range and runs unscaled, as in training.
+template <class H>
+constexpr double kHeadLossScale = std::is_same_v<H, f16> ? 4096.0 : 1.0;
+
+template <class H>
+using PolicyOf = std::conditional_t<std::is_same_v<H, f16>, ops::GpuF16, ops::GpuBf16>;
+template <class H>
+using Gpu = cuda::CudaBackendT<PolicyOf<H>>;
+
+template <class H>
+Gpu<H>& gpu() {
+  static Gpu<H> g(0);
   return g;
 }
 Cpu& cpu() {
@@ -53,50 +83,88 @@ Cpu& cpu() {
   return c;
 }
 
+// The test under way: the stream of the backend it runs (every upload, poison and download below is ordered on it, so
+// the ops see them in order) and the tag its perf lines carry.
+struct Current {
+  cudaStream_t stream = nullptr;
+  const char* perf_tag = "";
+};
+Current& current() {
+  static Current c;
+  return c;
+}
+template <class H>
+void use_backend() {
+  current().stream = gpu<H>().stream();
+  current().perf_tag = std::is_same_v<H, f16> ? " [fp16]" : "";
+}
+
+// Element-type names for the typed suites: CudaOps/bf16.*, CudaOps/f16.*.
+struct ElemName {
+  template <class H>
+  static std::string GetName(int) {
+    return std::is_same_v<H, f16> ? "f16" : "bf16";
+  }
+};
+using ElemTypes = ::testing::Types<bf16, f16>;
+
 // A device buffer of n elements, freed at scope end.
 template <class T>
 struct DBuf {
   T* p = nullptr;
   size_t n = 0;
-  explicit DBuf(size_t count) : n(count) { p = static_cast<T*>(gpu().allocate_bytes(std::max<size_t>(n, 1) * sizeof(T))); }
-  ~DBuf() { gpu().free_bytes(p); }
+  explicit DBuf(size_t count) : n(count) {
+    p = static_cast<T*>(cuda::cuda_malloc_or_throw(std::max<size_t>(n, 1) * sizeof(T), "a test buffer"));
+  }
+  ~DBuf() { (void)cudaFree(p); }
   DBuf(const DBuf&) = delete;
   DBuf& operator=(const DBuf&) = delete;
-  void poison() {  // 0xFF bytes: NaN in bf16 and fp32, -1 in int32
-    ASSERT_EQ(cudaMemsetAsync(p, 0xFF, n * sizeof(T), gpu().stream()), cudaSuccess);
+  void poison() {  // 0xFF bytes: NaN in bf16, fp16 and fp32, -1 in int32
+    ASSERT_EQ(cudaMemsetAsync(p, 0xFF, n * sizeof(T), current().stream), cudaSuccess);
   }
 };
 
-Vec rand_vec(Rng& rng, size_t n, float lo, float hi) {  // values already rounded to bf16
+template <class T>
+constexpr bool kIs16 = std::is_same_v<T, bf16> || std::is_same_v<T, f16>;
+
+// n values uniform in [lo, hi), rounded to H (so that the CPU twin computes on exactly the GPU's inputs).
+template <class H>
+Vec rand_vec(Rng& rng, size_t n, float lo, float hi) {
   Vec v(n);
-  for (auto& x : v) x = to_float(to_bf16(static_cast<float>(lo + (hi - lo) * rng.uniform())));
+  for (auto& x : v) x = to_float(convert<H>(static_cast<float>(lo + (hi - lo) * rng.uniform())));
   return v;
-}
-std::unique_ptr<DBuf<bf16>> up_bf16(const Vec& v) {
-  auto d = std::make_unique<DBuf<bf16>>(v.size());
-  std::vector<bf16> h(v.size());
-  for (size_t i = 0; i < v.size(); ++i) h[i] = to_bf16(v[i]);
-  gpu().upload_bytes(d->p, h.data(), h.size() * sizeof(bf16));
-  return d;
 }
 template <class T>
 std::unique_ptr<DBuf<T>> up(const std::vector<T>& v) {
   auto d = std::make_unique<DBuf<T>>(v.size());
-  gpu().upload_bytes(d->p, v.data(), v.size() * sizeof(T));
+  if (!v.empty()) {
+    EXPECT_EQ(cudaMemcpyAsync(d->p, v.data(), v.size() * sizeof(T), cudaMemcpyHostToDevice, current().stream),
+              cudaSuccess);
+  }
+  EXPECT_EQ(cudaStreamSynchronize(current().stream), cudaSuccess);  // v may go out of scope
   return d;
 }
-Vec down(const DBuf<bf16>& d) {
-  std::vector<bf16> h(d.n);
-  gpu().download_bytes(h.data(), d.p, d.n * sizeof(bf16));
-  Vec v(d.n);
-  for (size_t i = 0; i < d.n; ++i) v[i] = to_float(h[i]);
-  return v;
+template <class H>
+std::unique_ptr<DBuf<H>> up16(const Vec& v) {
+  std::vector<H> h(v.size());
+  for (size_t i = 0; i < v.size(); ++i) h[i] = convert<H>(v[i]);
+  return up(h);
 }
+// 16-bit buffers come back as floats, everything else as itself.
 template <class T>
-std::vector<T> down(const DBuf<T>& d) {
+auto down(const DBuf<T>& d) {
   std::vector<T> h(d.n);
-  gpu().download_bytes(h.data(), d.p, d.n * sizeof(T));
-  return h;
+  if (d.n) {
+    EXPECT_EQ(cudaMemcpyAsync(h.data(), d.p, d.n * sizeof(T), cudaMemcpyDeviceToHost, current().stream), cudaSuccess);
+  }
+  EXPECT_EQ(cudaStreamSynchronize(current().stream), cudaSuccess);
+  if constexpr (kIs16<T>) {
+    Vec v(d.n);
+    for (size_t i = 0; i < d.n; ++i) v[i] = to_float(h[i]);
+    return v;
+  } else {
+    return h;
+  }
 }
 Vec minus(const Vec& a, const Vec& b) {
   Vec r(a.size());
@@ -120,7 +188,7 @@ void expect_close(const std::string& what, const Vec& g, const Vec& c, double to
   EXPECT_EQ(nans, 0u) << what << ": " << nans << " NaN elements (unwritten or invalid), first at " << first_nan;
   const double rel = den > 0 ? std::sqrt(num / den) : std::sqrt(num);
   EXPECT_LT(rel, tol) << what << ": relative error " << rel << " over " << g.size() << " elements";
-  std::printf("    %-28s rel err %.3g (tol %.0e, %zu elements)\n", what.c_str(), rel, tol, g.size());
+  std::printf("    %-28s rel err %.3g (tol %.1e, %zu elements)\n", what.c_str(), rel, tol, g.size());
 }
 
 // A batch of sequences: lengths include the tile edges and the extremes, plus random ones.
@@ -163,9 +231,10 @@ double zero_fraction(const Vec& v) {
 // ------------------------------------------------------------------------------------------------ tests
 
 TEST(CudaBackend, OutOfMemoryMessageNamesBytesAndFreeMemory) {
+  use_backend<bf16>();
   const size_t pib = static_cast<size_t>(1) << 50;
   try {
-    gpu().allocate_bytes(pib);
+    gpu<bf16>().allocate_bytes(pib);
     FAIL() << "allocating 1 PiB succeeded";
   } catch (const Error& e) {
     const std::string msg = e.what();
@@ -176,7 +245,7 @@ TEST(CudaBackend, OutOfMemoryMessageNamesBytesAndFreeMemory) {
   }
   // The failure must not poison later work.
   DBuf<float> ok(16);
-  gpu().zero_bytes(ok.p, 16 * sizeof(float));
+  gpu<bf16>().zero_bytes(ok.p, 16 * sizeof(float));
   EXPECT_EQ(down(ok), std::vector<float>(16, 0.0f));
 }
 
@@ -232,7 +301,16 @@ bool bitwise_equal(const Vec& a, const Vec& b) {
   return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;
 }
 
-TEST(CudaOps, EmbedLayerNormDropout) {
+// The op tests, once per element type (the fixture points the buffer helpers at that type's backend).
+template <class E>
+class CudaOps : public ::testing::Test {
+ protected:
+  void SetUp() override { use_backend<E>(); }
+};
+TYPED_TEST_SUITE(CudaOps, ElemTypes, ElemName);
+
+TYPED_TEST(CudaOps, EmbedLayerNormDropout) {
+  using E = TypeParam;  // bf16 or f16
   for (int32_t H : {128, 1024})
     for (float p : {0.0f, 0.1f})
       for (bool tiny : {false, true}) {
@@ -251,25 +329,25 @@ TEST(CudaOps, EmbedLayerNormDropout) {
         }
         for (int i = 0; i < T / 50; ++i)
           seg[rng.uniform_int(0, T - 1)] = static_cast<int32_t>(rng.uniform_int(0, S - 1));
-        Vec word = rand_vec(rng, static_cast<size_t>(V) * H, -1, 1),
-            posw = rand_vec(rng, static_cast<size_t>(P) * H, -1, 1),
-            type = rand_vec(rng, static_cast<size_t>(S) * H, -1, 1), gamma = rand_vec(rng, H, 0.5f, 1.5f),
-            beta = rand_vec(rng, H, -0.5f, 0.5f);
+        Vec word = rand_vec<E>(rng, static_cast<size_t>(V) * H, -1, 1),
+            posw = rand_vec<E>(rng, static_cast<size_t>(P) * H, -1, 1),
+            type = rand_vec<E>(rng, static_cast<size_t>(S) * H, -1, 1), gamma = rand_vec<E>(rng, H, 0.5f, 1.5f),
+            beta = rand_vec<E>(rng, H, -0.5f, 0.5f);
         auto d_tok = up(tok), d_pos = up(b.pos), d_seg = up(seg);
-        auto d_word = up_bf16(word), d_posw = up_bf16(posw), d_type = up_bf16(type), d_gamma = up_bf16(gamma),
-             d_beta = up_bf16(beta);
+        auto d_word = up16<E>(word), d_posw = up16<E>(posw), d_type = up16<E>(type), d_gamma = up16<E>(gamma),
+             d_beta = up16<E>(beta);
         ops::EmbeddingWeights<float> wc{word.data(), posw.data(), type.data(), gamma.data(), beta.data(), V, P, S, H,
                                         1e-12};
-        ops::EmbeddingWeights<bf16> wg{d_word->p, d_posw->p, d_type->p, d_gamma->p, d_beta->p, V, P, S, H, 1e-12};
+        ops::EmbeddingWeights<E> wg{d_word->p, d_posw->p, d_type->p, d_gamma->p, d_beta->p, V, P, S, H, 1e-12};
         const auto drop = dropout(p, 3);
 
         Vec out_c(static_cast<size_t>(T) * H), mean_c(T), rstd_c(T);
         cpu().embed_layernorm_dropout_forward(tok.data(), b.pos.data(), seg.data(), b.host(), wc, drop, out_c.data(),
                                               mean_c.data(), rstd_c.data());
-        Vec dout = rand_vec(rng, static_cast<size_t>(T) * H, -1, 1);
-        auto d_dout = up_bf16(dout);
-        Vec gw0 = rand_vec(rng, word.size(), -1, 1), gp0 = rand_vec(rng, posw.size(), -1, 1),
-            gt0 = rand_vec(rng, type.size(), -1, 1), gg0 = rand_vec(rng, H, -1, 1), gb0 = rand_vec(rng, H, -1, 1);
+        Vec dout = rand_vec<E>(rng, static_cast<size_t>(T) * H, -1, 1);
+        auto d_dout = up16<E>(dout);
+        Vec gw0 = rand_vec<E>(rng, word.size(), -1, 1), gp0 = rand_vec<E>(rng, posw.size(), -1, 1),
+            gt0 = rand_vec<E>(rng, type.size(), -1, 1), gg0 = rand_vec<E>(rng, H, -1, 1), gb0 = rand_vec<E>(rng, H, -1, 1);
         Vec gw = gw0, gp = gp0, gt = gt0, gg = gg0, gb = gb0;
         cpu().embed_layernorm_dropout_backward(dout.data(), tok.data(), b.pos.data(), seg.data(), b.host(), wc, drop,
                                                mean_c.data(), rstd_c.data(),
@@ -279,15 +357,15 @@ TEST(CudaOps, EmbedLayerNormDropout) {
           SCOPED_TRACE(lc.name);
           std::printf("   [%s]\n", lc.name);
           VariantScope variants(ln_variants(lc));
-          DBuf<bf16> out_g(static_cast<size_t>(T) * H);
+          DBuf<E> out_g(static_cast<size_t>(T) * H);
           DBuf<float> mean_g(T), rstd_g(T);
           out_g.poison();
           mean_g.poison();
           rstd_g.poison();
-          gpu().embed_layernorm_dropout_forward(d_tok->p, d_pos->p, d_seg->p, b.device(), wg, drop, out_g.p,
+          gpu<E>().embed_layernorm_dropout_forward(d_tok->p, d_pos->p, d_seg->p, b.device(), wg, drop, out_g.p,
                                                 mean_g.p, rstd_g.p);
           const Vec out = down(out_g);
-          expect_close("out", out, out_c, kTolOut);
+          expect_close("out", out, out_c, kTolOut<E>);
           expect_close("ln_mean", down(mean_g), mean_c, kTolF32);
           expect_close("ln_rstd", down(rstd_g), rstd_c, kTolF32);
           const double zf = zero_fraction(out);
@@ -298,7 +376,7 @@ TEST(CudaOps, EmbedLayerNormDropout) {
 
           // Backward: parameter grads start nonzero; compare the increments.
           auto dgw = up(gw0), dgp = up(gp0), dgt = up(gt0), dgg = up(gg0), dgb = up(gb0);
-          gpu().embed_layernorm_dropout_backward(d_dout->p, d_tok->p, d_pos->p, d_seg->p, b.device(), wg, drop,
+          gpu<E>().embed_layernorm_dropout_backward(d_dout->p, d_tok->p, d_pos->p, d_seg->p, b.device(), wg, drop,
                                                  mean_g.p, rstd_g.p, {dgw->p, dgp->p, dgt->p, dgg->p, dgb->p});
           expect_close("d_word (+=)", minus(down(*dgw), gw0), minus(gw, gw0), kTolF32);
           expect_close("d_position (+=)", minus(down(*dgp), gp0), minus(gp, gp0), kTolF32);
@@ -309,7 +387,8 @@ TEST(CudaOps, EmbedLayerNormDropout) {
       }
 }
 
-TEST(CudaOps, BiasDropoutResidualLayerNorm) {
+TYPED_TEST(CudaOps, BiasDropoutResidualLayerNorm) {
+  using E = TypeParam;  // bf16 or f16
   for (int32_t H : {128, 1024})
     for (float p : {0.0f, 0.1f})
       for (bool tiny : {false, true}) {
@@ -319,18 +398,18 @@ TEST(CudaOps, BiasDropoutResidualLayerNorm) {
         std::printf("  residual LN H=%d p=%.1f T=%d\n", H, p, b.T);
         const int32_t T = b.T;
         const size_t n = static_cast<size_t>(T) * H;
-        Vec x = rand_vec(rng, n, -2, 2), res = rand_vec(rng, n, -1, 1), bias = rand_vec(rng, H, -0.5f, 0.5f),
-            gamma = rand_vec(rng, H, 0.5f, 1.5f), beta = rand_vec(rng, H, -0.5f, 0.5f);
-        auto dx_in = up_bf16(x), dres = up_bf16(res), dbias = up_bf16(bias), dgamma = up_bf16(gamma),
-             dbeta = up_bf16(beta);
+        Vec x = rand_vec<E>(rng, n, -2, 2), res = rand_vec<E>(rng, n, -1, 1), bias = rand_vec<E>(rng, H, -0.5f, 0.5f),
+            gamma = rand_vec<E>(rng, H, 0.5f, 1.5f), beta = rand_vec<E>(rng, H, -0.5f, 0.5f);
+        auto dx_in = up16<E>(x), dres = up16<E>(res), dbias = up16<E>(bias), dgamma = up16<E>(gamma),
+             dbeta = up16<E>(beta);
         const auto drop = dropout(p, 7);
         Vec out_c(n), mean_c(T), rstd_c(T);
         cpu().bias_dropout_residual_layernorm_forward(x.data(), bias.data(), res.data(), gamma.data(), beta.data(),
                                                       b.host(), H, 1e-12, drop, out_c.data(), mean_c.data(),
                                                       rstd_c.data());
-        Vec dout = rand_vec(rng, n, -1, 1);
-        auto d_dout = up_bf16(dout);
-        Vec gbias0 = rand_vec(rng, H, -1, 1), gg0 = rand_vec(rng, H, -1, 1), gb0 = rand_vec(rng, H, -1, 1);
+        Vec dout = rand_vec<E>(rng, n, -1, 1);
+        auto d_dout = up16<E>(dout);
+        Vec gbias0 = rand_vec<E>(rng, H, -1, 1), gg0 = rand_vec<E>(rng, H, -1, 1), gb0 = rand_vec<E>(rng, H, -1, 1);
         Vec gbias = gbias0, gg = gg0, gb = gb0, dx_c(n), dres_c(n);
         cpu().bias_dropout_residual_layernorm_backward(dout.data(), x.data(), bias.data(), res.data(), gamma.data(),
                                                        mean_c.data(), rstd_c.data(), b.host(), H, drop, dx_c.data(),
@@ -340,25 +419,25 @@ TEST(CudaOps, BiasDropoutResidualLayerNorm) {
           SCOPED_TRACE(lc.name);
           std::printf("   [%s]\n", lc.name);
           VariantScope variants(ln_variants(lc));
-          DBuf<bf16> out_g(n);
+          DBuf<E> out_g(n);
           DBuf<float> mean_g(T), rstd_g(T);
           out_g.poison();
           mean_g.poison();
           rstd_g.poison();
-          gpu().bias_dropout_residual_layernorm_forward(dx_in->p, dbias->p, dres->p, dgamma->p, dbeta->p, b.device(),
+          gpu<E>().bias_dropout_residual_layernorm_forward(dx_in->p, dbias->p, dres->p, dgamma->p, dbeta->p, b.device(),
                                                         H, 1e-12, drop, out_g.p, mean_g.p, rstd_g.p);
-          expect_close("out", down(out_g), out_c, kTolOut);
+          expect_close("out", down(out_g), out_c, kTolOut<E>);
           expect_close("ln_mean", down(mean_g), mean_c, kTolF32);
           expect_close("ln_rstd", down(rstd_g), rstd_c, kTolF32);
 
           // Backward twice from the same starting values: the results must agree bit for bit (fixed orders).
           Vec runs[2][5];
           for (int run = 0; run < 2; ++run) {
-            DBuf<bf16> dx_g(n), dres_g(n);
+            DBuf<E> dx_g(n), dres_g(n);
             dx_g.poison();
             dres_g.poison();
             auto dgbias = up(gbias0), dgg = up(gg0), dgb = up(gb0);
-            gpu().bias_dropout_residual_layernorm_backward(d_dout->p, dx_in->p, dbias->p, dres->p, dgamma->p,
+            gpu<E>().bias_dropout_residual_layernorm_backward(d_dout->p, dx_in->p, dbias->p, dres->p, dgamma->p,
                                                            mean_g.p, rstd_g.p, b.device(), H, drop, dx_g.p, dres_g.p,
                                                            dgbias->p, dgg->p, dgb->p);
             runs[run][0] = down(dx_g);
@@ -368,8 +447,8 @@ TEST(CudaOps, BiasDropoutResidualLayerNorm) {
             runs[run][4] = down(*dgb);
           }
           const Vec& dx = runs[0][0];
-          expect_close("d_x", dx, dx_c, kTolOut);
-          expect_close("d_residual", runs[0][1], dres_c, kTolOut);
+          expect_close("d_x", dx, dx_c, kTolOut<E>);
+          expect_close("d_residual", runs[0][1], dres_c, kTolOut<E>);
           expect_close("d_bias (+=)", minus(runs[0][2], gbias0), minus(gbias, gbias0), kTolF32);
           expect_close("d_ln_gamma (+=)", minus(runs[0][3], gg0), minus(gg, gg0), kTolF32);
           expect_close("d_ln_beta (+=)", minus(runs[0][4], gb0), minus(gb, gb0), kTolF32);
@@ -403,7 +482,8 @@ const char* path_name(cuda::BiasGradPath p) {
 // that include BERT-large's (FFN 1024 -> 4096 with GELU, QKV 1024 -> 3072, FFN-out 4096 -> 1024), row counts that are
 // not multiples of the one-pass kernel's 8-row steps or 128-row chunks, and n % 8 != 0 (the paths that need n % 8 == 0
 // fall back; which path ran is checked).
-TEST(CudaOps, Dense) {
+TYPED_TEST(CudaOps, Dense) {
+  using E = TypeParam;  // bf16 or f16
   const DenseCase cases[] = {
       {1, 128, 128, ops::Activation::kNone, true, false},     {2, 128, 384, ops::Activation::kGelu, true, false},
       {63, 1024, 1024, ops::Activation::kNone, false, true},  {129, 1024, 4096, ops::Activation::kGelu, true, false},
@@ -420,16 +500,16 @@ TEST(CudaOps, Dense) {
     std::printf("  dense %s\n", tag.c_str());
     Rng rng({13u, static_cast<uint64_t>(c.rows), static_cast<uint64_t>(c.n)});
     const float ws = 1.0f / std::sqrt(static_cast<float>(c.k));
-    Vec x = rand_vec(rng, c.rows * c.k, -1, 1), w = rand_vec(rng, size_t(c.n) * c.k, -2 * ws, 2 * ws),
-        bias = rand_vec(rng, c.n, -0.5f, 0.5f);
-    auto dx_in = up_bf16(x), dw = up_bf16(w), dbias = up_bf16(bias);
+    Vec x = rand_vec<E>(rng, c.rows * c.k, -1, 1), w = rand_vec<E>(rng, size_t(c.n) * c.k, -2 * ws, 2 * ws),
+        bias = rand_vec<E>(rng, c.n, -0.5f, 0.5f);
+    auto dx_in = up16<E>(x), dw = up16<E>(w), dbias = up16<E>(bias);
     Vec y_c(c.rows * c.n), pre_c(c.rows * c.n);
     cpu().dense_forward(x.data(), w.data(), c.bias ? bias.data() : nullptr, c.rows, c.k, c.n, c.act, y_c.data(),
                         pre_c.data());
-    Vec dy = rand_vec(rng, c.rows * c.n, -1, 1);
-    auto d_dy = up_bf16(dy);
-    Vec dx0 = c.accumulate_dx ? rand_vec(rng, c.rows * c.k, -1, 1) : Vec(c.rows * c.k, 0.0f);
-    Vec gw0 = rand_vec(rng, w.size(), -1, 1), gb0 = rand_vec(rng, c.n, -1, 1);
+    Vec dy = rand_vec<E>(rng, c.rows * c.n, -1, 1);
+    auto d_dy = up16<E>(dy);
+    Vec dx0 = c.accumulate_dx ? rand_vec<E>(rng, c.rows * c.k, -1, 1) : Vec(c.rows * c.k, 0.0f);
+    Vec gw0 = rand_vec<E>(rng, w.size(), -1, 1), gb0 = rand_vec<E>(rng, c.n, -1, 1);
     Vec dx_c = dx0, gw = gw0, gb = gb0;
     cpu().dense_backward(dy.data(), x.data(), w.data(), pre_c.data(), c.rows, c.k, c.n, c.act, dx_c.data(),
                          c.accumulate_dx, gw.data(), gb.data());
@@ -441,31 +521,31 @@ TEST(CudaOps, Dense) {
       v.gelu_forward_wide = path != cuda::BiasGradPath::kSeparate;  // both GELU forward kernels get checked
       VariantScope variants(v);
       SCOPED_TRACE(path_name(path));
-      DBuf<bf16> y_g(c.rows * c.n), pre_g(c.rows * c.n);
+      DBuf<E> y_g(c.rows * c.n), pre_g(c.rows * c.n);
       y_g.poison();
       pre_g.poison();
-      gpu().dense_forward(dx_in->p, dw->p, c.bias ? dbias->p : nullptr, c.rows, c.k, c.n, c.act, y_g.p,
+      gpu<E>().dense_forward(dx_in->p, dw->p, c.bias ? dbias->p : nullptr, c.rows, c.k, c.n, c.act, y_g.p,
                           gelu ? pre_g.p : nullptr);
-      // The GPU's backward reads what its forward saved (its bf16 pre_act), the CPU's its own.
-      DBuf<bf16> dx_g(c.rows * c.k);
+      // The GPU's backward reads what its forward saved (its 16-bit pre_act), the CPU's its own.
+      DBuf<E> dx_g(c.rows * c.k);
       if (c.accumulate_dx) {
-        auto tmp = up_bf16(dx0);
-        ASSERT_EQ(cudaMemcpyAsync(dx_g.p, tmp->p, dx_g.n * sizeof(bf16), cudaMemcpyDeviceToDevice, gpu().stream()),
+        auto tmp = up16<E>(dx0);
+        ASSERT_EQ(cudaMemcpyAsync(dx_g.p, tmp->p, dx_g.n * sizeof(E), cudaMemcpyDeviceToDevice, gpu<E>().stream()),
                   cudaSuccess);
       } else {
         dx_g.poison();
       }
       auto dgw = up(gw0), dgb = up(gb0);
-      gpu().dense_backward(d_dy->p, dx_in->p, dw->p, gelu ? pre_g.p : nullptr, c.rows, c.k, c.n, c.act, dx_g.p,
+      gpu<E>().dense_backward(d_dy->p, dx_in->p, dw->p, gelu ? pre_g.p : nullptr, c.rows, c.k, c.n, c.act, dx_g.p,
                            c.accumulate_dx, dgw->p, dgb->p);
       const cuda::BiasGradPath ran = cuda::last_bias_grad_path();
       std::printf("   [d_bias: %s requested, %s ran; GELU forward %s]\n", path_name(path), path_name(ran),
                   v.gelu_forward_wide ? "wide" : "first");
-      expect_close("y", down(y_g), y_c, gelu ? kTolChain : kTolOut);
-      if (gelu) expect_close("pre_act", down(pre_g), pre_c, kTolOut);
-      expect_close(c.accumulate_dx ? "dx (+=)" : "dx", down(dx_g), dx_c, gelu ? kTolChain : kTolOut);
-      expect_close("d_weight (+=)", minus(down(*dgw), gw0), minus(gw, gw0), kTolGrad);
-      expect_close("d_bias (+=)", minus(down(*dgb), gb0), minus(gb, gb0), kTolGrad);
+      expect_close("y", down(y_g), y_c, gelu ? kTolChain<E> : kTolOut<E>);
+      if (gelu) expect_close("pre_act", down(pre_g), pre_c, kTolOut<E>);
+      expect_close(c.accumulate_dx ? "dx (+=)" : "dx", down(dx_g), dx_c, gelu ? kTolChain<E> : kTolOut<E>);
+      expect_close("d_weight (+=)", minus(down(*dgw), gw0), minus(gw, gw0), kTolGrad<E>);
+      expect_close("d_bias (+=)", minus(down(*dgb), gb0), minus(gb, gb0), kTolGrad<E>);
       // Which path ran: the requested one where it applies, else the documented fallback.
       const cuda::BiasGradPath fallback = c.n % 8 == 0 ? cuda::BiasGradPath::kOnePass : cuda::BiasGradPath::kSeparate;
       if (path == cuda::BiasGradPath::kSeparate) {
@@ -482,7 +562,8 @@ TEST(CudaOps, Dense) {
 // The epilogue path at BERT-large's four bias-gradient products (QKV, attention output, FFN in and out): d_bias equals
 // the column sums of dy whichever path ran, and the test prints whether cuBLASLt offered the BGRADB epilogue (where it
 // does not, the one-pass fallback ran: correct, and CudaPerf.DenseBackward times both).
-TEST(CudaOps, DenseBiasGradEpilogueAvailable) {
+TYPED_TEST(CudaOps, DenseBiasGradEpilogueAvailable) {
+  using E = TypeParam;  // bf16 or f16
   struct Shape {
     int32_t k, n;
   };
@@ -490,16 +571,16 @@ TEST(CudaOps, DenseBiasGradEpilogueAvailable) {
   for (const Shape s : {Shape{1024, 3072}, Shape{1024, 1024}, Shape{1024, 4096}, Shape{4096, 1024}}) {
     const int64_t rows = 1000;
     Rng rng({17u, static_cast<uint64_t>(s.k), static_cast<uint64_t>(s.n)});
-    auto x = up_bf16(rand_vec(rng, rows * s.k, -1, 1)), w = up_bf16(rand_vec(rng, size_t(s.n) * s.k, -0.05f, 0.05f)),
-         dy = up_bf16(rand_vec(rng, rows * s.n, -1, 1));
-    DBuf<bf16> dx(rows * s.k);
+    auto x = up16<E>(rand_vec<E>(rng, rows * s.k, -1, 1)), w = up16<E>(rand_vec<E>(rng, size_t(s.n) * s.k, -0.05f, 0.05f)),
+         dy = up16<E>(rand_vec<E>(rng, rows * s.n, -1, 1));
+    DBuf<E> dx(rows * s.k);
     DBuf<float> dw(size_t(s.n) * s.k), db(s.n);
-    gpu().zero_bytes(dw.p, dw.n * sizeof(float));
+    gpu<E>().zero_bytes(dw.p, dw.n * sizeof(float));
     cuda::KernelVariants v;
     v.dense_bias_grad = cuda::BiasGradPath::kEpilogue;
     VariantScope variants(v);
-    gpu().zero_bytes(db.p, db.n * sizeof(float));  // d_bias += column sums: from zero, the sums themselves
-    gpu().dense_backward(dy->p, x->p, w->p, nullptr, rows, s.k, s.n, ops::Activation::kNone, dx.p, false, dw.p, db.p);
+    gpu<E>().zero_bytes(db.p, db.n * sizeof(float));  // d_bias += column sums: from zero, the sums themselves
+    gpu<E>().dense_backward(dy->p, x->p, w->p, nullptr, rows, s.k, s.n, ops::Activation::kNone, dx.p, false, dw.p, db.p);
     const bool ok = cuda::last_bias_grad_path() == cuda::BiasGradPath::kEpilogue;
     available += ok;
     std::printf("    BGRADB epilogue for k=%d n=%d: %s\n", s.k, s.n, ok ? "available" : "NOT available (fallback)");
@@ -514,7 +595,8 @@ TEST(CudaOps, DenseBiasGradEpilogueAvailable) {
   std::printf("    BGRADB available for %d of 4 BERT-large products\n", available);
 }
 
-TEST(CudaOps, Attention) {
+TYPED_TEST(CudaOps, Attention) {
+  using E = TypeParam;  // bf16 or f16
   for (int32_t heads : {2, 16})
     for (float p : {0.0f, 0.1f}) {
       const int32_t hd = 64, H = heads * hd;
@@ -523,27 +605,27 @@ TEST(CudaOps, Attention) {
       Rng rng({14u, static_cast<uint64_t>(heads), static_cast<uint64_t>(p * 10)});
       Batch b = make_batch(rng, 2);
       const int32_t T = b.T;
-      Vec qkv = rand_vec(rng, static_cast<size_t>(T) * 3 * H, -1, 1);
-      auto d_qkv_in = up_bf16(qkv);
+      Vec qkv = rand_vec<E>(rng, static_cast<size_t>(T) * 3 * H, -1, 1);
+      auto d_qkv_in = up16<E>(qkv);
       const auto drop = dropout(p, 5);
       Vec ctx_c(static_cast<size_t>(T) * H), lse_c(static_cast<size_t>(heads) * T);
       cpu().attention_forward(qkv.data(), b.host(), heads, hd, drop, ctx_c.data(), lse_c.data());
-      DBuf<bf16> ctx_g(static_cast<size_t>(T) * H);
+      DBuf<E> ctx_g(static_cast<size_t>(T) * H);
       DBuf<float> lse_g(static_cast<size_t>(heads) * T);
       ctx_g.poison();
       lse_g.poison();
-      gpu().attention_forward(d_qkv_in->p, b.device(), heads, hd, drop, ctx_g.p, lse_g.p);
-      expect_close("ctx", down(ctx_g), ctx_c, kTolChain);  // P is bf16 inside FMHA, then ctx is rounded
+      gpu<E>().attention_forward(d_qkv_in->p, b.device(), heads, hd, drop, ctx_g.p, lse_g.p);
+      expect_close("ctx", down(ctx_g), ctx_c, kTolChain<E>);  // P is 16-bit inside FMHA, then ctx is rounded
       expect_close("lse", down(lse_g), lse_c, kTolF32);
 
-      Vec dctx = rand_vec(rng, static_cast<size_t>(T) * H, -1, 1);
-      auto d_dctx = up_bf16(dctx);
+      Vec dctx = rand_vec<E>(rng, static_cast<size_t>(T) * H, -1, 1);
+      auto d_dctx = up16<E>(dctx);
       Vec dqkv_c(static_cast<size_t>(T) * 3 * H);
       cpu().attention_backward(dctx.data(), qkv.data(), ctx_c.data(), lse_c.data(), b.host(), heads, hd, drop,
                                dqkv_c.data());
-      DBuf<bf16> dqkv_g(static_cast<size_t>(T) * 3 * H);
+      DBuf<E> dqkv_g(static_cast<size_t>(T) * 3 * H);
       dqkv_g.poison();
-      gpu().attention_backward(d_dctx->p, d_qkv_in->p, ctx_g.p, lse_g.p, b.device(), heads, hd, drop, dqkv_g.p);
+      gpu<E>().attention_backward(d_dctx->p, d_qkv_in->p, ctx_g.p, lse_g.p, b.device(), heads, hd, drop, dqkv_g.p);
       const Vec dqkv = down(dqkv_g);
       // q, k and v blocks separately, so a wrong block is named.
       for (int part = 0; part < 3; ++part) {
@@ -553,7 +635,7 @@ TEST(CudaOps, Attention) {
             g.push_back(dqkv[(static_cast<size_t>(t) * 3 + part) * H + j]);
             c.push_back(dqkv_c[(static_cast<size_t>(t) * 3 + part) * H + j]);
           }
-        expect_close(part == 0 ? "d_q" : part == 1 ? "d_k" : "d_v", g, c, 3e-2);  // chain through bf16 dS and P
+        expect_close(part == 0 ? "d_q" : part == 1 ? "d_k" : "d_v", g, c, kTolDeep<E>);  // through 16-bit dS and P
       }
     }
 }
@@ -575,7 +657,8 @@ std::vector<HeadVariants> head_variants() {
           {"epilogue d_bias, row-block CE backward, row-group LN forward", others}};
 }
 
-TEST(CudaOps, MlmHeadLoss) {
+TYPED_TEST(CudaOps, MlmHeadLoss) {
+  using E = TypeParam;  // bf16 or f16
   struct Case {
     int32_t H, V, M;
   };
@@ -584,16 +667,16 @@ TEST(CudaOps, MlmHeadLoss) {
     std::printf("  mlm head H=%d V=%d M=%d\n", c.H, c.V, c.M);
     Rng rng({15u, static_cast<uint64_t>(c.H), static_cast<uint64_t>(c.V)});
     const int32_t H = c.H, V = c.V, M = c.M, T = 4 * M + 3;
-    Vec hidden = rand_vec(rng, static_cast<size_t>(T) * H, -1, 1);
+    Vec hidden = rand_vec<E>(rng, static_cast<size_t>(T) * H, -1, 1);
     std::vector<int32_t> all(T);
     std::iota(all.begin(), all.end(), 0);
     rng.shuffle(all.begin(), all.end());
     std::vector<int32_t> positions(all.begin(), all.begin() + M), labels(M);
     for (auto& l : labels) l = static_cast<int32_t>(rng.uniform_int(0, V - 1));
     const float ws = 1.0f / std::sqrt(static_cast<float>(H));
-    Vec tw = rand_vec(rng, static_cast<size_t>(H) * H, -2 * ws, 2 * ws), tb = rand_vec(rng, H, -0.5f, 0.5f),
-        lg = rand_vec(rng, H, 0.5f, 1.5f), lb = rand_vec(rng, H, -0.5f, 0.5f),
-        emb = rand_vec(rng, static_cast<size_t>(V) * H, -0.1f, 0.1f), ob = rand_vec(rng, V, -0.5f, 0.5f);
+    Vec tw = rand_vec<E>(rng, static_cast<size_t>(H) * H, -2 * ws, 2 * ws), tb = rand_vec<E>(rng, H, -0.5f, 0.5f),
+        lg = rand_vec<E>(rng, H, 0.5f, 1.5f), lb = rand_vec<E>(rng, H, -0.5f, 0.5f),
+        emb = rand_vec<E>(rng, static_cast<size_t>(V) * H, -0.1f, 0.1f), ob = rand_vec<E>(rng, V, -0.5f, 0.5f);
     ops::MlmHeadWeights<float> wc{tw.data(), tb.data(), lg.data(), lb.data(), emb.data(), ob.data(), H, V, 1e-12};
     Vec s_gath(static_cast<size_t>(M) * H), s_pre(static_cast<size_t>(M) * H), s_act(static_cast<size_t>(M) * H),
         s_mean(M), s_rstd(M), s_ln(static_cast<size_t>(M) * H), s_probs(static_cast<size_t>(M) * V);
@@ -611,7 +694,7 @@ TEST(CudaOps, MlmHeadLoss) {
     EXPECT_GE(correct_c, M / 2) << "test setup: the CPU's argmax labels should all hit";
     const Vec probs_c = s_probs;  // the backward overwrites them with d_logits
     // An argmax may flip where the top two probabilities lie within the GPU's rounding of each other: the GPU's
-    // logits come from bf16 weights and activations (probs ~4e-3 relative error), so rows whose two best
+    // logits come from 16-bit weights and activations (bf16: probs ~4e-3 relative error), so rows whose two best
     // probabilities differ by less than 3% relative are near-ties. That many flips, plus one, are allowed.
     int32_t near_ties = 0;
     for (int32_t i = 0; i < M; ++i) {
@@ -621,26 +704,27 @@ TEST(CudaOps, MlmHeadLoss) {
       near_ties += row[0] - row[1] < 0.03f * row[0];
     }
 
-    const double scale = 1.0 / M;
-    // d_hidden starts small and nonzero: the increments (~1e-3 here) are then not swamped by the bf16 rounding of
-    // dh0 + increment, and a '=' instead of '+=' still shows.
-    Vec dh0 = rand_vec(rng, static_cast<size_t>(T) * H, -0.01f, 0.01f), dh_c = dh0;
-    Vec g0[6] = {rand_vec(rng, tw.size(), -1, 1), rand_vec(rng, H, -1, 1), rand_vec(rng, H, -1, 1),
-                 rand_vec(rng, H, -1, 1),         rand_vec(rng, emb.size(), -1, 1), rand_vec(rng, V, -1, 1)};
+    const double ls = kHeadLossScale<E>, scale = ls / M;
+    // d_hidden starts small and nonzero: the increments (~1e-3 here, times the loss scale) are then not swamped by
+    // the 16-bit rounding of dh0 + increment, and a '=' instead of '+=' still shows.
+    const auto dh_amp = static_cast<float>(0.01 * ls);
+    Vec dh0 = rand_vec<E>(rng, static_cast<size_t>(T) * H, -dh_amp, dh_amp), dh_c = dh0;
+    Vec g0[6] = {rand_vec<E>(rng, tw.size(), -1, 1), rand_vec<E>(rng, H, -1, 1), rand_vec<E>(rng, H, -1, 1),
+                 rand_vec<E>(rng, H, -1, 1),         rand_vec<E>(rng, emb.size(), -1, 1), rand_vec<E>(rng, V, -1, 1)};
     Vec gc[6] = {g0[0], g0[1], g0[2], g0[3], g0[4], g0[5]};
     cpu().mlm_head_loss_backward(scale, positions.data(), labels.data(), M, wc, sc,
                                  {gc[0].data(), gc[1].data(), gc[2].data(), gc[3].data(), gc[4].data(), gc[5].data()},
                                  dh_c.data());
 
-    auto d_hidden_in = up_bf16(hidden), d_tw = up_bf16(tw), d_tb = up_bf16(tb), d_lg = up_bf16(lg),
-         d_lb = up_bf16(lb), d_emb = up_bf16(emb), d_ob = up_bf16(ob);
+    auto d_hidden_in = up16<E>(hidden), d_tw = up16<E>(tw), d_tb = up16<E>(tb), d_lg = up16<E>(lg),
+         d_lb = up16<E>(lb), d_emb = up16<E>(emb), d_ob = up16<E>(ob);
     auto d_pos = up(positions), d_lab = up(labels);
-    ops::MlmHeadWeights<bf16> wg{d_tw->p, d_tb->p, d_lg->p, d_lb->p, d_emb->p, d_ob->p, H, V, 1e-12};
+    ops::MlmHeadWeights<E> wg{d_tw->p, d_tb->p, d_lg->p, d_lb->p, d_emb->p, d_ob->p, H, V, 1e-12};
     for (const HeadVariants& hv : head_variants()) {
       SCOPED_TRACE(hv.name);
       std::printf("   [%s]\n", hv.name);
       VariantScope variants(hv.v);
-      DBuf<bf16> g_gath(static_cast<size_t>(M) * H), g_pre(static_cast<size_t>(M) * H),
+      DBuf<E> g_gath(static_cast<size_t>(M) * H), g_pre(static_cast<size_t>(M) * H),
           g_act(static_cast<size_t>(M) * H), g_ln(static_cast<size_t>(M) * H), g_probs(static_cast<size_t>(M) * V);
       DBuf<float> g_mean(M), g_rstd(M), g_loss(1);
       DBuf<int32_t> g_correct(1);
@@ -649,24 +733,24 @@ TEST(CudaOps, MlmHeadLoss) {
       g_rstd.poison();
       g_loss.poison();
       g_correct.poison();
-      ops::MlmHeadSaved<bf16, float> sg{g_gath.p, g_pre.p, g_act.p, g_mean.p, g_rstd.p, g_ln.p, g_probs.p};
-      gpu().mlm_head_loss_forward(d_hidden_in->p, d_pos->p, d_lab->p, M, wg, sg, g_loss.p, g_correct.p);
+      ops::MlmHeadSaved<E, float> sg{g_gath.p, g_pre.p, g_act.p, g_mean.p, g_rstd.p, g_ln.p, g_probs.p};
+      gpu<E>().mlm_head_loss_forward(d_hidden_in->p, d_pos->p, d_lab->p, M, wg, sg, g_loss.p, g_correct.p);
       expect_close("gathered", down(g_gath), s_gath, 1e-6);
-      expect_close("transform_pre", down(g_pre), s_pre, kTolOut);
-      expect_close("transform_act", down(g_act), s_act, kTolChain);
-      expect_close("ln_out", down(g_ln), s_ln, kTolChain);
-      expect_close("probs", down(g_probs), probs_c, 3e-2);  // softmax of bf16 logits, rounded to bf16
+      expect_close("transform_pre", down(g_pre), s_pre, kTolOut<E>);
+      expect_close("transform_act", down(g_act), s_act, kTolChain<E>);
+      expect_close("ln_out", down(g_ln), s_ln, kTolChain<E>);
+      expect_close("probs", down(g_probs), probs_c, kTolDeep<E>);  // softmax of 16-bit logits, rounded again
       const float loss_g = down(g_loss)[0];
       const int32_t correct_g = down(g_correct)[0];
       std::printf("    loss %.6g (cpu %.6g), correct %d (cpu %d)\n", loss_g, loss_c, correct_g, correct_c);
-      EXPECT_NEAR(loss_g, loss_c, 1e-2 * std::abs(loss_c)) << "loss_sum";
+      EXPECT_NEAR(loss_g, loss_c, kTolOut<E> * std::abs(loss_c)) << "loss_sum";
       EXPECT_LE(std::abs(correct_g - correct_c), near_ties + 1)
           << "num_correct: " << near_ties << " rows are near-ties whose argmax may flip";
 
       std::unique_ptr<DBuf<float>> gg[6];
       for (int i = 0; i < 6; ++i) gg[i] = up(g0[i]);
-      auto d_dh = up_bf16(dh0);
-      gpu().mlm_head_loss_backward(scale, d_pos->p, d_lab->p, M, wg, sg,
+      auto d_dh = up16<E>(dh0);
+      gpu<E>().mlm_head_loss_backward(scale, d_pos->p, d_lab->p, M, wg, sg,
                                    {gg[0]->p, gg[1]->p, gg[2]->p, gg[3]->p, gg[4]->p, gg[5]->p}, d_dh->p);
       // d_hidden: unmasked rows must be untouched (exactly dh0), masked rows compared as increments.
       const Vec dh_g = down(*d_dh);
@@ -685,28 +769,30 @@ TEST(CudaOps, MlmHeadLoss) {
           }
         }
       EXPECT_EQ(touched, 0u) << "d_hidden rows outside mlm_positions were modified";
-      expect_close("d_hidden (+= at positions)", inc_g, inc_c, 3e-2);  // through bf16 d_logits, dz, dpre, d_hidden
+      // Through 16-bit d_logits, dz, dpre and d_hidden.
+      expect_close("d_hidden (+= at positions)", inc_g, inc_c, kTolDeep<E>);
       const char* names[6] = {"d_transform_weight", "d_transform_bias", "d_ln_gamma",
                               "d_ln_beta",          "d_word_embeddings", "d_output_bias"};
       for (int i = 0; i < 6; ++i)
-        expect_close(std::string(names[i]) + " (+=)", minus(down(*gg[i]), g0[i]), minus(gc[i], g0[i]), kTolChain);
+        expect_close(std::string(names[i]) + " (+=)", minus(down(*gg[i]), g0[i]), minus(gc[i], g0[i]), kTolChain<E>);
     }
   }
 }
 
-TEST(CudaOps, NspHeadLoss) {
+TYPED_TEST(CudaOps, NspHeadLoss) {
+  using E = TypeParam;  // bf16 or f16
   for (int32_t H : {128, 1024}) {
     SCOPED_TRACE("H=" + std::to_string(H));
     std::printf("  nsp head H=%d\n", H);
     Rng rng({16u, static_cast<uint64_t>(H)});
     Batch b = make_batch(rng, 20);
     const int32_t T = b.T, B = b.B;
-    Vec hidden = rand_vec(rng, static_cast<size_t>(T) * H, -1, 1);
+    Vec hidden = rand_vec<E>(rng, static_cast<size_t>(T) * H, -1, 1);
     std::vector<int32_t> labels(B);
     for (auto& l : labels) l = static_cast<int32_t>(rng.uniform_int(0, 1));
     const float ws = 1.0f / std::sqrt(static_cast<float>(H));
-    Vec pw = rand_vec(rng, static_cast<size_t>(H) * H, -2 * ws, 2 * ws), pb = rand_vec(rng, H, -0.5f, 0.5f),
-        cw = rand_vec(rng, static_cast<size_t>(2) * H, -2 * ws, 2 * ws), cb = rand_vec(rng, 2, -0.5f, 0.5f);
+    Vec pw = rand_vec<E>(rng, static_cast<size_t>(H) * H, -2 * ws, 2 * ws), pb = rand_vec<E>(rng, H, -0.5f, 0.5f),
+        cw = rand_vec<E>(rng, static_cast<size_t>(2) * H, -2 * ws, 2 * ws), cb = rand_vec<E>(rng, 2, -0.5f, 0.5f);
     ops::NspHeadWeights<float> wc{pw.data(), pb.data(), cw.data(), cb.data(), H};
     Vec s_cls(static_cast<size_t>(B) * H), s_pooled(static_cast<size_t>(B) * H), s_probs(static_cast<size_t>(B) * 2);
     ops::NspHeadSaved<float> sc{s_cls.data(), s_pooled.data(), s_probs.data()};
@@ -715,22 +801,22 @@ TEST(CudaOps, NspHeadLoss) {
     cpu().nsp_head_loss_forward(hidden.data(), b.host(), labels.data(), wc, sc, &loss_c, &correct_c);
     const Vec probs_c = s_probs;  // the backward overwrites them with d_logits
     const double scale = 0.37;
-    Vec dh0 = rand_vec(rng, static_cast<size_t>(T) * H, -0.01f, 0.01f), dh_c = dh0;  // small: see the MLM test
-    Vec g0[4] = {rand_vec(rng, pw.size(), -1, 1), rand_vec(rng, H, -1, 1), rand_vec(rng, cw.size(), -1, 1),
-                 rand_vec(rng, 2, -1, 1)};
+    Vec dh0 = rand_vec<E>(rng, static_cast<size_t>(T) * H, -0.01f, 0.01f), dh_c = dh0;  // small: see the MLM test
+    Vec g0[4] = {rand_vec<E>(rng, pw.size(), -1, 1), rand_vec<E>(rng, H, -1, 1), rand_vec<E>(rng, cw.size(), -1, 1),
+                 rand_vec<E>(rng, 2, -1, 1)};
     Vec gc[4] = {g0[0], g0[1], g0[2], g0[3]};
     cpu().nsp_head_loss_backward(scale, b.host(), labels.data(), wc, sc,
                                  {gc[0].data(), gc[1].data(), gc[2].data(), gc[3].data()}, dh_c.data());
 
-    auto d_hidden_in = up_bf16(hidden), d_pw = up_bf16(pw), d_pb = up_bf16(pb), d_cw = up_bf16(cw),
-         d_cb = up_bf16(cb);
+    auto d_hidden_in = up16<E>(hidden), d_pw = up16<E>(pw), d_pb = up16<E>(pb), d_cw = up16<E>(cw),
+         d_cb = up16<E>(cb);
     auto d_lab = up(labels);
-    ops::NspHeadWeights<bf16> wg{d_pw->p, d_pb->p, d_cw->p, d_cb->p, H};
+    ops::NspHeadWeights<E> wg{d_pw->p, d_pb->p, d_cw->p, d_cb->p, H};
     for (const HeadVariants& hv : head_variants()) {
       SCOPED_TRACE(hv.name);
       std::printf("   [%s]\n", hv.name);
       VariantScope variants(hv.v);
-      DBuf<bf16> g_cls(static_cast<size_t>(B) * H), g_pooled(static_cast<size_t>(B) * H),
+      DBuf<E> g_cls(static_cast<size_t>(B) * H), g_pooled(static_cast<size_t>(B) * H),
           g_probs(static_cast<size_t>(B) * 2);
       DBuf<float> g_loss(1);
       DBuf<int32_t> g_correct(1);
@@ -739,21 +825,21 @@ TEST(CudaOps, NspHeadLoss) {
       g_probs.poison();
       g_loss.poison();
       g_correct.poison();
-      ops::NspHeadSaved<bf16> sg{g_cls.p, g_pooled.p, g_probs.p};
-      gpu().nsp_head_loss_forward(d_hidden_in->p, b.device(), d_lab->p, wg, sg, g_loss.p, g_correct.p);
+      ops::NspHeadSaved<E> sg{g_cls.p, g_pooled.p, g_probs.p};
+      gpu<E>().nsp_head_loss_forward(d_hidden_in->p, b.device(), d_lab->p, wg, sg, g_loss.p, g_correct.p);
       expect_close("cls", down(g_cls), s_cls, 1e-6);
-      expect_close("pooled", down(g_pooled), s_pooled, kTolChain);
-      expect_close("probs", down(g_probs), probs_c, kTolChain);
+      expect_close("pooled", down(g_pooled), s_pooled, kTolChain<E>);
+      expect_close("probs", down(g_probs), probs_c, kTolChain<E>);
       const float loss_g = down(g_loss)[0];
       const int32_t correct_g = down(g_correct)[0];
       std::printf("    loss %.6g (cpu %.6g), correct %d (cpu %d) of %d\n", loss_g, loss_c, correct_g, correct_c, B);
-      EXPECT_NEAR(loss_g, loss_c, 2e-2 * std::abs(loss_c)) << "loss_sum";
+      EXPECT_NEAR(loss_g, loss_c, kTolChain<E> * std::abs(loss_c)) << "loss_sum";
       EXPECT_NEAR(correct_g, correct_c, 1) << "num_correct (a near-tie may flip)";
 
       std::unique_ptr<DBuf<float>> gg[4];
       for (int i = 0; i < 4; ++i) gg[i] = up(g0[i]);
-      auto d_dh = up_bf16(dh0);
-      gpu().nsp_head_loss_backward(scale, b.device(), d_lab->p, wg, sg, {gg[0]->p, gg[1]->p, gg[2]->p, gg[3]->p},
+      auto d_dh = up16<E>(dh0);
+      gpu<E>().nsp_head_loss_backward(scale, b.device(), d_lab->p, wg, sg, {gg[0]->p, gg[1]->p, gg[2]->p, gg[3]->p},
                                    d_dh->p);
       const Vec dh_g = down(*d_dh);
       Vec inc_g, inc_c;
@@ -771,10 +857,11 @@ TEST(CudaOps, NspHeadLoss) {
           }
         }
       EXPECT_EQ(touched, 0u) << "d_hidden rows other than the CLS rows were modified";
-      expect_close("d_hidden (+= at CLS)", inc_g, inc_c, 3e-2);  // through bf16 d_logits, d_pooled, d_hidden
+      // Through 16-bit d_logits, d_pooled and d_hidden.
+      expect_close("d_hidden (+= at CLS)", inc_g, inc_c, kTolDeep<E>);
       const char* names[4] = {"d_pooler_weight", "d_pooler_bias", "d_classifier_weight", "d_classifier_bias"};
       for (int i = 0; i < 4; ++i)
-        expect_close(std::string(names[i]) + " (+=)", minus(down(*gg[i]), g0[i]), minus(gc[i], g0[i]), kTolChain);
+        expect_close(std::string(names[i]) + " (+=)", minus(down(*gg[i]), g0[i]), minus(gc[i], g0[i]), kTolChain<E>);
     }
   }
 }
@@ -784,7 +871,8 @@ TEST(CudaOps, NspHeadLoss) {
 // 4096, dropout 0.1, random data. Every variant is called 3 times to warm up (plans, scratch growth), then kPerfRuns
 // times, each call bracketed alone by CUDA events on the backend's stream; the median is printed. One line per variant,
 // "perf <op> <variant> <ms> ms <GB/s> GB/s" where GB/s counts the bytes the op must move at least (its inputs read
-// once, its outputs written once); for GEMM-bound ops only ms. These print and never fail.
+// once, its outputs written once); for GEMM-bound ops only ms. These print and never fail. Typed like CudaOps: the
+// CudaPerf/f16.* lines carry " [fp16]" after the variant (same bytes moved, so the same GB/s are expected).
 
 constexpr int kPerfRuns = 25;
 constexpr int32_t kPerfRows = 24657, kPerfH = 1024, kPerfFfn = 4096, kPerfSeqs = 64;
@@ -797,9 +885,9 @@ double median_ms(F&& op) {
   for (int i = 0; i < 3; ++i) op();
   std::vector<float> ms(kPerfRuns);
   for (float& m : ms) {
-    EXPECT_EQ(cudaEventRecord(e0, gpu().stream()), cudaSuccess);
+    EXPECT_EQ(cudaEventRecord(e0, current().stream), cudaSuccess);
     op();
-    EXPECT_EQ(cudaEventRecord(e1, gpu().stream()), cudaSuccess);
+    EXPECT_EQ(cudaEventRecord(e1, current().stream), cudaSuccess);
     EXPECT_EQ(cudaEventSynchronize(e1), cudaSuccess);
     EXPECT_EQ(cudaEventElapsedTime(&m, e0, e1), cudaSuccess);
   }
@@ -809,26 +897,29 @@ double median_ms(F&& op) {
   return ms[ms.size() / 2];
 }
 
-void perf_line(const char* op, const std::string& variant, double ms, double bytes) {
+void perf_line(const char* op, const std::string& variant_untagged, double ms, double bytes) {
+  const std::string variant = variant_untagged + current().perf_tag;
   if (bytes > 0)
     std::printf("  perf %-12s %-44s %8.4f ms %7.0f GB/s\n", op, variant.c_str(), ms, bytes / (ms * 1e6));
   else
     std::printf("  perf %-12s %-44s %8.4f ms\n", op, variant.c_str(), ms);
 }
 
-// n random bf16 values in [lo, hi): a random tile of ~1M values (an odd length, so rows do not repeat in step)
-// repeated through the buffer by device copies.
-std::unique_ptr<DBuf<bf16>> perf_bf16(size_t n, uint64_t seed, float lo, float hi) {
+// n random 16-bit values (of H) in [lo, hi): a random tile of ~1M values (an odd length, so rows do not repeat in
+// step) repeated through the buffer by device copies.
+template <class H>
+std::unique_ptr<DBuf<H>> perf16(size_t n, uint64_t seed, float lo, float hi) {
   Rng rng({seed, 99u});
   const size_t tile = std::min<size_t>(n, (size_t{1} << 20) + 7);
-  std::vector<bf16> h(tile);
-  for (auto& v : h) v = to_bf16(static_cast<float>(lo + (hi - lo) * rng.uniform()));
-  auto d = std::make_unique<DBuf<bf16>>(n);
-  gpu().upload_bytes(d->p, h.data(), tile * sizeof(bf16));
+  std::vector<H> h(tile);
+  for (auto& v : h) v = convert<H>(static_cast<float>(lo + (hi - lo) * rng.uniform()));
+  auto d = std::make_unique<DBuf<H>>(n);
+  EXPECT_EQ(cudaMemcpyAsync(d->p, h.data(), tile * sizeof(H), cudaMemcpyHostToDevice, current().stream), cudaSuccess);
   for (size_t off = tile; off < n; off += tile)
-    EXPECT_EQ(cudaMemcpyAsync(d->p + off, d->p, std::min(tile, n - off) * sizeof(bf16), cudaMemcpyDeviceToDevice,
-                              gpu().stream()),
+    EXPECT_EQ(cudaMemcpyAsync(d->p + off, d->p, std::min(tile, n - off) * sizeof(H), cudaMemcpyDeviceToDevice,
+                              current().stream),
               cudaSuccess);
+  EXPECT_EQ(cudaStreamSynchronize(current().stream), cudaSuccess);  // h goes out of scope
   return d;
 }
 
@@ -866,32 +957,40 @@ std::string ln_name(const cuda::LnVariant& v) {
   return s;
 }
 
+template <class E>
+class CudaPerf : public ::testing::Test {
+ protected:
+  void SetUp() override { use_backend<E>(); }
+};
+TYPED_TEST_SUITE(CudaPerf, ElemTypes, ElemName);
+
 // bias + dropout + residual + LayerNorm (bdrln, 48 calls per step) and the embedding LayerNorm (1 call each way).
-TEST(CudaPerf, LayerNorm) {
+TYPED_TEST(CudaPerf, LayerNorm) {
+  using E = TypeParam;  // bf16 or f16
   const int32_t T = kPerfRows, H = kPerfH;
   const size_t n = static_cast<size_t>(T) * H;
   Batch b = perf_batch();
-  auto x = perf_bf16(n, 1, -2, 2), res = perf_bf16(n, 2, -1, 1), bias = perf_bf16(H, 3, -0.5f, 0.5f),
-       gamma = perf_bf16(H, 4, 0.5f, 1.5f), beta = perf_bf16(H, 5, -0.5f, 0.5f), dout = perf_bf16(n, 6, -1, 1);
-  DBuf<bf16> out(n), dx(n), dres(n);
+  auto x = perf16<E>(n, 1, -2, 2), res = perf16<E>(n, 2, -1, 1), bias = perf16<E>(H, 3, -0.5f, 0.5f),
+       gamma = perf16<E>(H, 4, 0.5f, 1.5f), beta = perf16<E>(H, 5, -0.5f, 0.5f), dout = perf16<E>(n, 6, -1, 1);
+  DBuf<E> out(n), dx(n), dres(n);
   DBuf<float> mean(T), rstd(T), g_bias(H), g_gamma(H), g_beta(H);
-  for (DBuf<float>* g : {&g_bias, &g_gamma, &g_beta}) gpu().zero_bytes(g->p, H * sizeof(float));
+  for (DBuf<float>* g : {&g_bias, &g_gamma, &g_beta}) gpu<E>().zero_bytes(g->p, H * sizeof(float));
   const auto drop = dropout(0.1f, 7);
-  const double act = 2.0 * static_cast<double>(n);  // bytes of one [T, H] bf16 tensor
+  const double act = 2.0 * static_cast<double>(n);  // bytes of one [T, H] 16-bit tensor
   std::printf("  LayerNorm perf: T=%d H=%d p=0.1, %d SMs (bdrln: 48 calls per BERT-large step)\n", T, H,
-              gpu().multiprocessors());
+              gpu<E>().multiprocessors());
   for (const cuda::LnVariant& v : {cuda::LnVariant{false, 0, 0}, cuda::LnVariant{true, 1, 0},
                                    cuda::LnVariant{true, 2, 0}, cuda::LnVariant{true, 4, 0}}) {
     cuda::KernelVariants kv;
     kv.ln_forward = v;
     VariantScope scope(kv);
     const double ms = median_ms([&] {
-      gpu().bias_dropout_residual_layernorm_forward(x->p, bias->p, res->p, gamma->p, beta->p, b.device(), H, 1e-12,
+      gpu<E>().bias_dropout_residual_layernorm_forward(x->p, bias->p, res->p, gamma->p, beta->p, b.device(), H, 1e-12,
                                                     drop, out.p, mean.p, rstd.p);
     });
     perf_line("bdrln_fwd", ln_name(v), ms, 3 * act + 8.0 * T);
   }
-  gpu().bias_dropout_residual_layernorm_forward(x->p, bias->p, res->p, gamma->p, beta->p, b.device(), H, 1e-12, drop,
+  gpu<E>().bias_dropout_residual_layernorm_forward(x->p, bias->p, res->p, gamma->p, beta->p, b.device(), H, 1e-12, drop,
                                                 out.p, mean.p, rstd.p);
   for (const cuda::LnVariant& v :
        {cuda::LnVariant{false, 0, 0}, cuda::LnVariant{true, 1, 0}, cuda::LnVariant{true, 1, 2},
@@ -901,7 +1000,7 @@ TEST(CudaPerf, LayerNorm) {
     kv.ln_backward = v;
     VariantScope scope(kv);
     const double ms = median_ms([&] {
-      gpu().bias_dropout_residual_layernorm_backward(dout->p, x->p, bias->p, res->p, gamma->p, mean.p, rstd.p,
+      gpu<E>().bias_dropout_residual_layernorm_backward(dout->p, x->p, bias->p, res->p, gamma->p, mean.p, rstd.p,
                                                      b.device(), H, drop, dx.p, dres.p, g_bias.p, g_gamma.p,
                                                      g_beta.p);
     });
@@ -916,11 +1015,11 @@ TEST(CudaPerf, LayerNorm) {
   for (int32_t s = 0; s < b.B; ++s)
     for (int32_t i = b.cu[s]; i < b.cu[s + 1]; ++i) seg[i] = i - b.cu[s] < (b.cu[s + 1] - b.cu[s]) / 2 ? 0 : 1;
   auto d_tok = up(tok), d_pos = up(b.pos), d_seg = up(seg);
-  auto word = perf_bf16(static_cast<size_t>(V) * H, 7, -1, 1), posw = perf_bf16(static_cast<size_t>(P) * H, 8, -1, 1),
-       type = perf_bf16(static_cast<size_t>(S) * H, 9, -1, 1);
+  auto word = perf16<E>(static_cast<size_t>(V) * H, 7, -1, 1), posw = perf16<E>(static_cast<size_t>(P) * H, 8, -1, 1),
+       type = perf16<E>(static_cast<size_t>(S) * H, 9, -1, 1);
   DBuf<float> g_word(static_cast<size_t>(V) * H), g_pos(static_cast<size_t>(P) * H), g_type(static_cast<size_t>(S) * H);
-  for (DBuf<float>* g : {&g_word, &g_pos, &g_type}) gpu().zero_bytes(g->p, g->n * sizeof(float));
-  ops::EmbeddingWeights<bf16> w{word->p, posw->p, type->p, gamma->p, beta->p, V, P, S, H, 1e-12};
+  for (DBuf<float>* g : {&g_word, &g_pos, &g_type}) gpu<E>().zero_bytes(g->p, g->n * sizeof(float));
+  ops::EmbeddingWeights<E> w{word->p, posw->p, type->p, gamma->p, beta->p, V, P, S, H, 1e-12};
   const auto edrop = dropout(0.1f, 0);
   for (const cuda::LnVariant& v : {cuda::LnVariant{false, 0, 0}, cuda::LnVariant{true, 0, 0}}) {
     cuda::KernelVariants kv;
@@ -928,11 +1027,11 @@ TEST(CudaPerf, LayerNorm) {
     kv.ln_backward = v;
     VariantScope scope(kv);
     const double fwd = median_ms([&] {
-      gpu().embed_layernorm_dropout_forward(d_tok->p, d_pos->p, d_seg->p, b.device(), w, edrop, out.p, mean.p, rstd.p);
+      gpu<E>().embed_layernorm_dropout_forward(d_tok->p, d_pos->p, d_seg->p, b.device(), w, edrop, out.p, mean.p, rstd.p);
     });
     perf_line("embed_fwd", ln_name(v), fwd, 2 * act + 12.0 * T);  // the word rows read, the output written
     const double bwd = median_ms([&] {
-      gpu().embed_layernorm_dropout_backward(dout->p, d_tok->p, d_pos->p, d_seg->p, b.device(), w, edrop, mean.p,
+      gpu<E>().embed_layernorm_dropout_backward(dout->p, d_tok->p, d_pos->p, d_seg->p, b.device(), w, edrop, mean.p,
                                              rstd.p, {g_word.p, g_pos.p, g_type.p, g_gamma.p, g_beta.p});
     });
     perf_line("embed_bwd", ln_name(v), bwd, 2 * act);  // d_out and the word rows read (atomics not counted)
@@ -941,13 +1040,14 @@ TEST(CudaPerf, LayerNorm) {
 
 // The FFN-in dense forward with GELU: the GEMM alone (act none, same shape) and the GEMM + each GELU pass; the GELU
 // pass is the difference, its GB/s over one bf16 read and one write of [T, 4096].
-TEST(CudaPerf, GeluForward) {
+TYPED_TEST(CudaPerf, GeluForward) {
+  using E = TypeParam;  // bf16 or f16
   const int32_t T = kPerfRows, k = kPerfH, n = kPerfFfn;
-  auto x = perf_bf16(static_cast<size_t>(T) * k, 11, -1, 1),
-       w = perf_bf16(static_cast<size_t>(n) * k, 12, -0.06f, 0.06f), bias = perf_bf16(n, 13, -0.5f, 0.5f);
-  DBuf<bf16> y(static_cast<size_t>(T) * n), pre(static_cast<size_t>(T) * n);
+  auto x = perf16<E>(static_cast<size_t>(T) * k, 11, -1, 1),
+       w = perf16<E>(static_cast<size_t>(n) * k, 12, -0.06f, 0.06f), bias = perf16<E>(n, 13, -0.5f, 0.5f);
+  DBuf<E> y(static_cast<size_t>(T) * n), pre(static_cast<size_t>(T) * n);
   const double gemm = median_ms([&] {
-    gpu().dense_forward(x->p, w->p, bias->p, T, k, n, ops::Activation::kNone, pre.p, nullptr);
+    gpu<E>().dense_forward(x->p, w->p, bias->p, T, k, n, ops::Activation::kNone, pre.p, nullptr);
   });
   perf_line("dense_fwd", "k=1024 n=4096, no activation (the GEMM)", gemm, 0);
   for (bool wide : {false, true}) {
@@ -955,7 +1055,7 @@ TEST(CudaPerf, GeluForward) {
     kv.gelu_forward_wide = wide;
     VariantScope scope(kv);
     const double ms = median_ms([&] {
-      gpu().dense_forward(x->p, w->p, bias->p, T, k, n, ops::Activation::kGelu, y.p, pre.p);
+      gpu<E>().dense_forward(x->p, w->p, bias->p, T, k, n, ops::Activation::kGelu, y.p, pre.p);
     });
     perf_line("dense_fwd", std::string("k=1024 n=4096 GELU, ") + (wide ? "wide" : "first") + " GELU kernel", ms, 0);
     perf_line("gelu_pass", std::string(wide ? "wide" : "first") + " (difference)", ms - gemm,
@@ -966,7 +1066,8 @@ TEST(CudaPerf, GeluForward) {
 // dense_backward at BERT-large's four shapes, for each d_bias path, and without d_bias (the products and, with GELU,
 // the dGELU pass alone): the difference is what d_bias costs on that path. The path that actually ran is printed
 // (the epilogue falls back where cuBLASLt has no algorithm).
-TEST(CudaPerf, DenseBackward) {
+TYPED_TEST(CudaPerf, DenseBackward) {
+  using E = TypeParam;  // bf16 or f16
   struct Shape {
     int32_t k, n;
     bool gelu;
@@ -975,17 +1076,17 @@ TEST(CudaPerf, DenseBackward) {
   for (const Shape s : {Shape{1024, 4096, true}, Shape{1024, 3072, false}, Shape{4096, 1024, false},
                         Shape{1024, 1024, false}}) {
     const ops::Activation act = s.gelu ? ops::Activation::kGelu : ops::Activation::kNone;
-    auto x = perf_bf16(static_cast<size_t>(T) * s.k, 31, -1, 1),
-         w = perf_bf16(static_cast<size_t>(s.n) * s.k, 32, -0.05f, 0.05f),
-         dy = perf_bf16(static_cast<size_t>(T) * s.n, 33, -1, 1),
-         pre = perf_bf16(static_cast<size_t>(T) * s.n, 34, -3, 3);
-    DBuf<bf16> dx(static_cast<size_t>(T) * s.k);
+    auto x = perf16<E>(static_cast<size_t>(T) * s.k, 31, -1, 1),
+         w = perf16<E>(static_cast<size_t>(s.n) * s.k, 32, -0.05f, 0.05f),
+         dy = perf16<E>(static_cast<size_t>(T) * s.n, 33, -1, 1),
+         pre = perf16<E>(static_cast<size_t>(T) * s.n, 34, -3, 3);
+    DBuf<E> dx(static_cast<size_t>(T) * s.k);
     DBuf<float> dw(static_cast<size_t>(s.n) * s.k), db(s.n);
-    gpu().zero_bytes(dw.p, dw.n * sizeof(float));
-    gpu().zero_bytes(db.p, db.n * sizeof(float));
+    gpu<E>().zero_bytes(dw.p, dw.n * sizeof(float));
+    gpu<E>().zero_bytes(db.p, db.n * sizeof(float));
     const std::string shape = "k=" + std::to_string(s.k) + " n=" + std::to_string(s.n) + (s.gelu ? " GELU" : "");
     const double base = median_ms([&] {
-      gpu().dense_backward(dy->p, x->p, w->p, s.gelu ? pre->p : nullptr, T, s.k, s.n, act, dx.p, false, dw.p, nullptr);
+      gpu<E>().dense_backward(dy->p, x->p, w->p, s.gelu ? pre->p : nullptr, T, s.k, s.n, act, dx.p, false, dw.p, nullptr);
     });
     perf_line("dense_bwd", shape + ", no d_bias", base, 0);
     for (const cuda::BiasGradPath path :
@@ -994,7 +1095,7 @@ TEST(CudaPerf, DenseBackward) {
       kv.dense_bias_grad = path;
       VariantScope scope(kv);
       const double ms = median_ms([&] {
-        gpu().dense_backward(dy->p, x->p, w->p, s.gelu ? pre->p : nullptr, T, s.k, s.n, act, dx.p, false, dw.p, db.p);
+        gpu<E>().dense_backward(dy->p, x->p, w->p, s.gelu ? pre->p : nullptr, T, s.k, s.n, act, dx.p, false, dw.p, db.p);
       });
       perf_line("dense_bwd", shape + ", d_bias " + path_name(path) + " (ran " + path_name(cuda::last_bias_grad_path()) +
                                  ")",
@@ -1006,7 +1107,8 @@ TEST(CudaPerf, DenseBackward) {
 // The MLM head at BERT-large's size (3,700 masked rows of 24,657, V = 30522): forward and forward + backward, with
 // the first kernels and with the defaults (softmax CE from registers, block-per-row CE gradient, row-group plain LN,
 // d_bias path of the variant).
-TEST(CudaPerf, MlmHead) {
+TYPED_TEST(CudaPerf, MlmHead) {
+  using E = TypeParam;  // bf16 or f16
   const int32_t T = kPerfRows, H = kPerfH, V = 30522, M = 3700;
   Rng rng({41u});
   std::vector<int32_t> all(T);
@@ -1015,28 +1117,28 @@ TEST(CudaPerf, MlmHead) {
   std::vector<int32_t> positions(all.begin(), all.begin() + M), labels(M);
   for (auto& l : labels) l = static_cast<int32_t>(rng.uniform_int(0, V - 1));
   auto d_pos = up(positions), d_lab = up(labels);
-  auto hidden = perf_bf16(static_cast<size_t>(T) * H, 42, -1, 1),
-       tw = perf_bf16(static_cast<size_t>(H) * H, 43, -0.06f, 0.06f),
-       tb = perf_bf16(H, 44, -0.5f, 0.5f), lg = perf_bf16(H, 45, 0.5f, 1.5f), lb = perf_bf16(H, 46, -0.5f, 0.5f),
-       emb = perf_bf16(static_cast<size_t>(V) * H, 47, -0.1f, 0.1f), ob = perf_bf16(V, 48, -0.5f, 0.5f);
-  ops::MlmHeadWeights<bf16> w{tw->p, tb->p, lg->p, lb->p, emb->p, ob->p, H, V, 1e-12};
-  DBuf<bf16> gath(static_cast<size_t>(M) * H), tpre(static_cast<size_t>(M) * H), tact(static_cast<size_t>(M) * H),
+  auto hidden = perf16<E>(static_cast<size_t>(T) * H, 42, -1, 1),
+       tw = perf16<E>(static_cast<size_t>(H) * H, 43, -0.06f, 0.06f),
+       tb = perf16<E>(H, 44, -0.5f, 0.5f), lg = perf16<E>(H, 45, 0.5f, 1.5f), lb = perf16<E>(H, 46, -0.5f, 0.5f),
+       emb = perf16<E>(static_cast<size_t>(V) * H, 47, -0.1f, 0.1f), ob = perf16<E>(V, 48, -0.5f, 0.5f);
+  ops::MlmHeadWeights<E> w{tw->p, tb->p, lg->p, lb->p, emb->p, ob->p, H, V, 1e-12};
+  DBuf<E> gath(static_cast<size_t>(M) * H), tpre(static_cast<size_t>(M) * H), tact(static_cast<size_t>(M) * H),
       ln(static_cast<size_t>(M) * H), probs(static_cast<size_t>(M) * V), dh(static_cast<size_t>(T) * H);
   DBuf<float> lmean(M), lrstd(M), loss(1), g_tw(static_cast<size_t>(H) * H), g_tb(H), g_lg(H), g_lb(H),
       g_emb(static_cast<size_t>(V) * H), g_ob(V);
   DBuf<int32_t> correct(1);
-  for (DBuf<float>* g : {&g_tw, &g_tb, &g_lg, &g_lb, &g_emb, &g_ob}) gpu().zero_bytes(g->p, g->n * sizeof(float));
-  gpu().zero_bytes(dh.p, dh.n * sizeof(bf16));
-  ops::MlmHeadSaved<bf16, float> saved{gath.p, tpre.p, tact.p, lmean.p, lrstd.p, ln.p, probs.p};
+  for (DBuf<float>* g : {&g_tw, &g_tb, &g_lg, &g_lb, &g_emb, &g_ob}) gpu<E>().zero_bytes(g->p, g->n * sizeof(float));
+  gpu<E>().zero_bytes(dh.p, dh.n * sizeof(E));
+  ops::MlmHeadSaved<E, float> saved{gath.p, tpre.p, tact.p, lmean.p, lrstd.p, ln.p, probs.p};
   for (const HeadVariants& hv : head_variants()) {
     VariantScope scope(hv.v);
     const auto fwd = [&] {
-      gpu().mlm_head_loss_forward(hidden->p, d_pos->p, d_lab->p, M, w, saved, loss.p, correct.p);
+      gpu<E>().mlm_head_loss_forward(hidden->p, d_pos->p, d_lab->p, M, w, saved, loss.p, correct.p);
     };
     const double f = median_ms(fwd);
     const double fb = median_ms([&] {
       fwd();
-      gpu().mlm_head_loss_backward(1.0 / M, d_pos->p, d_lab->p, M, w, saved,
+      gpu<E>().mlm_head_loss_backward(1.0 / M, d_pos->p, d_lab->p, M, w, saved,
                                    {g_tw.p, g_tb.p, g_lg.p, g_lb.p, g_emb.p, g_ob.p}, dh.p);
     });
     perf_line("mlm_head_fwd", hv.name, f, 0);

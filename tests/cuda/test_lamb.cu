@@ -1,7 +1,8 @@
 // cuda::FusedLamb against its CPU twin nopad::Lamb (optim/optimizer.h): the same fp32 weights and gradients go to
 // both, several steps run, and after each step the master weights, m, v, the reported gradient norm, the skip flag
-// and the step count are compared; the bf16 weight copy must equal to_bf16(master) bit for bit. The layout mixes
-// tensor sizes (1 element, chunk-boundary sizes, > 1M elements) and weight-decay flags.
+// and the step count are compared; the 16-bit weight copy (bf16, or fp16 for the GpuF16 model) must equal
+// to_bf16(master) / to_f16(master) bit for bit. The layout mixes tensor sizes (1 element, chunk-boundary sizes,
+// > 1M elements) and weight-decay flags.
 //
 // Tolerance 1e-5 (per element, relative to max(|cpu|, rms of the tensor)): the element-wise arithmetic is the CPU's
 // without FMA contraction, so m and v agree bit for bit unless clipping is active; what differs is fp32 (GPU) vs
@@ -102,7 +103,10 @@ void expect_close(const std::string& what, const std::vector<cuda::LambTensor>& 
   }
 }
 
-// The CPU Lamb and the FusedLamb on the same starting values.
+// The 16-bit copy's expected bits: round to nearest even of the master weight.
+uint16_t copy_bits(float master, bool f16_copy) { return f16_copy ? to_f16(master).bits : to_bf16(master).bits; }
+
+// The CPU Lamb and the FusedLamb on the same starting values; the weight copy is bf16 or fp16 (f16_copy).
 struct Twin {
   std::vector<cuda::LambTensor> layout;
   size_t n = 0;
@@ -112,9 +116,10 @@ struct Twin {
   std::unique_ptr<Lamb> cpu;
   std::unique_ptr<cuda::FusedLamb> gpu;
   std::unique_ptr<DevBuf<float>> d_g;
-  std::unique_ptr<DevBuf<bf16>> d_w16;
+  std::unique_ptr<DevBuf<uint16_t>> d_w16;  // the bits of the bf16 or fp16 copy
+  bool f16_copy = false;
 
-  Twin(OptimizerOptions opt, uint64_t seed) : options(opt) {
+  Twin(OptimizerOptions opt, uint64_t seed, bool fp16 = false) : options(opt), f16_copy(fp16) {
     layout = test_layout(&n);
     Rng rng(seed);
     w_cpu = uniform(rng, n, 0.05f);
@@ -127,9 +132,9 @@ struct Twin {
     gpu = std::make_unique<cuda::FusedLamb>(layout, n, options, stream.s);
     gpu->load_master(w_cpu.data());
     d_g = std::make_unique<DevBuf<float>>(n);
-    d_w16 = std::make_unique<DevBuf<bf16>>(n);
-    // Poison: 0xFF bytes are NaN in bf16, so any element the step forgets to write shows up.
-    NOPAD_CUDA_CHECK(cudaMemsetAsync(d_w16->p, 0xFF, n * sizeof(bf16), stream.s));
+    d_w16 = std::make_unique<DevBuf<uint16_t>>(n);
+    // Poison: 0xFF bytes are NaN in bf16 and fp16, so any element the step forgets to write shows up.
+    NOPAD_CUDA_CHECK(cudaMemsetAsync(d_w16->p, 0xFF, n * sizeof(uint16_t), stream.s));
   }
 
   // New gradients, uniform in (-amp, amp); uploaded to the GPU.
@@ -143,8 +148,14 @@ struct Twin {
     NOPAD_CUDA_CHECK(cudaStreamSynchronize(stream.s));
   }
 
+  void gpu_step(cuda::FusedLamb& lamb, uint16_t* copy, float lr, float grad_scale) {
+    if (f16_copy)
+      lamb.step(d_g->p, reinterpret_cast<f16*>(copy), lr, grad_scale);
+    else
+      lamb.step(d_g->p, reinterpret_cast<bf16*>(copy), lr, grad_scale);
+  }
   StepStats step(float lr, float grad_scale) {
-    gpu->step(d_g->p, d_w16->p, lr, grad_scale);
+    gpu_step(*gpu, d_w16->p, lr, grad_scale);
     return cpu->step(lr, grad_scale);
   }
 
@@ -179,12 +190,13 @@ struct Twin {
     expect_close("exp_avg", layout, m.data(), m_cpu.data());
     expect_close("exp_avg_sq", layout, v.data(), v_cpu.data());
     if (cpu->step_count() > 0) {  // before any applied step the copy is still poison
-      const std::vector<bf16> w16 = download(d_w16->p, n, stream.s);
+      const std::vector<uint16_t> w16 = download(d_w16->p, n, stream.s);
       size_t mismatches = 0, first = 0;
       for (size_t j = 0; j < n; ++j)
-        if (w16[j].bits != to_bf16(master[j]).bits && mismatches++ == 0) first = j;
-      EXPECT_EQ(mismatches, 0u) << "bf16 copy != to_bf16(master), first at " << first << ": " << to_float(w16[first])
-                                << " vs " << master[first];
+        if (w16[j] != copy_bits(master[j], f16_copy) && mismatches++ == 0) first = j;
+      EXPECT_EQ(mismatches, 0u) << (f16_copy ? "fp16" : "bf16") << " copy != round(master), first at " << first
+                                << ": bits " << w16[first] << " vs " << copy_bits(master[first], f16_copy)
+                                << " (master " << master[first] << ")";
     }
   }
 };
@@ -196,6 +208,7 @@ struct Case {
   TrustRatio trust;
   bool bias_correction;
   bool expect_clip;
+  bool f16_copy = false;  // the weight copy is fp16 (the GpuF16 model's), else bf16
 };
 
 class FusedLambTest : public ::testing::TestWithParam<Case> {};
@@ -205,7 +218,7 @@ TEST_P(FusedLambTest, MatchesCpuLambOverThreeSteps) {
   OptimizerOptions opt;
   opt.trust_ratio = c.trust;
   opt.bias_correction = c.bias_correction;
-  Twin twin(opt, 1234);
+  Twin twin(opt, 1234, c.f16_copy);
   Rng rng(99);
   const float lrs[] = {1e-2f, 5e-3f, 2e-3f};
   for (int s = 0; s < 3; ++s) {
@@ -225,52 +238,60 @@ INSTANTIATE_TEST_SUITE_P(
         // |g| ~ 1e-4: norm ~ 0.06 < 1
         Case{"clip_inactive", 1e-4f, 1.0f, TrustRatio::kDecayedOnly, true, false},
         Case{"clip_inactive_scaled_nvlamb", 2e-4f, 0.5f, TrustRatio::kAllTensors, true, false},
-        Case{"clip_active_no_bias_correction", 10.0f, 0.25f, TrustRatio::kDecayedOnly, false, true}),
+        Case{"clip_active_no_bias_correction", 10.0f, 0.25f, TrustRatio::kDecayedOnly, false, true},
+        // fp16 copies; grad_scale 1/4096 as a loss-scaled fp16 step divides it out (gradients 4096x larger)
+        Case{"fp16_copy_clip_active", 10.0f, 1.0f, TrustRatio::kDecayedOnly, true, true, true},
+        Case{"fp16_copy_clip_inactive_loss_scaled", 4096 * 1e-4f, 1.0f / 4096, TrustRatio::kDecayedOnly, true, false,
+             true}),
     [](const ::testing::TestParamInfo<Case>& info) { return std::string(info.param.name); });
 
 // A NaN gradient, an inf gradient and an inf grad_scale each skip the step on both sides: nothing changes (bit for
-// bit on the GPU, the bf16 copy included) and the step count stays; the next finite step goes on as on the CPU.
+// bit on the GPU, the 16-bit copy included) and the step count stays; the next finite step goes on as on the CPU.
+// For both copy types (an fp16 step whose loss-scaled gradients overflowed is exactly this case).
 TEST(FusedLamb, NonFiniteGradientSkipsStep) {
-  Twin twin(OptimizerOptions{}, 7);
-  Rng rng(5);
-  twin.draw_grads(rng, 1e-3f);
-  twin.compare("step 1", twin.step(1e-2f, 1.0f));
+  for (const bool fp16 : {false, true}) {
+    SCOPED_TRACE(fp16 ? "fp16 copy" : "bf16 copy");
+    Twin twin(OptimizerOptions{}, 7, fp16);
+    Rng rng(5);
+    twin.draw_grads(rng, 1e-3f);
+    twin.compare("step 1", twin.step(1e-2f, 1.0f));
 
-  for (int k = 0; k < 3; ++k) {
-    const std::vector<float> master_before = twin.gpu_master();
-    std::vector<float> m0(twin.n), v0(twin.n);
-    twin.gpu->download_moments(m0.data(), v0.data());
-    const std::vector<bf16> w16_before = download(twin.d_w16->p, twin.n, twin.stream.s);
-    const std::vector<float> cpu_before = twin.w_cpu;
+    for (int k = 0; k < 3; ++k) {
+      const std::vector<float> master_before = twin.gpu_master();
+      std::vector<float> m0(twin.n), v0(twin.n);
+      twin.gpu->download_moments(m0.data(), v0.data());
+      const std::vector<uint16_t> w16_before = download(twin.d_w16->p, twin.n, twin.stream.s);
+      const std::vector<float> cpu_before = twin.w_cpu;
+
+      twin.draw_grads(rng, 1e-3f);
+      float scale = 1.0f;
+      if (k == 0) twin.g[twin.n / 2] = kNaN;
+      if (k == 1) twin.g[0] = std::numeric_limits<float>::infinity();
+      if (k == 2) scale = std::numeric_limits<float>::infinity();
+      twin.upload_grads();
+      const StepStats st = twin.step(1e-2f, scale);
+      const std::string what = "non-finite case " + std::to_string(k);
+      EXPECT_TRUE(st.skipped) << what;
+      EXPECT_TRUE(twin.gpu->last_step_skipped()) << what;
+      EXPECT_EQ(twin.gpu->step_count(), 1) << what;
+      EXPECT_EQ(twin.cpu->step_count(), 1) << what;
+      EXPECT_EQ(twin.w_cpu, cpu_before) << what;
+      const std::vector<float> master_after = twin.gpu_master();
+      std::vector<float> m1(twin.n), v1(twin.n);
+      twin.gpu->download_moments(m1.data(), v1.data());
+      const std::vector<uint16_t> w16_after = download(twin.d_w16->p, twin.n, twin.stream.s);
+      EXPECT_EQ(0, std::memcmp(master_before.data(), master_after.data(), twin.n * sizeof(float))) << what;
+      EXPECT_EQ(0, std::memcmp(m0.data(), m1.data(), twin.n * sizeof(float))) << what;
+      EXPECT_EQ(0, std::memcmp(v0.data(), v1.data(), twin.n * sizeof(float))) << what;
+      EXPECT_EQ(0, std::memcmp(w16_before.data(), w16_after.data(), twin.n * sizeof(uint16_t))) << what;
+    }
 
     twin.draw_grads(rng, 1e-3f);
-    float scale = 1.0f;
-    if (k == 0) twin.g[twin.n / 2] = kNaN;
-    if (k == 1) twin.g[0] = std::numeric_limits<float>::infinity();
-    if (k == 2) scale = std::numeric_limits<float>::infinity();
-    twin.upload_grads();
-    const StepStats st = twin.step(1e-2f, scale);
-    const std::string what = "non-finite case " + std::to_string(k);
-    EXPECT_TRUE(st.skipped) << what;
-    EXPECT_TRUE(twin.gpu->last_step_skipped()) << what;
-    EXPECT_EQ(twin.gpu->step_count(), 1) << what;
-    EXPECT_EQ(twin.cpu->step_count(), 1) << what;
-    EXPECT_EQ(twin.w_cpu, cpu_before) << what;
-    const std::vector<float> master_after = twin.gpu_master();
-    std::vector<float> m1(twin.n), v1(twin.n);
-    twin.gpu->download_moments(m1.data(), v1.data());
-    const std::vector<bf16> w16_after = download(twin.d_w16->p, twin.n, twin.stream.s);
-    EXPECT_EQ(0, std::memcmp(master_before.data(), master_after.data(), twin.n * sizeof(float))) << what;
-    EXPECT_EQ(0, std::memcmp(m0.data(), m1.data(), twin.n * sizeof(float))) << what;
-    EXPECT_EQ(0, std::memcmp(v0.data(), v1.data(), twin.n * sizeof(float))) << what;
-    EXPECT_EQ(0, std::memcmp(w16_before.data(), w16_after.data(), twin.n * sizeof(bf16))) << what;
+    const StepStats st = twin.step(5e-3f, 1.0f);
+    EXPECT_FALSE(st.skipped);
+    twin.compare("finite step after skips", st);
+    EXPECT_EQ(twin.gpu->step_count(), 2);
   }
-
-  twin.draw_grads(rng, 1e-3f);
-  const StepStats st = twin.step(5e-3f, 1.0f);
-  EXPECT_FALSE(st.skipped);
-  twin.compare("finite step after skips", st);
-  EXPECT_EQ(twin.gpu->step_count(), 2);
 }
 
 // download_master/download_moments -> load_master/load_moments into a fresh FusedLamb resumes bit for bit.
@@ -293,10 +314,16 @@ TEST(FusedLamb, CheckpointRoundTripResumesExactly) {
   restored.write_weight_copy(w16.p);
   const std::vector<bf16> copy0 = download(w16.p, twin.n, twin.stream.s);
   for (size_t j = 0; j < twin.n; ++j) ASSERT_EQ(copy0[j].bits, to_bf16(master[j]).bits) << "element " << j;
+  // The fp16 copy of the same masters (the GpuF16 model's), written the same way.
+  DevBuf<f16> h16(twin.n);
+  NOPAD_CUDA_CHECK(cudaMemsetAsync(h16.p, 0xFF, twin.n * sizeof(f16), twin.stream.s));
+  restored.write_weight_copy(h16.p);
+  const std::vector<f16> copy1 = download(h16.p, twin.n, twin.stream.s);
+  for (size_t j = 0; j < twin.n; ++j) ASSERT_EQ(copy1[j].bits, to_f16(master[j]).bits) << "fp16 element " << j;
   EXPECT_EQ(restored.step_count(), 2);
 
   twin.draw_grads(rng, 1.0f);
-  twin.gpu->step(twin.d_g->p, twin.d_w16->p, 3e-3f, 1.0f);
+  twin.gpu_step(*twin.gpu, twin.d_w16->p, 3e-3f, 1.0f);
   restored.step(twin.d_g->p, w16.p, 3e-3f, 1.0f);
   const std::vector<float> a = twin.gpu_master();
   std::vector<float> b(twin.n, kNaN);

@@ -1,6 +1,8 @@
-// CudaBackend: memory, the op entry points and their orchestration (which kernels and products, in which order, on
+// CudaBackendT<P>: memory, the op entry points and their orchestration (which kernels and products, in which order, on
 // which scratch). The kernels are in layernorm.cu, dense.cu (cuBLASLt), heads.cu; attention is the fmha module's
 // (fmha.h). Each op mirrors its CPU twin in ops/cpu/cpu_backend.cpp; see cuda_backend.h for the execution model.
+// One body for both 16-bit policies: the element type reaches the kernels as a template argument (device_t<A>), the
+// GEMMs as GemmProblem::type and the attention as FmhaParams::fp16. Instantiated at the end for GpuBf16 and GpuF16.
 #include "ops/cuda/cuda_backend.h"
 
 #include <algorithm>
@@ -8,6 +10,7 @@
 #include <cstring>
 #include <string>
 #include <string_view>
+#include <type_traits>
 
 #include "core/error.h"
 #include "ops/cuda/check.h"
@@ -18,8 +21,20 @@
 namespace nopad::cuda {
 namespace {
 
-bf* dev(nopad::bf16* p) { return reinterpret_cast<bf*>(p); }
-const bf* dev(const nopad::bf16* p) { return reinterpret_cast<const bf*>(p); }
+// Host 16-bit storage types as the kernels' device types (layout-identical, core/dtype.h).
+template <class H>
+device_t<H>* dev(H* p) {
+  return reinterpret_cast<device_t<H>*>(p);
+}
+template <class H>
+const device_t<H>* dev(const H* p) {
+  return reinterpret_cast<const device_t<H>*>(p);
+}
+// The cuBLASLt element type of a host 16-bit type.
+template <class H>
+constexpr cudaDataType_t gemm_type() {
+  return std::is_same_v<H, nopad::f16> ? CUDA_R_16F : CUDA_R_16BF;
+}
 
 // Host-side preparation of a dropout call: the twin's validation and stream key; the kernels derive the threshold and
 // keep-scale from p (core/philox.h).
@@ -42,7 +57,8 @@ void check_seqs(const ops::SeqView& s, bool need_sample_ids) {
 
 // ------------------------------------------------------------------------------------------------ setup & memory
 
-CudaBackend::CudaBackend(int device) : device_(device) {
+template <class P>
+CudaBackendT<P>::CudaBackendT(int device) : device_(device) {
   int count = 0;
   const cudaError_t err = cudaGetDeviceCount(&count);
   if (err != cudaSuccess || count == 0)
@@ -63,7 +79,8 @@ CudaBackend::CudaBackend(int device) : device_(device) {
   gemm_ = std::make_unique<LtGemm>();
 }
 
-CudaBackend::~CudaBackend() {
+template <class P>
+CudaBackendT<P>::~CudaBackendT() {
   // No throwing from a destructor: statuses are deliberately ignored while tearing down.
   if (stream_) cudaStreamSynchronize(stream_);
   if (copy_stream_) cudaStreamSynchronize(copy_stream_);
@@ -88,9 +105,10 @@ CudaBackend::~CudaBackend() {
 
 // ------------------------------------------------------------------------------------------------ op timing
 
-class CudaBackend::OpScope {
+template <class P>
+class CudaBackendT<P>::OpScope {
  public:
-  OpScope(CudaBackend& b, const char* name, int32_t k = -1, int32_t n = -1) : b_(b) {
+  OpScope(CudaBackendT& b, const char* name, int32_t k = -1, int32_t n = -1) : b_(b) {
     if (!b_.op_timing_) return;
     if (b_.op_depth_ == 0) {
       b_.op_start(name, k, n);
@@ -108,12 +126,13 @@ class CudaBackend::OpScope {
   OpScope& operator=(const OpScope&) = delete;
 
  private:
-  CudaBackend& b_;
+  CudaBackendT& b_;
   bool active_ = false;
   bool outer_ = false;
 };
 
-void CudaBackend::op_start(const char* name, int32_t k, int32_t n) {
+template <class P>
+void CudaBackendT<P>::op_start(const char* name, int32_t k, int32_t n) {
   const size_t first = 2 * op_records_.size();
   if (first + 2 > op_events_.size()) {  // grow the pool (doubling); only ever while timing is on
     const size_t target = std::max<size_t>(256, 2 * op_events_.size());
@@ -134,12 +153,14 @@ void CudaBackend::op_start(const char* name, int32_t k, int32_t n) {
 }
 
 // Runs in a destructor: a failure is kept and reported by op_times_ms().
-void CudaBackend::op_stop() noexcept {
+template <class P>
+void CudaBackendT<P>::op_stop() noexcept {
   const cudaError_t err = cudaEventRecord(op_events_[op_records_.back().first_event + 1], stream_);
   if (err != cudaSuccess && op_timing_error_ == cudaSuccess) op_timing_error_ = err;
 }
 
-std::vector<std::pair<std::string, double>> CudaBackend::op_times_ms() {
+template <class P>
+std::vector<std::pair<std::string, double>> CudaBackendT<P>::op_times_ms() {
   const cudaError_t pending = op_timing_error_;
   op_timing_error_ = cudaSuccess;
   NOPAD_CUDA_CHECK(pending);
@@ -160,7 +181,8 @@ std::vector<std::pair<std::string, double>> CudaBackend::op_times_ms() {
   return out;
 }
 
-void CudaBackend::reset_op_times() {
+template <class P>
+void CudaBackendT<P>::reset_op_times() {
   synchronize();
   op_records_.clear();
   op_totals_ms_.assign(op_keys_.size(), 0.0);
@@ -169,7 +191,8 @@ void CudaBackend::reset_op_times() {
 
 // ------------------------------------------------------------------------------------------------ memory
 
-void* CudaBackend::allocate_bytes(size_t bytes) {
+template <class P>
+void* CudaBackendT<P>::allocate_bytes(size_t bytes) {
   try {
     void* p = cuda_malloc_or_throw(bytes, "a backend buffer");
     allocated_bytes_ += bytes;
@@ -180,12 +203,14 @@ void* CudaBackend::allocate_bytes(size_t bytes) {
   }
 }
 
-void CudaBackend::free_bytes(void* ptr) {
+template <class P>
+void CudaBackendT<P>::free_bytes(void* ptr) {
   if (ptr) NOPAD_CUDA_CHECK(cudaFree(ptr));
 }
 
 // The caller may reuse host_src as soon as an upload returns: the bytes are in a pinned slot by then.
-CudaBackend::StagingSlot& CudaBackend::next_staging_slot(const void* host_src, size_t bytes) {
+template <class P>
+typename CudaBackendT<P>::StagingSlot& CudaBackendT<P>::next_staging_slot(const void* host_src, size_t bytes) {
   StagingSlot& slot = staging_[staging_next_];
   staging_next_ = (staging_next_ + 1) % kStagingSlots;
   if (slot.copied == nullptr) NOPAD_CUDA_CHECK(cudaEventCreateWithFlags(&slot.copied, cudaEventDisableTiming));
@@ -201,7 +226,8 @@ CudaBackend::StagingSlot& CudaBackend::next_staging_slot(const void* host_src, s
   return slot;
 }
 
-void CudaBackend::upload_bytes(void* dst, const void* host_src, size_t bytes) {
+template <class P>
+void CudaBackendT<P>::upload_bytes(void* dst, const void* host_src, size_t bytes) {
   if (!bytes) return;
   OpScope timed(*this, "upload");
   StagingSlot& slot = next_staging_slot(host_src, bytes);
@@ -209,7 +235,8 @@ void CudaBackend::upload_bytes(void* dst, const void* host_src, size_t bytes) {
   NOPAD_CUDA_CHECK(cudaEventRecord(slot.copied, stream_));
 }
 
-void CudaBackend::upload_bytes_async(void* dst, const void* host_src, size_t bytes) {
+template <class P>
+void CudaBackendT<P>::upload_bytes_async(void* dst, const void* host_src, size_t bytes) {
   if (!bytes) return;
   StagingSlot& slot = next_staging_slot(host_src, bytes);
   NOPAD_CUDA_CHECK(cudaMemcpyAsync(dst, slot.host, bytes, cudaMemcpyHostToDevice, copy_stream_));
@@ -221,35 +248,40 @@ void CudaBackend::upload_bytes_async(void* dst, const void* host_src, size_t byt
   uploads_since_wait_ = true;
 }
 
-void CudaBackend::compute_waits_for_uploads() {
+template <class P>
+void CudaBackendT<P>::compute_waits_for_uploads() {
   if (!uploads_since_wait_ || capture_mode_) return;
   NOPAD_CUDA_CHECK(cudaEventRecord(uploads_done_, copy_stream_));
   NOPAD_CUDA_CHECK(cudaStreamWaitEvent(stream_, uploads_done_, 0));
   uploads_since_wait_ = false;
 }
 
-uint64_t CudaBackend::fence_compute() {
+template <class P>
+uint64_t CudaBackendT<P>::fence_compute() {
   if (capture_mode_) return 0;
   const uint64_t fence = ++fences_made_;  // 0 is "no fence"
   NOPAD_CUDA_CHECK(cudaEventRecord(fences_[fence % kFences], stream_));
   return fence;
 }
 
-void CudaBackend::uploads_wait(uint64_t fence) {
+template <class P>
+void CudaBackendT<P>::uploads_wait(uint64_t fence) {
   if (fence == 0) return;
   NOPAD_CHECK(fence <= fences_made_ && fences_made_ - fence < kFences, "CudaBackend::uploads_wait: fence ", fence,
               " is no longer valid (", fences_made_, " fences made; one stays valid for ", kFences - 1, " more)");
   NOPAD_CUDA_CHECK(cudaStreamWaitEvent(copy_stream_, fences_[fence % kFences], 0));
 }
 
-void CudaBackend::complete_download(DownloadSlot& slot) {
+template <class P>
+void CudaBackendT<P>::complete_download(DownloadSlot& slot) {
   if (!slot.pending) return;
   NOPAD_CUDA_CHECK(cudaEventSynchronize(slot.done));
   std::memcpy(slot.host_dst, slot.pinned, slot.bytes);
   slot.pending = false;
 }
 
-uint64_t CudaBackend::download_bytes_async(void* host_dst, const void* src, size_t bytes) {
+template <class P>
+uint64_t CudaBackendT<P>::download_bytes_async(void* host_dst, const void* src, size_t bytes) {
   if (capture_mode_) return 0;  // the captured step's results are not read
   const uint64_t ticket = ++downloads_made_;
   DownloadSlot& slot = downloads_[ticket % kDownloadSlots];
@@ -271,14 +303,16 @@ uint64_t CudaBackend::download_bytes_async(void* host_dst, const void* src, size
   return ticket;
 }
 
-void CudaBackend::wait_download(uint64_t ticket) {
+template <class P>
+void CudaBackendT<P>::wait_download(uint64_t ticket) {
   if (ticket == 0) return;
   NOPAD_CHECK(ticket <= downloads_made_, "CudaBackend::wait_download: unknown ticket ", ticket);
   DownloadSlot& slot = downloads_[ticket % kDownloadSlots];
   if (slot.ticket == ticket) complete_download(slot);  // else it was completed when its slot was reused
 }
 
-void CudaBackend::download_bytes(void* host_dst, const void* src, size_t bytes) {
+template <class P>
+void CudaBackendT<P>::download_bytes(void* host_dst, const void* src, size_t bytes) {
   if (!bytes) return;
   {
     OpScope timed(*this, "download");  // ends before the wait
@@ -287,20 +321,23 @@ void CudaBackend::download_bytes(void* host_dst, const void* src, size_t bytes) 
   NOPAD_CUDA_CHECK(cudaStreamSynchronize(stream_));
 }
 
-void CudaBackend::zero_bytes(void* x, size_t bytes) {
+template <class P>
+void CudaBackendT<P>::zero_bytes(void* x, size_t bytes) {
   if (!bytes) return;
   OpScope timed(*this, "zero");
   NOPAD_CUDA_CHECK(cudaMemsetAsync(x, 0, bytes, stream_));
 }
 
-void CudaBackend::synchronize() {
+template <class P>
+void CudaBackendT<P>::synchronize() {
   NOPAD_CUDA_CHECK(cudaStreamSynchronize(copy_stream_));
   NOPAD_CUDA_CHECK(cudaStreamSynchronize(stream_));
 }
 
 // Grow-only scratch: allocated on first use at the largest size seen, then reused. Growth is stream-ordered
 // (cudaFreeAsync/cudaMallocAsync on stream_), so it needs no host synchronisation; in steady state it never happens.
-void* CudaBackend::scratch(Slot slot, size_t bytes) {
+template <class P>
+void* CudaBackendT<P>::scratch(Slot slot, size_t bytes) {
   if (bytes <= scratch_bytes_[slot]) return scratch_[slot];
   if (scratch_[slot]) NOPAD_CUDA_CHECK(cudaFreeAsync(scratch_[slot], stream_));
   scratch_[slot] = nullptr;
@@ -322,12 +359,13 @@ void* CudaBackend::scratch(Slot slot, size_t bytes) {
 
 // ------------------------------------------------------------------------------------------------ embeddings
 
-void CudaBackend::embed_layernorm_dropout_forward(const int32_t* tokens, const int32_t* positions,
+template <class P>
+void CudaBackendT<P>::embed_layernorm_dropout_forward(const int32_t* tokens, const int32_t* positions,
                                                   const int32_t* segments, const ops::SeqView& seqs,
                                                   const ops::EmbeddingWeights<W>& w, const ops::Dropout& drop, A* out,
                                                   St* ln_mean, St* ln_rstd) {
   OpScope timed(*this, "embed_fwd");
-  LnArgs a;
+  LnArgs<device_t<A>> a;
   a.drop = dropout_args(drop);
   check_seqs(seqs, a.drop.p > 0.0f);
   a.rows = seqs.num_tokens;
@@ -350,13 +388,14 @@ void CudaBackend::embed_layernorm_dropout_forward(const int32_t* tokens, const i
   launch_ln_forward(LnKind::kEmbed, a, kernel_variants().ln_forward, sm_count_, stream_);
 }
 
-void CudaBackend::embed_layernorm_dropout_backward(const A* d_out, const int32_t* tokens, const int32_t* positions,
+template <class P>
+void CudaBackendT<P>::embed_layernorm_dropout_backward(const A* d_out, const int32_t* tokens, const int32_t* positions,
                                                    const int32_t* segments, const ops::SeqView& seqs,
                                                    const ops::EmbeddingWeights<W>& w, const ops::Dropout& drop,
                                                    const St* ln_mean, const St* ln_rstd,
                                                    const ops::EmbeddingGrads<G>& g) {
   OpScope timed(*this, "embed_bwd");
-  LnArgs a;
+  LnArgs<device_t<A>> a;
   a.drop = dropout_args(drop);
   check_seqs(seqs, a.drop.p > 0.0f);
   if (seqs.num_tokens == 0) return;
@@ -380,7 +419,7 @@ void CudaBackend::embed_layernorm_dropout_backward(const A* d_out, const int32_t
   a.d_position = g.d_position;
   a.d_token_type = g.d_token_type;
   const LnVariant& v = kernel_variants().ln_backward;
-  const int blocks = ln_backward_blocks(LnKind::kEmbed, a.H, a.rows, v, sm_count_);
+  const int blocks = ln_backward_blocks<device_t<A>>(LnKind::kEmbed, a.H, a.rows, v, sm_count_);
   a.partial = static_cast<float*>(scratch(kLnPartials, sizeof(float) * blocks * 2 * static_cast<size_t>(a.H)));
   launch_ln_backward(LnKind::kEmbed, a, v, blocks, stream_);
   launch_column_finish(a.partial, blocks, a.H, 2, g.d_ln_gamma, g.d_ln_beta, nullptr, stream_);
@@ -388,7 +427,8 @@ void CudaBackend::embed_layernorm_dropout_backward(const A* d_out, const int32_t
 
 // ------------------------------------------------------------------------------------------------ dense
 
-void CudaBackend::dense_forward(const A* x, const W* weight, const W* bias, int64_t rows, int32_t k, int32_t n,
+template <class P>
+void CudaBackendT<P>::dense_forward(const A* x, const W* weight, const W* bias, int64_t rows, int32_t k, int32_t n,
                                 ops::Activation act, A* y, A* pre_act) {
   OpScope timed(*this, "dense_fwd", k, n);
   const bool gelu = act == ops::Activation::kGelu;
@@ -396,6 +436,7 @@ void CudaBackend::dense_forward(const A* x, const W* weight, const W* bias, int6
   NOPAD_CHECK(target != nullptr && y != nullptr, "dense_forward with GELU needs pre_act");
   if (rows == 0) return;
   GemmProblem p;  // y^T[n, rows] = op_T(W^T[k, n]) x^T[k, rows] (+ bias per row of y^T): dense.h
+  p.type = gemm_type<A>();
   p.trans_a = true;
   p.trans_b = false;
   p.m = n;
@@ -412,7 +453,8 @@ void CudaBackend::dense_forward(const A* x, const W* weight, const W* bias, int6
   if (gelu) launch_gelu_forward(dev(pre_act), dev(y), rows * n, kernel_variants().gelu_forward_wide, stream_);
 }
 
-void CudaBackend::column_sums_accumulate(const A* m, int64_t rows, int32_t n, G* out) {
+template <class P>
+void CudaBackendT<P>::column_sums_accumulate(const A* m, int64_t rows, int32_t n, G* out) {
   if (rows == 0 || n == 0) return;
   const int chunks = column_sum_chunks(rows);
   float* partial = static_cast<float*>(scratch(kColPartials, sizeof(float) * chunks * static_cast<size_t>(n)));
@@ -428,7 +470,8 @@ void CudaBackend::column_sums_accumulate(const A* m, int64_t rows, int32_t n, G*
 //             writing the column sums of dpre into fp32 scratch, added into d_bias by a one-block finish. Where
 //             cuBLASLt has no algorithm for that product, it runs without the epilogue and d_bias takes the
 //             one-pass column sums (or the separate pass where n % 8 != 0, as the MLM decoder's V = 30522).
-void CudaBackend::dense_backward(const A* dy, const A* x, const W* weight, const A* pre_act, int64_t rows, int32_t k,
+template <class P>
+void CudaBackendT<P>::dense_backward(const A* dy, const A* x, const W* weight, const A* pre_act, int64_t rows, int32_t k,
                                  int32_t n, ops::Activation act, A* dx, bool accumulate_dx, G* d_weight, G* d_bias) {
   OpScope timed(*this, "dense_bwd", k, n);
   if (rows == 0) return;  // dx has no rows; the parameter gradients receive += 0
@@ -458,6 +501,7 @@ void CudaBackend::dense_backward(const A* dy, const A* x, const W* weight, const
   }
   if (dx) {  // dx^T[k, rows] = W^T[k, n] dpre^T[n, rows]
     GemmProblem p;
+    p.type = gemm_type<A>();
     p.m = k;
     p.n = rows;
     p.k = n;
@@ -472,6 +516,7 @@ void CudaBackend::dense_backward(const A* dy, const A* x, const W* weight, const
   }
   if (d_weight) {  // dW^T[k, n] += x^T[k, rows] op_T(dpre^T[n, rows]), fp32 output
     GemmProblem p;
+    p.type = gemm_type<A>();
     p.trans_b = true;
     p.m = k;
     p.n = n;
@@ -502,7 +547,7 @@ void CudaBackend::dense_backward(const A* dy, const A* x, const W* weight, const
     if (path == BiasGradPath::kOnePass) {  // column sums of dpre (or dy) alone
       const int chunks = dense_grad_chunks(rows);
       float* partial = static_cast<float*>(scratch(kColPartials, sizeof(float) * chunks * static_cast<size_t>(n)));
-      launch_dense_grad_pass(dev(dpre), nullptr, nullptr, rows, n, partial, stream_);
+      launch_dense_grad_pass<device_t<A>>(dev(dpre), nullptr, nullptr, rows, n, partial, stream_);
       launch_column_finish(partial, chunks, n, 1, d_bias, nullptr, nullptr, stream_);
     } else {
       column_sums_accumulate(dpre, rows, n, d_bias);
@@ -515,7 +560,8 @@ void CudaBackend::dense_backward(const A* dy, const A* x, const W* weight, const
 // ------------------------------------------------------------------------------------------------ attention
 
 namespace {
-FmhaParams fmha_params(const ops::SeqView& seqs, int32_t num_heads, int32_t head_dim, const ops::Dropout& drop) {
+FmhaParams fmha_params(const ops::SeqView& seqs, int32_t num_heads, int32_t head_dim, const ops::Dropout& drop,
+                       bool fp16) {
   NOPAD_CHECK(drop.p >= 0.0f && drop.p < 1.0f, "dropout probability must be in [0, 1), got ", drop.p);
   NOPAD_CHECK(num_heads > 0 && head_dim > 0, "attention needs num_heads > 0 and head_dim > 0");
   FmhaParams p;
@@ -533,30 +579,32 @@ FmhaParams fmha_params(const ops::SeqView& seqs, int32_t num_heads, int32_t head
   p.seed = drop.seed;
   p.step = drop.step;
   p.op_id = drop.op_id;
-  p.fp16 = false;
+  p.fp16 = fp16;
   return p;
 }
 }  // namespace
 
-void CudaBackend::attention_forward(const A* qkv, const ops::SeqView& seqs, int32_t num_heads, int32_t head_dim,
+template <class P>
+void CudaBackendT<P>::attention_forward(const A* qkv, const ops::SeqView& seqs, int32_t num_heads, int32_t head_dim,
                                     const ops::Dropout& drop, A* ctx, St* lse) {
   OpScope timed(*this, "attention_fwd");
   check_seqs(seqs, drop.p > 0.0f);
   if (seqs.num_tokens == 0) return;
-  FmhaParams p = fmha_params(seqs, num_heads, head_dim, drop);
+  FmhaParams p = fmha_params(seqs, num_heads, head_dim, drop, std::is_same_v<A, nopad::f16>);
   p.qkv = qkv;
   p.ctx = ctx;
   p.lse = lse;
   fmha_forward(p, stream_);
 }
 
-void CudaBackend::attention_backward(const A* d_ctx, const A* qkv, const A* ctx, const St* lse,
+template <class P>
+void CudaBackendT<P>::attention_backward(const A* d_ctx, const A* qkv, const A* ctx, const St* lse,
                                      const ops::SeqView& seqs, int32_t num_heads, int32_t head_dim,
                                      const ops::Dropout& drop, A* d_qkv) {
   OpScope timed(*this, "attention_bwd");
   check_seqs(seqs, drop.p > 0.0f);
   if (seqs.num_tokens == 0) return;
-  FmhaParams p = fmha_params(seqs, num_heads, head_dim, drop);
+  FmhaParams p = fmha_params(seqs, num_heads, head_dim, drop, std::is_same_v<A, nopad::f16>);
   p.qkv = qkv;
   p.ctx = const_cast<A*>(ctx);    // FmhaParams::ctx is the forward's output; backward only reads it
   p.lse = const_cast<St*>(lse);   // likewise
@@ -571,13 +619,14 @@ void CudaBackend::attention_backward(const A* d_ctx, const A* qkv, const A* ctx,
 
 // ------------------------------------------------------------------------------------------------ residual + LN
 
-void CudaBackend::bias_dropout_residual_layernorm_forward(const A* x, const W* bias, const A* residual,
+template <class P>
+void CudaBackendT<P>::bias_dropout_residual_layernorm_forward(const A* x, const W* bias, const A* residual,
                                                           const W* ln_gamma, const W* ln_beta,
                                                           const ops::SeqView& seqs, int32_t hidden, double ln_eps,
                                                           const ops::Dropout& drop, A* out, St* ln_mean,
                                                           St* ln_rstd) {
   OpScope timed(*this, "bdrln_fwd");
-  LnArgs a;
+  LnArgs<device_t<A>> a;
   a.drop = dropout_args(drop);
   check_seqs(seqs, a.drop.p > 0.0f);
   NOPAD_CHECK(bias != nullptr, "bias_dropout_residual_layernorm needs a bias");
@@ -598,14 +647,15 @@ void CudaBackend::bias_dropout_residual_layernorm_forward(const A* x, const W* b
   launch_ln_forward(LnKind::kResidual, a, kernel_variants().ln_forward, sm_count_, stream_);
 }
 
-void CudaBackend::bias_dropout_residual_layernorm_backward(const A* d_out, const A* x, const W* bias,
+template <class P>
+void CudaBackendT<P>::bias_dropout_residual_layernorm_backward(const A* d_out, const A* x, const W* bias,
                                                            const A* residual, const W* ln_gamma, const St* ln_mean,
                                                            const St* ln_rstd, const ops::SeqView& seqs,
                                                            int32_t hidden, const ops::Dropout& drop, A* d_x,
                                                            A* d_residual, G* d_bias, G* d_ln_gamma, G* d_ln_beta) {
   OpScope timed(*this, "bdrln_bwd");
   NOPAD_CHECK(d_residual != d_out, "bias_dropout_residual_layernorm_backward: d_residual must not alias d_out");
-  LnArgs a;
+  LnArgs<device_t<A>> a;
   a.drop = dropout_args(drop);
   check_seqs(seqs, a.drop.p > 0.0f);
   if (seqs.num_tokens == 0) return;
@@ -624,15 +674,16 @@ void CudaBackend::bias_dropout_residual_layernorm_backward(const A* d_out, const
   a.dz = dev(d_residual);
   a.d_x = dev(d_x);
   const LnVariant& v = kernel_variants().ln_backward;
-  const int blocks = ln_backward_blocks(LnKind::kResidual, hidden, a.rows, v, sm_count_);
+  const int blocks = ln_backward_blocks<device_t<A>>(LnKind::kResidual, hidden, a.rows, v, sm_count_);
   a.partial = static_cast<float*>(scratch(kLnPartials, sizeof(float) * blocks * 3 * static_cast<size_t>(hidden)));
   launch_ln_backward(LnKind::kResidual, a, v, blocks, stream_);
   launch_column_finish(a.partial, blocks, hidden, 3, d_ln_gamma, d_ln_beta, d_bias, stream_);
 }
 
-void CudaBackend::layernorm_plain_forward(const A* x, const W* gamma, const W* beta, int64_t rows, int32_t H,
+template <class P>
+void CudaBackendT<P>::layernorm_plain_forward(const A* x, const W* gamma, const W* beta, int64_t rows, int32_t H,
                                           double eps, A* out, St* mean, St* rstd) {
-  LnArgs a;
+  LnArgs<device_t<A>> a;
   a.rows = rows;
   a.H = H;
   a.eps = static_cast<float>(eps);
@@ -645,10 +696,11 @@ void CudaBackend::layernorm_plain_forward(const A* x, const W* gamma, const W* b
   launch_ln_forward(LnKind::kPlain, a, kernel_variants().ln_forward, sm_count_, stream_);
 }
 
-void CudaBackend::layernorm_plain_backward(const A* dy, const A* x, const St* mean, const St* rstd, const W* gamma,
+template <class P>
+void CudaBackendT<P>::layernorm_plain_backward(const A* dy, const A* x, const St* mean, const St* rstd, const W* gamma,
                                            int64_t rows, int32_t H, A* dz, G* d_gamma, G* d_beta) {
   if (rows == 0) return;
-  LnArgs a;
+  LnArgs<device_t<A>> a;
   a.rows = rows;
   a.H = H;
   a.gamma = dev(gamma);
@@ -658,7 +710,7 @@ void CudaBackend::layernorm_plain_backward(const A* dy, const A* x, const St* me
   a.rstd = rstd;
   a.dz = dev(dz);
   const LnVariant& v = kernel_variants().ln_backward;
-  const int blocks = ln_backward_blocks(LnKind::kPlain, H, rows, v, sm_count_);
+  const int blocks = ln_backward_blocks<device_t<A>>(LnKind::kPlain, H, rows, v, sm_count_);
   a.partial = static_cast<float*>(scratch(kLnPartials, sizeof(float) * blocks * 2 * static_cast<size_t>(H)));
   launch_ln_backward(LnKind::kPlain, a, v, blocks, stream_);
   launch_column_finish(a.partial, blocks, H, 2, d_gamma, d_beta, nullptr, stream_);
@@ -666,7 +718,8 @@ void CudaBackend::layernorm_plain_backward(const A* dy, const A* x, const St* me
 
 // ------------------------------------------------------------------------------------------------ MLM head
 
-void CudaBackend::mlm_head_loss_forward(const A* hidden, const int32_t* mlm_positions, const int32_t* mlm_labels,
+template <class P>
+void CudaBackendT<P>::mlm_head_loss_forward(const A* hidden, const int32_t* mlm_positions, const int32_t* mlm_labels,
                                         int32_t num_masked, const ops::MlmHeadWeights<W>& w,
                                         const ops::MlmHeadSaved<A, St>& saved, St* loss_sum, int32_t* num_correct) {
   OpScope timed(*this, "mlm_head_fwd");
@@ -685,7 +738,8 @@ void CudaBackend::mlm_head_loss_forward(const A* hidden, const int32_t* mlm_posi
                             kernel_variants().softmax_ce_registers, stream_);
 }
 
-void CudaBackend::mlm_head_loss_backward(double loss_scale, const int32_t* mlm_positions, const int32_t* mlm_labels,
+template <class P>
+void CudaBackendT<P>::mlm_head_loss_backward(double loss_scale, const int32_t* mlm_positions, const int32_t* mlm_labels,
                                          int32_t num_masked, const ops::MlmHeadWeights<W>& w,
                                          const ops::MlmHeadSaved<A, St>& saved, const ops::MlmHeadGrads<G>& g,
                                          A* d_hidden) {
@@ -710,7 +764,8 @@ void CudaBackend::mlm_head_loss_backward(double loss_scale, const int32_t* mlm_p
 
 // ------------------------------------------------------------------------------------------------ NSP head
 
-void CudaBackend::nsp_head_loss_forward(const A* hidden, const ops::SeqView& seqs, const int32_t* nsp_labels,
+template <class P>
+void CudaBackendT<P>::nsp_head_loss_forward(const A* hidden, const ops::SeqView& seqs, const int32_t* nsp_labels,
                                         const ops::NspHeadWeights<W>& w, const ops::NspHeadSaved<A>& saved,
                                         St* loss_sum, int32_t* num_correct) {
   OpScope timed(*this, "nsp_head_fwd");
@@ -727,7 +782,8 @@ void CudaBackend::nsp_head_loss_forward(const A* hidden, const ops::SeqView& seq
                             kernel_variants().softmax_ce_registers, stream_);
 }
 
-void CudaBackend::nsp_head_loss_backward(double loss_scale, const ops::SeqView& seqs, const int32_t* nsp_labels,
+template <class P>
+void CudaBackendT<P>::nsp_head_loss_backward(double loss_scale, const ops::SeqView& seqs, const int32_t* nsp_labels,
                                          const ops::NspHeadWeights<W>& w, const ops::NspHeadSaved<A>& saved,
                                          const ops::NspHeadGrads<G>& g, A* d_hidden) {
   OpScope timed(*this, "nsp_head_bwd");
@@ -744,5 +800,8 @@ void CudaBackend::nsp_head_loss_backward(double loss_scale, const ops::SeqView& 
                  g.d_pooler_weight, g.d_pooler_bias);
   launch_scatter_add_rows(dev(d_cls), seqs.cu_seqlens, B, H, dev(d_hidden), stream_);
 }
+
+template class CudaBackendT<ops::GpuBf16>;
+template class CudaBackendT<ops::GpuF16>;
 
 }  // namespace nopad::cuda

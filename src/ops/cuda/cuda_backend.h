@@ -1,7 +1,10 @@
-// The CUDA backend: ops::Backend<ops::GpuBf16> on one GPU. Activations and weight copies are bf16, parameter
-// gradients and statistics fp32; all arithmetic inside the kernels is fp32. Contracts are those of ops/ops.h, and
-// each op computes what its CPU twin (ops/cpu/cpu_backend.cpp, CpuBackend<CpuF32>) computes, dropout masks included
-// bit for bit (core/philox.h); tests/cuda/test_cuda_ops.cpp checks every op against the twin.
+// The CUDA backend: ops::Backend<P> on one GPU for the two 16-bit policies, CudaBackend (ops::GpuBf16) and
+// CudaBackendF16 (ops::GpuF16). Activations and weight copies are bf16 or fp16, parameter gradients and statistics
+// fp32; all arithmetic inside the kernels is fp32 and the GEMMs accumulate in fp32. Contracts are those of
+// ops/ops.h, and each op computes what its CPU twin (ops/cpu/cpu_backend.cpp, CpuBackend<CpuF32>) computes, dropout
+// masks included bit for bit (core/philox.h); tests/cuda/test_cuda_ops.cpp checks every op of both against the twin.
+// fp16 overflows to +-inf beyond 65504: a loss-scaled backward that overflows leaves non-finite gradients, which the
+// optimiser detects (FusedLamb skips the step); the backend itself never checks values.
 //
 // Execution model: every op enqueues work on the backend's own stream (stream()) and returns without waiting; only
 // download_bytes and synchronize wait. Nothing is allocated per call in steady state: the stream, the cuBLASLt
@@ -15,6 +18,7 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -24,13 +28,23 @@ namespace nopad::cuda {
 
 class LtGemm;  // dense.h
 
-class CudaBackend final : public ops::Backend<ops::GpuBf16> {
+// P: ops::GpuBf16 or ops::GpuF16 (explicitly instantiated in cuda_backend.cu; the aliases below).
+template <class P>
+class CudaBackendT final : public ops::Backend<P> {
  public:
+  using A = typename P::Act;
+  using W = typename P::Weight;
+  using G = typename P::Grad;
+  using St = typename P::Stat;
+  static_assert(std::is_same_v<A, W> && (std::is_same_v<A, bf16> || std::is_same_v<A, f16>),
+                "the CUDA backend runs activations and weights of one 16-bit type");
+  static_assert(std::is_same_v<G, float> && std::is_same_v<St, float>, "gradients and statistics are fp32");
+
   // Throws nopad::Error ("no CUDA device: ... use --device cpu") when no usable device exists.
-  explicit CudaBackend(int device = 0);
-  ~CudaBackend() override;
-  CudaBackend(const CudaBackend&) = delete;
-  CudaBackend& operator=(const CudaBackend&) = delete;
+  explicit CudaBackendT(int device = 0);
+  ~CudaBackendT() override;
+  CudaBackendT(const CudaBackendT&) = delete;
+  CudaBackendT& operator=(const CudaBackendT&) = delete;
 
   const char* name() const override { return "cuda"; }
   int device() const { return device_; }
@@ -184,5 +198,10 @@ class CudaBackend final : public ops::Backend<ops::GpuBf16> {
   uint64_t downloads_made_ = 0;
   void complete_download(DownloadSlot& slot);
 };
+
+using CudaBackend = CudaBackendT<ops::GpuBf16>;
+using CudaBackendF16 = CudaBackendT<ops::GpuF16>;
+extern template class CudaBackendT<ops::GpuBf16>;
+extern template class CudaBackendT<ops::GpuF16>;
 
 }  // namespace nopad::cuda

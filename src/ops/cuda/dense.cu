@@ -5,7 +5,7 @@
 //
 // Why GELU is not a cuBLASLt epilogue: CUBLASLT_EPILOGUE_GELU(_BIAS) is the tanh approximation, while BERT's "gelu"
 // (and the CPU twin) is the exact 0.5 x (1 + erf(x / sqrt 2)). So the GEMM writes pre_act through the BIAS epilogue
-// and a GELU kernel writes y from it (one extra bf16 read + write of [rows, n]). erff compiles to ~20 FMA-pipe
+// and a GELU kernel writes y from it (one extra 16-bit read + write of [rows, n]). erff compiles to ~20 FMA-pipe
 // instructions and one MUFU, so the pass is bandwidth-bound as long as enough loads are in flight (the wide kernel).
 #include <algorithm>
 #include <cstdlib>
@@ -50,25 +50,27 @@ uint32_t alignment_of(const void* p) {
 }  // namespace
 
 LtGemm::Plan& LtGemm::plan_for(const GemmProblem& p) {
-  const Key key = {p.trans_a,          p.trans_b,         p.m,          p.n,         p.k,
-                   p.lda,              p.ldb,             p.ldd,        p.d_fp32,    p.bias != nullptr,
-                   p.beta != 0.0f,     alignment_of(p.a), alignment_of(p.b), alignment_of(p.d),
+  const Key key = {p.type,           p.trans_a,         p.trans_b,    p.m,         p.n,
+                   p.k,                p.lda,             p.ldb,        p.ldd,       p.d_fp32,
+                   p.bias != nullptr,  p.beta != 0.0f,    alignment_of(p.a), alignment_of(p.b), alignment_of(p.d),
                    p.bias_grad != nullptr, p.bias_grad ? alignment_of(p.bias_grad) : 0};
   auto it = plans_.find(key);
   if (it != plans_.end()) return it->second;
 
   // New problem: build its descriptors and pick an algorithm (allocates: happens once per shape).
   NOPAD_CHECK(!(p.bias && p.bias_grad), "LtGemm: a bias and a bias gradient in one product");
+  NOPAD_CHECK(p.type == CUDA_R_16BF || p.type == CUDA_R_16F, "LtGemm: element type ", static_cast<int>(p.type),
+              " is neither bf16 nor fp16");
   Plan plan;
-  const cudaDataType_t ab_type = CUDA_R_16BF, d_type = p.d_fp32 ? CUDA_R_32F : CUDA_R_16BF;
+  const cudaDataType_t ab_type = p.type, d_type = p.d_fp32 ? CUDA_R_32F : p.type;
   NOPAD_CUBLAS_CHECK(cublasLtMatmulDescCreate(&plan.desc, CUBLAS_COMPUTE_32F, CUDA_R_32F));
   const cublasOperation_t ta = p.trans_a ? CUBLAS_OP_T : CUBLAS_OP_N, tb = p.trans_b ? CUBLAS_OP_T : CUBLAS_OP_N;
   NOPAD_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(plan.desc, CUBLASLT_MATMUL_DESC_TRANSA, &ta, sizeof ta));
   NOPAD_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(plan.desc, CUBLASLT_MATMUL_DESC_TRANSB, &tb, sizeof tb));
   if (p.bias) {
-    NOPAD_CHECK(!p.d_fp32, "LtGemm: a bias epilogue is only used with bf16 outputs");
+    NOPAD_CHECK(!p.d_fp32, "LtGemm: a bias epilogue is only used with 16-bit outputs");
     const cublasLtEpilogue_t epi = CUBLASLT_EPILOGUE_BIAS;
-    const cudaDataType_t bias_type = CUDA_R_16BF;
+    const cudaDataType_t bias_type = p.type;
     NOPAD_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(plan.desc, CUBLASLT_MATMUL_DESC_EPILOGUE, &epi, sizeof epi));
     NOPAD_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(plan.desc, CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE, &bias_type,
                                                       sizeof bias_type));
@@ -208,8 +210,9 @@ void LtGemm::run(const GemmProblem& p, cudaStream_t stream) {
   Plan& plan = plan_for(p);
   if (!plan.found)
     fail("cuBLASLt has no algorithm for the product m=", p.m, " n=", p.n, " k=", p.k, " (transa ", p.trans_a,
-         ", transb ", p.trans_b, ", lda ", p.lda, ", ldb ", p.ldb, ", ldd ", p.ldd, ", ", p.d_fp32 ? "fp32" : "bf16",
-         " output, bias ", p.bias != nullptr, ", bias gradient ", p.bias_grad != nullptr, ", alignments ",
+         ", transb ", p.trans_b, ", lda ", p.lda, ", ldb ", p.ldb, ", ldd ", p.ldd, ", ",
+         p.type == CUDA_R_16F ? "fp16" : "bf16", " inputs, ", p.d_fp32 ? "fp32" : "16-bit", " output, bias ",
+         p.bias != nullptr, ", bias gradient ", p.bias_grad != nullptr, ", alignments ",
          alignment_of(p.a), "/", alignment_of(p.b), "/", alignment_of(p.d), " bytes)");
   enqueue(plan, p, stream);
 }
@@ -241,7 +244,8 @@ constexpr int kThreads = 256;
 
 // First implementation: one 16-byte vector per thread per grid-stride step, scalar tail (or all scalar when the
 // pointers are not 16-byte aligned).
-__global__ void gelu_forward_kernel(const bf* __restrict__ pre, bf* __restrict__ y, int64_t count, bool vec) {
+template <class T>
+__global__ void gelu_forward_kernel(const T* __restrict__ pre, T* __restrict__ y, int64_t count, bool vec) {
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
   int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (vec) {
@@ -254,7 +258,7 @@ __global__ void gelu_forward_kernel(const bf* __restrict__ pre, bf* __restrict__
     }
     i = count / 8 * 8 + static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;  // tail
   }
-  for (; i < count; i += stride) y[i] = __float2bfloat16_rn(gelu_erf(__bfloat162float(pre[i])));
+  for (; i < count; i += stride) y[i] = from_f32<T>(gelu_erf(to_f32(pre[i])));
 }
 
 // Wide: a thread owns kWideVecs vectors spaced one block apart (each warp access stays 512 contiguous bytes) and
@@ -262,32 +266,34 @@ __global__ void gelu_forward_kernel(const bf* __restrict__ pre, bf* __restrict__
 // then limited by memory, not by the latency of one load followed by ~200 instructions of erf. Pointers 16-byte
 // aligned; the count % 8 tail is done by block 0.
 constexpr int kWideVecs = 4;
-__global__ void __launch_bounds__(kThreads) gelu_forward_wide_kernel(const bf* __restrict__ pre, bf* __restrict__ y,
+template <class T>
+__global__ void __launch_bounds__(kThreads) gelu_forward_wide_kernel(const T* __restrict__ pre, T* __restrict__ y,
                                                                      int64_t count) {
   const int64_t nvec = count / 8;
   const int64_t base = static_cast<int64_t>(blockIdx.x) * kThreads * kWideVecs + threadIdx.x;
-  Bf16x8 in[kWideVecs];
+  Vec8<T> in[kWideVecs];
 #pragma unroll
   for (int u = 0; u < kWideVecs; ++u)
     if (base + u * kThreads < nvec) in[u] = ld16(pre + (base + u * kThreads) * 8);
 #pragma unroll
   for (int u = 0; u < kWideVecs; ++u) {
     if (base + u * kThreads >= nvec) continue;
-    Bf16x8 out;
+    Vec8<T> out;
 #pragma unroll
     for (int h = 0; h < 4; ++h) {
-      const float2 f = __bfloat1622float2(in[u].h[h]);
-      out.h[h] = __floats2bfloat162_rn(gelu_erf(f.x), gelu_erf(f.y));
+      const float2 f = to_f32x2(in[u].h[h]);
+      out.h[h] = from_f32x2<T>(gelu_erf(f.x), gelu_erf(f.y));
     }
     st16(y + (base + u * kThreads) * 8, out);
   }
   if (blockIdx.x == 0 && threadIdx.x < count - nvec * 8) {
     const int64_t i = nvec * 8 + threadIdx.x;
-    y[i] = __float2bfloat16_rn(gelu_erf(__bfloat162float(pre[i])));
+    y[i] = from_f32<T>(gelu_erf(to_f32(pre[i])));
   }
 }
 
-__global__ void gelu_backward_kernel(const bf* __restrict__ dy, const bf* __restrict__ pre, bf* __restrict__ dpre,
+template <class T>
+__global__ void gelu_backward_kernel(const T* __restrict__ dy, const T* __restrict__ pre, T* __restrict__ dpre,
                                      int64_t count, bool vec) {
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
   int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
@@ -303,7 +309,7 @@ __global__ void gelu_backward_kernel(const bf* __restrict__ dy, const bf* __rest
     i = count / 8 * 8 + static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   }
   for (; i < count; i += stride)
-    dpre[i] = __float2bfloat16_rn(__bfloat162float(dy[i]) * gelu_erf_grad(__bfloat162float(pre[i])));
+    dpre[i] = from_f32<T>(to_f32(dy[i]) * gelu_erf_grad(to_f32(pre[i])));
 }
 
 bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
@@ -314,28 +320,29 @@ int elementwise_blocks(int64_t count) {
 }
 
 // partial[c][j] = sum over rows of chunk c of m[r][j]; rows in a fixed order.
-__global__ void column_sum_partial_kernel(const bf* __restrict__ m, int64_t rows, int32_t n, int64_t rows_per_chunk,
+template <class T>
+__global__ void column_sum_partial_kernel(const T* __restrict__ m, int64_t rows, int32_t n, int64_t rows_per_chunk,
                                           float* __restrict__ partial) {
   const int32_t j = blockIdx.x * blockDim.x + threadIdx.x;
   if (j >= n) return;
   const int64_t r0 = static_cast<int64_t>(blockIdx.y) * rows_per_chunk;
   const int64_t r1 = r0 + rows_per_chunk < rows ? r0 + rows_per_chunk : rows;
   float s = 0.0f;
-  for (int64_t r = r0; r < r1; ++r) s += __bfloat162float(m[r * n + j]);
+  for (int64_t r = r0; r < r1; ++r) s += to_f32(m[r * n + j]);
   partial[static_cast<int64_t>(blockIdx.y) * n + j] = s;
 }
 
 // The one-pass d_bias kernel over a [rows, n] matrix (n % 8 == 0, 16-byte aligned): block (strip, chunk) covers
 // columns [256 strip, 256 strip + 256) and rows [kGradRowsPerChunk chunk, ...). Warp w of the block reads rows
 // r0 + w, r0 + w + 8, ... (512 contiguous bytes per warp and row; kGradUnroll rows' loads issued together), lane l owns
-// columns 8l..8l+7 of the strip. kGelu: dpre = dy * gelu'(pre) is written (bf16). kColSum: each thread sums its
-// columns of dpre before the bf16 rounding (the twin sums its fp32 dpre) over its rows in increasing order, then the
+// columns 8l..8l+7 of the strip. kGelu: dpre = dy * gelu'(pre) is written (16-bit). kColSum: each thread sums its
+// columns of dpre before the 16-bit rounding (the twin sums its fp32 dpre) over its rows in increasing order, then the
 // block adds its 8 warps in warp order into partial[chunk][j]: a fixed order for a given rows and n.
 constexpr int kGradCols = 256, kGradWarps = 8, kGradUnroll = 4, kGradRowsPerChunk = 128;
-template <bool kGelu, bool kColSum>
-__global__ void __launch_bounds__(kGradWarps * 32) dense_grad_pass_kernel(const bf* __restrict__ dy,
-                                                                          const bf* __restrict__ pre,
-                                                                          bf* __restrict__ dpre, int64_t rows,
+template <class T, bool kGelu, bool kColSum>
+__global__ void __launch_bounds__(kGradWarps * 32) dense_grad_pass_kernel(const T* __restrict__ dy,
+                                                                          const T* __restrict__ pre,
+                                                                          T* __restrict__ dpre, int64_t rows,
                                                                           int32_t n, float* __restrict__ partial) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int32_t j0 = blockIdx.x * kGradCols + lane * 8;
@@ -346,7 +353,7 @@ __global__ void __launch_bounds__(kGradWarps * 32) dense_grad_pass_kernel(const 
 #pragma unroll
   for (int i = 0; i < 8; ++i) acc[i] = 0.0f;
   for (int64_t r = r0 + warp; r < r1; r += kGradWarps * kGradUnroll) {
-    Bf16x8 d[kGradUnroll], x[kGradUnroll];
+    Vec8<T> d[kGradUnroll], x[kGradUnroll];
 #pragma unroll
     for (int u = 0; u < kGradUnroll; ++u) {
       const int64_t rr = r + u * kGradWarps;
@@ -360,16 +367,11 @@ __global__ void __launch_bounds__(kGradWarps * 32) dense_grad_pass_kernel(const 
       const int64_t rr = r + u * kGradWarps;
       if (!(active && rr < r1)) continue;
       float v[8];
-#pragma unroll
-      for (int h = 0; h < 4; ++h) {
-        const float2 f = __bfloat1622float2(d[u].h[h]);
-        v[2 * h] = f.x;
-        v[2 * h + 1] = f.y;
-      }
+      unpack8(d[u], v);
       if constexpr (kGelu) {
 #pragma unroll
         for (int h = 0; h < 4; ++h) {
-          const float2 f = __bfloat1622float2(x[u].h[h]);
+          const float2 f = to_f32x2(x[u].h[h]);
           v[2 * h] *= gelu_erf_grad(f.x);
           v[2 * h + 1] *= gelu_erf_grad(f.y);
         }
@@ -398,22 +400,24 @@ __global__ void __launch_bounds__(kGradWarps * 32) dense_grad_pass_kernel(const 
 
 }  // namespace
 
-void launch_gelu_forward(const bf* pre, bf* y, int64_t count, bool wide, cudaStream_t stream) {
+template <class T>
+void launch_gelu_forward(const T* pre, T* y, int64_t count, bool wide, cudaStream_t stream) {
   if (count <= 0) return;
   if (wide && aligned16(pre) && aligned16(y)) {
     const int64_t blocks = std::max<int64_t>(1, (count / 8 + kThreads * kWideVecs - 1) / (kThreads * kWideVecs));
     NOPAD_CHECK(blocks <= 0x7fffffff, "GELU forward over ", count, " elements: too many blocks");
-    gelu_forward_wide_kernel<<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(pre, y, count);
+    gelu_forward_wide_kernel<T><<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(pre, y, count);
   } else {
-    gelu_forward_kernel<<<elementwise_blocks(count), kThreads, 0, stream>>>(pre, y, count,
-                                                                             aligned16(pre) && aligned16(y));
+    gelu_forward_kernel<T><<<elementwise_blocks(count), kThreads, 0, stream>>>(pre, y, count,
+                                                                                aligned16(pre) && aligned16(y));
   }
   NOPAD_CUDA_CHECK_LAUNCH();
 }
 
-void launch_gelu_backward(const bf* dy, const bf* pre, bf* dpre, int64_t count, cudaStream_t stream) {
+template <class T>
+void launch_gelu_backward(const T* dy, const T* pre, T* dpre, int64_t count, cudaStream_t stream) {
   if (count <= 0) return;
-  gelu_backward_kernel<<<elementwise_blocks(count), kThreads, 0, stream>>>(
+  gelu_backward_kernel<T><<<elementwise_blocks(count), kThreads, 0, stream>>>(
       dy, pre, dpre, count, aligned16(dy) && aligned16(pre) && aligned16(dpre));
   NOPAD_CUDA_CHECK_LAUNCH();
 }
@@ -423,12 +427,13 @@ int column_sum_chunks(int64_t rows) {
   return static_cast<int>(std::clamp<int64_t>((rows + 63) / 64, 1, 256));
 }
 
-void launch_column_sum_partial(const bf* m, int64_t rows, int32_t n, int chunks, float* partial,
+template <class T>
+void launch_column_sum_partial(const T* m, int64_t rows, int32_t n, int chunks, float* partial,
                                cudaStream_t stream) {
   if (n <= 0) return;
   const int64_t rows_per_chunk = (rows + chunks - 1) / chunks;
   const dim3 grid(static_cast<unsigned>(ceil_div(n, kThreads)), static_cast<unsigned>(chunks));
-  column_sum_partial_kernel<<<grid, kThreads, 0, stream>>>(m, rows, n, rows_per_chunk, partial);
+  column_sum_partial_kernel<T><<<grid, kThreads, 0, stream>>>(m, rows, n, rows_per_chunk, partial);
   NOPAD_CUDA_CHECK_LAUNCH();
 }
 
@@ -441,7 +446,8 @@ int dense_grad_chunks(int64_t rows) {
   return static_cast<int>(std::max<int64_t>(1, ceil_div(rows, kGradRowsPerChunk)));
 }
 
-void launch_dense_grad_pass(const bf* dy, const bf* pre, bf* dpre, int64_t rows, int32_t n, float* partial,
+template <class T>
+void launch_dense_grad_pass(const T* dy, const T* pre, T* dpre, int64_t rows, int32_t n, float* partial,
                             cudaStream_t stream) {
   if (rows <= 0 || n <= 0) return;
   NOPAD_CHECK(dense_grad_pass_supported(n, dy, pre, dpre), "dense gradient pass needs n % 8 == 0 (got ", n,
@@ -451,14 +457,24 @@ void launch_dense_grad_pass(const bf* dy, const bf* pre, bf* dpre, int64_t rows,
   NOPAD_CHECK(chunks <= 65535, "dense gradient pass over ", rows, " rows: more than 65535 row chunks");
   const dim3 grid(static_cast<unsigned>(ceil_div(n, kGradCols)), static_cast<unsigned>(chunks));
   if (pre && partial)
-    dense_grad_pass_kernel<true, true><<<grid, kGradWarps * 32, 0, stream>>>(dy, pre, dpre, rows, n, partial);
+    dense_grad_pass_kernel<T, true, true><<<grid, kGradWarps * 32, 0, stream>>>(dy, pre, dpre, rows, n, partial);
   else if (pre)
-    dense_grad_pass_kernel<true, false><<<grid, kGradWarps * 32, 0, stream>>>(dy, pre, dpre, rows, n, nullptr);
+    dense_grad_pass_kernel<T, true, false><<<grid, kGradWarps * 32, 0, stream>>>(dy, pre, dpre, rows, n, nullptr);
   else if (partial)
-    dense_grad_pass_kernel<false, true><<<grid, kGradWarps * 32, 0, stream>>>(dy, nullptr, nullptr, rows, n, partial);
+    dense_grad_pass_kernel<T, false, true><<<grid, kGradWarps * 32, 0, stream>>>(dy, nullptr, nullptr, rows, n, partial);
   else
     return;  // nothing asked for
   NOPAD_CUDA_CHECK_LAUNCH();
 }
+
+// The launchers of both element types.
+#define NOPAD_DENSE_INSTANTIATE(T)                                                                                \
+  template void launch_gelu_forward<T>(const T*, T*, int64_t, bool, cudaStream_t);                                \
+  template void launch_gelu_backward<T>(const T*, const T*, T*, int64_t, cudaStream_t);                           \
+  template void launch_column_sum_partial<T>(const T*, int64_t, int32_t, int, float*, cudaStream_t);              \
+  template void launch_dense_grad_pass<T>(const T*, const T*, T*, int64_t, int32_t, float*, cudaStream_t);
+NOPAD_DENSE_INSTANTIATE(bf)
+NOPAD_DENSE_INSTANTIATE(hf)
+#undef NOPAD_DENSE_INSTANTIATE
 
 }  // namespace nopad::cuda

@@ -11,12 +11,14 @@
 //             D = dx (stored [k,rows], ldd k); beta = 1 when accumulating into dx.
 //   backward  dW[n,k] += dpre^T x               ->  dW^T[k,n] += x^T[k,rows] op_T(dpre^T[n,rows])
 //             m = k, n = n, k = rows; A = x (stored [k,rows], lda k, N); B = dpre (stored [n,rows], ldb n, T);
-//             D = dW fp32 (stored [k,n], ldd k), beta = 1. (bf16 A/B with fp32 C/D under CUBLAS_COMPUTE_32F is one
-//             of cuBLASLt's supported type combinations.)
+//             D = dW fp32 (stored [k,n], ldd k), beta = 1. (bf16 or fp16 A/B with fp32 C/D under
+//             CUBLAS_COMPUTE_32F is one of cuBLASLt's supported type combinations.)
 //             With bias_grad set, the BGRADB epilogue also writes (=, not +=) bias_grad[n] = sum over the k rows of
 //             op(B), i.e. the column sums of dpre: d_bias without a separate pass (the caller adds it into d_bias).
-// Algorithms are chosen once per problem (shape, transposes, leading dimensions, output type, epilogue, beta != 0,
-// pointer alignments) with cublasLtMatmulAlgoGetHeuristic and cached together with their descriptors, so a call on
+// Element types: A, B, a 16-bit D and the bias are all bf16 (CUDA_R_16BF) or all fp16 (CUDA_R_16F) (GemmProblem::
+// type); the weight-gradient D is fp32; accumulation is fp32 (CUBLAS_COMPUTE_32F) for both.
+// Algorithms are chosen once per problem (element type, shape, transposes, leading dimensions, output type, epilogue,
+// beta != 0, pointer alignments) with cublasLtMatmulAlgoGetHeuristic and cached together with their descriptors, so a call on
 // a known shape allocates nothing. A problem the heuristic has no algorithm for is cached as such too: try_run then
 // returns false at once, so a caller's fallback costs no repeated heuristic queries.
 //
@@ -35,17 +37,18 @@ namespace nopad::cuda {
 
 // One column-major problem D[m, n] = alpha op(A)[m, k] op(B)[k, n] (+ bias[m] per row) + beta D.
 struct GemmProblem {
+  cudaDataType_t type = CUDA_R_16BF;  // of A, B, the bias and a 16-bit D: CUDA_R_16BF or CUDA_R_16F
   bool trans_a = false, trans_b = false;
   int64_t m = 0, n = 0, k = 0;
-  const void* a = nullptr;  // bf16
+  const void* a = nullptr;  // 16-bit (type)
   int64_t lda = 0;
-  const void* b = nullptr;  // bf16
+  const void* b = nullptr;  // 16-bit (type)
   int64_t ldb = 0;
-  void* d = nullptr;  // bf16, or fp32 when d_fp32
+  void* d = nullptr;  // 16-bit (type), or fp32 when d_fp32
   int64_t ldd = 0;
   bool d_fp32 = false;
   float beta = 0.0f;           // 0: D is written without being read (poisoned outputs stay safe)
-  const void* bias = nullptr;  // bf16 [m], or null (bf16 D only)
+  const void* bias = nullptr;  // 16-bit (type) [m], or null (16-bit D only)
   float* bias_grad = nullptr;  // fp32 [n] written by the BGRADB epilogue (fp32 D only; not with bias)
 };
 
@@ -116,7 +119,7 @@ class LtGemm {
     int num_candidates = 0;
     cublasLtMatmulAlgo_t candidates[kCandidates]{};
   };
-  using Key = std::array<int64_t, 16>;
+  using Key = std::array<int64_t, 17>;
   Plan& plan_for(const GemmProblem& p);
   void enqueue(Plan& plan, const GemmProblem& p, cudaStream_t stream);
 

@@ -1,4 +1,5 @@
-// The GPU TrainEngine (see gpu_engine.h and train/engine.h).
+// The GPU TrainEngine (see gpu_engine.h and train/engine.h), one class template over the precision policy: GpuBf16
+// (bf16 ops) or GpuF16 (fp16 ops, run with the trainer's loss scale).
 #include "ops/cuda/gpu_engine.h"
 
 #include <cuda_runtime.h>
@@ -7,6 +8,7 @@
 #include <array>
 #include <cstddef>
 #include <string>
+#include <type_traits>
 #include <unordered_map>
 #include <vector>
 
@@ -35,6 +37,7 @@ bool cuda_device_visible(std::string* why) {
 
 namespace {
 
+template <class P>
 class GpuEngine final : public TrainEngine {
  public:
   explicit GpuEngine(const EngineOptions& o)
@@ -67,7 +70,7 @@ class GpuEngine final : public TrainEngine {
   const ParamLayout& layout() const override { return model_.layout(); }
 
   void init_params(uint64_t seed) override {
-    // The CPU path's host-side init; the masters keep it in fp32, the ops read its bf16 rounding.
+    // The CPU path's host-side init; the masters keep it in fp32, the ops read its 16-bit rounding.
     initialize_params(model_.layout(), model_.config(), seed, host_params_.data());
     set_params(host_params_.data());
   }
@@ -87,7 +90,7 @@ class GpuEngine final : public TrainEngine {
     building().tickets.clear();
     model_.zero_grad();
   }
-  std::string precision() const override { return "bf16"; }
+  std::string precision() const override { return std::is_same_v<P, ops::GpuF16> ? "fp16" : "bf16"; }
   void micro_step(const HostBatch& batch, uint64_t seed, uint64_t step, LossDenominators denoms,
                   double loss_scale) override {
     PendingStep& p = building();
@@ -162,8 +165,8 @@ class GpuEngine final : public TrainEngine {
     return out;
   }
 
-  CudaBackend backend_;
-  BertModel<ops::GpuBf16> model_;
+  CudaBackendT<P> backend_;
+  BertModel<P> model_;
   FusedLamb lamb_;
   std::vector<float> host_params_, host_m_, host_v_;  // host staging for init and checkpoints
   std::unique_ptr<Optimizer> mirror_;
@@ -178,12 +181,13 @@ class GpuEngine final : public TrainEngine {
 std::unique_ptr<TrainEngine> make_gpu_engine(const EngineOptions& options) {
   NOPAD_CHECK(options.optimizer == "lamb", "optim.name ", options.optimizer,
               " is CPU-only for now; use lamb or --set train.device=cpu");
-  NOPAD_CHECK(options.precision == "bf16" || options.precision == "auto", "train.precision ", options.precision,
-              " is not available on the GPU in this build; use bf16");
+  NOPAD_CHECK(options.precision == "bf16" || options.precision == "fp16" || options.precision == "auto",
+              "train.precision ", options.precision, " is not available on the GPU; use bf16 or fp16");
   std::string why;
   if (!cuda_device_visible(&why)) fail("no CUDA device: ", why, "; use --set train.device=cpu");
   try {
-    return std::make_unique<GpuEngine>(options);
+    if (options.precision == "fp16") return std::make_unique<GpuEngine<ops::GpuF16>>(options);
+    return std::make_unique<GpuEngine<ops::GpuBf16>>(options);  // bf16, and auto
   } catch (const OutOfMemory& e) {
     throw OutOfMemory(str_cat("the model for a micro-batch of ", options.max_seqs, " sequences (up to ",
                               options.max_tokens, " tokens, ", options.max_masked,

@@ -3,6 +3,10 @@
 // logits and adds the loss / correct count into one scalar each), its gradient, and tanh forward/backward.
 // The softmax CE and its gradient have two implementations each (KernelVariants in dense.h): the first ones (three
 // passes over a row / a flat scalar grid) and the row-in-registers / block-per-row ones.
+// Every kernel is a template over the 16-bit element type T (bf16 or fp16) of the rows it reads and writes; the
+// arithmetic is fp32. With fp16, probabilities below 2^-14 are stored as subnormals (absolute precision 2^-24, far
+// below what their share of a gradient needs), and a d_logits value beyond +-65504 (a loss scale too large for the
+// batch) becomes +-inf, which is how an overflowing loss-scaled step shows itself (its gradient norm is not finite).
 #include <cfloat>
 #include <climits>
 
@@ -15,21 +19,23 @@ namespace {
 constexpr int kThreads = 256;
 
 // dst[i] = src[index[i]] for rows of H (H % 8 == 0): one block per row, 16-byte vectors.
-__global__ void gather_rows_kernel(const bf* __restrict__ src, const int32_t* __restrict__ index, int32_t H,
-                                   bf* __restrict__ dst) {
+template <class T>
+__global__ void gather_rows_kernel(const T* __restrict__ src, const int32_t* __restrict__ index, int32_t H,
+                                   T* __restrict__ dst) {
   const int64_t i = blockIdx.x;
-  const bf* s = src + int64_t{index[i]} * H;
-  bf* d = dst + i * H;
+  const T* s = src + int64_t{index[i]} * H;
+  T* d = dst + i * H;
   for (int j = threadIdx.x * 8; j < H; j += blockDim.x * 8)
     st16(d + j, ld16(s + j));
 }
 
 // dst[index[i]] += src[i] (fp32 add, one rounding). Rows of index must be distinct (each is one block).
-__global__ void scatter_add_rows_kernel(const bf* __restrict__ src, const int32_t* __restrict__ index, int32_t H,
-                                        bf* __restrict__ dst) {
+template <class T>
+__global__ void scatter_add_rows_kernel(const T* __restrict__ src, const int32_t* __restrict__ index, int32_t H,
+                                        T* __restrict__ dst) {
   const int64_t i = blockIdx.x;
-  const bf* s = src + i * H;
-  bf* d = dst + int64_t{index[i]} * H;
+  const T* s = src + i * H;
+  T* d = dst + int64_t{index[i]} * H;
   for (int j = threadIdx.x * 8; j < H; j += blockDim.x * 8) {
     float a[8], b[8];
     load8(d + j, a);
@@ -43,20 +49,20 @@ __global__ void scatter_add_rows_kernel(const bf* __restrict__ src, const int32_
 // One block per row of V logits: max/argmax (first index on ties, as the twin's strict '>'), log-sum-exp, then
 // probabilities in place. The row's loss and hit are added with one atomic each after the block reductions (the
 // float sum's order over rows is not fixed: loss_sum may differ in the last bits between runs).
-template <int kBlock>
-__global__ void __launch_bounds__(kBlock) softmax_ce_kernel(bf* __restrict__ logits, const int32_t* __restrict__ labels,
+template <class T, int kBlock>
+__global__ void __launch_bounds__(kBlock) softmax_ce_kernel(T* __restrict__ logits, const int32_t* __restrict__ labels,
                                                             int32_t V, float* loss_sum, int32_t* num_correct) {
   __shared__ float red_v[32];
   __shared__ int red_i[32];
   __shared__ float red_s[32];
-  bf* l = logits + static_cast<int64_t>(blockIdx.x) * V;
+  T* l = logits + static_cast<int64_t>(blockIdx.x) * V;
   const int label = labels[blockIdx.x];
-  const float label_logit = __bfloat162float(l[label]);  // read before the row is overwritten
+  const float label_logit = to_f32(l[label]);  // read before the row is overwritten
 
   float mx = -FLT_MAX;  // -inf would make exp(-inf - -inf) = NaN for an all -inf row; logits are finite here
   int am = INT_MAX;
   for (int v = threadIdx.x; v < V; v += kBlock) {
-    const float x = __bfloat162float(l[v]);
+    const float x = to_f32(l[v]);
     if (x > mx) {  // v increases within a thread: keeps the first maximum
       mx = x;
       am = v;
@@ -100,35 +106,36 @@ __global__ void __launch_bounds__(kBlock) softmax_ce_kernel(bf* __restrict__ log
   am = red_i[0];
 
   float sum = 0.0f;
-  for (int v = threadIdx.x; v < V; v += kBlock) sum += expf(__bfloat162float(l[v]) - mx);
+  for (int v = threadIdx.x; v < V; v += kBlock) sum += expf(to_f32(l[v]) - mx);
   sum = block_sum(sum, red_s);
   const float lse = mx + logf(sum);
-  for (int v = threadIdx.x; v < V; v += kBlock) l[v] = __float2bfloat16_rn(expf(__bfloat162float(l[v]) - lse));
+  for (int v = threadIdx.x; v < V; v += kBlock) l[v] = from_f32<T>(expf(to_f32(l[v]) - lse));
   if (threadIdx.x == 0) {
     atomicAdd(loss_sum, lse - label_logit);
     atomicAdd(num_correct, am == label ? 1 : 0);
   }
 }
 
-// One-read variant (KernelVariants::softmax_ce_registers): the row is read once into registers as bf16 pairs (V even,
+// One-read variant (KernelVariants::softmax_ce_registers): the row is read once into registers as 16-bit pairs (V even,
 // V <= 2 * kCeBlock * kCePairs), then max/argmax, the sum of exponentials and the probabilities all come from those
 // registers: one HBM read and one write of the logits instead of three reads (the first-index tie rule and the
 // arithmetic are those of softmax_ce_kernel; only the order of the exp sum differs). Two 512-thread blocks per SM
 // keep two rows' loads in flight; 30 pairs per thread (V <= 30720, BERT's 30522) is what fits 64 registers without
 // spilling.
 constexpr int kCeBlock = 512, kCePairs = 30;
-__global__ void __launch_bounds__(kCeBlock, 2) softmax_ce_regs_kernel(bf* __restrict__ logits,
+template <class T>
+__global__ void __launch_bounds__(kCeBlock, 2) softmax_ce_regs_kernel(T* __restrict__ logits,
                                                                      const int32_t* __restrict__ labels, int32_t V,
                                                                      float* loss_sum, int32_t* num_correct) {
   __shared__ float red_v[32];
   __shared__ int red_i[32];
   __shared__ float red_s[32];
   __shared__ float label_logit;  // read before the row is overwritten (shared: no register held through the kernel)
-  __nv_bfloat162* row = reinterpret_cast<__nv_bfloat162*>(logits + static_cast<int64_t>(blockIdx.x) * V);
+  pair16_t<T>* row = reinterpret_cast<pair16_t<T>*>(logits + static_cast<int64_t>(blockIdx.x) * V);
   const int32_t pairs = V / 2;
   const int label = labels[blockIdx.x];
-  if (threadIdx.x == 0) label_logit = __bfloat162float(logits[static_cast<int64_t>(blockIdx.x) * V + label]);
-  __nv_bfloat162 x[kCePairs];
+  if (threadIdx.x == 0) label_logit = to_f32(logits[static_cast<int64_t>(blockIdx.x) * V + label]);
+  pair16_t<T> x[kCePairs];
 #pragma unroll
   for (int i = 0; i < kCePairs; ++i) {
     const int p = threadIdx.x + i * kCeBlock;
@@ -140,7 +147,7 @@ __global__ void __launch_bounds__(kCeBlock, 2) softmax_ce_regs_kernel(bf* __rest
   for (int i = 0; i < kCePairs; ++i) {  // indices increase with i, and .x before .y: keeps the first maximum
     const int p = threadIdx.x + i * kCeBlock;
     if (p >= pairs) continue;
-    const float2 f = __bfloat1622float2(x[i]);
+    const float2 f = to_f32x2(x[i]);
     if (f.x > mx) {
       mx = f.x;
       am = 2 * p;
@@ -190,7 +197,7 @@ __global__ void __launch_bounds__(kCeBlock, 2) softmax_ce_regs_kernel(bf* __rest
   for (int i = 0; i < kCePairs; ++i) {
     const int p = threadIdx.x + i * kCeBlock;
     if (p >= pairs) continue;
-    const float2 f = __bfloat1622float2(x[i]);
+    const float2 f = to_f32x2(x[i]);
     sum += expf(f.x - mx) + expf(f.y - mx);
   }
   sum = block_sum(sum, red_s);
@@ -199,8 +206,8 @@ __global__ void __launch_bounds__(kCeBlock, 2) softmax_ce_regs_kernel(bf* __rest
   for (int i = 0; i < kCePairs; ++i) {
     const int p = threadIdx.x + i * kCeBlock;
     if (p >= pairs) continue;
-    const float2 f = __bfloat1622float2(x[i]);
-    row[p] = __floats2bfloat162_rn(expf(f.x - lse), expf(f.y - lse));
+    const float2 f = to_f32x2(x[i]);
+    row[p] = from_f32x2<T>(expf(f.x - lse), expf(f.y - lse));
   }
   if (threadIdx.x == 0) {
     atomicAdd(loss_sum, lse - label_logit);
@@ -208,17 +215,18 @@ __global__ void __launch_bounds__(kCeBlock, 2) softmax_ce_regs_kernel(bf* __rest
   }
 }
 
-// d_logits = scale * (probs - onehot(label)), in place: a block per row, bf16 pairs (V even, 4-byte aligned rows),
+// d_logits = scale * (probs - onehot(label)), in place: a block per row, 16-bit pairs (V even, 4-byte aligned rows),
 // several pairs' loads in flight per thread; same arithmetic as ce_backward_kernel.
 constexpr int kCeBwdThreads = 256, kCeBwdUnroll = 4;
-__global__ void __launch_bounds__(kCeBwdThreads) ce_backward_rows_kernel(bf* __restrict__ probs,
+template <class T>
+__global__ void __launch_bounds__(kCeBwdThreads) ce_backward_rows_kernel(T* __restrict__ probs,
                                                                         const int32_t* __restrict__ labels, int32_t V,
                                                                         float scale) {
-  __nv_bfloat162* row = reinterpret_cast<__nv_bfloat162*>(probs + static_cast<int64_t>(blockIdx.x) * V);
+  pair16_t<T>* row = reinterpret_cast<pair16_t<T>*>(probs + static_cast<int64_t>(blockIdx.x) * V);
   const int32_t pairs = V / 2;
   const int label = labels[blockIdx.x];
   for (int p0 = threadIdx.x; p0 < pairs; p0 += kCeBwdThreads * kCeBwdUnroll) {
-    __nv_bfloat162 x[kCeBwdUnroll];
+    pair16_t<T> x[kCeBwdUnroll];
 #pragma unroll
     for (int u = 0; u < kCeBwdUnroll; ++u)
       if (p0 + u * kCeBwdThreads < pairs) x[u] = row[p0 + u * kCeBwdThreads];
@@ -226,41 +234,44 @@ __global__ void __launch_bounds__(kCeBwdThreads) ce_backward_rows_kernel(bf* __r
     for (int u = 0; u < kCeBwdUnroll; ++u) {
       const int p = p0 + u * kCeBwdThreads;
       if (p >= pairs) continue;
-      const float2 f = __bfloat1622float2(x[u]);
+      const float2 f = to_f32x2(x[u]);
       float d0 = f.x * scale, d1 = f.y * scale;
       if (2 * p == label) d0 -= scale;
       if (2 * p + 1 == label) d1 -= scale;
-      row[p] = __floats2bfloat162_rn(d0, d1);
+      row[p] = from_f32x2<T>(d0, d1);
     }
   }
 }
 
 // d_logits = scale * (probs - onehot(label)), in place.
-__global__ void ce_backward_kernel(bf* __restrict__ probs, const int32_t* __restrict__ labels, int32_t rows,
+template <class T>
+__global__ void ce_backward_kernel(T* __restrict__ probs, const int32_t* __restrict__ labels, int32_t rows,
                                    int32_t V, float scale) {
   const int64_t count = static_cast<int64_t>(rows) * V;
   for (int64_t e = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; e < count;
        e += static_cast<int64_t>(gridDim.x) * blockDim.x) {
     const int64_t r = e / V;
     const int32_t v = static_cast<int32_t>(e - r * V);
-    float d = __bfloat162float(probs[e]) * scale;
+    float d = to_f32(probs[e]) * scale;
     if (v == labels[r]) d -= scale;
-    probs[e] = __float2bfloat16_rn(d);
+    probs[e] = from_f32<T>(d);
   }
 }
 
-__global__ void tanh_forward_kernel(bf* x, int64_t count) {
+template <class T>
+__global__ void tanh_forward_kernel(T* x, int64_t count) {
   for (int64_t e = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; e < count;
        e += static_cast<int64_t>(gridDim.x) * blockDim.x)
-    x[e] = __float2bfloat16_rn(tanhf(__bfloat162float(x[e])));
+    x[e] = from_f32<T>(tanhf(to_f32(x[e])));
 }
 
 // d *= 1 - y^2 (y = tanh output), in place.
-__global__ void tanh_backward_kernel(bf* d, const bf* __restrict__ y, int64_t count) {
+template <class T>
+__global__ void tanh_backward_kernel(T* d, const T* __restrict__ y, int64_t count) {
   for (int64_t e = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; e < count;
        e += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    const float t = __bfloat162float(y[e]);
-    d[e] = __float2bfloat16_rn(__bfloat162float(d[e]) * (1.0f - t * t));
+    const float t = to_f32(y[e]);
+    d[e] = from_f32<T>(to_f32(d[e]) * (1.0f - t * t));
   }
 }
 
@@ -275,58 +286,77 @@ void check_rows_h(int32_t H) { NOPAD_CHECK(H > 0 && H % 8 == 0, "CUDA head kerne
 
 }  // namespace
 
-void launch_gather_rows(const bf* src, const int32_t* index, int32_t count, int32_t H, bf* dst, cudaStream_t stream) {
+template <class T>
+void launch_gather_rows(const T* src, const int32_t* index, int32_t count, int32_t H, T* dst, cudaStream_t stream) {
   check_rows_h(H);
   if (count <= 0) return;
-  gather_rows_kernel<<<count, 128, 0, stream>>>(src, index, H, dst);
+  gather_rows_kernel<T><<<count, 128, 0, stream>>>(src, index, H, dst);
   NOPAD_CUDA_CHECK_LAUNCH();
 }
 
-void launch_scatter_add_rows(const bf* src, const int32_t* index, int32_t count, int32_t H, bf* dst,
+template <class T>
+void launch_scatter_add_rows(const T* src, const int32_t* index, int32_t count, int32_t H, T* dst,
                              cudaStream_t stream) {
   check_rows_h(H);
   if (count <= 0) return;
-  scatter_add_rows_kernel<<<count, 128, 0, stream>>>(src, index, H, dst);
+  scatter_add_rows_kernel<T><<<count, 128, 0, stream>>>(src, index, H, dst);
   NOPAD_CUDA_CHECK_LAUNCH();
 }
 
-void launch_softmax_ce_forward(bf* logits, const int32_t* labels, int32_t rows, int32_t V, float* loss_sum,
+template <class T>
+void launch_softmax_ce_forward(T* logits, const int32_t* labels, int32_t rows, int32_t V, float* loss_sum,
                                int32_t* num_correct, bool registers, cudaStream_t stream) {
   if (rows <= 0) return;
   NOPAD_CHECK(V > 0, "softmax cross-entropy over an empty vocabulary");
   if (registers && V >= 4096 && V % 2 == 0 && V <= 2 * kCeBlock * kCePairs && aligned4(logits)) {
-    softmax_ce_regs_kernel<<<rows, kCeBlock, 0, stream>>>(logits, labels, V, loss_sum, num_correct);
+    softmax_ce_regs_kernel<T><<<rows, kCeBlock, 0, stream>>>(logits, labels, V, loss_sum, num_correct);
   } else if (V >= 4096) {
-    softmax_ce_kernel<1024><<<rows, 1024, 0, stream>>>(logits, labels, V, loss_sum, num_correct);
+    softmax_ce_kernel<T, 1024><<<rows, 1024, 0, stream>>>(logits, labels, V, loss_sum, num_correct);
   } else {
-    softmax_ce_kernel<64><<<rows, 64, 0, stream>>>(logits, labels, V, loss_sum, num_correct);
+    softmax_ce_kernel<T, 64><<<rows, 64, 0, stream>>>(logits, labels, V, loss_sum, num_correct);
   }
   NOPAD_CUDA_CHECK_LAUNCH();
 }
 
-void launch_ce_backward(bf* probs, const int32_t* labels, int32_t rows, int32_t V, float scale, bool rows_kernel,
+template <class T>
+void launch_ce_backward(T* probs, const int32_t* labels, int32_t rows, int32_t V, float scale, bool rows_kernel,
                         cudaStream_t stream) {
   const int64_t count = static_cast<int64_t>(rows) * V;
   if (count <= 0) return;
   if (rows_kernel && V >= 1024 && V % 2 == 0 && aligned4(probs)) {
-    ce_backward_rows_kernel<<<rows, kCeBwdThreads, 0, stream>>>(probs, labels, V, scale);
+    ce_backward_rows_kernel<T><<<rows, kCeBwdThreads, 0, stream>>>(probs, labels, V, scale);
     NOPAD_CUDA_CHECK_LAUNCH();
     return;
   }
-  ce_backward_kernel<<<flat_blocks(count), kThreads, 0, stream>>>(probs, labels, rows, V, scale);
+  ce_backward_kernel<T><<<flat_blocks(count), kThreads, 0, stream>>>(probs, labels, rows, V, scale);
   NOPAD_CUDA_CHECK_LAUNCH();
 }
 
-void launch_tanh_forward(bf* x, int64_t count, cudaStream_t stream) {
+template <class T>
+void launch_tanh_forward(T* x, int64_t count, cudaStream_t stream) {
   if (count <= 0) return;
-  tanh_forward_kernel<<<flat_blocks(count), kThreads, 0, stream>>>(x, count);
+  tanh_forward_kernel<T><<<flat_blocks(count), kThreads, 0, stream>>>(x, count);
   NOPAD_CUDA_CHECK_LAUNCH();
 }
 
-void launch_tanh_backward(bf* d, const bf* y, int64_t count, cudaStream_t stream) {
+template <class T>
+void launch_tanh_backward(T* d, const T* y, int64_t count, cudaStream_t stream) {
   if (count <= 0) return;
-  tanh_backward_kernel<<<flat_blocks(count), kThreads, 0, stream>>>(d, y, count);
+  tanh_backward_kernel<T><<<flat_blocks(count), kThreads, 0, stream>>>(d, y, count);
   NOPAD_CUDA_CHECK_LAUNCH();
 }
+
+// The launchers of both element types.
+#define NOPAD_HEADS_INSTANTIATE(T)                                                                                \
+  template void launch_gather_rows<T>(const T*, const int32_t*, int32_t, int32_t, T*, cudaStream_t);              \
+  template void launch_scatter_add_rows<T>(const T*, const int32_t*, int32_t, int32_t, T*, cudaStream_t);         \
+  template void launch_softmax_ce_forward<T>(T*, const int32_t*, int32_t, int32_t, float*, int32_t*, bool,        \
+                                             cudaStream_t);                                                       \
+  template void launch_ce_backward<T>(T*, const int32_t*, int32_t, int32_t, float, bool, cudaStream_t);           \
+  template void launch_tanh_forward<T>(T*, int64_t, cudaStream_t);                                                \
+  template void launch_tanh_backward<T>(T*, const T*, int64_t, cudaStream_t);
+NOPAD_HEADS_INSTANTIATE(bf)
+NOPAD_HEADS_INSTANTIATE(hf)
+#undef NOPAD_HEADS_INSTANTIATE
 
 }  // namespace nopad::cuda

@@ -1,52 +1,122 @@
-// Device helpers shared by the CUDA backend's kernels (layernorm.cu, dense.cu, heads.cu): bf16 <-> fp32
-// vectors of 8 (one 16-byte load/store), warp and block reductions, exact-erf GELU, the dropout keep-scale drawn from
-// core/philox.h exactly as the CPU twin draws it, and the row -> sequence lookup.
+// Device helpers shared by the CUDA backend's kernels (layernorm.cu, dense.cu, heads.cu): 16-bit <-> fp32 vectors of 8
+// (one 16-byte load/store) for both element types the backend runs (bf16 and fp16), warp and block reductions,
+// exact-erf GELU, the dropout keep-scale drawn from core/philox.h exactly as the CPU twin draws it, and the row ->
+// sequence lookup. The kernels are templates over the 16-bit element type T (__nv_bfloat16 or __half): arithmetic is
+// fp32 in both, only the loads, the stores and the rounding of results (round to nearest even) depend on T.
 #pragma once
 #include <cuda_bf16.h>
+#include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
 #include <cstdint>
 
+#include "core/dtype.h"
 #include "core/philox.h"
 #include "ops/cuda/dense.h"  // KernelVariants, LnVariant
 
 namespace nopad::cuda {
 
 using bf = __nv_bfloat16;
+using hf = __half;
 
-// 8 bf16 = 16 bytes: the unit of every vectorised load/store here (callers guarantee 16-byte alignment: H % 8 == 0
-// and 256-byte aligned base pointers from cudaMalloc). Memory is accessed only through ld16/st16, which move a uint4:
-// one 128-bit instruction. (Copying a Bf16x8 straight from memory compiles to four 32-bit accesses, one per member,
-// so a warp would touch every sector four times.)
-struct alignas(16) Bf16x8 {
-  __nv_bfloat162 h[4];
+// The device type of a host 16-bit storage type (core/dtype.h: layout-identical, so pointers are reinterpreted).
+template <class Host>
+struct DeviceType;
+template <>
+struct DeviceType<nopad::bf16> {
+  using type = bf;
 };
-__device__ __forceinline__ Bf16x8 ld16(const bf* p) {
+template <>
+struct DeviceType<nopad::f16> {
+  using type = hf;
+};
+template <class Host>
+using device_t = typename DeviceType<Host>::type;
+
+// Two values of T in 4 bytes, and the fp32 conversions (round to nearest even; fp16 overflows to +-inf past 65504).
+template <class T>
+struct Pair16;
+template <>
+struct Pair16<bf> {
+  using type = __nv_bfloat162;
+};
+template <>
+struct Pair16<hf> {
+  using type = __half2;
+};
+template <class T>
+using pair16_t = typename Pair16<T>::type;
+
+__device__ __forceinline__ float to_f32(bf x) { return __bfloat162float(x); }
+__device__ __forceinline__ float to_f32(hf x) { return __half2float(x); }
+__device__ __forceinline__ float2 to_f32x2(__nv_bfloat162 x) { return __bfloat1622float2(x); }
+__device__ __forceinline__ float2 to_f32x2(__half2 x) { return __half22float2(x); }
+template <class T>
+__device__ __forceinline__ T from_f32(float x);
+template <>
+__device__ __forceinline__ bf from_f32<bf>(float x) {
+  return __float2bfloat16_rn(x);
+}
+template <>
+__device__ __forceinline__ hf from_f32<hf>(float x) {
+  return __float2half_rn(x);
+}
+template <class T>
+__device__ __forceinline__ pair16_t<T> from_f32x2(float a, float b);
+template <>
+__device__ __forceinline__ __nv_bfloat162 from_f32x2<bf>(float a, float b) {
+  return __floats2bfloat162_rn(a, b);
+}
+template <>
+__device__ __forceinline__ __half2 from_f32x2<hf>(float a, float b) {
+  return __floats2half2_rn(a, b);
+}
+
+// 8 values of T = 16 bytes: the unit of every vectorised load/store here (callers guarantee 16-byte alignment: H % 8
+// == 0 and 256-byte aligned base pointers from cudaMalloc). Memory is accessed only through ld16/st16, which move a
+// uint4: one 128-bit instruction. (Copying a Vec8 straight from memory compiles to four 32-bit accesses, one per
+// member, so a warp would touch every sector four times.)
+template <class T>
+struct alignas(16) Vec8 {
+  pair16_t<T> h[4];
+};
+template <class T>
+__device__ __forceinline__ Vec8<T> ld16(const T* p) {
   const uint4 u = *reinterpret_cast<const uint4*>(p);
-  Bf16x8 x;
+  Vec8<T> x;
   memcpy(&x, &u, sizeof x);  // a register move
   return x;
 }
-__device__ __forceinline__ void st16(bf* p, const Bf16x8& x) {
+template <class T>
+__device__ __forceinline__ void st16(T* p, const Vec8<T>& x) {
   uint4 u;
   memcpy(&u, &x, sizeof u);
   *reinterpret_cast<uint4*>(p) = u;
 }
 
-__device__ __forceinline__ void load8(const bf* p, float v[8]) {
-  const Bf16x8 x = ld16(p);
+template <class T>
+__device__ __forceinline__ void unpack8(const Vec8<T>& x, float v[8]) {
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
-    const float2 f = __bfloat1622float2(x.h[i]);
+    const float2 f = to_f32x2(x.h[i]);
     v[2 * i] = f.x;
     v[2 * i + 1] = f.y;
   }
 }
-__device__ __forceinline__ void store8(bf* p, const float v[8]) {
-  Bf16x8 x;
+template <class T>
+__device__ __forceinline__ Vec8<T> pack8(const float v[8]) {
+  Vec8<T> x;
 #pragma unroll
-  for (int i = 0; i < 4; ++i) x.h[i] = __floats2bfloat162_rn(v[2 * i], v[2 * i + 1]);
-  st16(p, x);
+  for (int i = 0; i < 4; ++i) x.h[i] = from_f32x2<T>(v[2 * i], v[2 * i + 1]);
+  return x;
+}
+template <class T>
+__device__ __forceinline__ void load8(const T* p, float v[8]) {
+  unpack8(ld16(p), v);
+}
+template <class T>
+__device__ __forceinline__ void store8(T* p, const float v[8]) {
+  st16(p, pack8<T>(v));
 }
 
 __device__ __forceinline__ float warp_sum(float v) {
@@ -132,79 +202,94 @@ __device__ __forceinline__ int32_t row_to_seq(const int32_t* cu_seqlens, int32_t
 inline int ceil_div(int64_t a, int64_t b) { return static_cast<int>((a + b - 1) / b); }
 
 // ------------------------------------------------------------------------------------------------ host launchers
-// All enqueue on `stream`, check the launch, and never synchronise.
+// All enqueue on `stream`, check the launch, and never synchronise. The templates over the element type T are
+// instantiated for bf (bf16) and hf (fp16) in their .cu files.
 
-// layernorm.cu: the row-wise LayerNorm family, one warp per row. kPlain: LN(x). kEmbed: LN(word[tok] + position[pos]
-// + token_type[seg]) then dropout. kResidual: LN(dropout(x + bias) + residual). Requires H % 8 == 0, H <= 1024.
+// layernorm.cu: the row-wise LayerNorm family. kPlain: LN(x). kEmbed: LN(word[tok] + position[pos] +
+// token_type[seg]) then dropout. kResidual: LN(dropout(x + bias) + residual). Requires H % 8 == 0, H <= 1024.
 enum class LnKind { kPlain, kEmbed, kResidual };
+template <class T>
 struct LnArgs {
   int64_t rows = 0;
   int32_t H = 0;
   float eps = 0.0f;
-  const bf* gamma = nullptr;
-  const bf* beta = nullptr;
-  const bf* x = nullptr;  // kPlain, kResidual
-  const bf* bias = nullptr;
-  const bf* residual = nullptr;
+  const T* gamma = nullptr;
+  const T* beta = nullptr;
+  const T* x = nullptr;  // kPlain, kResidual
+  const T* bias = nullptr;
+  const T* residual = nullptr;
   const int32_t* tokens = nullptr;  // kEmbed
   const int32_t* positions = nullptr;
   const int32_t* segments = nullptr;
-  const bf* word = nullptr;
-  const bf* position = nullptr;
-  const bf* token_type = nullptr;
+  const T* word = nullptr;
+  const T* position = nullptr;
+  const T* token_type = nullptr;
   const int32_t* cu_seqlens = nullptr;  // dropout keys (kEmbed, kResidual with p > 0)
   const uint64_t* sample_ids = nullptr;
   int32_t num_seqs = 0;
   DropoutArgs drop;
-  bf* out = nullptr;  // forward
+  T* out = nullptr;  // forward
   float* mean_out = nullptr;
   float* rstd_out = nullptr;
-  const bf* d_out = nullptr;  // backward
+  const T* d_out = nullptr;  // backward
   const float* mean = nullptr;
   const float* rstd = nullptr;
-  bf* dz = nullptr;   // gradient at the LN input (kPlain: d_x; kResidual: d_residual)
-  bf* d_x = nullptr;  // kResidual: dz * mask
+  T* dz = nullptr;   // gradient at the LN input (kPlain: d_x; kResidual: d_residual)
+  T* d_x = nullptr;  // kResidual: dz * mask
   float* d_word = nullptr;  // kEmbed scatter targets (+=, atomics)
   float* d_position = nullptr;
   float* d_token_type = nullptr;
   float* partial = nullptr;  // [blocks][nacc][H]: d_gamma | d_beta (| d_bias, kResidual) sums of each block
 };
 // `v` picks the implementation (dense.h, KernelVariants); sm_count sizes the row-group grid.
-void launch_ln_forward(LnKind kind, const LnArgs& a, const LnVariant& v, int sm_count, cudaStream_t stream);
+template <class T>
+void launch_ln_forward(LnKind kind, const LnArgs<T>& a, const LnVariant& v, int sm_count, cudaStream_t stream);
 // Blocks of the backward grid (a pure function of its arguments and the device: the reduction order is fixed); the
-// caller sizes partial as [blocks][nacc][H] and passes the same kind, H, rows and v to launch_ln_backward.
+// caller sizes partial as [blocks][nacc][H] and passes the same kind, H, rows and v to launch_ln_backward<T>.
+template <class T>
 int ln_backward_blocks(LnKind kind, int32_t H, int64_t rows, const LnVariant& v, int sm_count);
-void launch_ln_backward(LnKind kind, const LnArgs& a, const LnVariant& v, int blocks, cudaStream_t stream);
+template <class T>
+void launch_ln_backward(LnKind kind, const LnArgs<T>& a, const LnVariant& v, int blocks, cudaStream_t stream);
 // out_q[j] += sum over b of partial[b][q][j] for q < nacc (fixed order; null outputs skipped). partial is [blocks][nacc][H].
 void launch_column_finish(const float* partial, int blocks, int H, int nacc, float* out0, float* out1, float* out2,
                           cudaStream_t stream);
 
 // dense.cu: elementwise GELU and column sums (the d_bias reduction, first stage).
 // y = gelu(pre); wide: 4 vectors in flight per thread (KernelVariants::gelu_forward_wide), else the first kernel.
-void launch_gelu_forward(const bf* pre, bf* y, int64_t count, bool wide, cudaStream_t stream);
-void launch_gelu_backward(const bf* dy, const bf* pre, bf* dpre, int64_t count, cudaStream_t stream);
+template <class T>
+void launch_gelu_forward(const T* pre, T* y, int64_t count, bool wide, cudaStream_t stream);
+template <class T>
+void launch_gelu_backward(const T* dy, const T* pre, T* dpre, int64_t count, cudaStream_t stream);
 int column_sum_chunks(int64_t rows);
 // partial[c][j] = sum of m[r][j] over the rows r of chunk c (m is [rows, n]).
-void launch_column_sum_partial(const bf* m, int64_t rows, int32_t n, int chunks, float* partial, cudaStream_t stream);
+template <class T>
+void launch_column_sum_partial(const T* m, int64_t rows, int32_t n, int chunks, float* partial, cudaStream_t stream);
 // The one-pass kernel over dy [rows, n]: with pre (and dpre) it writes dpre = dy * gelu'(pre); with partial it writes
 // partial[c][j] = sum over the rows of chunk c of dpre (or dy) [r][j], c < dense_grad_chunks(rows). Needs
 // dense_grad_pass_supported (n % 8 == 0, 16-byte aligned pointers).
 bool dense_grad_pass_supported(int32_t n, const void* dy, const void* pre, const void* dpre);
 int dense_grad_chunks(int64_t rows);
-void launch_dense_grad_pass(const bf* dy, const bf* pre, bf* dpre, int64_t rows, int32_t n, float* partial,
+template <class T>
+void launch_dense_grad_pass(const T* dy, const T* pre, T* dpre, int64_t rows, int32_t n, float* partial,
                             cudaStream_t stream);
 
 // heads.cu
-void launch_gather_rows(const bf* src, const int32_t* index, int32_t count, int32_t H, bf* dst, cudaStream_t stream);
-void launch_scatter_add_rows(const bf* src, const int32_t* index, int32_t count, int32_t H, bf* dst,
+template <class T>
+void launch_gather_rows(const T* src, const int32_t* index, int32_t count, int32_t H, T* dst, cudaStream_t stream);
+template <class T>
+void launch_scatter_add_rows(const T* src, const int32_t* index, int32_t count, int32_t H, T* dst,
                              cudaStream_t stream);
 // registers / rows_kernel: KernelVariants::softmax_ce_registers / ce_backward_rows (used where V allows, else the
 // first kernels).
-void launch_softmax_ce_forward(bf* logits, const int32_t* labels, int32_t rows, int32_t V, float* loss_sum,
+template <class T>
+void launch_softmax_ce_forward(T* logits, const int32_t* labels, int32_t rows, int32_t V, float* loss_sum,
                                int32_t* num_correct, bool registers, cudaStream_t stream);
-void launch_ce_backward(bf* probs, const int32_t* labels, int32_t rows, int32_t V, float scale, bool rows_kernel,
+template <class T>
+void launch_ce_backward(T* probs, const int32_t* labels, int32_t rows, int32_t V, float scale, bool rows_kernel,
                         cudaStream_t stream);
-void launch_tanh_forward(bf* x, int64_t count, cudaStream_t stream);
-void launch_tanh_backward(bf* d, const bf* y, int64_t count, cudaStream_t stream);
+template <class T>
+void launch_tanh_forward(T* x, int64_t count, cudaStream_t stream);
+template <class T>
+void launch_tanh_backward(T* d, const T* y, int64_t count, cudaStream_t stream);
 
 }  // namespace nopad::cuda

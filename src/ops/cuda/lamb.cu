@@ -4,12 +4,13 @@
 //   3. moments:     one block per chunk; m, v updated in place; partial_w[c] = sum w^2, partial_u[c] = sum u^2
 //   4. apply:       one block per chunk; each block sums its tensor's partials (same order in every block, so all
 //                   blocks of a tensor get the same ratio), recomputes u from the new m, v and the old w exactly as
-//                   pass 3 did, w -= lr * ratio * u, and writes the bf16 copy
+//                   pass 3 did, w -= lr * ratio * u, and writes the 16-bit copy (bf16 or fp16: a template)
 // Element-wise arithmetic uses the _rn intrinsics so that nvcc does not contract into FMAs: the CPU twin computes
 // each product and sum rounded separately, and matching it bit for bit keeps m and v identical to the CPU's.
 #include "ops/cuda/lamb.h"
 
 #include <cuda_bf16.h>
+#include <cuda_fp16.h>
 
 #include <algorithm>
 #include <cstdint>
@@ -147,12 +148,17 @@ __global__ void __launch_bounds__(kThreads) moments_kernel(const Chunk* __restri
   }
 }
 
+// The 16-bit copy's rounding (to nearest even).
+__device__ __forceinline__ void round_to(float x, __nv_bfloat16* out) { *out = __float2bfloat16_rn(x); }
+__device__ __forceinline__ void round_to(float x, __half* out) { *out = __float2half_rn(x); }
+
+template <class T>
 __global__ void __launch_bounds__(kThreads) apply_kernel(const Chunk* __restrict__ chunks,
                                                          const TensorInfo* __restrict__ tensors,
                                                          const float* __restrict__ partial_w,
                                                          const float* __restrict__ partial_u,
                                                          const float* __restrict__ m, const float* __restrict__ v,
-                                                         float* __restrict__ w, __nv_bfloat16* __restrict__ w16,
+                                                         float* __restrict__ w, T* __restrict__ w16,
                                                          float lr, Hyper h,
                                                          const FusedLamb::DeviceState* __restrict__ st) {
   if (st->skipped) return;
@@ -183,14 +189,15 @@ __global__ void __launch_bounds__(kThreads) apply_kernel(const Chunk* __restrict
     const float u = lamb_update(m[j], v[j], wj, c1, c2, h.eps, t.wd);
     const float nw = __fsub_rn(wj, __fmul_rn(step, u));
     w[j] = nw;
-    w16[j] = __float2bfloat16_rn(nw);
+    round_to(nw, &w16[j]);
   }
 }
 
-__global__ void to_bf16_kernel(const float* __restrict__ w, __nv_bfloat16* __restrict__ w16, size_t n) {
+template <class T>
+__global__ void to_16bit_kernel(const float* __restrict__ w, T* __restrict__ w16, size_t n) {
   for (size_t i = blockIdx.x * static_cast<size_t>(blockDim.x) + threadIdx.x; i < n;
        i += static_cast<size_t>(gridDim.x) * blockDim.x)
-    w16[i] = __float2bfloat16_rn(w[i]);
+    round_to(w[i], &w16[i]);
 }
 
 Hyper make_hyper(const OptimizerOptions& o) {
@@ -285,6 +292,14 @@ FusedLamb::~FusedLamb() {
 }
 
 void FusedLamb::step(const float* grads, bf16* weight_copy, float lr, float grad_scale) {
+  step_impl(grads, reinterpret_cast<__nv_bfloat16*>(weight_copy), lr, grad_scale);
+}
+void FusedLamb::step(const float* grads, f16* weight_copy, float lr, float grad_scale) {
+  step_impl(grads, reinterpret_cast<__half*>(weight_copy), lr, grad_scale);
+}
+
+template <class T>
+void FusedLamb::step_impl(const float* grads, T* weight_copy, float lr, float grad_scale) {
   const Hyper h = make_hyper(options_);
   const auto* chunks = static_cast<const Chunk*>(chunks_);
   const auto* info = static_cast<const TensorInfo*>(tensor_info_);
@@ -301,8 +316,8 @@ void FusedLamb::step(const float* grads, bf16* weight_copy, float lr, float grad
   moments_kernel<<<grid, kThreads, 0, stream_>>>(chunks, info, grads, master_, m_, v_, h, state_, partial_w_,
                                                  partial_u_);
   NOPAD_CUDA_CHECK_LAUNCH();
-  apply_kernel<<<grid, kThreads, 0, stream_>>>(chunks, info, partial_w_, partial_u_, m_, v_, master_,
-                                               reinterpret_cast<__nv_bfloat16*>(weight_copy), lr, h, state_);
+  apply_kernel<T><<<grid, kThreads, 0, stream_>>>(chunks, info, partial_w_, partial_u_, m_, v_, master_, weight_copy,
+                                                  lr, h, state_);
   NOPAD_CUDA_CHECK_LAUNCH();
 }
 
@@ -352,10 +367,15 @@ void FusedLamb::download_moments(float* host_m, float* host_v) const {
 }
 
 void FusedLamb::write_weight_copy(bf16* weight_copy) {
+  write_copy_impl(reinterpret_cast<__nv_bfloat16*>(weight_copy));
+}
+void FusedLamb::write_weight_copy(f16* weight_copy) { write_copy_impl(reinterpret_cast<__half*>(weight_copy)); }
+
+template <class T>
+void FusedLamb::write_copy_impl(T* weight_copy) {
   if (total_ == 0) return;
   const size_t blocks = std::min<size_t>((total_ + kThreads - 1) / kThreads, 4096);
-  to_bf16_kernel<<<static_cast<unsigned>(blocks), kThreads, 0, stream_>>>(
-      master_, reinterpret_cast<__nv_bfloat16*>(weight_copy), total_);
+  to_16bit_kernel<T><<<static_cast<unsigned>(blocks), kThreads, 0, stream_>>>(master_, weight_copy, total_);
   NOPAD_CUDA_CHECK_LAUNCH();
 }
 

@@ -3,12 +3,14 @@
 // trust ratio on decayed tensors only (TrustRatio::kAllTensors: on every tensor), skip on a non-finite norm.
 //
 // State (device memory, allocated once in the constructor): fp32 master weights, m and v over the flat parameter
-// range [0, total_numel), a chunk table and per-chunk partial sums. The bf16 weight copy the ops read is the model's
-// params() buffer, passed to step(), which refreshes it from the master weights (round to nearest even).
+// range [0, total_numel), a chunk table and per-chunk partial sums. The 16-bit weight copy the ops read is the model's
+// params() buffer, passed to step(), which refreshes it from the master weights (round to nearest even). The copy is
+// bf16 or fp16, chosen by the pointer type of step() / write_weight_copy() (the GpuBf16 or GpuF16 model's params());
+// an fp16 copy saturates nothing: a master weight beyond +-65504 would become +-inf (BERT's weights stay far below).
 //
 // step() enqueues four kernels on the stream and returns: no host synchronisation, no allocation. Everything that
 // decides the update (norm, clip factor, skip, step count, bias corrections) lives in device memory, so a skipped
-// step (inf/NaN gradients) changes no weight, moment, bf16 copy or step count. Every reduction has a fixed order
+// step (inf/NaN gradients, e.g. an overflowing fp16 loss scale) changes no weight, moment, 16-bit copy or step count. Every reduction has a fixed order
 // (one partial per chunk, then a fixed tree), so results are bit-reproducible run to run.
 //
 // Work is cut into chunks of at most kChunk elements, never straddling a tensor; the table (tensor, start, length)
@@ -52,9 +54,10 @@ class FusedLamb {
   FusedLamb(const FusedLamb&) = delete;
   FusedLamb& operator=(const FusedLamb&) = delete;
 
-  // One update from grads [total_numel] (device, fp32, multiplied by grad_scale first); writes the master weights
-  // and weight_copy [total_numel] (device, bf16). Asynchronous on stream().
+  // One update from grads [total_numel] (device, fp32, multiplied by grad_scale first: 1 / the loss scale); writes
+  // the master weights and weight_copy [total_numel] (device, bf16 or fp16). Asynchronous on stream().
   void step(const float* grads, bf16* weight_copy, float lr, float grad_scale = 1.0f);
+  void step(const float* grads, f16* weight_copy, float lr, float grad_scale = 1.0f);
 
   // What a step leaves for the host, read without waiting on the stream: copy state_size() bytes from
   // device_state() after step() (e.g. CudaBackend::download_bytes_async) and decode the host copy.
@@ -72,13 +75,14 @@ class FusedLamb {
   bool last_step_skipped() const;
   int64_t step_count() const;      // completed, non-skipped steps
 
-  // Checkpoint I/O, host arrays of total_numel floats; each waits for the stream. load_* do not touch the bf16
+  // Checkpoint I/O, host arrays of total_numel floats; each waits for the stream. load_* do not touch the 16-bit
   // copy: call write_weight_copy() after load_master().
   void load_master(const float* host);
   void download_master(float* host) const;
   void load_moments(const float* host_m, const float* host_v, int64_t step_count);
   void download_moments(float* host_m, float* host_v) const;
   void write_weight_copy(bf16* weight_copy);  // weight_copy = bf16(master), asynchronous
+  void write_weight_copy(f16* weight_copy);   // weight_copy = fp16(master), asynchronous
 
   float* master() { return master_; }  // device [total_numel]
   const float* exp_avg() const { return m_; }
@@ -92,6 +96,10 @@ class FusedLamb {
 
  private:
   DeviceState read_state() const;
+  template <class T>  // the device 16-bit type of the copy
+  void step_impl(const float* grads, T* weight_copy, float lr, float grad_scale);
+  template <class T>
+  void write_copy_impl(T* weight_copy);
 
   std::vector<LambTensor> tensors_;
   size_t total_ = 0;

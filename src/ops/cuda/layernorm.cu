@@ -2,7 +2,9 @@
 // and the embed_layernorm_dropout, bias_dropout_residual_layernorm and MLM-head LayerNorm code of
 // ops/cpu/cpu_backend.cpp). Kinds: kPlain LN(x); kEmbed LN(word[tok] + position[pos] + token_type[seg]) then dropout;
 // kResidual LN(dropout(x + bias) + residual). H % 8 == 0, H <= 1024. fp32 math throughout; mean and variance are
-// two-pass over registers (as the twin). Dropout bits come from dropout_scale8, the twin's Philox draws.
+// two-pass over registers (as the twin). Dropout bits come from dropout_scale8, the twin's Philox draws. Every kernel
+// is a template over the 16-bit element type E of activations and weights (bf16 or fp16); statistics, column partials
+// and the embedding-table gradients are fp32 for both.
 //
 // Two implementations (KernelVariants::ln_forward / ln_backward in dense.h, kept until GPU timings pick one):
 //  - Warp per row (the first one): 4 warps per block, a lane owns the 8-feature groups j0 = (c*32 + lane)*8,
@@ -10,7 +12,7 @@
 //    striding over rows; it draws the dropout mask twice per row (for the LN input and for d_x).
 //  - Row group: a row is owned by a group of T = 32*ceil(H / (256 V)) threads (the whole block), thread t owning the
 //    V vectors j0 = (c*T + t)*8, c < V; a row sum is a warp shuffle plus, for T > 32, one exchange through shared
-//    memory (one barrier). Each block walks a contiguous range of rows and loads row r+1 (raw bf16, plus its mean,
+//    memory (one barrier). Each block walks a contiguous range of rows and loads row r+1 (raw 16-bit, plus its mean,
 //    rstd and dropout key) before computing row r, so a row's loads are always in flight; the row -> sequence lookup
 //    is a cursor that moves forward (no binary search per row). The dropout mask is drawn once per row and kept as
 //    bits. Fewer accumulators per thread than the warp kernel (8V features instead of 32) leave room for more
@@ -40,7 +42,8 @@ struct RowKey {
   uint64_t sample = 0;
   uint32_t pos = 0;
 };
-__device__ __forceinline__ RowKey row_key(const LnArgs& a, int64_t row) {
+template <class E>
+__device__ __forceinline__ RowKey row_key(const LnArgs<E>& a, int64_t row) {
   RowKey k;
   const int32_t b = row_to_seq(a.cu_seqlens, a.num_seqs, row);
   k.sample = a.sample_ids[b];
@@ -49,8 +52,8 @@ __device__ __forceinline__ RowKey row_key(const LnArgs& a, int64_t row) {
 }
 
 // The LayerNorm input z of features j0..j0+7 of `row` (before normalisation).
-template <LnKind K>
-__device__ __forceinline__ void load_input(const LnArgs& a, int64_t row, int j0, const RowKey& key, float z[8]) {
+template <LnKind K, class E>
+__device__ __forceinline__ void load_input(const LnArgs<E>& a, int64_t row, int j0, const RowKey& key, float z[8]) {
   const int64_t H = a.H;
   if constexpr (K == LnKind::kPlain) {
     load8(a.x + row * H + j0, z);
@@ -72,8 +75,8 @@ __device__ __forceinline__ void load_input(const LnArgs& a, int64_t row, int j0,
   }
 }
 
-template <LnKind K, int VPL>
-__global__ void __launch_bounds__(kWarps * 32) ln_forward_kernel(const LnArgs a) {
+template <class E, LnKind K, int VPL>
+__global__ void __launch_bounds__(kWarps * 32) ln_forward_kernel(const LnArgs<E> a) {
   const int lane = threadIdx.x & 31;
   const int64_t row = static_cast<int64_t>(blockIdx.x) * kWarps + (threadIdx.x >> 5);
   if (row >= a.rows) return;  // whole warps leave together: no block barrier below
@@ -133,8 +136,8 @@ __device__ __forceinline__ void atomic_add8(float* p, const float v[8]) {
 #endif
 }
 
-template <LnKind K, int VPL>
-__global__ void __launch_bounds__(kWarps * 32) ln_backward_kernel(const LnArgs a) {
+template <class E, LnKind K, int VPL>
+__global__ void __launch_bounds__(kWarps * 32) ln_backward_kernel(const LnArgs<E> a) {
   constexpr int kAcc = K == LnKind::kResidual ? 3 : 2;  // d_gamma, d_beta (, d_bias)
   __shared__ float combine[kWarps][VPL * 256];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -231,13 +234,14 @@ __global__ void __launch_bounds__(kWarps * 32) ln_backward_kernel(const LnArgs a
 
 // ------------------------------------------------------------------------------------------------ row group
 
-// One row's inputs as loaded (raw bf16 vectors), so the next row's loads can be in flight while this one is computed.
-template <LnKind K, int V, bool kBackward>
+// One row's inputs as loaded (raw 16-bit vectors), so the next row's loads can be in flight while this one is
+// computed.
+template <class E, LnKind K, int V, bool kBackward>
 struct RowIn {
-  Bf16x8 a[V];   // x (kPlain, kResidual) or the word row (kEmbed)
-  Bf16x8 b[V];   // residual (kResidual) or the position row (kEmbed)
-  Bf16x8 c[V];   // the token-type row (kEmbed)
-  Bf16x8 dy[V];  // d_out (backward)
+  Vec8<E> a[V];   // x (kPlain, kResidual) or the word row (kEmbed)
+  Vec8<E> b[V];   // residual (kResidual) or the position row (kEmbed)
+  Vec8<E> c[V];   // the token-type row (kEmbed)
+  Vec8<E> dy[V];  // d_out (backward)
   float mean, rstd;  // backward
   int32_t tok, pos, seg;  // kEmbed
   RowKey key;
@@ -249,13 +253,15 @@ struct SeqCursor {
   int64_t start = 0, end = 0;
   uint64_t sample = 0;
 };
-__device__ __forceinline__ void seq_cursor_init(const LnArgs& a, int64_t row, SeqCursor& s) {
+template <class E>
+__device__ __forceinline__ void seq_cursor_init(const LnArgs<E>& a, int64_t row, SeqCursor& s) {
   s.b = row_to_seq(a.cu_seqlens, a.num_seqs, row);
   s.start = a.cu_seqlens[s.b];
   s.end = a.cu_seqlens[s.b + 1];
   s.sample = a.sample_ids[s.b];
 }
-__device__ __forceinline__ RowKey seq_cursor_key(const LnArgs& a, int64_t row, SeqCursor& s) {
+template <class E>
+__device__ __forceinline__ RowKey seq_cursor_key(const LnArgs<E>& a, int64_t row, SeqCursor& s) {
   while (row >= s.end && s.b + 1 < a.num_seqs) {  // sequences are non-empty: usually one step at a boundary
     ++s.b;
     s.start = s.end;
@@ -268,8 +274,8 @@ __device__ __forceinline__ RowKey seq_cursor_key(const LnArgs& a, int64_t row, S
   return k;
 }
 
-template <LnKind K, int V, bool kBackward>
-__device__ __forceinline__ void load_row(const LnArgs& a, int64_t row, RowIn<K, V, kBackward>& in) {
+template <LnKind K, int V, bool kBackward, class E>
+__device__ __forceinline__ void load_row(const LnArgs<E>& a, int64_t row, RowIn<E, K, V, kBackward>& in) {
   const int64_t H = a.H;
   const int T = blockDim.x, t = threadIdx.x;
   if constexpr (K == LnKind::kEmbed) {
@@ -297,21 +303,12 @@ __device__ __forceinline__ void load_row(const LnArgs& a, int64_t row, RowIn<K, 
   }
 }
 
-__device__ __forceinline__ void unpack8(const Bf16x8& x, float v[8]) {
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    const float2 f = __bfloat1622float2(x.h[i]);
-    v[2 * i] = f.x;
-    v[2 * i + 1] = f.y;
-  }
-}
-
 // Keep bits of the thread's 8V features of one row (bit 8c + i: feature (c*T + t)*8 + i kept; all set without
 // dropout) and the keep-scale of a kept feature. One draw per row (dropout_scale8, the twin's draws), used for the LN
 // input and for d_x alike. The scale is taken from the draw itself (the largest of the 8V values: every kept one
 // holds it), so this code follows dropout_scale8's definition of it; if all 8V features are dropped it is unused.
-template <int V>
-__device__ __forceinline__ uint32_t keep_bits(const LnArgs& a, const RowKey& key, float& scale) {
+template <int V, class E>
+__device__ __forceinline__ uint32_t keep_bits(const LnArgs<E>& a, const RowKey& key, float& scale) {
   static_assert(V * 8 <= 32, "keep bits fit one word");
   scale = 1.0f;
   if (a.drop.p <= 0.0f) return 0xffffffffu;
@@ -363,8 +360,8 @@ __device__ __forceinline__ void row_sum(float& x, float& y, float (*red)[2][32],
 }
 
 // Rows [blockIdx.x * rows_per_block, ...) of this block; the loop bounds are block-uniform (barriers inside).
-template <LnKind K, int V>
-__global__ void __launch_bounds__(128 / V) ln_forward_rg_kernel(const LnArgs a, int64_t rows_per_block) {
+template <class E, LnKind K, int V>
+__global__ void __launch_bounds__(128 / V) ln_forward_rg_kernel(const LnArgs<E> a, int64_t rows_per_block) {
   __shared__ float red[2][2][32];
   int parity = 0;
   const int T = blockDim.x, t = threadIdx.x;
@@ -375,14 +372,14 @@ __global__ void __launch_bounds__(128 / V) ln_forward_rg_kernel(const LnArgs a, 
   const bool keyed = K != LnKind::kPlain && a.drop.p > 0.0f;
   // gamma, beta and bias are re-read per row (L1 hits) rather than held: 12 V registers fewer.
   SeqCursor seq;
-  RowIn<K, V, false> cur;
+  RowIn<E, K, V, false> cur;
   if (keyed) {
     seq_cursor_init(a, r0, seq);
     cur.key = seq_cursor_key(a, r0, seq);
   }
   load_row<K, V, false>(a, r0, cur);
   for (int64_t row = r0; row < r1; ++row) {
-    RowIn<K, V, false> next;
+    RowIn<E, K, V, false> next;
     if (row + 1 < r1) {  // in flight while this row is computed
       load_row<K, V, false>(a, row + 1, next);
       if (keyed) next.key = seq_cursor_key(a, row + 1, seq);
@@ -453,9 +450,9 @@ constexpr int ln_backward_min_blocks() {
   return V == 1 ? (K == LnKind::kEmbed ? 5 : 6) : 1;
 }
 
-template <LnKind K, int V>
+template <class E, LnKind K, int V>
 __global__ void __launch_bounds__(128 / V, ln_backward_min_blocks<K, V>())
-    ln_backward_rg_kernel(const LnArgs a, int64_t rows_per_block) {
+    ln_backward_rg_kernel(const LnArgs<E> a, int64_t rows_per_block) {
   constexpr int kAcc = K == LnKind::kResidual ? 3 : 2;  // d_gamma, d_beta (, d_bias)
   __shared__ float red[2][2][32];
   int parity = 0;
@@ -481,7 +478,7 @@ __global__ void __launch_bounds__(128 / V, ln_backward_min_blocks<K, V>())
     for (int i = 0; i < 8; ++i) run[c][i] = 0.0f;
 
   SeqCursor seq;
-  RowIn<K, V, true> cur;
+  RowIn<E, K, V, true> cur;
   if (r0 < r1) {
     if (keyed) {
       seq_cursor_init(a, r0, seq);
@@ -490,7 +487,7 @@ __global__ void __launch_bounds__(128 / V, ln_backward_min_blocks<K, V>())
     load_row<K, V, true>(a, r0, cur);
   }
   for (int64_t row = r0; row < r1; ++row) {
-    RowIn<K, V, true> next;
+    RowIn<E, K, V, true> next;
     if (row + 1 < r1) {  // in flight while this row is computed
       load_row<K, V, true>(a, row + 1, next);
       if (keyed) next.key = seq_cursor_key(a, row + 1, seq);
@@ -633,14 +630,14 @@ __global__ void __launch_bounds__(kFinishCols * kFinishSplit) column_finish_kern
   out[j] += total;
 }
 
-template <LnKind K, int VPL>
-void launch_forward_vpl(const LnArgs& a, cudaStream_t stream) {
-  ln_forward_kernel<K, VPL><<<ceil_div(a.rows, kWarps), kWarps * 32, 0, stream>>>(a);
+template <LnKind K, int VPL, class E>
+void launch_forward_vpl(const LnArgs<E>& a, cudaStream_t stream) {
+  ln_forward_kernel<E, K, VPL><<<ceil_div(a.rows, kWarps), kWarps * 32, 0, stream>>>(a);
   NOPAD_CUDA_CHECK_LAUNCH();
 }
-template <LnKind K, int VPL>
-void launch_backward_vpl(const LnArgs& a, int blocks, cudaStream_t stream) {
-  ln_backward_kernel<K, VPL><<<blocks, kWarps * 32, 0, stream>>>(a);
+template <LnKind K, int VPL, class E>
+void launch_backward_vpl(const LnArgs<E>& a, int blocks, cudaStream_t stream) {
+  ln_backward_kernel<E, K, VPL><<<blocks, kWarps * 32, 0, stream>>>(a);
   NOPAD_CUDA_CHECK_LAUNCH();
 }
 
@@ -649,8 +646,8 @@ void check_hidden(int32_t H) {
               H);
 }
 
-template <LnKind K>
-void dispatch_forward(const LnArgs& a, cudaStream_t stream) {
+template <LnKind K, class E>
+void dispatch_forward(const LnArgs<E>& a, cudaStream_t stream) {
   if (a.H <= 256)
     launch_forward_vpl<K, 1>(a, stream);
   else if (a.H <= 512)
@@ -658,8 +655,8 @@ void dispatch_forward(const LnArgs& a, cudaStream_t stream) {
   else
     launch_forward_vpl<K, 4>(a, stream);
 }
-template <LnKind K>
-void dispatch_backward(const LnArgs& a, int blocks, cudaStream_t stream) {
+template <LnKind K, class E>
+void dispatch_backward(const LnArgs<E>& a, int blocks, cudaStream_t stream) {
   if (a.H <= 256)
     launch_backward_vpl<K, 1>(a, blocks, stream);
   else if (a.H <= 512)
@@ -684,20 +681,21 @@ int rg_vectors(const LnVariant& v, int32_t H, bool backward) {
 }
 int rg_threads(int32_t H, int vec) { return 32 * ceil_div(H, 256 * vec); }  // <= 128 for H <= 1024
 
-template <LnKind K, int V>
+template <class E, LnKind K, int V>
 const void* rg_kernel(bool backward) {
   if constexpr (V == 4)
-    return reinterpret_cast<const void*>(&ln_forward_rg_kernel<K, V>);  // rg_vectors never gives the backward V = 4
+    return reinterpret_cast<const void*>(&ln_forward_rg_kernel<E, K, V>);  // rg_vectors never gives the backward V = 4
   else
-    return backward ? reinterpret_cast<const void*>(&ln_backward_rg_kernel<K, V>)
-                    : reinterpret_cast<const void*>(&ln_forward_rg_kernel<K, V>);
+    return backward ? reinterpret_cast<const void*>(&ln_backward_rg_kernel<E, K, V>)
+                    : reinterpret_cast<const void*>(&ln_forward_rg_kernel<E, K, V>);
 }
+template <class E>
 const void* rg_kernel_for(LnKind kind, int vec, bool backward) {
 #define NOPAD_RG_CASE(KIND)                                 \
   case KIND:                                                \
-    return vec == 1   ? rg_kernel<KIND, 1>(backward)        \
-           : vec == 2 ? rg_kernel<KIND, 2>(backward)        \
-                      : rg_kernel<KIND, 4>(backward);
+    return vec == 1   ? rg_kernel<E, KIND, 1>(backward)     \
+           : vec == 2 ? rg_kernel<E, KIND, 2>(backward)     \
+                      : rg_kernel<E, KIND, 4>(backward);
   switch (kind) {
     NOPAD_RG_CASE(LnKind::kPlain)
     NOPAD_RG_CASE(LnKind::kEmbed)
@@ -707,14 +705,17 @@ const void* rg_kernel_for(LnKind kind, int vec, bool backward) {
   return nullptr;
 }
 
-// Resident blocks per SM of a row-group kernel (cudaOccupancy*, a host query; cached per kernel and block size).
+// Resident blocks per SM of a row-group kernel (cudaOccupancy*, a host query; cached per kernel and block size; the
+// element types' kernels are separate entries, as their register counts may differ).
+template <class E>
 int rg_occupancy(LnKind kind, int vec, bool backward, int threads) {
-  static std::atomic<int> cache[3][3][2][5] = {};  // kind, log2 vec, backward, threads / 32
+  static std::atomic<int> cache[3][3][2][5] = {};  // per E: kind, log2 vec, backward, threads / 32
   const int vi = vec == 1 ? 0 : (vec == 2 ? 1 : 2);
   std::atomic<int>& slot = cache[static_cast<int>(kind)][vi][backward ? 1 : 0][threads / 32];
   int n = slot.load(std::memory_order_relaxed);
   if (n > 0) return n;
-  NOPAD_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, rg_kernel_for(kind, vec, backward), threads, 0));
+  NOPAD_CUDA_CHECK(
+      cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, rg_kernel_for<E>(kind, vec, backward), threads, 0));
   n = n > 0 ? n : 1;
   slot.store(n, std::memory_order_relaxed);
   return n;
@@ -722,10 +723,11 @@ int rg_occupancy(LnKind kind, int vec, bool backward, int threads) {
 
 // Blocks of a row-group grid: blocks_per_sm x SMs (capped by residency; the backward's default caps at 8 blocks per
 // SM, enough rows in flight, few partials), at most one per row, and no block without rows.
+template <class E>
 int rg_blocks(LnKind kind, int32_t H, int64_t rows, const LnVariant& v, int sm_count, bool backward) {
   if (rows <= 0) return 1;
   const int vec = rg_vectors(v, H, backward);
-  const int occ = rg_occupancy(kind, vec, backward, rg_threads(H, vec));
+  const int occ = rg_occupancy<E>(kind, vec, backward, rg_threads(H, vec));
   int per_sm = v.blocks_per_sm > 0 ? std::min(v.blocks_per_sm, occ) : (backward ? std::min(occ, 8) : occ);
   const int64_t cap = static_cast<int64_t>(per_sm) * (sm_count > 0 ? sm_count : 1);
   const int64_t blocks = std::min<int64_t>(rows, cap);
@@ -733,22 +735,22 @@ int rg_blocks(LnKind kind, int32_t H, int64_t rows, const LnVariant& v, int sm_c
   return static_cast<int>((rows + rows_per_block - 1) / rows_per_block);
 }
 
-template <LnKind K, int V>
-void launch_rg(const LnArgs& a, int blocks, bool backward, cudaStream_t stream) {
+template <LnKind K, int V, class E>
+void launch_rg(const LnArgs<E>& a, int blocks, bool backward, cudaStream_t stream) {
   const int threads = rg_threads(a.H, V);
   const int64_t rows_per_block = (a.rows + blocks - 1) / blocks;
   if constexpr (V != 4) {
     if (backward) {
-      ln_backward_rg_kernel<K, V><<<blocks, threads, 0, stream>>>(a, rows_per_block);
+      ln_backward_rg_kernel<E, K, V><<<blocks, threads, 0, stream>>>(a, rows_per_block);
       NOPAD_CUDA_CHECK_LAUNCH();
       return;
     }
   }
-  ln_forward_rg_kernel<K, V><<<blocks, threads, 0, stream>>>(a, rows_per_block);
+  ln_forward_rg_kernel<E, K, V><<<blocks, threads, 0, stream>>>(a, rows_per_block);
   NOPAD_CUDA_CHECK_LAUNCH();
 }
-template <LnKind K>
-void dispatch_rg(const LnArgs& a, int vec, int blocks, bool backward, cudaStream_t stream) {
+template <LnKind K, class E>
+void dispatch_rg(const LnArgs<E>& a, int vec, int blocks, bool backward, cudaStream_t stream) {
   if (vec == 1)
     launch_rg<K, 1>(a, blocks, backward, stream);
   else if (vec == 2)
@@ -756,7 +758,8 @@ void dispatch_rg(const LnArgs& a, int vec, int blocks, bool backward, cudaStream
   else
     launch_rg<K, 4>(a, blocks, backward, stream);
 }
-void launch_row_group(LnKind kind, const LnArgs& a, int vec, int blocks, bool backward, cudaStream_t stream) {
+template <class E>
+void launch_row_group(LnKind kind, const LnArgs<E>& a, int vec, int blocks, bool backward, cudaStream_t stream) {
   switch (kind) {
     case LnKind::kPlain: dispatch_rg<LnKind::kPlain>(a, vec, blocks, backward, stream); break;
     case LnKind::kEmbed: dispatch_rg<LnKind::kEmbed>(a, vec, blocks, backward, stream); break;
@@ -766,11 +769,12 @@ void launch_row_group(LnKind kind, const LnArgs& a, int vec, int blocks, bool ba
 
 }  // namespace
 
-void launch_ln_forward(LnKind kind, const LnArgs& a, const LnVariant& v, int sm_count, cudaStream_t stream) {
+template <class E>
+void launch_ln_forward(LnKind kind, const LnArgs<E>& a, const LnVariant& v, int sm_count, cudaStream_t stream) {
   check_hidden(a.H);
   if (a.rows <= 0) return;
   if (v.row_group) {
-    launch_row_group(kind, a, rg_vectors(v, a.H, false), rg_blocks(kind, a.H, a.rows, v, sm_count, false), false,
+    launch_row_group(kind, a, rg_vectors(v, a.H, false), rg_blocks<E>(kind, a.H, a.rows, v, sm_count, false), false,
                      stream);
     return;
   }
@@ -781,15 +785,17 @@ void launch_ln_forward(LnKind kind, const LnArgs& a, const LnVariant& v, int sm_
   }
 }
 
+template <class E>
 int ln_backward_blocks(LnKind kind, int32_t H, int64_t rows, const LnVariant& v, int sm_count) {
   check_hidden(H);
-  if (v.row_group) return rg_blocks(kind, H, rows, v, sm_count, true);
+  if (v.row_group) return rg_blocks<E>(kind, H, rows, v, sm_count, true);
   const int64_t wanted = (rows + kWarps - 1) / kWarps;
   const int64_t cap = 2 * static_cast<int64_t>(sm_count > 0 ? sm_count : 1);  // a few rows per warp, small partials
   return static_cast<int>(wanted < cap ? (wanted > 0 ? wanted : 1) : cap);
 }
 
-void launch_ln_backward(LnKind kind, const LnArgs& a, const LnVariant& v, int blocks, cudaStream_t stream) {
+template <class E>
+void launch_ln_backward(LnKind kind, const LnArgs<E>& a, const LnVariant& v, int blocks, cudaStream_t stream) {
   check_hidden(a.H);
   if (v.row_group) {
     NOPAD_CHECK(blocks >= 1, "LayerNorm backward with ", blocks, " blocks");
@@ -802,6 +808,15 @@ void launch_ln_backward(LnKind kind, const LnArgs& a, const LnVariant& v, int bl
     case LnKind::kResidual: dispatch_backward<LnKind::kResidual>(a, blocks, stream); break;
   }
 }
+
+// The launchers of both element types.
+#define NOPAD_LN_INSTANTIATE(E)                                                                                   \
+  template void launch_ln_forward<E>(LnKind, const LnArgs<E>&, const LnVariant&, int, cudaStream_t);              \
+  template int ln_backward_blocks<E>(LnKind, int32_t, int64_t, const LnVariant&, int);                            \
+  template void launch_ln_backward<E>(LnKind, const LnArgs<E>&, const LnVariant&, int, cudaStream_t);
+NOPAD_LN_INSTANTIATE(bf)
+NOPAD_LN_INSTANTIATE(hf)
+#undef NOPAD_LN_INSTANTIATE
 
 void launch_column_finish(const float* partial, int blocks, int H, int nacc, float* out0, float* out1, float* out2,
                           cudaStream_t stream) {
