@@ -11,6 +11,7 @@
 #include <type_traits>
 
 #include "ops/cuda/fmha_common.cuh"
+#include "ops/cuda/fmha_wgmma.cuh"
 
 namespace nopad::cuda {
 namespace fmha_detail {
@@ -350,20 +351,239 @@ __global__ void __launch_bounds__(32 * kWarps, kMinCtas)
   }
 }
 
+// ------------------------------------------------------------------------------------------------ Hopper (wgmma)
+// head_dim 64 on warpgroup MMAs (sm_90a): one warpgroup x 64 keys per CTA, the loop of fmha_bwd_kernel<64, 4> with
+// every product on wgmma. Per query tile: S^T = K Q^T and dP^T = V dO^T with both operands read from shared memory
+// (K-major), dV += P'^T dO and dK += dS^T Q with A from registers and dO / Q as MN-major B operands, and dQ = dS K
+// with A = dS^T (an MN-major A operand) and B = K (MN-major), both from shared memory. The tensor cores read each Q,
+// dO and dS^T tile once per CTA, where mma.sync needs an ldmatrix pass per warp. Per warp the accumulators have the
+// mma.sync layout (fmha_wgmma.cuh), so the softmax, dropout, dS and atomics code is fmha_bwd_kernel's. Warps whose
+// keys lie past the end compute with the others (a warpgroup MMA is collective): their P is 0 and nothing of theirs is
+// stored.
+struct BwdWgShape {
+  static constexpr int kBlockN = 64;  // keys per CTA
+  static constexpr int kThreads = 128;
+  // K, V, Q x2, dO x2, dS^T (7 tiles), lse x2 and D x2 (fp32), alignment slack.
+  static constexpr int kSmemBytes = 7 * kTileBytes + 4 * kTile * 4 + kSmemAlign;
+};
+
+template <int kMinCtas, bool kFp16, bool kDrop>
+__global__ void __launch_bounds__(128, kMinCtas)
+    fmha_bwd_wgmma_kernel(const __grid_constant__ KernelArgs args, const float* D, float* dq_acc) {
+#if NOPAD_FMHA_WGMMA
+  constexpr int HD = 64;
+  using Sh = BwdWgShape;
+  constexpr int kNTiles = kTile / 8;
+  constexpr int kDTiles = HD / 8;
+  const FmhaParams& p = args.p;
+
+  int b, s0, L;
+  launch_sequence(p, static_cast<int>(blockIdx.z), b, s0, L);
+  const int k0 = static_cast<int>(blockIdx.x) * Sh::kBlockN;
+  if (k0 >= L) return;
+  const int head = static_cast<int>(blockIdx.y);
+  const int H = p.num_heads * HD, T = p.num_tokens;
+  const int64_t ld = 3 * int64_t{H};
+  const uint16_t* qkv = static_cast<const uint16_t*>(p.qkv);
+  const uint16_t* gQ = qkv + int64_t{s0} * ld + head * HD;
+  const uint16_t* gdO = static_cast<const uint16_t*>(p.d_ctx) + int64_t{s0} * H + head * HD;
+  const float* gLse = p.lse + int64_t{head} * T + s0;
+  const float* gD = D + int64_t{head} * T + s0;
+
+  extern __shared__ uint8_t smem_raw[];
+  uint16_t* sK = reinterpret_cast<uint16_t*>(align_smem(smem_raw));  // [64][HD]
+  uint16_t* sV = sK + Sh::kBlockN * HD;                               // [64][HD]
+  uint16_t* sQ = sV + Sh::kBlockN * HD;                               // [2][64][HD]
+  uint16_t* sdO = sQ + 2 * kTile * HD;                                // [2][64][HD]
+  uint16_t* sdS = sdO + 2 * kTile * HD;                               // [64 keys][64 queries]
+  float* sLse = reinterpret_cast<float*>(sdS + Sh::kBlockN * kTile);  // [2][64], log2 domain; +inf past the end
+  float* sD = sLse + 2 * kTile;                                       // [2][64]
+
+  const int tid = static_cast<int>(threadIdx.x);
+  const TileCopy<HD, kTile, Sh::kThreads> q_copy(ld), do_copy(H);
+  const auto load_q_tile = [&](int i, int buf) {
+    const int qs = i * kTile;
+    q_copy.load(sQ + buf * kTile * HD, gQ, L - qs);
+    do_copy.load(sdO + buf * kTile * HD, gdO, L - qs);
+    if (tid < kTile) {
+      const bool ok = qs + tid < L;
+      sLse[buf * kTile + tid] = ok ? gLse[qs + tid] * kLog2e : INFINITY;
+      sD[buf * kTile + tid] = ok ? gD[qs + tid] : 0.0f;
+    }
+  };
+  {
+    const TileCopy<HD, Sh::kBlockN, Sh::kThreads> kv_copy(ld);
+    const uint16_t* gK = qkv + int64_t{s0 + k0} * ld + H + head * HD;
+    kv_copy.load(sK, gK, L - k0);
+    kv_copy.load(sV, gK + H, L - k0);
+  }
+  load_q_tile(0, 0);
+  cp_async_commit();
+
+  const int warp = tid >> 5, lane = tid & 31;
+  const int g = lane >> 2, t = lane & 3;
+  const int wrow = warp * 16;  // this warp's first key within the K tile (S^T, dK, dV rows); its 16 queries in dQ
+  const bool key_ok0 = k0 + wrow + g < L, key_ok1 = k0 + wrow + g + 8 < L;
+  const uint64_t desc_k = wgmma_desc(sK), desc_v = wgmma_desc(sV), desc_ds = wgmma_desc(sdS);
+
+  uint32_t s_lo = 0, s_hi = 0;
+  if constexpr (kDrop) {
+    const uint64_t sample = p.sample_ids[b];
+    s_lo = static_cast<uint32_t>(sample);
+    s_hi = static_cast<uint32_t>(sample >> 32);
+  }
+  const auto draw = [&](uint32_t lo, uint32_t hi) { return dropout_block(args, s_lo, s_hi, lo, hi); };
+
+  float dv[kDTiles][4], dk[kDTiles][4];
+#pragma unroll
+  for (int i = 0; i < kDTiles; ++i)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) dv[i][e] = dk[i][e] = 0.0f;
+
+  const int num_qt = (L + kTile - 1) / kTile;
+  for (int i = 0; i < num_qt; ++i) {
+    const int buf = i & 1, qs = i * kTile;
+    cp_async_wait<0>();
+    fence_proxy_async();  // this thread's cp.async writes, visible to the tensor cores after the barrier
+    __syncthreads();      // tile i visible; every warp done with tile i-1's buffers and with sdS
+    if (i + 1 < num_qt) {
+      gQ += kTile * ld;
+      gdO += kTile * int64_t{H};
+      load_q_tile(i + 1, buf ^ 1);
+    }
+    cp_async_commit();
+    const uint64_t desc_q = wgmma_desc(sQ + buf * kTile * HD), desc_do = wgmma_desc(sdO + buf * kTile * HD);
+    const float* lse2 = sLse + buf * kTile;
+    const float* Dq = sD + buf * kTile;
+
+    // S^T = K Q^T, dP^T = V dO^T (64 keys x 64 queries; this warp's 16 keys in registers).
+    float s[kNTiles][4], dp[kNTiles][4];
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < HD / 16; ++kk) wgmma_ss<kFp16, 0, 0>(s, desc_k + kk * kDescStepK, desc_q + kk * kDescStepK, kk > 0);
+#pragma unroll
+    for (int kk = 0; kk < HD / 16; ++kk)
+      wgmma_ss<kFp16, 0, 0>(dp, desc_v + kk * kDescStepK, desc_do + kk * kDescStepK, kk > 0);
+    wgmma_commit();
+    uint32_t keep = 0;
+    if constexpr (kDrop) {
+      keep = lane_transpose<1, 2>(
+          fmha_dropout::bwd_lane_bits(draw, args.threshold, static_cast<uint32_t>(head), static_cast<uint32_t>(qs),
+                                      static_cast<uint32_t>(k0 + wrow), static_cast<uint32_t>(g),
+                                      static_cast<uint32_t>(t)),
+          static_cast<uint32_t>(g));
+    }
+    wgmma_wait<0>();
+    fence_regs(s);
+    fence_regs(dp);
+
+#pragma unroll
+    for (int nt = 0; nt < kNTiles; ++nt) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int qc = nt * 8 + 2 * t + (e & 1);
+        const bool ok = (e < 2) ? key_ok0 : key_ok1;
+        const float pr = ok ? exp2_ftz(fmaf(s[nt][e], args.scale_log2, -lse2[qc])) : 0.0f;
+        const float kf = kDrop ? (((keep >> fmha_dropout::bwd_bit(nt, e)) & 1u) ? args.keep_scale : 0.0f) : 1.0f;
+        s[nt][e] = pr * kf;
+        dp[nt][e] = pr * (dp[nt][e] * kf - Dq[qc]);
+      }
+    }
+    uint32_t pa[kTile / 16][4], da[kTile / 16][4];
+#pragma unroll
+    for (int kk = 0; kk < kTile / 16; ++kk) {
+      pa[kk][0] = pack2<kFp16>(s[2 * kk][0], s[2 * kk][1]);
+      pa[kk][1] = pack2<kFp16>(s[2 * kk][2], s[2 * kk][3]);
+      pa[kk][2] = pack2<kFp16>(s[2 * kk + 1][0], s[2 * kk + 1][1]);
+      pa[kk][3] = pack2<kFp16>(s[2 * kk + 1][2], s[2 * kk + 1][3]);
+      da[kk][0] = pack2<kFp16>(dp[2 * kk][0], dp[2 * kk][1]);
+      da[kk][1] = pack2<kFp16>(dp[2 * kk][2], dp[2 * kk][3]);
+      da[kk][2] = pack2<kFp16>(dp[2 * kk + 1][0], dp[2 * kk + 1][1]);
+      da[kk][3] = pack2<kFp16>(dp[2 * kk + 1][2], dp[2 * kk + 1][3]);
+      // dS^T to shared memory (rows = keys, columns = queries) for dQ = dS K.
+      *reinterpret_cast<uint32_t*>(sdS + swz<64>(wrow + g, 2 * kk) + 2 * t) = da[kk][0];
+      *reinterpret_cast<uint32_t*>(sdS + swz<64>(wrow + g + 8, 2 * kk) + 2 * t) = da[kk][1];
+      *reinterpret_cast<uint32_t*>(sdS + swz<64>(wrow + g, 2 * kk + 1) + 2 * t) = da[kk][2];
+      *reinterpret_cast<uint32_t*>(sdS + swz<64>(wrow + g + 8, 2 * kk + 1) + 2 * t) = da[kk][3];
+    }
+    // dV += P'^T dO, dK += dS^T Q.
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < kTile / 16; ++kk) wgmma_rs<kFp16, 1>(dv, pa[kk], desc_do + kk * kDescStepMN);
+#pragma unroll
+    for (int kk = 0; kk < kTile / 16; ++kk) wgmma_rs<kFp16, 1>(dk, da[kk], desc_q + kk * kDescStepMN);
+    wgmma_commit();
+    fence_proxy_async();  // this thread's dS^T stores, visible to the tensor cores after the barrier
+    __syncthreads();      // all of dS^T written
+
+    // dQ (64 queries x 64 head dims) = dS K; this warp holds queries 16 warp .. +15.
+    float dq[kDTiles][4];
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < Sh::kBlockN / 16; ++kk)
+      wgmma_ss<kFp16, 1, 1>(dq, desc_ds + kk * kDescStepMN, desc_k + kk * kDescStepMN, kk > 0);
+    wgmma_commit();
+    wgmma_wait<0>();
+    fence_regs(dv);
+    fence_regs(dk);
+    fence_regs(dq);
+    fence_regs(pa);
+    fence_regs(da);
+
+    const int qr0 = qs + wrow + g, qr1 = qr0 + 8;
+    const bool odd = (t & 1) != 0;
+    const int qr = odd ? qr1 : qr0;
+    float* dst_row = dq_acc + int64_t{s0 + qr} * H + head * HD + 4 * (t >> 1);
+#pragma unroll
+    for (int n = 0; n < kDTiles; ++n) {
+      const float r0 = __shfl_xor_sync(0xffffffffu, odd ? dq[n][0] : dq[n][2], 1);
+      const float r1 = __shfl_xor_sync(0xffffffffu, odd ? dq[n][1] : dq[n][3], 1);
+      const float4 v = odd ? make_float4(r0 * p.scale, r1 * p.scale, dq[n][2] * p.scale, dq[n][3] * p.scale)
+                           : make_float4(dq[n][0] * p.scale, dq[n][1] * p.scale, r0 * p.scale, r1 * p.scale);
+      if (qr < L) atomicAdd(reinterpret_cast<float4*>(dst_row + n * 8), v);
+    }
+  }
+
+  // dK (scaled) and dV into d_qkv's k and v blocks, rows of keys that exist.
+  uint16_t* dqkv = static_cast<uint16_t*>(p.d_qkv);
+  const int kr0 = k0 + wrow + g, kr1 = kr0 + 8;
+#pragma unroll
+  for (int n = 0; n < kDTiles; ++n) {
+    const int col = head * HD + n * 8 + 2 * t;
+    if (kr0 < L) {
+      uint16_t* row = dqkv + int64_t{s0 + kr0} * ld;
+      *reinterpret_cast<uint32_t*>(row + H + col) = pack2<kFp16>(dk[n][0] * p.scale, dk[n][1] * p.scale);
+      *reinterpret_cast<uint32_t*>(row + 2 * H + col) = pack2<kFp16>(dv[n][0], dv[n][1]);
+    }
+    if (kr1 < L) {
+      uint16_t* row = dqkv + int64_t{s0 + kr1} * ld;
+      *reinterpret_cast<uint32_t*>(row + H + col) = pack2<kFp16>(dk[n][2] * p.scale, dk[n][3] * p.scale);
+      *reinterpret_cast<uint32_t*>(row + 2 * H + col) = pack2<kFp16>(dv[n][2], dv[n][3]);
+    }
+  }
+#else
+  __trap();  // never launched: the host selects this kernel only where fmha_wgmma_available()
+#endif
+}
+
 // ------------------------------------------------------------------------------------------------ variants
 // CTAs per SM asked for (launch bounds). 4 warps at HD <= 64: 3 CTAs (168 registers, a few spills) or 2 (no cap, no
 // spills); 8 warps: 1 (no cap). HD = 128 is never capped (the dK/dV accumulators alone are 128 registers).
 struct BwdVariant {
   const char* name;
   int warps, min_ctas;
+  bool wgmma;  // the wgmma kernel (head_dim 64 on sm_90a)
 };
 constexpr BwdVariant kBwdVariants[] = {
-    {"n64w4", 4, 3},   // 0: 64 keys, 4 warps x 16 keys, 12 warps per SM (the design before variants)
-    {"n64w4r", 4, 2},  // 1: the same without the register cap: 8 warps per SM, no spills
-    {"n128w8", 8, 1},  // 2: 128 keys, 8 warps: half the Q/dO tile loads and half the dQ atomics per key
+    {"n64w4", 4, 3, false},   // 0: 64 keys, 4 warps x 16 keys, 12 warps per SM (the design before variants)
+    {"n64w4r", 4, 2, false},  // 1: the same without the register cap: 8 warps per SM, no spills
+    {"n128w8", 8, 1, false},  // 2: 128 keys, 8 warps: half the Q/dO tile loads and half the dQ atomics per key
+    {"wg64", 4, 3, true},     // 3: wgmma, one warpgroup x 64 keys, 3 CTAs per SM (168 registers)
+    {"wg64r", 4, 2, true},    // 4: the same with 2 CTAs per SM and no register cap
 };
 constexpr int kNumBwdVariants = static_cast<int>(sizeof(kBwdVariants) / sizeof(kBwdVariants[0]));
-constexpr int kDefaultBwdVariant = 0;
+constexpr int kDefaultBwdVariant = 0;    // where the wgmma kernel cannot run
+constexpr int kDefaultBwdVariantWg = 3;  // head_dim 64 on sm_90a
 
 template <int HD, int kWarps, int kMinCtas, bool kFp16>
 void launch_backward_main(const KernelArgs& args, const float* D, float* dq_acc, int32_t n, cudaStream_t stream) {
@@ -382,6 +602,22 @@ void launch_backward_main(const KernelArgs& args, const float* D, float* dq_acc,
   NOPAD_CUDA_CHECK_LAUNCH();
 }
 
+template <int kMinCtas, bool kFp16>
+void launch_backward_wgmma(const KernelArgs& args, const float* D, float* dq_acc, int32_t n, cudaStream_t stream) {
+  using Sh = BwdWgShape;
+  const dim3 grid((args.p.max_seqlen + Sh::kBlockN - 1) / Sh::kBlockN, args.p.num_heads, n);
+  if (args.dropout) {
+    constexpr auto kernel = fmha_bwd_wgmma_kernel<kMinCtas, kFp16, true>;
+    ensure_smem<kernel>(Sh::kSmemBytes);
+    kernel<<<grid, Sh::kThreads, Sh::kSmemBytes, stream>>>(args, D, dq_acc);
+  } else {
+    constexpr auto kernel = fmha_bwd_wgmma_kernel<kMinCtas, kFp16, false>;
+    ensure_smem<kernel>(Sh::kSmemBytes);
+    kernel<<<grid, Sh::kThreads, Sh::kSmemBytes, stream>>>(args, D, dq_acc);
+  }
+  NOPAD_CUDA_CHECK_LAUNCH();
+}
+
 template <int HD, bool kFp16>
 void launch_backward(const KernelArgs& args, int variant, int32_t n, cudaStream_t stream) {
   const FmhaParams& p = args.p;
@@ -393,18 +629,26 @@ void launch_backward(const KernelArgs& args, int variant, int32_t n, cudaStream_
   NOPAD_CUDA_CHECK_LAUNCH();
   // At HD = 128 the register cap makes no difference (never capped there), so variant 1 runs variant 0's kernel.
   if (HD > 64 && variant == 1) variant = 0;
+  // The wgmma kernel exists for head_dim 64 on sm_90a; elsewhere its variant runs the default mma.sync kernel.
+  if (kBwdVariants[variant].wgmma && (HD != 64 || !fmha_wgmma_available())) variant = kDefaultBwdVariant;
   switch (variant) {
     case 0: launch_backward_main<HD, 4, 3, kFp16>(args, D, dq_acc, n, stream); break;
     case 1:
       if constexpr (HD <= 64) launch_backward_main<HD, 4, 2, kFp16>(args, D, dq_acc, n, stream);
       break;
     case 2: launch_backward_main<HD, 8, 1, kFp16>(args, D, dq_acc, n, stream); break;
+    case 3:
+      if constexpr (HD == 64) launch_backward_wgmma<3, kFp16>(args, D, dq_acc, n, stream);
+      break;
+    case 4:
+      if constexpr (HD == 64) launch_backward_wgmma<2, kFp16>(args, D, dq_acc, n, stream);
+      break;
     default: fail("fmha_backward: no variant ", variant);
   }
   fmha_bwd_dq_kernel<kFp16><<<row_grid, 32 * kPreRows, 0, stream>>>(args, dq_acc);
   NOPAD_CUDA_CHECK_LAUNCH();
 }
-static_assert(kNumBwdVariants == 3, "launch_backward dispatches every variant");
+static_assert(kNumBwdVariants == 5, "launch_backward dispatches every variant");
 
 template <int HD>
 void launch_backward_hd(const KernelArgs& args, int variant, int32_t n, cudaStream_t stream) {
@@ -425,7 +669,8 @@ const char* fmha_backward_variant_name(int variant) {
 int fmha_backward_variant(const FmhaParams& p) {
   using namespace fmha_detail;
   static const int env = variant_from_env("NOPAD_FMHA_BWD_VARIANT", kNumBwdVariants);
-  return choose_variant(p.bwd_variant, env, kDefaultBwdVariant, kNumBwdVariants, "FmhaParams::bwd_variant");
+  const int fallback = p.head_dim == 64 && fmha_wgmma_available() ? kDefaultBwdVariantWg : kDefaultBwdVariant;
+  return choose_variant(p.bwd_variant, env, fallback, kNumBwdVariants, "FmhaParams::bwd_variant");
 }
 
 size_t fmha_backward_workspace_bytes(int32_t num_tokens, int32_t num_heads, int32_t head_dim) {

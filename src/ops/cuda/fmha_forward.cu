@@ -3,10 +3,12 @@
 // cp.async and shared by all warps, online softmax in fp32 registers, dropout from Philox in the kernel (one block per
 // 8 mask elements, keep bits exchanged inside each quad). Tile shapes are template parameters; the variants listed in
 // kFwdVariants are instantiated and chosen per call (fmha.h). Design: docs/fmha.md.
+#include <atomic>
 #include <cmath>
 #include <type_traits>
 
 #include "ops/cuda/fmha_common.cuh"
+#include "ops/cuda/fmha_wgmma.cuh"
 
 namespace nopad::cuda {
 namespace fmha_detail {
@@ -276,6 +278,202 @@ __global__ void __launch_bounds__(32 * kWarps, kMinCtas) fmha_fwd_kernel(const _
   }
 }
 
+// ------------------------------------------------------------------------------------------------ Hopper (wgmma)
+// head_dim 64 on warpgroup MMAs (sm_90a): kWG warpgroups x 64 query rows per CTA. S = Q K^T reads both operands from
+// shared memory through descriptors (the tensor cores read each K tile once per warpgroup, where mma.sync needs one
+// ldmatrix pass per warp), O += P' V takes P' from registers. The tile loads, softmax, dropout and epilogue are those
+// of fmha_fwd_kernel: per warp the accumulators have the same layout (fmha_wgmma.cuh). The Philox draws of a tile are
+// issued between the S products and their wait, so their integer work overlaps the tensor cores.
+template <int kWG>
+struct FwdWgShape {
+  static constexpr int kBlockM = 64 * kWG;
+  static constexpr int kThreads = 128 * kWG;
+  static constexpr int kSmemBytes = (kWG + 4) * kTileBytes + kSmemAlign;  // Q, K x2, V x2, alignment slack
+};
+
+template <int kWG, int kMinCtas, bool kFp16, bool kDrop>
+__global__ void __launch_bounds__(128 * kWG, kMinCtas) fmha_fwd_wgmma_kernel(const __grid_constant__ KernelArgs args) {
+#if NOPAD_FMHA_WGMMA
+  constexpr int HD = 64;
+  using Sh = FwdWgShape<kWG>;
+  constexpr int kNTiles = kTile / 8;
+  constexpr int kDTiles = HD / 8;
+  const FmhaParams& p = args.p;
+
+  int b, s0, L;
+  launch_sequence(p, static_cast<int>(blockIdx.z), b, s0, L);
+  const int q0 = static_cast<int>(blockIdx.x) * Sh::kBlockM;
+  if (q0 >= L) return;
+  const int head = static_cast<int>(blockIdx.y);
+  const int H = p.num_heads * HD;
+  const int64_t ld = 3 * int64_t{H};
+  const uint16_t* qkv = static_cast<const uint16_t*>(p.qkv);
+
+  extern __shared__ uint8_t smem_raw[];
+  uint16_t* sQ = reinterpret_cast<uint16_t*>(align_smem(smem_raw));
+  uint16_t* sK = sQ + Sh::kBlockM * HD;  // [2][64][HD]
+  uint16_t* sV = sK + 2 * kTile * HD;    // [2][64][HD]
+
+  const uint16_t* gK = qkv + int64_t{s0} * ld + H + head * HD;
+  const uint16_t* gV = gK + H;
+  {
+    const TileCopy<HD, Sh::kBlockM, Sh::kThreads> q_copy(ld);
+    q_copy.load(sQ, qkv + int64_t{s0 + q0} * ld + head * HD, L - q0);
+  }
+  const TileCopy<HD, kTile, Sh::kThreads> kv_copy(ld);
+  kv_copy.load(sK, gK, L);
+  kv_copy.load(sV, gV, L);
+  cp_async_commit();
+
+  const int warp = static_cast<int>(threadIdx.x) >> 5, lane = static_cast<int>(threadIdx.x) & 31;
+  const int g = lane >> 2, t = lane & 3;
+  const int wrow = warp * 16;  // this warp's first row within the Q tile (warpgroup warp / 4 owns 64 of them)
+  const uint64_t desc_q = wgmma_desc(sQ + (warp >> 2) * 64 * HD);
+
+  float acc[kDTiles][4];
+#pragma unroll
+  for (int i = 0; i < kDTiles; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.0f;
+  float row_max[2] = {-INFINITY, -INFINITY}, row_sum[2] = {0.0f, 0.0f};
+
+  uint32_t s_lo = 0, s_hi = 0;
+  if constexpr (kDrop) {
+    const uint64_t sample = p.sample_ids[b];
+    s_lo = static_cast<uint32_t>(sample);
+    s_hi = static_cast<uint32_t>(sample >> 32);
+  }
+  const auto draw = [&](uint32_t lo, uint32_t hi) { return dropout_block(args, s_lo, s_hi, lo, hi); };
+
+  const auto tile = [&](const uint16_t* k, const uint16_t* v, int kbase, auto partial) {
+    constexpr bool kPartial = decltype(partial)::value;
+    const int kvalid = L - kbase;
+
+    float s[kNTiles][4];
+    const uint64_t desc_k = wgmma_desc(k);
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < HD / 16; ++kk) wgmma_ss<kFp16, 0, 0>(s, desc_q + kk * kDescStepK, desc_k + kk * kDescStepK, kk > 0);
+    wgmma_commit();
+    uint32_t keep = 0;
+    if constexpr (kDrop) {
+      const uint32_t row_g = static_cast<uint32_t>(q0 + wrow + g);
+      keep = lane_transpose<2, 0>(fmha_dropout::fwd_lane_bits(draw, args.threshold, static_cast<uint32_t>(head), row_g,
+                                                              static_cast<uint32_t>(kbase), static_cast<uint32_t>(t)),
+                                  static_cast<uint32_t>(t));
+    }
+    wgmma_wait<0>();
+    fence_regs(s);
+
+    if constexpr (kPartial) {
+#pragma unroll
+      for (int nt = 0; nt < kNTiles; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e)
+          if (nt * 8 + 2 * t + (e & 1) >= kvalid) s[nt][e] = -INFINITY;
+    }
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      float mx = row_max[r];
+#pragma unroll
+      for (int nt = 0; nt < kNTiles; ++nt) mx = fmaxf(mx, fmaxf(s[nt][2 * r], s[nt][2 * r + 1]));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+      const float alpha = exp2_ftz((row_max[r] - mx) * args.scale_log2);
+      row_max[r] = mx;
+      const float mx_s = mx * args.scale_log2;
+      float sum = 0.0f;
+#pragma unroll
+      for (int nt = 0; nt < kNTiles; ++nt) {
+        s[nt][2 * r] = exp2_ftz(fmaf(s[nt][2 * r], args.scale_log2, -mx_s));
+        s[nt][2 * r + 1] = exp2_ftz(fmaf(s[nt][2 * r + 1], args.scale_log2, -mx_s));
+        sum += s[nt][2 * r] + s[nt][2 * r + 1];
+      }
+      row_sum[r] = row_sum[r] * alpha + sum;
+#pragma unroll
+      for (int dt = 0; dt < kDTiles; ++dt) {
+        acc[dt][2 * r] *= alpha;
+        acc[dt][2 * r + 1] *= alpha;
+      }
+    }
+    if constexpr (kDrop) {
+#pragma unroll
+      for (int nt = 0; nt < kNTiles; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) s[nt][e] = ((keep >> fmha_dropout::fwd_bit(nt, e)) & 1u) ? s[nt][e] : 0.0f;
+    }
+
+    // O += P' V: A = P' (the S accumulators of n-tiles 2kk, 2kk+1), B = the V tile as an MN-major operand.
+    uint32_t a[kTile / 16][4];
+#pragma unroll
+    for (int kk = 0; kk < kTile / 16; ++kk) {
+      a[kk][0] = pack2<kFp16>(s[2 * kk][0], s[2 * kk][1]);
+      a[kk][1] = pack2<kFp16>(s[2 * kk][2], s[2 * kk][3]);
+      a[kk][2] = pack2<kFp16>(s[2 * kk + 1][0], s[2 * kk + 1][1]);
+      a[kk][3] = pack2<kFp16>(s[2 * kk + 1][2], s[2 * kk + 1][3]);
+    }
+    const uint64_t desc_v = wgmma_desc(v);
+    wgmma_fence();  // acc was rescaled by ordinary instructions
+#pragma unroll
+    for (int kk = 0; kk < kTile / 16; ++kk) wgmma_rs<kFp16, 1>(acc, a[kk], desc_v + kk * kDescStepMN);
+    wgmma_commit();
+    wgmma_wait<0>();
+    fence_regs(acc);
+    fence_regs(a);
+  };
+
+  const int num_kt = (L + kTile - 1) / kTile;
+  for (int j = 0; j < num_kt; ++j) {
+    cp_async_wait<0>();
+    fence_proxy_async();  // this thread's cp.async writes, visible to the tensor cores' reads after the barrier
+    __syncthreads();
+    if (j + 1 < num_kt) {
+      const int buf = (j + 1) & 1, k1 = (j + 1) * kTile;
+      gK += kTile * ld;
+      gV += kTile * ld;
+      kv_copy.load(sK + buf * kTile * HD, gK, L - k1);
+      kv_copy.load(sV + buf * kTile * HD, gV, L - k1);
+    }
+    cp_async_commit();
+    const uint16_t* k = sK + (j & 1) * kTile * HD;
+    const uint16_t* v = sV + (j & 1) * kTile * HD;
+    if ((j + 1) * kTile <= L) {
+      tile(k, v, j * kTile, std::false_type{});
+    } else {
+      tile(k, v, j * kTile, std::true_type{});
+    }
+  }
+
+  // Epilogue as in fmha_fwd_kernel (one m-tile per warp); rows past the end are not stored.
+  const int T = p.num_tokens;
+  uint16_t* ctx = static_cast<uint16_t*>(p.ctx);
+  float inv[2];
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    float sum = row_sum[r];
+    sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+    sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+    inv[r] = (kDrop ? args.keep_scale : 1.0f) * __frcp_rn(sum);
+    const int row = q0 + wrow + g + 8 * r;
+    if (t == 0 && row < L) p.lse[int64_t{head} * T + s0 + row] = row_max[r] * p.scale + logf(sum);
+  }
+#pragma unroll
+  for (int dt = 0; dt < kDTiles; ++dt) {
+    *reinterpret_cast<uint32_t*>(sQ + swz<HD>(wrow + g, dt) + 2 * t) =
+        pack2<kFp16>(acc[dt][0] * inv[0], acc[dt][1] * inv[0]);
+    *reinterpret_cast<uint32_t*>(sQ + swz<HD>(wrow + g + 8, dt) + 2 * t) =
+        pack2<kFp16>(acc[dt][2] * inv[1], acc[dt][3] * inv[1]);
+  }
+  __syncwarp();
+  for (int i = lane; i < 16 * kDTiles; i += 32) {
+    const int r = i / kDTiles, c = i % kDTiles, row = q0 + wrow + r;
+    if (row < L)
+      *reinterpret_cast<uint4*>(ctx + int64_t{s0 + row} * H + head * HD + c * 8) =
+          *reinterpret_cast<const uint4*>(sQ + swz<HD>(wrow + r, c));
+  }
+#else
+  __trap();  // never launched: the host selects these kernels only where fmha_wgmma_available()
+#endif
+}
+
 // ------------------------------------------------------------------------------------------------ variants
 // CTAs per SM each variant asks registers for (launch bounds): 16 rows per warp at HD <= 64 fits 128 registers, so
 // 4 CTAs of 4 warps (16 warps per SM) instead of 3; two m-tiles per warp need 230-255 registers (2 CTAs of 4 warps, or
@@ -283,15 +481,19 @@ __global__ void __launch_bounds__(32 * kWarps, kMinCtas) fmha_fwd_kernel(const _
 struct FwdVariant {
   const char* name;
   int warps, m_tiles;
+  int warpgroups;  // > 0: the wgmma kernel with this many warpgroups (head_dim 64 on sm_90a)
 };
 constexpr FwdVariant kFwdVariants[] = {
-    {"m64w4", 4, 1},   // 0: 64 query rows, 4 warps x 16 rows (the design before variants)
-    {"m128w4", 4, 2},  // 1: 128 query rows, 4 warps x 32 rows: each K/V fragment read from shared memory feeds 2 MMAs
-    {"m64w2", 2, 2},   // 2: 64 query rows, 2 warps x 32 rows: same reuse with the 64-row tile granularity
-    {"m128w8", 8, 1},  // 3: 128 query rows, 8 warps x 16 rows: half the K/V tile loads per query row
+    {"m64w4", 4, 1, 0},   // 0: 64 query rows, 4 warps x 16 rows (the design before variants)
+    {"m128w4", 4, 2, 0},  // 1: 128 query rows, 4 warps x 32 rows: each K/V fragment read from shared memory feeds 2 MMAs
+    {"m64w2", 2, 2, 0},   // 2: 64 query rows, 2 warps x 32 rows: same reuse with the 64-row tile granularity
+    {"m128w8", 8, 1, 0},  // 3: 128 query rows, 8 warps x 16 rows: half the K/V tile loads per query row
+    {"wg64", 4, 1, 1},    // 4: wgmma, one warpgroup x 64 query rows
+    {"wg128", 8, 1, 2},   // 5: wgmma, two warpgroups x 64 rows sharing the K/V tiles
 };
 constexpr int kNumFwdVariants = static_cast<int>(sizeof(kFwdVariants) / sizeof(kFwdVariants[0]));
-constexpr int kDefaultFwdVariant = 0;
+constexpr int kDefaultFwdVariant = 0;     // where the wgmma kernels cannot run
+constexpr int kDefaultFwdVariantWg = 4;   // head_dim 64 on sm_90a
 
 constexpr int fwd_min_ctas(int hd, int warps, int m_tiles) {
   if (hd > 64) return 1;
@@ -323,9 +525,33 @@ void launch_forward_shape(const KernelArgs& args, int32_t n, cudaStream_t stream
 
 // Two m-tiles per warp at HD = 128 would need 2 x 64 accumulator floats plus 64 for S (ptxas spills or fails), so those
 // variants run the default's kernel there (not instantiated).
+template <int kWG, bool kFp16, bool kDrop>
+void launch_forward_wgmma_kernel(const KernelArgs& args, int32_t num_launch, cudaStream_t stream) {
+  using Sh = FwdWgShape<kWG>;
+  constexpr auto kernel = fmha_fwd_wgmma_kernel<kWG, kWG == 1 ? 4 : 2, kFp16, kDrop>;
+  ensure_smem<kernel>(Sh::kSmemBytes);
+  const dim3 grid((args.p.max_seqlen + Sh::kBlockM - 1) / Sh::kBlockM, args.p.num_heads, num_launch);
+  kernel<<<grid, Sh::kThreads, Sh::kSmemBytes, stream>>>(args);
+  NOPAD_CUDA_CHECK_LAUNCH();
+}
+
+template <int kWG>
+void launch_forward_wgmma(const KernelArgs& args, int32_t n, cudaStream_t stream) {
+  const bool fp16 = args.p.fp16;
+  if (args.dropout) {
+    fp16 ? launch_forward_wgmma_kernel<kWG, true, true>(args, n, stream)
+         : launch_forward_wgmma_kernel<kWG, false, true>(args, n, stream);
+  } else {
+    fp16 ? launch_forward_wgmma_kernel<kWG, true, false>(args, n, stream)
+         : launch_forward_wgmma_kernel<kWG, false, false>(args, n, stream);
+  }
+}
+
 template <int HD>
 void launch_forward_hd(const KernelArgs& args, int variant, int32_t n, cudaStream_t stream) {
   if (HD > 64 && kFwdVariants[variant].m_tiles > 1) variant = kDefaultFwdVariant;
+  // The wgmma kernels exist for head_dim 64 on sm_90a; elsewhere their variants run the default mma.sync kernel.
+  if (kFwdVariants[variant].warpgroups > 0 && (HD != 64 || !fmha_wgmma_available())) variant = kDefaultFwdVariant;
   switch (variant) {
     case 0: launch_forward_shape<HD, 4, 1>(args, n, stream); break;
     case 1:
@@ -335,10 +561,36 @@ void launch_forward_hd(const KernelArgs& args, int variant, int32_t n, cudaStrea
       if constexpr (HD <= 64) launch_forward_shape<HD, 2, 2>(args, n, stream);
       break;
     case 3: launch_forward_shape<HD, 8, 1>(args, n, stream); break;
+    case 4:
+      if constexpr (HD == 64) launch_forward_wgmma<1>(args, n, stream);
+      break;
+    case 5:
+      if constexpr (HD == 64) launch_forward_wgmma<2>(args, n, stream);
+      break;
     default: fail("fmha_forward: no variant ", variant);
   }
 }
-static_assert(kNumFwdVariants == 4, "launch_forward_hd dispatches every variant");
+static_assert(kNumFwdVariants == 6, "launch_forward_hd dispatches every variant");
+
+bool fmha_wgmma_available() {
+#ifdef NOPAD_CUDA_SM90A
+  constexpr int kMaxDevices = 64;
+  static std::atomic<int8_t> cached[kMaxDevices] = {};  // 0 unknown, 1 no, 2 yes
+  int dev = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= kMaxDevices) return false;
+  int8_t c = cached[dev].load(std::memory_order_relaxed);
+  if (c == 0) {
+    int major = 0, minor = 0;
+    const bool ok = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) == cudaSuccess &&
+                    cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev) == cudaSuccess;
+    c = ok && major == 9 && minor == 0 ? 2 : 1;
+    cached[dev].store(c, std::memory_order_relaxed);
+  }
+  return c == 2;
+#else
+  return false;  // this build has no sm_90a code (CMAKE_CUDA_ARCHITECTURES without 90a)
+#endif
+}
 
 }  // namespace fmha_detail
 
@@ -350,7 +602,8 @@ const char* fmha_forward_variant_name(int variant) {
 int fmha_forward_variant(const FmhaParams& p) {
   using namespace fmha_detail;
   static const int env = variant_from_env("NOPAD_FMHA_FWD_VARIANT", kNumFwdVariants);
-  return choose_variant(p.fwd_variant, env, kDefaultFwdVariant, kNumFwdVariants, "FmhaParams::fwd_variant");
+  const int fallback = p.head_dim == 64 && fmha_wgmma_available() ? kDefaultFwdVariantWg : kDefaultFwdVariant;
+  return choose_variant(p.fwd_variant, env, fallback, kNumFwdVariants, "FmhaParams::fwd_variant");
 }
 
 void fmha_forward(const FmhaParams& p, cudaStream_t stream) {
