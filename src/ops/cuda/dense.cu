@@ -49,6 +49,25 @@ uint32_t alignment_of(const void* p) {
 }
 }  // namespace
 
+namespace {
+// x rounded up to a multiple of 1/8 of the largest power of two <= x (x <= 16 unchanged): at most 12.5% above x,
+// so the classes of a run whose token count moves by a few percent are few, and fixed feature sizes (1024, 3072,
+// 4096) are their own class.
+int64_t round_size_class(int64_t x) {
+  if (x <= 16) return x;
+  int64_t pow2 = 1;
+  while (pow2 * 2 <= x) pow2 *= 2;
+  const int64_t step = pow2 / 8;
+  return (x + step - 1) / step * step;
+}
+}  // namespace
+
+LtGemm::Key LtGemm::size_class(const Key& exact) {
+  Key k = exact;
+  for (int i = 3; i <= 5; ++i) k[i] = round_size_class(exact[i]);  // m, n, k
+  return k;
+}
+
 LtGemm::Plan& LtGemm::plan_for(const GemmProblem& p) {
   const Key key = {p.type,           p.trans_a,         p.trans_b,    p.m,         p.n,
                    p.k,                p.lda,             p.ldb,        p.ldd,       p.d_fp32,
@@ -62,6 +81,7 @@ LtGemm::Plan& LtGemm::plan_for(const GemmProblem& p) {
   NOPAD_CHECK(p.type == CUDA_R_16BF || p.type == CUDA_R_16F, "LtGemm: element type ", static_cast<int>(p.type),
               " is neither bf16 nor fp16");
   Plan plan;
+  plan.key = key;
   const cudaDataType_t ab_type = p.type, d_type = p.d_fp32 ? CUDA_R_32F : p.type;
   NOPAD_CUBLAS_CHECK(cublasLtMatmulDescCreate(&plan.desc, CUBLAS_COMPUTE_32F, CUDA_R_32F));
   const cublasOperation_t ta = p.trans_a ? CUBLAS_OP_T : CUBLAS_OP_N, tb = p.trans_b ? CUBLAS_OP_T : CUBLAS_OP_N;
@@ -131,6 +151,19 @@ LtGemm::Plan& LtGemm::plan_for(const GemmProblem& p) {
     if (results[i].state == CUBLAS_STATUS_SUCCESS) plan.candidates[plan.num_candidates++] = results[i].algo;
   plan.found = true;
   plan.tuned = !autotune_ || plan.num_candidates <= 1;
+  if (!plan.tuned) {  // the size class's algorithm, when it has one and cuBLASLt accepts it for this exact shape
+    const auto cls = tuned_.find(size_class(key));
+    if (cls != tuned_.end()) {
+      cublasLtMatmulHeuristicResult_t check{};
+      if (cublasLtMatmulAlgoCheck(handle_, plan.desc, plan.a, plan.b, plan.d, plan.d, &cls->second, &check) ==
+              CUBLAS_STATUS_SUCCESS &&
+          check.workspaceSize <= kWorkspaceBytes) {
+        plan.algo = cls->second;
+        ++tuning_.reused;
+      }
+      plan.tuned = true;  // either way: no timing run for a shape whose class was tuned
+    }
+  }
   return plans_.emplace(key, plan).first->second;
 }
 
@@ -182,6 +215,7 @@ void LtGemm::tune(Plan& plan, const GemmProblem& p, cudaStream_t stream) {
   NOPAD_CUDA_CHECK(cudaGetLastError());
   if (best < 0) return;  // every candidate refused at run time: keep the heuristic's first (enqueue will report it)
   plan.algo = plan.candidates[best];
+  tuned_[size_class(plan.key)] = plan.algo;
   ++tuning_.shapes;
   tuning_.changed += best != 0;
   tuning_.first_ms += first_ms >= 0 ? first_ms : best_ms;

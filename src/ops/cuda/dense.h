@@ -97,11 +97,16 @@ class LtGemm {
   LtGemm& operator=(const LtGemm&) = delete;
   void run(const GemmProblem& p, cudaStream_t stream);  // throws when cuBLASLt has no algorithm
   bool try_run(const GemmProblem& p, cudaStream_t stream);  // false (nothing enqueued) when it has none
-  // Autotuning: on a shape's first use, the heuristic's first kCandidates algorithms are timed on the real operands
-  // (into a scratch D where D is accumulated into) and the fastest is kept for good. This waits for the GPU once per
-  // new shape (the first training step), never after. Off with NOPAD_GEMM_AUTOTUNE=0 (the heuristic's first choice).
+  // Autotuning: the token count T changes every step, so exact shapes keep appearing; tuning is done per size class
+  // instead (the problem with each of m, n, k rounded up to 1/8 of its power of two: size_class()). The first exact
+  // shape of a class times the heuristic's first kCandidates algorithms on its real operands (into a scratch D where D
+  // is accumulated into) and the fastest becomes the class's algorithm; later shapes of the class take it when
+  // cuBLASLt accepts it for them (cublasLtMatmulAlgoCheck, host only), else their heuristic's first. So the GPU is
+  // waited for once per new class (a few times in a run, the first steps), not once per step. Off with
+  // NOPAD_GEMM_AUTOTUNE=0 (the heuristic's first choice for every shape).
   struct TuningStats {
-    int shapes = 0;        // plans tuned
+    int shapes = 0;        // size classes tuned
+    int reused = 0;        // exact shapes that took their class's tuned algorithm
     int changed = 0;       // where a candidate other than the heuristic's first won
     double first_ms = 0;   // summed time of the heuristic's first choice, one call per shape
     double chosen_ms = 0;  // summed time of the chosen ones
@@ -110,7 +115,9 @@ class LtGemm {
 
  private:
   static constexpr int kCandidates = 8;  // heuristic results timed on a shape's first use
+  using Key = std::array<int64_t, 17>;
   struct Plan {
+    Key key{};  // the exact problem
     cublasLtMatmulDesc_t desc = nullptr;
     cublasLtMatrixLayout_t a = nullptr, b = nullptr, d = nullptr;
     cublasLtMatmulAlgo_t algo{};
@@ -119,7 +126,7 @@ class LtGemm {
     int num_candidates = 0;
     cublasLtMatmulAlgo_t candidates[kCandidates]{};
   };
-  using Key = std::array<int64_t, 17>;
+  static Key size_class(const Key& exact);  // m, n, k (key fields 3-5) rounded up: see the autotuning note
   Plan& plan_for(const GemmProblem& p);
   void enqueue(Plan& plan, const GemmProblem& p, cudaStream_t stream);
 
@@ -129,6 +136,7 @@ class LtGemm {
   cublasLtHandle_t handle_ = nullptr;
   void* workspace_ = nullptr;
   std::map<Key, Plan> plans_;
+  std::map<Key, cublasLtMatmulAlgo_t> tuned_;  // size class -> the algorithm its tuning chose
 };
 
 }  // namespace nopad::cuda
