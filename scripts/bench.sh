@@ -5,6 +5,9 @@
 #   BATCHES="32 64"       nopad batch sizes (the per-op breakdown runs at the last one)
 #   PEER_BATCHES="32 64"  batch sizes of the compiled PyTorch peer (each on the workload of the same nopad batch)
 #   HF_BATCH=32           batch of the Hugging Face peer (none: skip it)
+#   PEER_ATTENTION=1      the attention-only peer (varlen_attn, 64 sequences) on the last batch's workload (0: skip)
+#   PROFILE_BATCH=B       also profile the compiled PyTorch peer at batch B (scripts/profile_peer.py: its kernel time
+#                         per step by category, to compare with nopad's --breakdown); unset: skip
 #   NOPAD_CMAKE_EXTRA     extra CMake arguments
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -51,6 +54,16 @@ for B in $PEER_BATCHES; do
   python3 .carry/peers/peer_torch_varlen.py --batch "$B" --steps 20 --compile --lengths "$OUT/workload-$B.txt" ||
     echo "peer_torch_varlen batch $B failed"
 done
+if [ "${PEER_ATTENTION:-1}" = 1 ] && [ -f "$OUT/workload-$LAST_BATCH.txt" ]; then
+  echo "== peer_attention (varlen_attn, batches of 64 from the batch-$LAST_BATCH workload)"
+  (cd .carry/peers && python3 peer_attention.py --batch 64 --batches 2 --lengths "$OUT/workload-$LAST_BATCH.txt") ||
+    echo "peer_attention failed"
+fi
+if [ -n "${PROFILE_BATCH:-}" ] && [ -f "$OUT/workload-$PROFILE_BATCH.txt" ]; then
+  echo "== profile of peer_torch_varlen --compile at batch $PROFILE_BATCH"
+  python3 scripts/profile_peer.py .carry/peers/peer_torch_varlen.py --batch "$PROFILE_BATCH" --steps 6 --warmup 4 \
+    --compile --lengths "$OUT/workload-$PROFILE_BATCH.txt" 2>&1 | grep -v -i warn || echo "profile_peer failed"
+fi
 if [ "$HF_BATCH" != none ]; then
   echo "== peer_hf_bert batch $HF_BATCH"
   python3 .carry/peers/peer_hf_bert.py --batch "$HF_BATCH" --steps 10 --lengths "$OUT/workload-$HF_BATCH.txt" ||
