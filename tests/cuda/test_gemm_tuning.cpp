@@ -1,15 +1,13 @@
 // LtGemm autotuning by size class (ops/cuda/dense.h): a training run's token count changes every step, so the
 // algorithm is timed once per size class, not once per exact shape. Checks that (a) two row counts of one class tune
 // once and the second takes the class's algorithm, (b) a row count of another class tunes again, (c) every product is
-// right (bf16 operands, fp32 reference on the host, output poisoned before each product), (d) with the environment's
-// NOPAD_GEMM_AUTOTUNE=0 nothing is timed. Needs a GPU (nopad_cuda_tests).
+// right (bf16 operands, fp32 reference on the host, output poisoned before each product), (d) with tuning off (the
+// default) nothing is timed. Needs a GPU (nopad_cuda_tests).
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
 #include <cmath>
 #include <cstdint>
-#include <cstdlib>
-#include <cstring>
 #include <random>
 #include <vector>
 
@@ -77,27 +75,29 @@ void forward_product(LtGemm& gemm, int64_t rows, int64_t k, int64_t n, uint32_t 
 TEST(GemmTuning, OncePerSizeClass) {
   int count = 0;
   ASSERT_TRUE(cudaGetDeviceCount(&count) == cudaSuccess && count > 0) << "no CUDA device";
-  const char* env = std::getenv("NOPAD_GEMM_AUTOTUNE");
-  const bool on = env == nullptr || std::strcmp(env, "0") != 0;
-  LtGemm gemm;
-  // 5000 and 5100 rows share the class 5120 (4096 / 8 = 512-row steps); 9000 is in 9216 (1024-row steps).
-  forward_product(gemm, 5000, 1024, 768, 1);
-  forward_product(gemm, 5100, 1024, 768, 2);
-  const LtGemm::TuningStats after_two = gemm.tuning_stats();
-  forward_product(gemm, 9000, 1024, 768, 3);
-  const LtGemm::TuningStats after_three = gemm.tuning_stats();
-  std::printf("  gemm tuning: %d classes tuned, %d shapes reused a class's algorithm, %d changed from the heuristic's "
-              "first; first %.3f ms vs chosen %.3f ms\n",
-              after_three.shapes, after_three.reused, after_three.changed, after_three.first_ms, after_three.chosen_ms);
-  if (!on) {
-    EXPECT_EQ(after_three.shapes, 0);
-    EXPECT_EQ(after_three.reused, 0);
-    return;
+  for (const int on : {1, 0}) {
+    SCOPED_TRACE(on ? "autotuning on" : "autotuning off");
+    LtGemm gemm(on);
+    // 5000 and 5100 rows share the class 5120 (4096 / 8 = 512-row steps); 9000 is in 9216 (1024-row steps).
+    forward_product(gemm, 5000, 1024, 768, 1);
+    forward_product(gemm, 5100, 1024, 768, 2);
+    const LtGemm::TuningStats after_two = gemm.tuning_stats();
+    forward_product(gemm, 9000, 1024, 768, 3);
+    const LtGemm::TuningStats after_three = gemm.tuning_stats();
+    std::printf("  gemm tuning %s: %d classes tuned, %d shapes reused a class's algorithm, %d changed from the "
+                "heuristic's first; first %.3f ms vs chosen %.3f ms\n",
+                on ? "on" : "off", after_three.shapes, after_three.reused, after_three.changed, after_three.first_ms,
+                after_three.chosen_ms);
+    if (!on) {
+      EXPECT_EQ(after_three.shapes, 0);
+      EXPECT_EQ(after_three.reused, 0);
+      continue;
+    }
+    EXPECT_EQ(after_two.shapes, 1) << "5000 and 5100 rows are one class: tuned once";
+    EXPECT_EQ(after_two.reused, 1) << "5100 rows take the algorithm tuned at 5000 (cublasLtMatmulAlgoCheck accepts it)";
+    EXPECT_EQ(after_three.shapes, 2) << "9000 rows are another class";
+    EXPECT_EQ(after_three.reused, 1);
   }
-  EXPECT_EQ(after_two.shapes, 1) << "5000 and 5100 rows are one class: tuned once";
-  EXPECT_EQ(after_two.reused, 1) << "5100 rows take the algorithm tuned at 5000 (cublasLtMatmulAlgoCheck accepts it)";
-  EXPECT_EQ(after_three.shapes, 2) << "9000 rows are another class";
-  EXPECT_EQ(after_three.reused, 1);
 }
 
 }  // namespace

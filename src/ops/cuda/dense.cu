@@ -19,9 +19,9 @@ namespace nopad::cuda {
 
 // ------------------------------------------------------------------------------------------------ cuBLASLt
 
-LtGemm::LtGemm() {
+LtGemm::LtGemm(int autotune) {
   const char* env = std::getenv("NOPAD_GEMM_AUTOTUNE");
-  autotune_ = env == nullptr || std::string_view(env) != "0";
+  autotune_ = autotune >= 0 ? autotune != 0 : env != nullptr && std::string_view(env) == "1";
   NOPAD_CUBLAS_CHECK(cublasLtCreate(&handle_));
   workspace_ = cuda_malloc_or_throw(kWorkspaceBytes, "the cuBLASLt workspace");
 }
