@@ -64,7 +64,9 @@ if [ -n "${PROFILE_BATCH:-}" ] && [ -f "$OUT/workload-$PROFILE_BATCH.txt" ]; the
   python3 scripts/profile_peer.py .carry/peers/peer_torch_varlen.py --batch "$PROFILE_BATCH" --steps 6 --warmup 4 \
     --compile --lengths "$OUT/workload-$PROFILE_BATCH.txt" 2>&1 | grep -v -i warn || echo "profile_peer failed"
 fi
-if [ "$HF_BATCH" != none ]; then
+if [ "$HF_BATCH" != none ] && [ ! -f "$OUT/workload-$HF_BATCH.txt" ]; then
+  echo "no workload file for the Hugging Face batch $HF_BATCH (add $HF_BATCH to BATCHES)"
+elif [ "$HF_BATCH" != none ]; then
   echo "== peer_hf_bert batch $HF_BATCH"
   python3 .carry/peers/peer_hf_bert.py --batch "$HF_BATCH" --steps 10 --lengths "$OUT/workload-$HF_BATCH.txt" ||
     echo "peer_hf_bert failed"
