@@ -1,0 +1,221 @@
+// Multi-process tests of data-parallel training's host side, run under mpirun with 1, 2 and 4 ranks (CTest entries
+// mpi.np1, mpi.np2, mpi.np4): the MPI communicator's collectives, the config-agreement check, the sample exchange
+// (every sample arrives exactly once, at its rank), and the core equality of data parallelism: N ranks, each running
+// its share of one global batch with the global loss denominators and summing gradients with an all-reduce, give the
+// same loss and gradients as one process running the whole batch (dropout on: its masks are keyed by sample id, so
+// they do not depend on which rank a sequence lands on), for every balancing mode.
+// A failure on any rank makes mpirun exit non-zero; only rank 0 prints GoogleTest's report.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <memory>
+#include <numeric>
+#include <string>
+#include <vector>
+
+#include "core/error.h"
+#include "dist/balance.h"
+#include "dist/comm.h"
+#include "model/bert.h"
+#include "ops/cpu/cpu_backend.h"
+#include "support/batches.h"
+
+namespace nopad::dist {
+namespace {
+
+Communicator* g_comm = nullptr;
+
+TEST(Mpi, RankInfoMatchesTheLauncher) {
+  const RankInfo info = detect_rank_info();
+  EXPECT_EQ(info.rank, g_comm->rank());
+  EXPECT_EQ(info.world_size, g_comm->size());
+  EXPECT_EQ(g_comm->name(), "mpi");
+}
+
+TEST(Mpi, Collectives) {
+  Communicator& c = *g_comm;
+  const int r = c.rank(), n = c.size();
+  std::vector<float> f = {1.0f + r, 0.5f * r, -2.0f};
+  c.all_reduce_sum(f);
+  EXPECT_FLOAT_EQ(f[0], n + n * (n - 1) / 2.0f);
+  EXPECT_FLOAT_EQ(f[1], 0.5f * n * (n - 1) / 2.0f);
+  EXPECT_FLOAT_EQ(f[2], -2.0f * n);
+  std::vector<double> d(1000);
+  for (size_t i = 0; i < d.size(); ++i) d[i] = static_cast<double>(i) * (r + 1);
+  c.all_reduce_sum(d);
+  for (size_t i = 0; i < d.size(); i += 97) EXPECT_DOUBLE_EQ(d[i], static_cast<double>(i) * n * (n + 1) / 2);
+  std::vector<int64_t> k = {int64_t{1} << 40, r};
+  c.all_reduce_sum(k);
+  EXPECT_EQ(k[0], (int64_t{1} << 40) * n);
+  EXPECT_EQ(k[1], int64_t{n} * (n - 1) / 2);
+  std::vector<double> mx = {static_cast<double>(r), -static_cast<double>(r)};
+  c.all_reduce_max(mx);
+  EXPECT_EQ(mx[0], n - 1);
+  EXPECT_EQ(mx[1], 0);
+
+  const uint8_t mine[3] = {static_cast<uint8_t>(r), static_cast<uint8_t>(2 * r), 7};
+  std::vector<uint8_t> all(3 * static_cast<size_t>(n), 0xEE);
+  c.all_gather(mine, all);
+  for (int q = 0; q < n; ++q) {
+    EXPECT_EQ(all[3 * q], q);
+    EXPECT_EQ(all[3 * q + 1], 2 * q);
+    EXPECT_EQ(all[3 * q + 2], 7);
+  }
+  std::vector<uint8_t> b(5, static_cast<uint8_t>(r == n - 1 ? 42 : 0));
+  c.broadcast(b, n - 1);
+  for (const uint8_t v : b) EXPECT_EQ(v, 42);
+
+  // All-to-all with uneven counts: rank r sends q + r bytes (value 10 r + q) to rank q, including 0 bytes.
+  std::vector<size_t> send_bytes(static_cast<size_t>(n));
+  std::vector<uint8_t> send;
+  for (int q = 0; q < n; ++q) {
+    send_bytes[q] = static_cast<size_t>(q + r);
+    send.insert(send.end(), send_bytes[q], static_cast<uint8_t>(10 * r + q));
+  }
+  std::vector<uint8_t> recv;
+  std::vector<size_t> recv_bytes;
+  c.all_to_all_v(send, send_bytes, recv, recv_bytes);
+  ASSERT_EQ(recv_bytes.size(), static_cast<size_t>(n));
+  size_t at = 0;
+  for (int q = 0; q < n; ++q) {
+    ASSERT_EQ(recv_bytes[q], static_cast<size_t>(r + q)) << "from rank " << q;
+    for (size_t i = 0; i < recv_bytes[q]; ++i) EXPECT_EQ(recv[at + i], 10 * q + r);
+    at += recv_bytes[q];
+  }
+  EXPECT_EQ(at, recv.size());
+  c.barrier();
+}
+
+TEST(Mpi, ConfigMismatchIsRefusedOnEveryRank) {
+  Communicator& c = *g_comm;
+  EXPECT_NO_THROW(check_same_on_all_ranks(c, hash_string("bert-large, batch 448"), "the config"));
+  if (c.size() == 1) return;
+  const std::string mine = c.rank() == c.size() - 1 ? "bert-large, batch 447" : "bert-large, batch 448";
+  try {
+    check_same_on_all_ranks(c, hash_string(mine), "the config");
+    ADD_FAILURE() << "rank " << c.rank() << ": a config that differs on the last rank was accepted";
+  } catch (const Error& e) {
+    const std::string msg = e.what();
+    EXPECT_NE(msg.find("the config differs between ranks"), std::string::npos) << msg;
+    EXPECT_NE(msg.find(std::to_string(c.size() - 1)), std::string::npos) << "names the rank: " << msg;
+  }
+}
+
+TEST(Mpi, ExchangeDeliversEverySampleOnceToItsRank) {
+  Communicator& c = *g_comm;
+  const int r = c.rank(), n = c.size();
+  constexpr uint64_t kSamples = 97;
+  // Rank r holds samples r, r + n, ...; payload of sample i: (i % 13) + 1 bytes of value i % 251. Destination: a
+  // scrambled rank, so most samples move.
+  std::vector<uint64_t> ids;
+  std::vector<int32_t> dest;
+  std::vector<uint8_t> payload;
+  std::vector<size_t> offsets = {0};
+  const auto dest_of = [n](uint64_t i) { return static_cast<int32_t>((i * 7 + 3) % static_cast<uint64_t>(n)); };
+  for (uint64_t i = static_cast<uint64_t>(r); i < kSamples; i += static_cast<uint64_t>(n)) {
+    ids.push_back(i);
+    dest.push_back(dest_of(i));
+    payload.insert(payload.end(), i % 13 + 1, static_cast<uint8_t>(i % 251));
+    offsets.push_back(payload.size());
+  }
+  const SampleExchange got = exchange_samples(c, ids, dest, payload, offsets);
+  ASSERT_EQ(got.offsets.size(), got.ids.size() + 1);
+  std::vector<uint64_t> expect;
+  for (uint64_t i = 0; i < kSamples; ++i)
+    if (dest_of(i) == r) expect.push_back(i);
+  EXPECT_EQ(got.ids, expect);
+  for (size_t k = 0; k < got.ids.size(); ++k) {
+    const uint64_t i = got.ids[k];
+    ASSERT_EQ(got.offsets[k + 1] - got.offsets[k], i % 13 + 1) << "sample " << i;
+    for (size_t b = got.offsets[k]; b < got.offsets[k + 1]; ++b) ASSERT_EQ(got.payload[b], i % 251);
+  }
+  std::vector<int64_t> total = {static_cast<int64_t>(got.ids.size())};
+  c.all_reduce_sum(total);
+  EXPECT_EQ(total[0], static_cast<int64_t>(kSamples));
+}
+
+// One global batch of 12 sequences; each rank runs the sequences the balancing plan gives it (lengths are the same on
+// every rank, so the plan is), with the global denominators; gradients all-reduced. Every rank also runs the whole
+// batch alone: the two must agree to float summation-order rounding.
+void expect_data_parallel_equals_one_process(BalanceMode mode) {
+  Communicator& c = *g_comm;
+  const BertConfig cfg = test_support::small_config();
+  const std::vector<int> lengths = {9, 3, 12, 5, 1, 7, 11, 2, 8, 6, 10, 4};
+  std::vector<uint64_t> ids(lengths.size());
+  std::iota(ids.begin(), ids.end(), 1000);
+  const HostBatch full = test_support::make_batch(lengths, ids, cfg.vocab_size, 77);
+  ops::CpuBackend<ops::CpuF32> backend(1);
+  BertModel<ops::CpuF32> model(cfg, backend, 128, 12, 64);
+  model.init_params(5);
+  const size_t np = model.num_params();
+
+  model.zero_grad();
+  const StepResult whole = model.forward(full, /*train=*/true, 3, 41);
+  model.backward();
+  std::vector<float> g_whole(np), g_dp(np);
+  model.get_grads(g_whole.data());
+
+  std::vector<int32_t> lens32(lengths.begin(), lengths.end());
+  BalancePlan plan;
+  plan_balance(lens32, c.size(), mode, CostModel{}, 0, plan);
+  std::vector<int> mine;
+  for (size_t i = 0; i < lengths.size(); ++i)
+    if (plan.rank_of[i] == c.rank()) mine.push_back(static_cast<int>(i));
+  const HostBatch part = test_support::select_batch(full, mine);
+  model.zero_grad();
+  const LossDenominators denoms{static_cast<double>(full.num_masked()), static_cast<double>(full.num_seqs())};
+  StepResult r = mine.empty() ? StepResult{} : model.forward(part, true, 3, 41, denoms);
+  if (!mine.empty()) model.backward();
+  model.get_grads(g_dp.data());
+  c.all_reduce_sum(g_dp);
+  std::vector<double> loss = {r.loss};
+  c.all_reduce_sum(loss);
+  std::vector<int64_t> correct = {r.mlm_correct};
+  c.all_reduce_sum(correct);
+
+  EXPECT_NEAR(loss[0], whole.loss, 1e-5 * std::fabs(whole.loss)) << balance_mode_name(mode);
+  EXPECT_EQ(correct[0], whole.mlm_correct);
+  double max_g = 0;
+  for (const float g : g_whole) max_g = std::max(max_g, std::fabs(static_cast<double>(g)));
+  ASSERT_GT(max_g, 0.0);
+  int bad = 0;
+  for (size_t i = 0; i < np; ++i)
+    if (!(std::fabs(static_cast<double>(g_whole[i]) - g_dp[i]) <= 1e-5 * max_g) && bad++ < 5)
+      ADD_FAILURE() << balance_mode_name(mode) << ", rank " << c.rank() << ": param " << i << " one process "
+                    << g_whole[i] << ", " << c.size() << " ranks " << g_dp[i];
+  EXPECT_EQ(bad, 0);
+}
+TEST(Mpi, DataParallelEqualsOneProcessNoBalancing) { expect_data_parallel_equals_one_process(BalanceMode::kNone); }
+TEST(Mpi, DataParallelEqualsOneProcessStratified) {
+  expect_data_parallel_equals_one_process(BalanceMode::kStratified);
+}
+TEST(Mpi, DataParallelEqualsOneProcessCostBalanced) { expect_data_parallel_equals_one_process(BalanceMode::kCost); }
+
+}  // namespace
+}  // namespace nopad::dist
+
+int main(int argc, char** argv) {
+  testing::InitGoogleTest(&argc, argv);
+  std::unique_ptr<nopad::dist::Communicator> comm;
+  try {
+    comm = nopad::dist::make_mpi_communicator();
+  } catch (const nopad::Error& e) {
+    std::fprintf(stderr, "nopad_mpi_tests: %s\n", e.what());
+    return 1;
+  }
+  nopad::dist::g_comm = comm.get();
+  if (comm->rank() != 0) {  // one report, from rank 0; failures elsewhere still fail the run through the exit code
+    auto& listeners = testing::UnitTest::GetInstance()->listeners();
+    delete listeners.Release(listeners.default_result_printer());
+  }
+  const int rc = RUN_ALL_TESTS();
+  // Every rank's result decides: rank 0 exits non-zero when any rank failed.
+  std::vector<int64_t> failed = {rc != 0 ? 1 : 0};
+  comm->all_reduce_sum(failed);
+  if (comm->rank() == 0 && failed[0] > 0) std::fprintf(stderr, "nopad_mpi_tests: %lld rank(s) failed\n",
+                                                       static_cast<long long>(failed[0]));
+  return failed[0] > 0 ? 1 : 0;
+}
