@@ -1,8 +1,10 @@
-// nopad info: the build (version, backends) and the machine (cores, GPUs).
+// nopad info: the build (version, backends, MPI) and the machine (cores, GPUs), and this process's rank.
 #include <cstdio>
 
 #include "cli/command.h"
 #include "core/threads.h"
+#include "dist/comm.h"
+#include "dist/launch.h"
 #ifdef NOPAD_HAVE_CUDA
 #include "ops/cuda/device_info.h"
 #endif
@@ -18,6 +20,10 @@ void setup(CLI::App& sub) {
 #else
     std::printf("cuda backend: not built (nvcc was not found at configure time)\n");
 #endif
+    std::printf("mpi: %s; this process: %s\n",
+                nopad::dist::mpi_built() ? "built (data-parallel jobs under mpirun/srun)"
+                                         : "not built (no MPI at configure time: one process only)",
+                nopad::dist::describe(nopad::dist::detect_rank_info()).c_str());
   });
 }
 

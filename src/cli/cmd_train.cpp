@@ -45,6 +45,7 @@ void setup(CLI::App& sub) {
                                                : nopad::StartMode::kFresh;
     nopad::Trainer trainer(config, mode);
     const nopad::TrainSummary s = trainer.run();
+    if (s.rank != 0) return;  // data parallel: rank 0 reports
     if (!s.evals.empty()) {
       const auto& e = s.evals.back();
       std::printf("final: step %lld, samples %llu, eval mlm_accuracy %.4f, nsp_accuracy %.4f, loss %.4f%s\n",

@@ -4,9 +4,9 @@
 //
 // Contract:
 //  - Every collective is called by every rank of the communicator, in the same order, with the same counts (except
-//    where a call says otherwise); it returns when this rank's part is complete. Sums are element-wise; the order in
-//    which ranks' values are added is fixed by the implementation (the same for every call with the same counts), so
-//    a rerun with the same inputs gives the same bits.
+//    where a call says otherwise); it returns when this rank's part is complete. Sums are element-wise, and every
+//    rank receives the same bits (so data-parallel replicas of the weights stay identical); the order in which the
+//    ranks' values are added is fixed, so a rerun with the same inputs gives the same bits.
 //  - Errors (a peer gone, a transport failure) throw nopad::Error naming the operation and the rank; abort() ends
 //    the whole job (every rank) with a message, for failures a rank cannot recover from alone.
 //  - check_same_on_all_ranks() is how a job refuses to start when ranks disagree on what they run (config, data).

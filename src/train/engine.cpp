@@ -1,8 +1,9 @@
 // The CPU TrainEngine and device selection (see engine.h).
 #include "train/engine.h"
 
-#include <cmath>
 #include <array>
+#include <cmath>
+#include <span>
 #include <limits>
 
 #include "core/error.h"
@@ -48,6 +49,24 @@ class CpuEngine final : public TrainEngine {
     if (!std::isfinite(r.loss)) finite_ = false;
     if (finite_) model_.backward(loss_scale);  // nothing more is accumulated once the step is lost
   }
+  void reduce_gradients(dist::Communicator& comm) override {
+    // One all-reduce for the step's result sums and the skip flag, one for the gradients (identical bits on every
+    // rank: the MPI communicator reduces to rank 0 and broadcasts, so the ranks' weights never drift apart).
+    StepResult& r = current_.result;
+    std::array<double, 3> losses = {r.loss, r.mlm_loss, r.nsp_loss};
+    std::array<int64_t, 5> counts = {r.mlm_correct, r.mlm_count, r.nsp_correct, r.nsp_count, finite_ ? 0 : 1};
+    comm.all_reduce_sum(std::span<double>(losses));
+    comm.all_reduce_sum(std::span<int64_t>(counts));
+    r.loss = losses[0];
+    r.mlm_loss = losses[1];
+    r.nsp_loss = losses[2];
+    r.mlm_correct = counts[0];
+    r.mlm_count = counts[1];
+    r.nsp_correct = counts[2];
+    r.nsp_count = counts[3];
+    finite_ = counts[4] == 0;
+    if (finite_) comm.all_reduce_sum(std::span<float>(model_.grads(), model_.num_params()));
+  }
   void optimizer_step(double lr, double grad_scale) override {
     NOPAD_CHECK(unread_ < kMaxStepsInFlight, "CpuEngine: more than ", kMaxStepsInFlight,
                 " steps unread (call finish_step)");
@@ -87,6 +106,12 @@ class CpuEngine final : public TrainEngine {
 };
 
 }  // namespace
+
+void TrainEngine::reduce_gradients(dist::Communicator& comm) {
+  if (comm.size() == 1) return;
+  fail("data-parallel training on ", device_name(), " is not built yet (the GPU's NCCL gradient all-reduce): set ",
+       "train.device=cpu or run one process");
+}
 
 void accumulate(StepResult& sum, const StepResult& r) {
   sum.loss += r.loss;

@@ -23,6 +23,7 @@
 #include <vector>
 
 #include "data/batch.h"
+#include "dist/comm.h"
 #include "model/bert.h"
 #include "model/config.h"
 #include "model/params.h"
@@ -67,6 +68,11 @@ class TrainEngine {
   // loss_scale x the loss (fp16 loss scaling: pass grad_scale = 1 / loss_scale to optimizer_step).
   virtual void micro_step(const HostBatch& batch, uint64_t seed, uint64_t step, LossDenominators denoms,
                           double loss_scale = 1.0) = 0;
+  // Data parallelism: called between the last micro_step and optimizer_step of a step on every rank. Sums the
+  // gradients and the step's result over the ranks (so every rank then holds the global batch's gradient and loss)
+  // and makes the step's fate the same everywhere (a non-finite loss on any rank skips the update on all). The
+  // default throws: only the CPU engine implements it (the GPU's NCCL all-reduce is not built yet).
+  virtual void reduce_gradients(dist::Communicator& comm);
   // Ends the step: multiplies the gradients by grad_scale and updates the weights.
   virtual void optimizer_step(double lr, double grad_scale) = 0;
   // Waits for the oldest ended, unread step and returns its outcome. Throws if no step is unread.

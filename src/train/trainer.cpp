@@ -7,10 +7,14 @@
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <span>
 
 #include "core/error.h"
 #include "core/progress.h"
 #include "data/loader.h"
+#include "dist/balance.h"
+#include "dist/comm.h"
+#include "dist/launch.h"
 #include "optim/optimizer.h"
 #include "optim/schedule.h"
 #include "train/checkpoint.h"
@@ -41,6 +45,11 @@ ConfigSchema train_config_schema() {
         "the loss is multiplied by it before backward and the gradients divided by it");
   s.add("train.loss_scale_init", 65536.0, "first dynamic loss scale");
   s.add("train.loss_scale_window", 2000, "applied steps in a row after which the dynamic loss scale doubles");
+  s.add("dist.balance", "cost", "data parallelism (mpirun/srun): how each global batch is split among the ranks: none "
+        "(contiguous slices), stratified (length-sorted, dealt in snake order) or cost (longest-first greedy on "
+        "dist.cost_per_token * L + dist.cost_per_token_sq * L^2)");
+  s.add("dist.cost_per_token", 1.0, "balancing cost of a sequence per token (linear work: GEMMs, memory-bound ops)");
+  s.add("dist.cost_per_token_sq", 0.0, "balancing cost per token^2 (attention)");
   s.add("optim.name", "lamb", "optimizer: lamb or adamw");
   s.add("optim.lr", 1e-3, "peak learning rate");
   s.add("optim.beta1", 0.9, "Adam beta1");
@@ -71,18 +80,23 @@ uint32_t max_masked_per_sample(const Dataset& data) {
 
 namespace {
 
-// The evaluation loop; forward(batch) runs one batch with dropout off and loss denominators of 1.
+// The evaluation loop; forward(batch) runs one batch with dropout off and loss denominators of 1. With a
+// communicator of several ranks, rank r evaluates the r-th contiguous slice of the samples and the sums are added
+// over the ranks, so every rank returns the whole set's result.
 template <class Forward>
-EvalResult evaluate_with(Forward&& forward, const Dataset& data, uint64_t max_samples, int32_t batch) {
+EvalResult evaluate_with(Forward&& forward, const Dataset& data, uint64_t max_samples, int32_t batch,
+                         dist::Communicator* comm = nullptr) {
   NOPAD_CHECK(batch > 0, "evaluation batch must be positive, got ", batch);
   const uint64_t n = max_samples > 0 ? std::min<uint64_t>(max_samples, data.size()) : data.size();
+  const uint64_t ranks = comm ? static_cast<uint64_t>(comm->size()) : 1, rank = comm ? comm->rank() : 0;
+  const uint64_t first = n * rank / ranks, last = n * (rank + 1) / ranks;
   EvalResult r;
   double mlm_sum = 0, nsp_sum = 0;
   int64_t mlm_correct = 0, nsp_correct = 0;
   HostBatch hb;
   std::vector<uint64_t> ids;
-  for (uint64_t start = 0; start < n; start += static_cast<uint64_t>(batch)) {
-    const uint64_t end = std::min<uint64_t>(n, start + static_cast<uint64_t>(batch));
+  for (uint64_t start = first; start < last; start += static_cast<uint64_t>(batch)) {
+    const uint64_t end = std::min<uint64_t>(last, start + static_cast<uint64_t>(batch));
     ids.clear();
     for (uint64_t i = start; i < end; ++i) ids.push_back(i);
     build_batch(data, ids, hb);
@@ -94,6 +108,19 @@ EvalResult evaluate_with(Forward&& forward, const Dataset& data, uint64_t max_sa
     nsp_correct += s.nsp_correct;
     r.masked += static_cast<uint64_t>(s.mlm_count);
     r.samples += static_cast<uint64_t>(s.nsp_count);
+  }
+  if (ranks > 1) {
+    std::array<double, 2> sums = {mlm_sum, nsp_sum};
+    std::array<int64_t, 4> counts = {mlm_correct, nsp_correct, static_cast<int64_t>(r.masked),
+                                     static_cast<int64_t>(r.samples)};
+    comm->all_reduce_sum(std::span<double>(sums));
+    comm->all_reduce_sum(std::span<int64_t>(counts));
+    mlm_sum = sums[0];
+    nsp_sum = sums[1];
+    mlm_correct = counts[0];
+    nsp_correct = counts[1];
+    r.masked = static_cast<uint64_t>(counts[2]);
+    r.samples = static_cast<uint64_t>(counts[3]);
   }
   if (r.masked) {
     r.mlm_loss = mlm_sum / static_cast<double>(r.masked);
@@ -197,6 +224,15 @@ struct Trainer::Impl {
   double fixed_loss_scale = 1;  // train.loss_scale as a number (1 = none)
   std::unique_ptr<DynamicLossScale> loss_scaler;  // train.loss_scale dynamic
 
+  // Data parallelism: this process's rank, the communicator (single process when not launched by mpirun/srun), the
+  // balancing of each global batch among the ranks and the largest share of one rank (ceil(global / ranks)).
+  dist::RankInfo rank_info;
+  std::unique_ptr<dist::Communicator> comm;
+  dist::BalanceMode balance = dist::BalanceMode::kCost;
+  dist::CostModel cost;
+  int64_t rank_batch = 0;
+  bool lead() const { return comm->rank() == 0; }  // rank 0 writes metrics, checkpoints and progress
+
   BertConfig model_config;
   std::unique_ptr<Dataset> train_data, eval_data;
   std::unique_ptr<TrainEngine> engine;
@@ -214,6 +250,10 @@ struct Trainer::Impl {
 };
 
 void Trainer::Impl::setup() {
+  // 0. Which process of the job this is (mpirun/srun/torchrun), and the communicator to the others.
+  rank_info = dist::detect_rank_info();
+  comm = dist::make_communicator(rank_info);
+
   // 1. Config values and their ranges.
   run_dir = cfg.get_string("run_dir");
   NOPAD_CHECK(!run_dir.empty(), "run_dir is not set: give the output folder (run_dir = \"...\" or --set run_dir=...)");
@@ -231,7 +271,12 @@ void Trainer::Impl::setup() {
   NOPAD_CHECK(grad_accumulation > 0, "train.grad_accumulation must be positive, got ", grad_accumulation);
   NOPAD_CHECK(global_batch % grad_accumulation == 0, "train.global_batch (", global_batch,
               ") must be a multiple of train.grad_accumulation (", grad_accumulation, ")");
-  micro_batch = global_batch / grad_accumulation;
+  NOPAD_CHECK(global_batch >= comm->size(), "train.global_batch (", global_batch, ") is smaller than the number of ",
+              "ranks (", comm->size(), "): every rank needs at least one sequence per step");
+  // Each rank trains its share of the global batch (at most rank_batch sequences: the balancer's cap) in
+  // grad_accumulation micro-batches.
+  rank_batch = (global_batch + comm->size() - 1) / comm->size();
+  micro_batch = (rank_batch + grad_accumulation - 1) / grad_accumulation;
   max_steps = cfg.get_int("train.max_steps");
   NOPAD_CHECK(max_steps > 0, "train.max_steps must be positive, got ", max_steps);
   const int64_t max_samples_i = cfg.get_int("train.max_samples");
@@ -247,6 +292,16 @@ void Trainer::Impl::setup() {
   NOPAD_CHECK(threads >= 0, "train.threads must be >= 0, got ", threads);
   device = resolve_device(cfg.get_string("train.device"), &device_note);
   precision = resolve_precision(cfg.get_string("train.precision"), device);
+  balance = dist::parse_balance_mode(cfg.get_string("dist.balance"));
+  cost.per_token = cfg.get_double("dist.cost_per_token");
+  cost.per_token_sq = cfg.get_double("dist.cost_per_token_sq");
+  NOPAD_CHECK(std::isfinite(cost.per_token) && cost.per_token >= 0 && std::isfinite(cost.per_token_sq) &&
+                  cost.per_token_sq >= 0 && cost.per_token + cost.per_token_sq > 0,
+              "dist.cost_per_token and dist.cost_per_token_sq must be >= 0 and not both 0, got ", cost.per_token,
+              " and ", cost.per_token_sq);
+  if (rank_info.distributed())
+    NOPAD_CHECK(device == "cpu", "data-parallel training (", dist::describe(rank_info), ") runs on the CPU in this ",
+                "build: the GPU's NCCL gradient all-reduce is not built yet; set train.device=cpu or run one process");
   {
     std::string ls = cfg.get_string("train.loss_scale");
     if (ls == "auto") ls = precision == "fp16" ? "dynamic" : "none";
@@ -368,11 +423,31 @@ void Trainer::Impl::setup() {
     }
   }
 
-  // 5. The output folder, last: nothing is written before everything above passed.
-  try {
-    ensure_writable_dir(run_dir);
-  } catch (const Error& e) {
-    fail("run_dir: ", e.what());
+  // 4b. Data parallelism: every rank runs the same config on the same data (refused with the ranks that differ),
+  // and every rank has read what it resumes from before rank 0 writes or deletes anything in run_dir.
+  if (rank_info.distributed()) {
+    dist::check_same_on_all_ranks(*comm, dist::hash_string(cfg.dump()), "the config (with its --set overrides)");
+    uint64_t h = dist::hash_string("data");
+    for (const Dataset* d : {train_data.get(), eval_data.get()}) {
+      if (d == nullptr) continue;
+      const uint64_t fields[3] = {d->size(), d->vocab_checksum(), d->num_shards()};
+      h = dist::hash_bytes(std::span<const uint8_t>(reinterpret_cast<const uint8_t*>(fields), sizeof fields), h);
+      for (size_t k = 0; k < d->num_shards(); ++k) {
+        const uint64_t n = d->shard(k).num_seqs();
+        h = dist::hash_bytes(std::span<const uint8_t>(reinterpret_cast<const uint8_t*>(&n), sizeof n), h);
+      }
+    }
+    dist::check_same_on_all_ranks(*comm, h, "the training/eval data (sample counts, shards, vocabulary)");
+    comm->barrier();
+  }
+
+  // 5. The output folder, last: nothing is written before everything above passed. Rank 0 writes it.
+  if (lead()) {
+    try {
+      ensure_writable_dir(run_dir);
+    } catch (const Error& e) {
+      fail("run_dir: ", e.what());
+    }
   }
 
   // 6. Engine (model and optimizer on the device): every buffer sized once for the largest micro-batch.
@@ -391,9 +466,15 @@ void Trainer::Impl::setup() {
   eo.optim = oo;
   eo.threads = threads;
   engine = make_engine(device, eo);
-  std::fprintf(stderr, "device: %s, %s%s%s\n", engine->device_name().c_str(), engine->precision().c_str(),
-               loss_scaler ? ", dynamic loss scale" : (fixed_loss_scale != 1 ? ", fixed loss scale" : ""),
-               device_note.empty() ? "" : (" (train.device auto: " + device_note + ")").c_str());
+  if (lead()) {
+    std::fprintf(stderr, "device: %s, %s%s%s\n", engine->device_name().c_str(), engine->precision().c_str(),
+                 loss_scaler ? ", dynamic loss scale" : (fixed_loss_scale != 1 ? ", fixed loss scale" : ""),
+                 device_note.empty() ? "" : (" (train.device auto: " + device_note + ")").c_str());
+    if (rank_info.distributed())
+      std::fprintf(stderr, "data parallel: %d ranks (%s, %s), dist.balance %s, up to %lld sequences per rank and "
+                   "step\n", comm->size(), rank_info.launcher.c_str(), comm->name().c_str(),
+                   dist::balance_mode_name(balance), static_cast<long long>(rank_batch));
+  }
   reserve_batch(micro, cap_tokens, static_cast<size_t>(micro_batch), cap_masked);
 
   state.seed = seed;
@@ -411,13 +492,15 @@ void Trainer::Impl::setup() {
       }
     }
     last_checkpoint = resume_from->dir;
-    std::fprintf(stderr, "resuming from %s (step %lld, %llu samples)\n", latest.string().c_str(),
+    if (lead()) std::fprintf(stderr, "resuming from %s (step %lld, %llu samples)\n", latest.string().c_str(),
                  static_cast<long long>(state.step), static_cast<unsigned long long>(state.samples));
   } else {
-    if (mode == StartMode::kResume) std::fprintf(stderr, "no checkpoint in %s: starting at step 0\n", run_dir.c_str());
+    if (mode == StartMode::kResume && lead())
+      std::fprintf(stderr, "no checkpoint in %s: starting at step 0\n", run_dir.c_str());
     if (!start_params.empty()) engine->set_params(start_params.data());
     else engine->init_params(seed);
   }
+  if (!lead()) return;  // the other ranks write nothing
   if (mode == StartMode::kOverwrite) {
     fs::remove_all(checkpoints_dir(run_dir), ec);
     fs::remove(run_dir / "metrics.jsonl", ec);
@@ -435,6 +518,14 @@ fs::path Trainer::Impl::save_checkpoint() {
   if (loss_scaler) state.extra["loss_scale"] = loss_scaler->to_json();
   std::vector<float> host;
   engine->get_params(host);
+  // The ranks' replicas must be identical (the same updates from the same summed gradients): a checkpoint is where a
+  // drift would be written down, so it is checked here, on every rank.
+  if (rank_info.distributed())
+    dist::check_same_on_all_ranks(
+        *comm, dist::hash_bytes(std::span<const uint8_t>(reinterpret_cast<const uint8_t*>(host.data()),
+                                                         host.size() * sizeof(float))),
+        "the model weights at step " + std::to_string(state.step));
+  if (!lead()) return last_checkpoint;
   state.optimizer_steps = engine->optimizer_steps();
   state.schedule_steps = state.step;
   metrics->sync();
@@ -447,11 +538,12 @@ fs::path Trainer::Impl::save_checkpoint() {
 
 EvalResult Trainer::Impl::run_eval() {
   const EvalResult e = evaluate_with([&](const HostBatch& hb) { return engine->evaluate(hb); }, *eval_data,
-                                     eval_max_samples, static_cast<int32_t>(micro_batch));
+                                     eval_max_samples, static_cast<int32_t>(micro_batch), comm.get());
+  state.extra["last_eval"] = eval_json(e);
+  if (!lead()) return e;
   nlohmann::json j = {{"eval", true}, {"step", state.step}, {"samples", state.samples}};
   j.update(eval_json(e));
   metrics->write(j);
-  state.extra["last_eval"] = eval_json(e);
   std::fprintf(stderr, "%seval at step %lld (%llu samples): mlm accuracy %.4f, nsp accuracy %.4f, loss %.4f\n",
                Progress::stderr_is_terminal() ? "\n" : "", static_cast<long long>(state.step),
                static_cast<unsigned long long>(state.samples), e.mlm_accuracy, e.nsp_accuracy, e.loss);
@@ -483,7 +575,12 @@ TrainSummary Trainer::run() {
   lo.seed = m.seed;
   lo.shuffle = true;
   lo.start = m.state.cursor;
-  Loader loader(*m.train_data, lo);
+  lo.rank = m.comm->rank();
+  lo.world_size = m.comm->size();
+  // Every rank draws the same global batch (same seed and cursor) and plans the same split; it builds only its share.
+  Loader loader(*m.train_data, lo,
+                std::make_shared<dist::BalancedAssigner>(m.balance, m.cost, static_cast<int>(m.rank_batch)));
+  const bool lead = m.lead();
 
   // m.state describes the steps ENQUEUED on the engine. The host reads a step's results one step late (it enqueues
   // step N, then reads step N-1 while the device works on N), so the device never waits for the host between
@@ -560,7 +657,7 @@ TrainSummary Trainer::run() {
     summary.steps.push_back(rec);
     const double seq_per_s = static_cast<double>(e.seqs) / step_s,
                  tokens_per_s = static_cast<double>(e.tokens) / step_s;
-    if (rec.step % m.log_interval == 0 || e.last || overflow_skipped) {
+    if (lead && (rec.step % m.log_interval == 0 || e.last || overflow_skipped)) {
       nlohmann::json line = {{"step", rec.step},
                              {"samples", rec.samples},
                              {"loss", std::isfinite(rec.loss) ? nlohmann::json(rec.loss) : nlohmann::json()},
@@ -579,14 +676,14 @@ TrainSummary Trainer::run() {
       }
       m.metrics->write(line);
     }
-    if (overflow_skipped)
+    if (overflow_skipped && lead)
       std::fprintf(stderr, "%sstep %lld: overflow at loss scale %g, update skipped; loss scale now %g\n",
                    tty ? "\r\x1b[K" : "", static_cast<long long>(e.step), e.loss_scale, m.loss_scaler->scale());
     // Progress: a live line on a terminal, plain lines at the log interval otherwise.
     const double run_s = seconds_since(start);
     const double steps_done = static_cast<double>(rec.step - summary.first_step);
     const double eta_s = run_s / steps_done * static_cast<double>(m.max_steps - rec.step);
-    if (tty ? (run_s - last_draw_s >= 0.1 || e.last) : (rec.step % m.log_interval == 0 || e.last)) {
+    if (lead && (tty ? (run_s - last_draw_s >= 0.1 || e.last) : (rec.step % m.log_interval == 0 || e.last))) {
       last_draw_s = run_s;
       std::fprintf(stderr, "%sstep %lld/%lld  loss %.4f  mlm acc %.4f  lr %.3g  %.1f seq/s  ETA %s%s",
                    tty ? "\r" : "", static_cast<long long>(rec.step), static_cast<long long>(m.max_steps), rec.loss,
@@ -600,29 +697,37 @@ TrainSummary Trainer::run() {
 
   while (!done()) {
     const int64_t step_index = m.state.step;  // updates already taken: dropout key and schedule position
-    const HostBatch& global = loader.next();
-    const LossDenominators denoms{std::max(1.0, static_cast<double>(global.num_masked())),
-                                  static_cast<double>(global.num_seqs())};
+    // This rank's share of the global batch (the whole batch in a single process); the loss denominators are the
+    // global batch's counts, so the ranks' gradients add up to the global batch's.
+    const HostBatch& mine = loader.next();
+    std::array<int64_t, 3> global_counts = {mine.num_masked(), mine.num_seqs(), mine.num_tokens()};
+    if (m.rank_info.distributed()) m.comm->all_reduce_sum(std::span<int64_t>(global_counts));
+    const auto [global_masked, global_seqs, global_tokens] = global_counts;
+    const LossDenominators denoms{std::max(1.0, static_cast<double>(global_masked)),
+                                  static_cast<double>(global_seqs)};
     const double lr = m.schedule.lr(step_index);
     const double loss_scale = m.loss_scaler ? m.loss_scaler->scale() : m.fixed_loss_scale;
-    // Enqueue the whole step: micro-batches (forward + backward accumulating the gradients), then the update.
+    // Enqueue the whole step: micro-batches (forward + backward accumulating the gradients), the gradient sum over
+    // the ranks, then the update.
     m.engine->zero_grad();
     for (int64_t a = 0; a < m.grad_accumulation; ++a) {
       const int32_t b0 = static_cast<int32_t>(a * m.micro_batch), b1 = static_cast<int32_t>((a + 1) * m.micro_batch);
-      slice_batch(global, b0, std::min(b1, global.num_seqs()), m.micro);
+      if (b0 >= mine.num_seqs()) break;  // a rank's share may be a little smaller than the others'
+      slice_batch(mine, b0, std::min(b1, mine.num_seqs()), m.micro);
       m.engine->micro_step(m.micro, m.seed, static_cast<uint64_t>(step_index), denoms, loss_scale);
     }
+    if (m.rank_info.distributed()) m.engine->reduce_gradients(*m.comm);
     m.engine->optimizer_step(lr, 1.0 / loss_scale);
     m.state.step = step_index + 1;
-    m.state.samples += static_cast<uint64_t>(global.num_seqs());
+    m.state.samples += static_cast<uint64_t>(global_seqs);
     m.state.cursor = loader.cursor();
     m.state.lr = lr;
     Enqueued& e = queue[static_cast<size_t>((q_first + q_count) % TrainEngine::kMaxStepsInFlight)];
-    e = Enqueued{m.state.step, m.state.samples, lr, global.num_seqs(), global.num_tokens(), done(), loss_scale};
+    e = Enqueued{m.state.step, m.state.samples, lr, global_seqs, global_tokens, done(), loss_scale};
     ++q_count;
 
     // Evaluation every eval.interval_samples samples (crossing a multiple), checkpoints, the end: drain first.
-    const uint64_t before = m.state.samples - static_cast<uint64_t>(global.num_seqs());
+    const uint64_t before = m.state.samples - static_cast<uint64_t>(global_seqs);
     const bool eval_due =
         m.eval_data && m.eval_interval > 0 && m.state.samples / m.eval_interval > before / m.eval_interval;
     const bool checkpoint_due =
@@ -637,7 +742,7 @@ TrainSummary Trainer::run() {
       last_eval_step = m.state.step;
       if (m.target_accuracy > 0 && summary.evals.back().mlm_accuracy >= m.target_accuracy) {
         summary.reached_target = true;
-        std::fprintf(stderr, "reached train.target_mlm_accuracy %.4f at step %lld\n", m.target_accuracy,
+        if (lead) std::fprintf(stderr, "reached train.target_mlm_accuracy %.4f at step %lld\n", m.target_accuracy,
                      static_cast<long long>(m.state.step));
         break;
       }
@@ -648,18 +753,19 @@ TrainSummary Trainer::run() {
     }
   }
   drain();
-  if (tty) std::fprintf(stderr, "\n");
+  if (tty && lead) std::fprintf(stderr, "\n");
   if (m.eval_data && last_eval_step != m.state.step) {
     summary.evals.push_back(m.run_eval());
     if (m.target_accuracy > 0 && summary.evals.back().mlm_accuracy >= m.target_accuracy) summary.reached_target = true;
   }
   if (last_checkpoint_step != m.state.step) m.save_checkpoint();
-  m.metrics->sync();
+  if (lead) m.metrics->sync();
   summary.final_checkpoint = m.last_checkpoint;
   summary.final_step = m.state.step;
   summary.samples = m.state.samples;
   summary.elapsed_s = seconds_since(start);
-  std::fprintf(stderr, "done: step %lld, %llu samples, %.1f s; checkpoint %s\n", static_cast<long long>(m.state.step),
+  summary.rank = m.comm->rank();
+  if (lead) std::fprintf(stderr, "done: step %lld, %llu samples, %.1f s; checkpoint %s\n", static_cast<long long>(m.state.step),
                static_cast<unsigned long long>(m.state.samples), summary.elapsed_s,
                summary.final_checkpoint.string().c_str());
   return summary;

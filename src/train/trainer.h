@@ -16,6 +16,13 @@
 //  - A non-finite loss or gradient throws nopad::Error naming the step; checkpoints already written stay.
 //  - The device (train.device: auto, cpu, cuda) is reached only through a TrainEngine (train/engine.h); the CPU
 //    engine is the fp32 reference, the GPU engine runs bf16 ops with fp32 master weights (LAMB only).
+//  - Data parallelism (started by mpirun/srun, dist/launch.h; CPU engine only for now): every rank draws the same
+//    global batch, the balancer (dist.balance) gives each rank its share (at most ceil(global / ranks) sequences,
+//    in grad_accumulation micro-batches), the loss denominators are the global batch's counts, the engine sums the
+//    gradients over the ranks before the update, evaluation is split among the ranks. Rank 0 alone writes run_dir
+//    (config, metrics, checkpoints) and prints progress; all ranks read a checkpoint to resume, so run_dir must be
+//    on a file system every rank sees. The config and data are compared across ranks at start, the weights at
+//    every checkpoint; a mismatch stops every rank with an error.
 #pragma once
 #include <cstdint>
 #include <functional>
@@ -69,6 +76,7 @@ struct TrainSummary {
   bool reached_target = false;
   fs::path final_checkpoint;
   double elapsed_s = 0;
+  int rank = 0;  // this process's rank in a data-parallel job (0: it wrote metrics and checkpoints)
 };
 
 class Trainer {

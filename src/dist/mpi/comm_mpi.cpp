@@ -114,15 +114,26 @@ class MpiCommunicator final : public Communicator {
   }
 
  private:
+  // Floating-point sums go to rank 0 and back (MPI_Reduce + MPI_Bcast) rather than through MPI_Allreduce, whose
+  // algorithms (recursive doubling) may add in a different order on different ranks: data-parallel training needs
+  // every rank to hold the same bits, or the ranks' weights drift apart. Integer sums and maxima are exact either way.
   void reduce(void* data, size_t count, MPI_Datatype type, MPI_Op op, const char* what) {
     int bytes = 0;
     MPI_Type_size(type, &bytes);
+    const bool via_root = op == MPI_SUM && (type == MPI_FLOAT || type == MPI_DOUBLE);
     auto* p = static_cast<uint8_t*>(data);
     for (size_t at = 0; at < count; at += kMaxChunk) {
       const size_t n = std::min(kMaxChunk, count - at);
-      const int rc = MPI_Allreduce(MPI_IN_PLACE, p + at * static_cast<size_t>(bytes), static_cast<int>(n), type, op,
-                                   MPI_COMM_WORLD);
-      if (rc != MPI_SUCCESS) check_mpi(rc, what[0] == 's' ? "MPI_Allreduce (sum)" : "MPI_Allreduce (max)", rank_);
+      uint8_t* chunk = p + at * static_cast<size_t>(bytes);
+      if (via_root) {
+        check_mpi(MPI_Reduce(rank_ == 0 ? MPI_IN_PLACE : chunk, chunk, static_cast<int>(n), type, op, 0,
+                             MPI_COMM_WORLD),
+                  "MPI_Reduce (sum)", rank_);
+        check_mpi(MPI_Bcast(chunk, static_cast<int>(n), type, 0, MPI_COMM_WORLD), "MPI_Bcast (sum)", rank_);
+      } else {
+        check_mpi(MPI_Allreduce(MPI_IN_PLACE, chunk, static_cast<int>(n), type, op, MPI_COMM_WORLD),
+                  what[0] == 's' ? "MPI_Allreduce (sum)" : "MPI_Allreduce (max)", rank_);
+      }
     }
   }
   int rank_ = 0, size_ = 1;

@@ -1,0 +1,140 @@
+"""Data-parallel `nopad train` under mpiexec equals one process on the same global batch: bert-tiny on the shipped
+wiki sample (CPU engine), the same config run by 1 process and by 2 and 4 ranks with each balancing mode. Checks the
+loss of every step (1e-4 relative: only float summation order differs), the final weights (read from the rank-0
+checkpoint), that only rank 0 wrote metrics and printed progress, and that ranks given different configs refuse to
+start. Run by CTest with NOPAD_BINARY and NOPAD_SOURCE_DIR set; needs mpiexec (scripts/setup.sh installs Open MPI)."""
+import json
+import os
+import shutil
+import struct
+import subprocess
+import sys
+import tempfile
+
+import numpy as np
+
+NOPAD = os.environ["NOPAD_BINARY"]
+SRC = os.environ["NOPAD_SOURCE_DIR"]
+failures = []
+
+
+def check(cond, what):
+    if not cond:
+        failures.append(what)
+        print("FAIL:", what)
+
+
+def mpiexec():
+    exe = shutil.which("mpiexec") or shutil.which("mpirun")
+    if exe is None:
+        sys.exit("test_train_mpi: no mpiexec on PATH: install Open MPI (Debian: openmpi-bin libopenmpi-dev; "
+                 "scripts/setup.sh does)")
+    return [exe, "--oversubscribe", "--allow-run-as-root"]
+
+
+def read_safetensors(path):
+    with open(path, "rb") as f:
+        n = struct.unpack("<Q", f.read(8))[0]
+        header = json.loads(f.read(n))
+        data = f.read()
+    out = {}
+    for name, t in header.items():
+        if name == "__metadata__":
+            continue
+        assert t["dtype"] == "F32", (name, t["dtype"])
+        a, b = t["data_offsets"]
+        out[name] = np.frombuffer(data[a:b], dtype=np.float32).reshape(t["shape"])
+    return out
+
+
+def train(ranks, run_dir, data, extra=(), check_rc=True):
+    cmd = [NOPAD, "train", "--config", os.path.join(SRC, "configs/bert-tiny-sample.toml"), "--overwrite",
+           "--set", f"run_dir={run_dir}", "--set", f"data.train={data}", "--set", "data.eval=\"\"",
+           "--set", "train.device=cpu", "--set", "train.threads=1", "--set", "train.global_batch=8",
+           "--set", "train.grad_accumulation=2", "--set", "train.max_steps=6", "--set", "log.interval_steps=1",
+           "--set", "checkpoint.interval_steps=0", *extra]
+    if ranks > 1:
+        cmd = mpiexec() + ["-np", str(ranks)] + cmd
+    r = subprocess.run(cmd, capture_output=True, text=True, cwd=SRC)
+    if check_rc and r.returncode != 0:
+        print(r.stdout, r.stderr)
+    return r
+
+
+def losses(run_dir):
+    return [json.loads(l)["loss"] for l in open(os.path.join(run_dir, "metrics.jsonl")) if l.strip()]
+
+
+def weights(run_dir):
+    ck = os.path.join(run_dir, "checkpoints")
+    latest = open(os.path.join(ck, "latest")).read().strip()
+    return read_safetensors(os.path.join(ck, latest, "model.safetensors"))
+
+
+def main():
+    tmp = tempfile.mkdtemp(prefix="nopad-mpi-train-")
+    try:
+        data = os.path.join(tmp, "data")
+        r = subprocess.run([NOPAD, "prepare", "--input", os.path.join(SRC, "data/wiki-sample/wiki_00"), "--vocab",
+                            os.path.join(SRC, "data/vocab/bert-uncased-vocab.txt"), "--output", data,
+                            "--max-seq-length", "64", "--max-predictions", "10", "--dupe-factor", "1", "--quiet"], capture_output=True, text=True)
+        check(r.returncode == 0, f"prepare: {r.stderr}")
+        info = subprocess.run([NOPAD, "info"], capture_output=True, text=True).stdout
+        if "mpi: built" not in info:
+            sys.exit("test_train_mpi: this nopad was built without MPI (nopad info: " + info.strip().splitlines()[-1] +
+                     "); install libopenmpi-dev and reconfigure")
+
+        one = os.path.join(tmp, "one")
+        r = train(1, one, data)
+        check(r.returncode == 0, "single-process training runs")
+        ref_loss, ref_w = losses(one), weights(one)
+        check(len(ref_loss) == 6, f"6 metrics lines, got {len(ref_loss)}")
+
+        for ranks, balance in [(2, "cost"), (4, "none"), (4, "stratified"), (4, "cost")]:
+            what = f"{ranks} ranks, dist.balance {balance}"
+            run_dir = os.path.join(tmp, f"np{ranks}-{balance}")
+            r = train(ranks, run_dir, data, ("--set", f"dist.balance={balance}"))
+            check(r.returncode == 0, f"{what}: exit code {r.returncode}")
+            if r.returncode != 0:
+                continue
+            check(f"data parallel: {ranks} ranks" in r.stderr, f"{what}: says it runs data parallel")
+            check(r.stderr.count("done: step 6") == 1, f"{what}: one 'done' line (rank 0 only): {r.stderr!r}")
+            check(r.stdout.count("final: step 6") == 1, f"{what}: one final line: {r.stdout!r}")
+            got = losses(run_dir)
+            check(len(got) == len(ref_loss), f"{what}: {len(got)} metrics lines (one writer), expected {len(ref_loss)}")
+            for step, (a, b) in enumerate(zip(ref_loss, got), 1):
+                check(abs(a - b) <= 1e-4 * abs(a), f"{what}: step {step} loss {b} vs one process {a}")
+            w = weights(run_dir)
+            # The attention key biases are left out: q.(k + b) shifts all of a query's scores by q.b, which softmax
+            # ignores, so their gradient is zero in exact arithmetic and LAMB's Adam-normalised step turns its
+            # rounding noise (which depends on the summation order) into O(lr) moves that change nothing computed.
+            worst, worst_name = max((float(np.max(np.abs(w[k] - ref_w[k]))) /
+                                     max(1e-12, float(np.max(np.abs(ref_w[k])))), k)
+                                    for k in ref_w if not k.endswith("attention.self.key.bias"))
+            print(f"  {what}: losses {['%.5f' % x for x in got]}; weights max rel diff {worst:.2e} ({worst_name})")
+            check(worst <= 1e-3, f"{what}: final weights differ from one process's by {worst:.2e} (relative)")
+
+        # Ranks that disagree on the config refuse to start, naming the rank; nothing is trained.
+        bad = os.path.join(tmp, "mismatch")
+        cmd = mpiexec() + [
+            "-np", "1", NOPAD, "train", "--config", os.path.join(SRC, "configs/bert-tiny-sample.toml"), "--overwrite",
+            "--set", f"run_dir={bad}", "--set", f"data.train={data}", "--set", "data.eval=\"\"", "--set",
+            "train.device=cpu", "--set", "train.global_batch=8", "--set", "optim.lr=0.05", ":",
+            "-np", "1", NOPAD, "train", "--config", os.path.join(SRC, "configs/bert-tiny-sample.toml"), "--overwrite",
+            "--set", f"run_dir={bad}", "--set", f"data.train={data}", "--set", "data.eval=\"\"", "--set",
+            "train.device=cpu", "--set", "train.global_batch=8", "--set", "optim.lr=0.07"]
+        r = subprocess.run(cmd, capture_output=True, text=True, cwd=SRC)
+        check(r.returncode != 0, "a config mismatch between ranks exits non-zero")
+        check("the config (with its --set overrides) differs between ranks: rank(s) 1" in r.stderr,
+              f"the mismatch error names rank 1: {r.stderr[-600:]!r}")
+        check(not os.path.exists(os.path.join(bad, "metrics.jsonl")), "nothing trained after a mismatch")
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    if failures:
+        print(f"{len(failures)} failure(s)")
+        sys.exit(1)
+    print("test_train_mpi: all checks passed")
+
+
+if __name__ == "__main__":
+    main()
