@@ -76,6 +76,101 @@ __global__ void __launch_bounds__(32 * kPreRows) fmha_bwd_dq_kernel(const Kernel
   }
 }
 
+// ------------------------------------------------------------------------------------------------ per-warp steps
+// What both backward kernels (mma.sync and wgmma) do with one warp's 16 keys x 64 queries of a query tile, in the
+// transposed orientation (rows = keys g, g + 8; columns = queries 8 nt + 2t + {0, 1}; g = lane / 4, t = lane % 4).
+
+// In place: s (S^T) becomes P'^T = P^T m keep_scale, dp (dP^T) becomes dS^T = P^T (dP^T m keep_scale - D), with
+// P^T = exp2(S^T scale log2e - lse log2e). Keys past the end (key_ok) give 0, and so do queries past it (their lse2 is
+// +inf). The one keep mask (bit fmha_dropout::bwd_bit(nt, e)) serves both P' (for dV) and dP' (for dS).
+template <bool kDrop>
+__device__ __forceinline__ void p_and_ds(const KernelArgs& args, float (&s)[kTile / 8][4], float (&dp)[kTile / 8][4],
+                                         uint32_t keep, bool key_ok0, bool key_ok1, const float* lse2, const float* Dq,
+                                         int t) {
+#pragma unroll
+  for (int nt = 0; nt < kTile / 8; ++nt) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int qc = nt * 8 + 2 * t + (e & 1);
+      const bool ok = (e < 2) ? key_ok0 : key_ok1;
+      const float pr = ok ? exp2_ftz(fmaf(s[nt][e], args.scale_log2, -lse2[qc])) : 0.0f;
+      const float kf = kDrop ? (((keep >> fmha_dropout::bwd_bit(nt, e)) & 1u) ? args.keep_scale : 0.0f) : 1.0f;
+      s[nt][e] = pr * kf;                         // P' (for dV)
+      dp[nt][e] = pr * (dp[nt][e] * kf - Dq[qc]);  // dS (unscaled)
+    }
+  }
+}
+
+// dS^T fragment da (k-step kk: queries 16 kk .. +15 of this warp's keys wrow + g, + 8) into the shared dS^T tile
+// (rows = keys, columns = queries, swizzled as a 64-column tile) for dQ = dS K.
+__device__ __forceinline__ void store_ds_t(uint16_t* sdS, int wrow, int g, int t, int kk, const uint32_t (&da)[4]) {
+  *reinterpret_cast<uint32_t*>(sdS + swz<64>(wrow + g, 2 * kk) + 2 * t) = da[0];
+  *reinterpret_cast<uint32_t*>(sdS + swz<64>(wrow + g + 8, 2 * kk) + 2 * t) = da[1];
+  *reinterpret_cast<uint32_t*>(sdS + swz<64>(wrow + g, 2 * kk + 1) + 2 * t) = da[2];
+  *reinterpret_cast<uint32_t*>(sdS + swz<64>(wrow + g + 8, 2 * kk + 1) + 2 * t) = da[3];
+}
+
+// dq_acc[query rows qr0 = q + g and qr1 = qr0 + 8, columns col .. col + 8 kQTiles) += scale * dq (m16n8 C fragments,
+// rows past the end skipped). On sm_90 lanes t and t^1 swap half their values so that each holds 4 consecutive
+// columns of one row (the even lane row g, the odd lane row g + 8): one 16-byte atomic instead of four 4-byte ones.
+template <int kQTiles>
+__device__ __forceinline__ void add_dq(const FmhaParams& p, float* dq_acc, const float (&dq)[kQTiles][4], int s0,
+                                       int qr0, int L, int col, int t) {
+  const int H = p.num_heads * p.head_dim, qr1 = qr0 + 8;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  const bool odd = (t & 1) != 0;
+  const int qr = odd ? qr1 : qr0;
+  float* dst_row = dq_acc + int64_t{s0 + qr} * H + col + 4 * (t >> 1);
+#pragma unroll
+  for (int n = 0; n < kQTiles; ++n) {
+    const float r0 = __shfl_xor_sync(0xffffffffu, odd ? dq[n][0] : dq[n][2], 1);
+    const float r1 = __shfl_xor_sync(0xffffffffu, odd ? dq[n][1] : dq[n][3], 1);
+    const float4 v = odd ? make_float4(r0 * p.scale, r1 * p.scale, dq[n][2] * p.scale, dq[n][3] * p.scale)
+                         : make_float4(dq[n][0] * p.scale, dq[n][1] * p.scale, r0 * p.scale, r1 * p.scale);
+    if (qr < L) atomicAdd(reinterpret_cast<float4*>(dst_row + n * 8), v);
+  }
+#else
+#pragma unroll
+  for (int n = 0; n < kQTiles; ++n) {
+    const int c = col + n * 8 + 2 * t;
+    if (qr0 < L) {
+      float* dst = dq_acc + int64_t{s0 + qr0} * H + c;
+      atomicAdd(dst, dq[n][0] * p.scale);
+      atomicAdd(dst + 1, dq[n][1] * p.scale);
+    }
+    if (qr1 < L) {
+      float* dst = dq_acc + int64_t{s0 + qr1} * H + c;
+      atomicAdd(dst, dq[n][2] * p.scale);
+      atomicAdd(dst + 1, dq[n][3] * p.scale);
+    }
+  }
+#endif
+}
+
+// dK (scaled) and dV of keys kr0 = k + g and kr0 + 8 (m16n8 C fragments over the head dims) into d_qkv's k and v
+// blocks; keys past the end are not stored.
+template <int HD, bool kFp16>
+__device__ __forceinline__ void store_dk_dv(const FmhaParams& p, const float (&dk)[HD / 8][4],
+                                            const float (&dv)[HD / 8][4], int s0, int kr0, int L, int head, int t) {
+  uint16_t* dqkv = static_cast<uint16_t*>(p.d_qkv);
+  const int H = p.num_heads * HD, kr1 = kr0 + 8;
+  const int64_t ld = 3 * int64_t{H};
+#pragma unroll
+  for (int n = 0; n < HD / 8; ++n) {
+    const int col = head * HD + n * 8 + 2 * t;
+    if (kr0 < L) {
+      uint16_t* row = dqkv + int64_t{s0 + kr0} * ld;
+      *reinterpret_cast<uint32_t*>(row + H + col) = pack2<kFp16>(dk[n][0] * p.scale, dk[n][1] * p.scale);
+      *reinterpret_cast<uint32_t*>(row + 2 * H + col) = pack2<kFp16>(dv[n][0], dv[n][1]);
+    }
+    if (kr1 < L) {
+      uint16_t* row = dqkv + int64_t{s0 + kr1} * ld;
+      *reinterpret_cast<uint32_t*>(row + H + col) = pack2<kFp16>(dk[n][2] * p.scale, dk[n][3] * p.scale);
+      *reinterpret_cast<uint32_t*>(row + 2 * H + col) = pack2<kFp16>(dv[n][2], dv[n][3]);
+    }
+  }
+}
+
 // kWarps warps x 16 keys per CTA; the query tiles are 64 wide.
 template <int HD, int kWarps>
 struct BwdShape {
@@ -214,32 +309,15 @@ __global__ void __launch_bounds__(32 * kWarps, kMinCtas)
             static_cast<uint32_t>(g));
       }
 
-      // P^T = exp(S^T * scale - lse) (0 for keys or queries past the end), dropout, dS^T = P^T (dP'^T - D). The mask
-      // serves both P' (dV) and dP' (dS).
-#pragma unroll
-      for (int nt = 0; nt < kNTiles; ++nt) {
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int qc = nt * 8 + 2 * t + (e & 1);
-          const bool ok = (e < 2) ? key_ok0 : key_ok1;
-          const float pr = ok ? exp2_ftz(fmaf(s[nt][e], args.scale_log2, -lse2[qc])) : 0.0f;
-          const float kf = kDrop ? (((keep >> fmha_dropout::bwd_bit(nt, e)) & 1u) ? args.keep_scale : 0.0f) : 1.0f;
-          s[nt][e] = pr * kf;                         // P' (for dV)
-          dp[nt][e] = pr * (dp[nt][e] * kf - Dq[qc]);  // dS (unscaled)
-        }
-      }
+      p_and_ds<kDrop>(args, s, dp, keep, key_ok0, key_ok1, lse2, Dq, t);
 
       // dV += P'^T dO, dK += dS^T Q: the accumulators of n-tiles 2kk, 2kk+1 are the A fragment of k-step kk.
 #pragma unroll
       for (int kk = 0; kk < kTile / 16; ++kk) {
         if (kPartial && kk * 16 >= qvalid) continue;  // P' and dS are zero there; dQ skips these queries too
-        const uint32_t pa[4] = {pack2<kFp16>(s[2 * kk][0], s[2 * kk][1]), pack2<kFp16>(s[2 * kk][2], s[2 * kk][3]),
-                                pack2<kFp16>(s[2 * kk + 1][0], s[2 * kk + 1][1]),
-                                pack2<kFp16>(s[2 * kk + 1][2], s[2 * kk + 1][3])};
-        const uint32_t da[4] = {pack2<kFp16>(dp[2 * kk][0], dp[2 * kk][1]),
-                                pack2<kFp16>(dp[2 * kk][2], dp[2 * kk][3]),
-                                pack2<kFp16>(dp[2 * kk + 1][0], dp[2 * kk + 1][1]),
-                                pack2<kFp16>(dp[2 * kk + 1][2], dp[2 * kk + 1][3])};
+        uint32_t pa[4], da[4];
+        a_fragment<kFp16>(s, kk, pa);
+        a_fragment<kFp16>(dp, kk, da);
 #pragma unroll
         for (int d2 = 0; d2 < HD / 16; ++d2) {
           const int off = swz<HD>(kk * 16 + (lane & 7) + ((lane >> 3) & 1) * 8, d2 * 2 + (lane >> 4));
@@ -251,11 +329,7 @@ __global__ void __launch_bounds__(32 * kWarps, kMinCtas)
           mma16816<kFp16>(dk[2 * d2], da, r[0], r[1]);
           mma16816<kFp16>(dk[2 * d2 + 1], da, r[2], r[3]);
         }
-        // dS^T to shared memory (rows = keys, columns = queries) for dQ = dS K.
-        *reinterpret_cast<uint32_t*>(sdS + swz<64>(wrow + g, 2 * kk) + 2 * t) = da[0];
-        *reinterpret_cast<uint32_t*>(sdS + swz<64>(wrow + g + 8, 2 * kk) + 2 * t) = da[1];
-        *reinterpret_cast<uint32_t*>(sdS + swz<64>(wrow + g, 2 * kk + 1) + 2 * t) = da[2];
-        *reinterpret_cast<uint32_t*>(sdS + swz<64>(wrow + g + 8, 2 * kk + 1) + 2 * t) = da[3];
+        store_ds_t(sdS, wrow, g, t, kk, da);
       }
     }
     __syncthreads();  // all of dS^T written
@@ -280,37 +354,7 @@ __global__ void __launch_bounds__(32 * kWarps, kMinCtas)
         mma16816<kFp16>(dq[2 * d2 + 1], a, r[2], r[3]);
       }
     }
-    const int qr0 = qs + dq_qgroup * 16 + g, qr1 = qr0 + 8;
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    // Lanes t, t^1 swap half their values so that each holds 4 consecutive columns of one row: the even lane row g,
-    // the odd lane row g+8; one 16-byte atomic instead of four 4-byte ones.
-    const bool odd = (t & 1) != 0;
-    const int qr = odd ? qr1 : qr0;
-    float* dst_row = dq_acc + int64_t{s0 + qr} * H + head * HD + dq_col0 + 4 * (t >> 1);
-#pragma unroll
-    for (int n = 0; n < kQTiles; ++n) {
-      const float r0 = __shfl_xor_sync(0xffffffffu, odd ? dq[n][0] : dq[n][2], 1);
-      const float r1 = __shfl_xor_sync(0xffffffffu, odd ? dq[n][1] : dq[n][3], 1);
-      const float4 v = odd ? make_float4(r0 * p.scale, r1 * p.scale, dq[n][2] * p.scale, dq[n][3] * p.scale)
-                           : make_float4(dq[n][0] * p.scale, dq[n][1] * p.scale, r0 * p.scale, r1 * p.scale);
-      if (qr < L) atomicAdd(reinterpret_cast<float4*>(dst_row + n * 8), v);
-    }
-#else
-#pragma unroll
-    for (int n = 0; n < kQTiles; ++n) {
-      const int col = head * HD + dq_col0 + n * 8 + 2 * t;
-      if (qr0 < L) {
-        float* dst = dq_acc + int64_t{s0 + qr0} * H + col;
-        atomicAdd(dst, dq[n][0] * p.scale);
-        atomicAdd(dst + 1, dq[n][1] * p.scale);
-      }
-      if (qr1 < L) {
-        float* dst = dq_acc + int64_t{s0 + qr1} * H + col;
-        atomicAdd(dst, dq[n][2] * p.scale);
-        atomicAdd(dst + 1, dq[n][3] * p.scale);
-      }
-    }
-#endif
+    add_dq<kQTiles>(p, dq_acc, dq, s0, qs + dq_qgroup * 16 + g, L, head * HD + dq_col0, t);
   };
 
   const int num_qt = (L + kTile - 1) / kTile;
@@ -333,22 +377,7 @@ __global__ void __launch_bounds__(32 * kWarps, kMinCtas)
 
   // dK (scaled) and dV into d_qkv's k and v blocks, rows of this warp's keys that exist.
   if (!keys_live) return;
-  uint16_t* dqkv = static_cast<uint16_t*>(p.d_qkv);
-  const int kr0 = k0 + wrow + g, kr1 = kr0 + 8;
-#pragma unroll
-  for (int n = 0; n < kDTiles; ++n) {
-    const int col = head * HD + n * 8 + 2 * t;
-    if (kr0 < L) {
-      uint16_t* row = dqkv + int64_t{s0 + kr0} * ld;
-      *reinterpret_cast<uint32_t*>(row + H + col) = pack2<kFp16>(dk[n][0] * p.scale, dk[n][1] * p.scale);
-      *reinterpret_cast<uint32_t*>(row + 2 * H + col) = pack2<kFp16>(dv[n][0], dv[n][1]);
-    }
-    if (kr1 < L) {
-      uint16_t* row = dqkv + int64_t{s0 + kr1} * ld;
-      *reinterpret_cast<uint32_t*>(row + H + col) = pack2<kFp16>(dk[n][2] * p.scale, dk[n][3] * p.scale);
-      *reinterpret_cast<uint32_t*>(row + 2 * H + col) = pack2<kFp16>(dv[n][2], dv[n][3]);
-    }
-  }
+  store_dk_dv<HD, kFp16>(p, dk, dv, s0, k0 + wrow + g, L, head, t);
 }
 
 // ------------------------------------------------------------------------------------------------ Hopper (wgmma)
@@ -477,34 +506,13 @@ __global__ void __launch_bounds__(128, kMinCtas)
     fence_regs(s);
     fence_regs(dp);
 
-#pragma unroll
-    for (int nt = 0; nt < kNTiles; ++nt) {
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int qc = nt * 8 + 2 * t + (e & 1);
-        const bool ok = (e < 2) ? key_ok0 : key_ok1;
-        const float pr = ok ? exp2_ftz(fmaf(s[nt][e], args.scale_log2, -lse2[qc])) : 0.0f;
-        const float kf = kDrop ? (((keep >> fmha_dropout::bwd_bit(nt, e)) & 1u) ? args.keep_scale : 0.0f) : 1.0f;
-        s[nt][e] = pr * kf;
-        dp[nt][e] = pr * (dp[nt][e] * kf - Dq[qc]);
-      }
-    }
+    p_and_ds<kDrop>(args, s, dp, keep, key_ok0, key_ok1, lse2, Dq, t);
     uint32_t pa[kTile / 16][4], da[kTile / 16][4];
 #pragma unroll
     for (int kk = 0; kk < kTile / 16; ++kk) {
-      pa[kk][0] = pack2<kFp16>(s[2 * kk][0], s[2 * kk][1]);
-      pa[kk][1] = pack2<kFp16>(s[2 * kk][2], s[2 * kk][3]);
-      pa[kk][2] = pack2<kFp16>(s[2 * kk + 1][0], s[2 * kk + 1][1]);
-      pa[kk][3] = pack2<kFp16>(s[2 * kk + 1][2], s[2 * kk + 1][3]);
-      da[kk][0] = pack2<kFp16>(dp[2 * kk][0], dp[2 * kk][1]);
-      da[kk][1] = pack2<kFp16>(dp[2 * kk][2], dp[2 * kk][3]);
-      da[kk][2] = pack2<kFp16>(dp[2 * kk + 1][0], dp[2 * kk + 1][1]);
-      da[kk][3] = pack2<kFp16>(dp[2 * kk + 1][2], dp[2 * kk + 1][3]);
-      // dS^T to shared memory (rows = keys, columns = queries) for dQ = dS K.
-      *reinterpret_cast<uint32_t*>(sdS + swz<64>(wrow + g, 2 * kk) + 2 * t) = da[kk][0];
-      *reinterpret_cast<uint32_t*>(sdS + swz<64>(wrow + g + 8, 2 * kk) + 2 * t) = da[kk][1];
-      *reinterpret_cast<uint32_t*>(sdS + swz<64>(wrow + g, 2 * kk + 1) + 2 * t) = da[kk][2];
-      *reinterpret_cast<uint32_t*>(sdS + swz<64>(wrow + g + 8, 2 * kk + 1) + 2 * t) = da[kk][3];
+      a_fragment<kFp16>(s, kk, pa[kk]);
+      a_fragment<kFp16>(dp, kk, da[kk]);
+      store_ds_t(sdS, wrow, g, t, kk, da[kk]);  // dS^T to shared memory for dQ = dS K
     }
     // dV += P'^T dO, dK += dS^T Q.
     wgmma_fence();
@@ -530,37 +538,11 @@ __global__ void __launch_bounds__(128, kMinCtas)
     fence_regs(pa);
     fence_regs(da);
 
-    const int qr0 = qs + wrow + g, qr1 = qr0 + 8;
-    const bool odd = (t & 1) != 0;
-    const int qr = odd ? qr1 : qr0;
-    float* dst_row = dq_acc + int64_t{s0 + qr} * H + head * HD + 4 * (t >> 1);
-#pragma unroll
-    for (int n = 0; n < kDTiles; ++n) {
-      const float r0 = __shfl_xor_sync(0xffffffffu, odd ? dq[n][0] : dq[n][2], 1);
-      const float r1 = __shfl_xor_sync(0xffffffffu, odd ? dq[n][1] : dq[n][3], 1);
-      const float4 v = odd ? make_float4(r0 * p.scale, r1 * p.scale, dq[n][2] * p.scale, dq[n][3] * p.scale)
-                           : make_float4(dq[n][0] * p.scale, dq[n][1] * p.scale, r0 * p.scale, r1 * p.scale);
-      if (qr < L) atomicAdd(reinterpret_cast<float4*>(dst_row + n * 8), v);
-    }
+    add_dq<kDTiles>(p, dq_acc, dq, s0, qs + wrow + g, L, head * HD, t);
   }
 
   // dK (scaled) and dV into d_qkv's k and v blocks, rows of keys that exist.
-  uint16_t* dqkv = static_cast<uint16_t*>(p.d_qkv);
-  const int kr0 = k0 + wrow + g, kr1 = kr0 + 8;
-#pragma unroll
-  for (int n = 0; n < kDTiles; ++n) {
-    const int col = head * HD + n * 8 + 2 * t;
-    if (kr0 < L) {
-      uint16_t* row = dqkv + int64_t{s0 + kr0} * ld;
-      *reinterpret_cast<uint32_t*>(row + H + col) = pack2<kFp16>(dk[n][0] * p.scale, dk[n][1] * p.scale);
-      *reinterpret_cast<uint32_t*>(row + 2 * H + col) = pack2<kFp16>(dv[n][0], dv[n][1]);
-    }
-    if (kr1 < L) {
-      uint16_t* row = dqkv + int64_t{s0 + kr1} * ld;
-      *reinterpret_cast<uint32_t*>(row + H + col) = pack2<kFp16>(dk[n][2] * p.scale, dk[n][3] * p.scale);
-      *reinterpret_cast<uint32_t*>(row + 2 * H + col) = pack2<kFp16>(dv[n][2], dv[n][3]);
-    }
-  }
+  store_dk_dv<HD, kFp16>(p, dk, dv, s0, k0 + wrow + g, L, head, t);
 #else
   __trap();  // never launched: the host selects this kernel only where fmha_wgmma_available()
 #endif

@@ -133,6 +133,16 @@ __device__ __forceinline__ uint32_t pack2(float lo, float hi) {
   return r;
 }
 
+// The A fragment of k-step kk (16 columns) of a 16 x 64 fp32 accumulator tile c held as m16n8 C fragments: the C
+// fragments of n-tiles 2kk and 2kk + 1, packed to 16 bits, are exactly mma.sync's (and wgmma's) A fragment.
+template <bool kFp16>
+__device__ __forceinline__ void a_fragment(const float (&c)[kTile / 8][4], int kk, uint32_t (&a)[4]) {
+  a[0] = pack2<kFp16>(c[2 * kk][0], c[2 * kk][1]);
+  a[1] = pack2<kFp16>(c[2 * kk][2], c[2 * kk][3]);
+  a[2] = pack2<kFp16>(c[2 * kk + 1][0], c[2 * kk + 1][1]);
+  a[3] = pack2<kFp16>(c[2 * kk + 1][2], c[2 * kk + 1][3]);
+}
+
 template <bool kFp16>
 __device__ __forceinline__ float to_f32(uint16_t x) {
   if constexpr (kFp16) {

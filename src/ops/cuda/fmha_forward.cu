@@ -13,6 +13,105 @@
 namespace nopad::cuda {
 namespace fmha_detail {
 
+// ------------------------------------------------------------------------------------------------ per-warp steps
+// What both forward kernels (mma.sync and wgmma) do with one warp's 16 query rows of a 64-key tile: the m16n8
+// accumulator fragments of fmha_common.cuh, n-tile by n-tile (g = lane / 4 rows g and g + 8, t = lane % 4).
+
+// Online softmax of one key tile: keys >= kvalid to -inf (kPartial), the running max and sum of rows g, g + 8
+// updated, s replaced by exp2(s * scale_log2 - max * scale_log2), O rescaled. Raw scores: scale > 0, so the max
+// commutes with the scaling, which folds into one FFMA per element before exp2.
+template <bool kPartial, int kDTiles>
+__device__ __forceinline__ void softmax_tile(float (&s)[kTile / 8][4], float (&acc)[kDTiles][4], float (&row_max)[2],
+                                             float (&row_sum)[2], int kvalid, int t, float scale_log2) {
+  constexpr int kNTiles = kTile / 8;
+  if constexpr (kPartial) {
+#pragma unroll
+    for (int nt = 0; nt < kNTiles; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e)
+        if (nt * 8 + 2 * t + (e & 1) >= kvalid) s[nt][e] = -INFINITY;
+  }
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    float mx = row_max[r];
+#pragma unroll
+    for (int nt = 0; nt < kNTiles; ++nt) mx = fmaxf(mx, fmaxf(s[nt][2 * r], s[nt][2 * r + 1]));
+    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+    // mx is finite: every key tile holds at least one key < L.
+    const float alpha = exp2_ftz((row_max[r] - mx) * scale_log2);  // 0 on the first tile
+    row_max[r] = mx;
+    const float mx_s = mx * scale_log2;
+    float sum = 0.0f;
+#pragma unroll
+    for (int nt = 0; nt < kNTiles; ++nt) {
+      s[nt][2 * r] = exp2_ftz(fmaf(s[nt][2 * r], scale_log2, -mx_s));
+      s[nt][2 * r + 1] = exp2_ftz(fmaf(s[nt][2 * r + 1], scale_log2, -mx_s));
+      sum += s[nt][2 * r] + s[nt][2 * r + 1];
+    }
+    row_sum[r] = row_sum[r] * alpha + sum;  // the softmax denominator is taken before dropout
+#pragma unroll
+    for (int dt = 0; dt < kDTiles; ++dt) {
+      acc[dt][2 * r] *= alpha;
+      acc[dt][2 * r + 1] *= alpha;
+    }
+  }
+}
+
+// Dropped elements of P to 0 (keep bit fmha_dropout::fwd_bit(nt, e)); the keep-scale of the kept ones is applied once,
+// in the epilogue.
+__device__ __forceinline__ void drop_tile(float (&s)[kTile / 8][4], uint32_t keep) {
+#pragma unroll
+  for (int nt = 0; nt < kTile / 8; ++nt)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) s[nt][e] = ((keep >> fmha_dropout::fwd_bit(nt, e)) & 1u) ? s[nt][e] : 0.0f;
+}
+
+// Epilogue of one warp's 16 rows, rows mrow .. mrow + 15 of the query tile that starts at query q0: lse = max * scale +
+// ln(sum) (natural log) by lane t = 0 of each row; O = acc * keep_scale / sum as 16-bit into the same rows of the
+// swizzled tile sQ (rows no other warp reads), from where store_rows() writes them with 16-byte stores.
+template <int HD, bool kFp16, bool kDrop>
+__device__ __forceinline__ void finish_rows(const KernelArgs& args, const float (&acc)[HD / 8][4],
+                                            const float (&row_max)[2], const float (&row_sum)[2], uint16_t* sQ,
+                                            int mrow, int q0, int s0, int L, int head, int g, int t) {
+  const FmhaParams& p = args.p;
+  float inv[2];
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    float sum = row_sum[r];
+    sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+    sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+    // sum >= 1 (the row max contributes exp2(0)): a reciprocal without the IEEE division's slow-path call.
+    inv[r] = (kDrop ? args.keep_scale : 1.0f) * __frcp_rn(sum);
+    const int row = q0 + mrow + g + 8 * r;
+    if (t == 0 && row < L) p.lse[int64_t{head} * p.num_tokens + s0 + row] = row_max[r] * p.scale + logf(sum);
+  }
+  __syncwarp();  // every lane's last read of these rows (ldmatrix of Q) is done before they are overwritten
+#pragma unroll
+  for (int dt = 0; dt < HD / 8; ++dt) {
+    *reinterpret_cast<uint32_t*>(sQ + swz<HD>(mrow + g, dt) + 2 * t) =
+        pack2<kFp16>(acc[dt][0] * inv[0], acc[dt][1] * inv[0]);
+    *reinterpret_cast<uint32_t*>(sQ + swz<HD>(mrow + g + 8, dt) + 2 * t) =
+        pack2<kFp16>(acc[dt][2] * inv[1], acc[dt][3] * inv[1]);
+  }
+}
+
+// Rows [wrow, wrow + rows) of sQ, staged by finish_rows, to ctx; rows past the sequence end are not stored.
+template <int HD>
+__device__ __forceinline__ void store_rows(const FmhaParams& p, const uint16_t* sQ, int wrow, int rows, int q0, int s0,
+                                           int L, int head, int lane) {
+  constexpr int kChunks = HD / 8;
+  uint16_t* ctx = static_cast<uint16_t*>(p.ctx);
+  const int H = p.num_heads * HD;
+  __syncwarp();
+  for (int i = lane; i < rows * kChunks; i += 32) {
+    const int r = i / kChunks, c = i % kChunks, row = q0 + wrow + r;
+    if (row < L)
+      *reinterpret_cast<uint4*>(ctx + int64_t{s0 + row} * H + head * HD + c * 8) =
+          *reinterpret_cast<const uint4*>(sQ + swz<HD>(wrow + r, c));
+  }
+}
+
 // kWarps warps x kMT m16 tiles of query rows per warp.
 template <int HD, int kWarps, int kMT>
 struct FwdShape {
@@ -138,50 +237,10 @@ __global__ void __launch_bounds__(32 * kWarps, kMinCtas) fmha_fwd_kernel(const _
       }
     }
 
-    // Keys past the end to -inf (partial tile only); online softmax on raw scores: scale > 0, so the max commutes
-    // with the scaling, which folds into one FFMA per element before exp2.
 #pragma unroll
     for (int mt = 0; mt < kMT; ++mt) {
-      if constexpr (kPartial) {
-#pragma unroll
-        for (int nt = 0; nt < kNTiles; ++nt)
-#pragma unroll
-          for (int e = 0; e < 4; ++e)
-            if (nt * 8 + 2 * t + (e & 1) >= kvalid) s[mt][nt][e] = -INFINITY;
-      }
-#pragma unroll
-      for (int r = 0; r < 2; ++r) {
-        float mx = row_max[mt][r];
-#pragma unroll
-        for (int nt = 0; nt < kNTiles; ++nt) mx = fmaxf(mx, fmaxf(s[mt][nt][2 * r], s[mt][nt][2 * r + 1]));
-        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-        // mx is finite: every key tile holds at least one key < L.
-        const float alpha = exp2_ftz((row_max[mt][r] - mx) * args.scale_log2);  // 0 on the first tile
-        row_max[mt][r] = mx;
-        const float mx_s = mx * args.scale_log2;
-        float sum = 0.0f;
-#pragma unroll
-        for (int nt = 0; nt < kNTiles; ++nt) {
-          s[mt][nt][2 * r] = exp2_ftz(fmaf(s[mt][nt][2 * r], args.scale_log2, -mx_s));
-          s[mt][nt][2 * r + 1] = exp2_ftz(fmaf(s[mt][nt][2 * r + 1], args.scale_log2, -mx_s));
-          sum += s[mt][nt][2 * r] + s[mt][nt][2 * r + 1];
-        }
-        row_sum[mt][r] = row_sum[mt][r] * alpha + sum;  // the softmax denominator is taken before dropout
-#pragma unroll
-        for (int dt = 0; dt < kDTiles; ++dt) {
-          acc[mt][dt][2 * r] *= alpha;
-          acc[mt][dt][2 * r + 1] *= alpha;
-        }
-      }
-      // Dropped elements are zeroed; the keep-scale of the kept ones is applied once, in the epilogue.
-      if constexpr (kDrop) {
-#pragma unroll
-        for (int nt = 0; nt < kNTiles; ++nt)
-#pragma unroll
-          for (int e = 0; e < 4; ++e)
-            s[mt][nt][e] = ((keep[mt] >> fmha_dropout::fwd_bit(nt, e)) & 1u) ? s[mt][nt][e] : 0.0f;
-      }
+      softmax_tile<kPartial>(s[mt], acc[mt], row_max[mt], row_sum[mt], kvalid, t, args.scale_log2);
+      if constexpr (kDrop) drop_tile(s[mt], keep[mt]);
     }
 
     // O += P' V: the S accumulators of n-tiles 2kk, 2kk+1 are exactly the A fragment of k-step kk.
@@ -190,12 +249,7 @@ __global__ void __launch_bounds__(32 * kWarps, kMinCtas) fmha_fwd_kernel(const _
       if (kPartial && kk * 16 >= kvalid) continue;  // P' is zero for these keys
       uint32_t a[kMT][4];
 #pragma unroll
-      for (int mt = 0; mt < kMT; ++mt) {
-        a[mt][0] = pack2<kFp16>(s[mt][2 * kk][0], s[mt][2 * kk][1]);
-        a[mt][1] = pack2<kFp16>(s[mt][2 * kk][2], s[mt][2 * kk][3]);
-        a[mt][2] = pack2<kFp16>(s[mt][2 * kk + 1][0], s[mt][2 * kk + 1][1]);
-        a[mt][3] = pack2<kFp16>(s[mt][2 * kk + 1][2], s[mt][2 * kk + 1][3]);
-      }
+      for (int mt = 0; mt < kMT; ++mt) a_fragment<kFp16>(s[mt], kk, a[mt]);
 #pragma unroll
       for (int dp = 0; dp < HD / 16; ++dp) {
         uint32_t r[4];  // keys kk*16 .. +15 (k), head dims dp*16 .. +15 (n), transposed
@@ -242,40 +296,11 @@ __global__ void __launch_bounds__(32 * kWarps, kMinCtas) fmha_fwd_kernel(const _
   }
   if (!live) return;
 
-  // Epilogue: O = acc * keep_scale / sum, lse = max + log(sum) in natural log; O staged through this warp's own rows of
-  // sQ (only this warp ever read them) for 16-byte coalesced stores.
-  const int T = p.num_tokens;
-  uint16_t* ctx = static_cast<uint16_t*>(p.ctx);
+  // Epilogue: O and lse per m-tile, staged through this warp's own rows of sQ for 16-byte coalesced stores.
 #pragma unroll
-  for (int mt = 0; mt < kMT; ++mt) {
-    const int mrow = wrow + 16 * mt;
-    float inv[2];
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      float sum = row_sum[mt][r];
-      sum += __shfl_xor_sync(0xffffffffu, sum, 1);
-      sum += __shfl_xor_sync(0xffffffffu, sum, 2);
-      // sum >= 1 (the row max contributes exp2(0)): a reciprocal without the IEEE division's slow-path call.
-      inv[r] = (kDrop ? args.keep_scale : 1.0f) * __frcp_rn(sum);
-      const int row = q0 + mrow + g + 8 * r;
-      if (t == 0 && row < L) p.lse[int64_t{head} * T + s0 + row] = row_max[mt][r] * p.scale + logf(sum);
-    }
-    __syncwarp();  // (kQInRegs = false) every lane's last ldmatrix of these rows is done before they are overwritten
-#pragma unroll
-    for (int dt = 0; dt < kDTiles; ++dt) {
-      *reinterpret_cast<uint32_t*>(sQ + swz<HD>(mrow + g, dt) + 2 * t) =
-          pack2<kFp16>(acc[mt][dt][0] * inv[0], acc[mt][dt][1] * inv[0]);
-      *reinterpret_cast<uint32_t*>(sQ + swz<HD>(mrow + g + 8, dt) + 2 * t) =
-          pack2<kFp16>(acc[mt][dt][2] * inv[1], acc[mt][dt][3] * inv[1]);
-    }
-  }
-  __syncwarp();
-  for (int i = lane; i < Sh::kWarpRows * kDTiles; i += 32) {
-    const int r = i / kDTiles, c = i % kDTiles, row = q0 + wrow + r;
-    if (row < L)
-      *reinterpret_cast<uint4*>(ctx + int64_t{s0 + row} * H + head * HD + c * 8) =
-          *reinterpret_cast<const uint4*>(sQ + swz<HD>(wrow + r, c));
-  }
+  for (int mt = 0; mt < kMT; ++mt)
+    finish_rows<HD, kFp16, kDrop>(args, acc[mt], row_max[mt], row_sum[mt], sQ, wrow + 16 * mt, q0, s0, L, head, g, t);
+  store_rows<HD>(p, sQ, wrow, Sh::kWarpRows, q0, s0, L, head, lane);
 }
 
 // ------------------------------------------------------------------------------------------------ Hopper (wgmma)
@@ -363,53 +388,13 @@ __global__ void __launch_bounds__(128 * kWG, kMinCtas) fmha_fwd_wgmma_kernel(con
     wgmma_wait<0>();
     fence_regs(s);
 
-    if constexpr (kPartial) {
-#pragma unroll
-      for (int nt = 0; nt < kNTiles; ++nt)
-#pragma unroll
-        for (int e = 0; e < 4; ++e)
-          if (nt * 8 + 2 * t + (e & 1) >= kvalid) s[nt][e] = -INFINITY;
-    }
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      float mx = row_max[r];
-#pragma unroll
-      for (int nt = 0; nt < kNTiles; ++nt) mx = fmaxf(mx, fmaxf(s[nt][2 * r], s[nt][2 * r + 1]));
-      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-      const float alpha = exp2_ftz((row_max[r] - mx) * args.scale_log2);
-      row_max[r] = mx;
-      const float mx_s = mx * args.scale_log2;
-      float sum = 0.0f;
-#pragma unroll
-      for (int nt = 0; nt < kNTiles; ++nt) {
-        s[nt][2 * r] = exp2_ftz(fmaf(s[nt][2 * r], args.scale_log2, -mx_s));
-        s[nt][2 * r + 1] = exp2_ftz(fmaf(s[nt][2 * r + 1], args.scale_log2, -mx_s));
-        sum += s[nt][2 * r] + s[nt][2 * r + 1];
-      }
-      row_sum[r] = row_sum[r] * alpha + sum;
-#pragma unroll
-      for (int dt = 0; dt < kDTiles; ++dt) {
-        acc[dt][2 * r] *= alpha;
-        acc[dt][2 * r + 1] *= alpha;
-      }
-    }
-    if constexpr (kDrop) {
-#pragma unroll
-      for (int nt = 0; nt < kNTiles; ++nt)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) s[nt][e] = ((keep >> fmha_dropout::fwd_bit(nt, e)) & 1u) ? s[nt][e] : 0.0f;
-    }
+    softmax_tile<kPartial>(s, acc, row_max, row_sum, kvalid, t, args.scale_log2);
+    if constexpr (kDrop) drop_tile(s, keep);
 
     // O += P' V: A = P' (the S accumulators of n-tiles 2kk, 2kk+1), B = the V tile as an MN-major operand.
     uint32_t a[kTile / 16][4];
 #pragma unroll
-    for (int kk = 0; kk < kTile / 16; ++kk) {
-      a[kk][0] = pack2<kFp16>(s[2 * kk][0], s[2 * kk][1]);
-      a[kk][1] = pack2<kFp16>(s[2 * kk][2], s[2 * kk][3]);
-      a[kk][2] = pack2<kFp16>(s[2 * kk + 1][0], s[2 * kk + 1][1]);
-      a[kk][3] = pack2<kFp16>(s[2 * kk + 1][2], s[2 * kk + 1][3]);
-    }
+    for (int kk = 0; kk < kTile / 16; ++kk) a_fragment<kFp16>(s, kk, a[kk]);
     const uint64_t desc_v = wgmma_desc(v);
     wgmma_fence();  // acc was rescaled by ordinary instructions
 #pragma unroll
@@ -442,33 +427,9 @@ __global__ void __launch_bounds__(128 * kWG, kMinCtas) fmha_fwd_wgmma_kernel(con
     }
   }
 
-  // Epilogue as in fmha_fwd_kernel (one m-tile per warp); rows past the end are not stored.
-  const int T = p.num_tokens;
-  uint16_t* ctx = static_cast<uint16_t*>(p.ctx);
-  float inv[2];
-#pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    float sum = row_sum[r];
-    sum += __shfl_xor_sync(0xffffffffu, sum, 1);
-    sum += __shfl_xor_sync(0xffffffffu, sum, 2);
-    inv[r] = (kDrop ? args.keep_scale : 1.0f) * __frcp_rn(sum);
-    const int row = q0 + wrow + g + 8 * r;
-    if (t == 0 && row < L) p.lse[int64_t{head} * T + s0 + row] = row_max[r] * p.scale + logf(sum);
-  }
-#pragma unroll
-  for (int dt = 0; dt < kDTiles; ++dt) {
-    *reinterpret_cast<uint32_t*>(sQ + swz<HD>(wrow + g, dt) + 2 * t) =
-        pack2<kFp16>(acc[dt][0] * inv[0], acc[dt][1] * inv[0]);
-    *reinterpret_cast<uint32_t*>(sQ + swz<HD>(wrow + g + 8, dt) + 2 * t) =
-        pack2<kFp16>(acc[dt][2] * inv[1], acc[dt][3] * inv[1]);
-  }
-  __syncwarp();
-  for (int i = lane; i < 16 * kDTiles; i += 32) {
-    const int r = i / kDTiles, c = i % kDTiles, row = q0 + wrow + r;
-    if (row < L)
-      *reinterpret_cast<uint4*>(ctx + int64_t{s0 + row} * H + head * HD + c * 8) =
-          *reinterpret_cast<const uint4*>(sQ + swz<HD>(wrow + r, c));
-  }
+  // Epilogue as in fmha_fwd_kernel (one m-tile per warp).
+  finish_rows<HD, kFp16, kDrop>(args, acc, row_max, row_sum, sQ, wrow, q0, s0, L, head, g, t);
+  store_rows<HD>(p, sQ, wrow, 16, q0, s0, L, head, lane);
 #else
   __trap();  // never launched: the host selects these kernels only where fmha_wgmma_available()
 #endif
