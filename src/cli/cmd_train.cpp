@@ -29,6 +29,9 @@ void setup(CLI::App& sub) {
   sub.add_option("--set", *overrides, "override a config key: --set optim.lr=2e-3 (repeatable)");
   sub.add_flag("--resume", *resume, "continue the run in run_dir from checkpoints/latest");
   sub.add_flag("--overwrite", *overwrite, "start over, deleting run_dir's checkpoints and metrics");
+  auto mllog_stdout = std::make_shared<bool>(false);
+  sub.add_flag("--mllog-stdout", *mllog_stdout,
+               "also print the MLPerf log (run_dir/mllog.txt, ':::MLLOG' lines) on standard output");
   auto device = std::make_shared<std::string>();
   sub.add_option("--device", *device,
                  "auto, cpu or cuda: where to train (same as --set train.device=...; auto takes the GPU when one is "
@@ -40,6 +43,7 @@ void setup(CLI::App& sub) {
     nopad::Config config = nopad::Config::load(*config_path, nopad::train_config_schema());
     for (const auto& o : *overrides) config.apply_override(o);
     if (!device->empty()) config.apply_override("train.device=" + *device);
+    if (*mllog_stdout) config.apply_override("mllog.stdout=true");
     const nopad::StartMode mode = *resume ? nopad::StartMode::kResume
                                   : *overwrite ? nopad::StartMode::kOverwrite
                                                : nopad::StartMode::kFresh;

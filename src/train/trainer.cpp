@@ -21,6 +21,7 @@
 #include "train/engine.h"
 #include "train/loss_scale.h"
 #include "train/metrics.h"
+#include "train/mllog.h"
 
 namespace nopad {
 
@@ -50,6 +51,12 @@ ConfigSchema train_config_schema() {
         "dist.cost_per_token * L + dist.cost_per_token_sq * L^2)");
   s.add("dist.cost_per_token", 1.0, "balancing cost of a sequence per token (linear work: GEMMs, memory-bound ops)");
   s.add("dist.cost_per_token_sq", 0.0, "balancing cost per token^2 (attention)");
+  s.add("mllog.submission_org", "nopad", "MLPerf log (run_dir/mllog.txt): submission_org");
+  s.add("mllog.submission_platform", "", "MLPerf log: submission_platform ('' = the device nopad trains on)");
+  s.add("mllog.submission_division", "closed", "MLPerf log: submission_division, closed or open");
+  s.add("mllog.cache_clear", false, "MLPerf log: cache_clear's value; set it when the launcher dropped the OS caches "
+        "before this run (nopad does not)");
+  s.add("mllog.stdout", false, "also print the MLPerf log lines on standard output (nopad train --mllog-stdout)");
   s.add("optim.name", "lamb", "optimizer: lamb or adamw");
   s.add("optim.lr", 1e-3, "peak learning rate");
   s.add("optim.beta1", 0.9, "Adam beta1");
@@ -242,6 +249,7 @@ struct Trainer::Impl {
   fs::path last_checkpoint;
   HostBatch micro;
   std::unique_ptr<MetricsLog> metrics;
+  MlLog mllog;  // MLPerf log, rank 0: run_dir/mllog.txt
 
   Impl(const Config& c, StartMode m, TrainHooks h) : cfg(c), mode(m), hooks(std::move(h)) {}
   void setup();
@@ -253,6 +261,10 @@ void Trainer::Impl::setup() {
   // 0. Which process of the job this is (mpirun/srun/torchrun), and the communicator to the others.
   rank_info = dist::detect_rank_info();
   comm = dist::make_communicator(rank_info);
+  if (!lead()) mllog.disable();
+  // MLPerf's timing points: initialisation starts here (the lines wait in memory until run_dir is known writable).
+  mllog.point("cache_clear", cfg.get_bool("mllog.cache_clear"));
+  mllog.start("init_start");
 
   // 1. Config values and their ranges.
   run_dir = cfg.get_string("run_dir");
@@ -512,6 +524,37 @@ void Trainer::Impl::setup() {
 
   write_file_atomic(run_dir / "config.toml", cfg.dump());
   metrics = std::make_unique<MetricsLog>(run_dir / "metrics.jsonl", state.step);
+
+  // The MLPerf log: submission and hyper-parameter keys (closed-division BERT), then the end of initialisation.
+  const std::string division = cfg.get_string("mllog.submission_division");
+  NOPAD_CHECK(division == "closed" || division == "open", "mllog.submission_division must be closed or open, got \"",
+              division, "\"");
+  const std::string platform = cfg.get_string("mllog.submission_platform");
+  mllog.point("submission_benchmark", "bert");
+  mllog.point("submission_division", division);
+  mllog.point("submission_org", cfg.get_string("mllog.submission_org"));
+  mllog.point("submission_platform", platform.empty() ? engine->device_name() : platform);
+  mllog.point("submission_status", "onprem");
+  mllog.point("seed", seed);
+  mllog.point("global_batch_size", global_batch);
+  mllog.point("gradient_accumulation_steps", grad_accumulation);
+  mllog.point("max_sequence_length", train_data->max_seq_length());
+  mllog.point("opt_base_learning_rate", schedule.base_lr);
+  mllog.point("opt_lamb_epsilon", cfg.get_double("optim.eps"));
+  mllog.point("opt_lamb_beta_1", cfg.get_double("optim.beta1"));
+  mllog.point("opt_lamb_beta_2", cfg.get_double("optim.beta2"));
+  mllog.point("opt_lamb_weight_decay_rate", cfg.get_double("optim.weight_decay"));
+  mllog.point("opt_learning_rate_training_steps", schedule.total_steps);
+  mllog.point("opt_learning_rate_warmup_steps", schedule.warmup_steps);
+  mllog.point("num_warmup_steps", schedule.warmup_steps);
+  mllog.point("start_warmup_step", schedule.start_warmup_step);
+  mllog.point("opt_learning_rate_decay_poly_power", schedule.power);
+  mllog.point("train_samples", train_data->size());
+  mllog.point("eval_samples", eval_data ? (eval_max_samples > 0 ? std::min<uint64_t>(eval_max_samples, eval_data->size())
+                                                                 : eval_data->size())
+                                        : 0);
+  mllog.end("init_stop");
+  mllog.open(run_dir / "mllog.txt", cfg.get_bool("mllog.stdout"));
 }
 
 fs::path Trainer::Impl::save_checkpoint() {
@@ -537,9 +580,13 @@ fs::path Trainer::Impl::save_checkpoint() {
 }
 
 EvalResult Trainer::Impl::run_eval() {
+  // MLPerf BERT counts "epochs" in training samples.
+  mllog.start("eval_start", nullptr, {{"epoch_num", state.samples}});
   const EvalResult e = evaluate_with([&](const HostBatch& hb) { return engine->evaluate(hb); }, *eval_data,
                                      eval_max_samples, static_cast<int32_t>(micro_batch), comm.get());
   state.extra["last_eval"] = eval_json(e);
+  mllog.point("eval_accuracy", e.mlm_accuracy, {{"epoch_num", state.samples}});
+  mllog.end("eval_stop", nullptr, {{"epoch_num", state.samples}});
   if (!lead()) return e;
   nlohmann::json j = {{"eval", true}, {"step", state.step}, {"samples", state.samples}};
   j.update(eval_json(e));
@@ -569,6 +616,30 @@ TrainSummary Trainer::run() {
   summary.first_step = m.state.step;
   const auto start = Clock::now();
   const bool tty = Progress::stderr_is_terminal();
+
+  // MLPerf's timed run starts before any training data is touched. Training between evaluations is a "block" whose
+  // epoch numbers are samples. run_stop says success when the target accuracy was reached, aborted otherwise (also
+  // when an error ends the run: the guard logs it on the way out).
+  m.mllog.start("run_start");
+  struct RunStop {
+    MlLog& log;
+    const uint64_t& samples;
+    bool success = false;
+    ~RunStop() { log.end("run_stop", nullptr, {{"status", success ? "success" : "aborted"}, {"epoch_num", samples}}); }
+  } run_stop{m.mllog, m.state.samples};
+  uint64_t block_first = m.state.samples;
+  const auto block_start = [&] {
+    block_first = m.state.samples;
+    const uint64_t left = m.max_samples > 0 && m.max_samples > m.state.samples ? m.max_samples - m.state.samples
+                          : static_cast<uint64_t>(std::max<int64_t>(1, m.max_steps - m.state.step)) *
+                                static_cast<uint64_t>(m.global_batch);
+    m.mllog.start("block_start", nullptr,
+                  {{"first_epoch_num", block_first},
+                   {"epoch_count", m.eval_interval > 0 ? std::min(m.eval_interval, left) : left}});
+  };
+  const auto block_stop = [&] { m.mllog.end("block_stop", nullptr, {{"first_epoch_num", block_first}}); };
+  block_start();
+  bool in_block = true;
 
   LoaderOptions lo;
   lo.global_batch = static_cast<uint64_t>(m.global_batch);
@@ -738,6 +809,8 @@ TrainSummary Trainer::run() {
       read_oldest();  // the previous step, while the device runs this one
     }
     if (eval_due) {
+      block_stop();
+      in_block = false;
       summary.evals.push_back(m.run_eval());
       last_eval_step = m.state.step;
       if (m.target_accuracy > 0 && summary.evals.back().mlm_accuracy >= m.target_accuracy) {
@@ -751,13 +824,19 @@ TrainSummary Trainer::run() {
       m.save_checkpoint();
       last_checkpoint_step = m.state.step;
     }
+    if (!in_block && !done()) {
+      block_start();
+      in_block = true;
+    }
   }
   drain();
+  if (in_block) block_stop();
   if (tty && lead) std::fprintf(stderr, "\n");
   if (m.eval_data && last_eval_step != m.state.step) {
     summary.evals.push_back(m.run_eval());
     if (m.target_accuracy > 0 && summary.evals.back().mlm_accuracy >= m.target_accuracy) summary.reached_target = true;
   }
+  run_stop.success = summary.reached_target;
   if (last_checkpoint_step != m.state.step) m.save_checkpoint();
   if (lead) m.metrics->sync();
   summary.final_checkpoint = m.last_checkpoint;
