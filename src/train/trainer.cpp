@@ -68,12 +68,19 @@ ConfigSchema train_config_schema() {
   s.add("schedule.start_warmup_step", 0, "step at which warm-up starts (MLPerf's start_warmup_step, may be negative)");
   s.add("schedule.total_steps", 0, "steps of the polynomial decay to 0 (0 = train.max_steps)");
   s.add("schedule.power", 1.0, "power of the polynomial decay");
-  s.add("eval.interval_samples", 0, "evaluate every this many training samples (0 = only at the end)");
+  s.add("eval.interval_samples", 0, "evaluate every this many training samples (0 = only at the end; -1 = MLPerf "
+        "BERT's rule, floor(0.05 (230.23 global_batch + 3,000,000) / 25,000) x 25,000)");
   s.add("eval.max_samples", 0, "evaluate on the first this many samples of data.eval (0 = all)");
   s.add("log.interval_steps", 10, "write a metrics.jsonl line (and a plain log line) every this many steps");
   s.add("checkpoint.interval_steps", 0, "write a checkpoint every this many steps (0 = only at the end)");
   s.add("checkpoint.keep", 3, "newest checkpoints to keep (0 = all)");
   return s;
+}
+
+uint64_t mlperf_eval_interval(int64_t global_batch) {
+  NOPAD_CHECK(global_batch > 0, "global batch must be positive, got ", global_batch);
+  const double samples = 0.05 * (230.23 * static_cast<double>(global_batch) + 3'000'000.0);
+  return static_cast<uint64_t>(std::floor(samples / 25'000.0)) * 25'000;
 }
 
 uint32_t max_masked_per_sample(const Dataset& data) {
@@ -369,9 +376,10 @@ void Trainer::Impl::setup() {
 
   const int64_t eval_interval_i = cfg.get_int("eval.interval_samples");
   const int64_t eval_max_i = cfg.get_int("eval.max_samples");
-  NOPAD_CHECK(eval_interval_i >= 0, "eval.interval_samples must be >= 0, got ", eval_interval_i);
+  NOPAD_CHECK(eval_interval_i >= -1, "eval.interval_samples must be >= 0, or -1 for MLPerf's rule, got ",
+              eval_interval_i);
   NOPAD_CHECK(eval_max_i >= 0, "eval.max_samples must be >= 0, got ", eval_max_i);
-  eval_interval = static_cast<uint64_t>(eval_interval_i);
+  eval_interval = eval_interval_i == -1 ? mlperf_eval_interval(global_batch) : static_cast<uint64_t>(eval_interval_i);
   eval_max_samples = static_cast<uint64_t>(eval_max_i);
   log_interval = cfg.get_int("log.interval_steps");
   NOPAD_CHECK(log_interval > 0, "log.interval_steps must be positive, got ", log_interval);

@@ -54,6 +54,10 @@ EvalResult evaluate(BertModel<ops::CpuF32>& model, const Dataset& data, uint64_t
 // The most masked positions any one sample of the dataset has.
 uint32_t max_masked_per_sample(const Dataset& data);
 
+// MLPerf BERT's evaluation interval in samples: floor(0.05 (230.23 global_batch + 3,000,000) / 25,000) x 25,000
+// (150,000 at batch 448, 175,000 at 3,072); eval.interval_samples = -1 selects it.
+uint64_t mlperf_eval_interval(int64_t global_batch);
+
 enum class StartMode { kFresh, kResume, kOverwrite };
 
 // Test hooks.
