@@ -215,7 +215,7 @@ std::unique_ptr<Dataset> open_data(const std::string& key, const std::string& pa
 
 nlohmann::json eval_json(const EvalResult& e) {
   return {{"mlm_accuracy", e.mlm_accuracy}, {"nsp_accuracy", e.nsp_accuracy}, {"eval_loss", e.loss},
-          {"mlm_loss", e.mlm_loss},         {"nsp_loss", e.nsp_loss},         {"samples", e.samples}};
+          {"mlm_loss", e.mlm_loss},         {"nsp_loss", e.nsp_loss},         {"eval_samples", e.samples}};
 }
 
 }  // namespace

@@ -58,9 +58,9 @@ def main():
         prepare("wiki_00", train_dir)
         prepare("wiki_03", eval_dir)
 
-        # A run that reaches a low target (masked-LM accuracy 0.02) after a few evaluations.
+        # A run that reaches a low target (masked-LM accuracy 0.03) after a few evaluations.
         run = os.path.join(tmp, "run")
-        r = train(run, train_dir, eval_dir, 0.02, 40, ("--mllog-stdout",))
+        r = train(run, train_dir, eval_dir, 0.03, 40, ("--mllog-stdout",))
         check(r.returncode == 0, f"training exits 0: {r.stderr[-400:]}")
         log = os.path.join(run, "mllog.txt")
         ev = parse(log)
@@ -83,6 +83,8 @@ def main():
         accs = [e for e in ev if e["key"] == "eval_accuracy"]
         check([a["metadata"]["epoch_num"] for a in accs] == [m["samples"] for m in evals],
               "eval_accuracy's epoch_num is the samples seen at that eval")
+        check(len(evals) >= 2 and [m["samples"] for m in evals[:2]] == [64, 128],
+              f"evaluations every 64 training samples: {evals}")
         check([round(a["value"], 6) for a in accs] == [round(m["mlm_accuracy"], 6) for m in evals],
               "eval_accuracy's value is the eval masked-LM accuracy")
         stop = [e for e in ev if e["key"] == "run_stop"][0]

@@ -1,0 +1,80 @@
+"""`nopad report RUN_DIR` on a real (short, CPU) training run: the summary's numbers are the run's (steps, samples,
+first/last loss, evaluation count and best accuracy, the MLPerf status), the three SVG plots parse as XML with one
+polyline per series whose point count matches the logged lines, a missing run_dir fails with one clear error line
+and writes nothing. Run by CTest with NOPAD_BINARY and NOPAD_SOURCE_DIR set."""
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import xml.dom.minidom
+
+NOPAD = os.environ["NOPAD_BINARY"]
+SRC = os.environ["NOPAD_SOURCE_DIR"]
+failures = []
+
+
+def check(cond, what):
+    if not cond:
+        failures.append(what)
+        print("FAIL:", what)
+
+
+def main():
+    tmp = tempfile.mkdtemp(prefix="nopad-report-")
+    try:
+        data = os.path.join(tmp, "data")
+        r = subprocess.run([NOPAD, "prepare", "--input", os.path.join(SRC, "data/wiki-sample/wiki_00"), "--vocab",
+                            os.path.join(SRC, "data/vocab/bert-uncased-vocab.txt"), "--output", data,
+                            "--max-seq-length", "64", "--max-predictions", "10", "--dupe-factor", "1", "--quiet"],
+                           capture_output=True, text=True)
+        check(r.returncode == 0, f"prepare: {r.stderr}")
+        run = os.path.join(tmp, "run")
+        r = subprocess.run([NOPAD, "train", "--config", os.path.join(SRC, "configs/bert-tiny-sample.toml"),
+                            "--overwrite", "--set", f"run_dir={run}", "--set", f"data.train={data}", "--set",
+                            f"data.eval={data}", "--set", "train.device=cpu", "--set", "train.global_batch=16",
+                            "--set", "train.max_steps=12", "--set", "eval.interval_samples=64", "--set",
+                            "eval.max_samples=32", "--set", "log.interval_steps=1"],
+                           capture_output=True, text=True, cwd=SRC)
+        check(r.returncode == 0, f"training: {r.stderr[-300:]}")
+        lines = [json.loads(l) for l in open(os.path.join(run, "metrics.jsonl"))]
+        steps = [l for l in lines if not l.get("eval")]
+        evals = [l for l in lines if l.get("eval")]
+        check([e["samples"] for e in evals] == [64, 128, 192], f"eval lines carry the training samples: {evals}")
+        check(all(e["eval_samples"] == 32 for e in evals), "eval lines carry the eval set size as eval_samples")
+
+        r = subprocess.run([NOPAD, "report", run], capture_output=True, text=True)
+        check(r.returncode == 0, f"report exits 0: {r.stderr}")
+        out = r.stdout
+        check(f"| steps logged | {len(steps)} (last step 12) |" in out, f"steps in the summary: {out}")
+        check("| samples | 192 |" in out, "samples in the summary")
+        check(f"{steps[0]['loss']:.6g} / {steps[-1]['loss']:.6g}" in out, "first / last loss in the summary")
+        check(f"| evaluations | {len(evals)} |" in out, "evaluation count in the summary")
+        best = max(e["mlm_accuracy"] for e in evals)
+        check(f"| best masked-LM accuracy | {best:.6g}" in out, f"best accuracy {best:.6g} in the summary")
+        check("status aborted" in out, "the MLPerf run status (no target: aborted)")
+        rep = os.path.join(run, "report")
+        check(open(os.path.join(rep, "report.md")).read() in out, "report.md is the printed summary")
+        for name, series in (("loss.svg", [len(steps)]), ("accuracy.svg", [len(steps), len(evals)]),
+                             ("throughput.svg", [len(steps)])):
+            doc = xml.dom.minidom.parse(os.path.join(rep, name))
+            polys = doc.getElementsByTagName("polyline")
+            counts = [len(p.getAttribute("points").split()) for p in polys]
+            check(counts == series, f"{name}: points per series {counts}, expected {series}")
+
+        r = subprocess.run([NOPAD, "report", os.path.join(tmp, "missing")], capture_output=True, text=True)
+        err = [l for l in r.stderr.splitlines() if l.strip()]
+        check(r.returncode == 1 and len(err) == 1 and "metrics.jsonl cannot be read" in err[0],
+              f"a missing run_dir: one error line, exit 1: {r.returncode} {r.stderr!r}")
+        check(not os.path.exists(os.path.join(tmp, "missing")), "nothing written for a missing run_dir")
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    if failures:
+        print(f"{len(failures)} failure(s)")
+        sys.exit(1)
+    print("test_report: all checks passed")
+
+
+if __name__ == "__main__":
+    main()
