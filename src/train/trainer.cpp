@@ -675,6 +675,7 @@ TrainSummary Trainer::run() {
     int64_t seqs = 0, tokens = 0;
     bool last = false;
     double loss_scale = 1;  // what its backward was scaled by
+    double enqueue_s = 0;   // host time spent enqueuing it (all of the step's work on the synchronous CPU engine)
   };
   std::array<Enqueued, TrainEngine::kMaxStepsInFlight> queue{};
   int q_first = 0, q_count = 0;
@@ -717,7 +718,10 @@ TrainSummary Trainer::run() {
       fail("step ", e.step, ": the gradients are not finite: training diverged; lower optim.lr or add "
            "schedule.warmup_steps", keep_note);
     }
-    const double step_s = seconds_since(last_read);
+    // A step's time: since the previous step was read (a device works while the host enqueues the next step), but at
+    // least the time its own enqueueing took (the CPU engine computes while enqueuing, so when two steps are read back
+    // to back at the end, the time between the reads says nothing).
+    const double step_s = std::max(seconds_since(last_read), e.enqueue_s);
     last_read = Clock::now();
     const double elapsed_s = m.prior_elapsed_s + seconds_since(start);
     m.state.extra["elapsed_s"] = elapsed_s;
@@ -776,6 +780,7 @@ TrainSummary Trainer::run() {
 
   while (!done()) {
     const int64_t step_index = m.state.step;  // updates already taken: dropout key and schedule position
+    const auto enqueue_start = Clock::now();
     // This rank's share of the global batch (the whole batch in a single process); the loss denominators are the
     // global batch's counts, so the ranks' gradients add up to the global batch's.
     const HostBatch& mine = loader.next();
@@ -802,7 +807,8 @@ TrainSummary Trainer::run() {
     m.state.cursor = loader.cursor();
     m.state.lr = lr;
     Enqueued& e = queue[static_cast<size_t>((q_first + q_count) % TrainEngine::kMaxStepsInFlight)];
-    e = Enqueued{m.state.step, m.state.samples, lr, global_seqs, global_tokens, done(), loss_scale};
+    e = Enqueued{m.state.step, m.state.samples, lr, global_seqs, global_tokens, done(), loss_scale,
+                 seconds_since(enqueue_start)};
     ++q_count;
 
     // Evaluation every eval.interval_samples samples (crossing a multiple), checkpoints, the end: drain first.
