@@ -8,6 +8,10 @@
 #   PEER_ATTENTION=1      the attention-only peer (varlen_attn, 64 sequences) on the last batch's workload (0: skip)
 #   PROFILE_BATCH=B       also profile the compiled PyTorch peer at batch B (scripts/profile_peer.py: its kernel time
 #                         per step by category, to compare with nopad's --breakdown); unset: skip
+#   HIDDEN_ACTS="gelu"    nopad activations to time at every batch: gelu (exact erf, the standard workload's) and/or
+#                         gelu_new (tanh approximation, fused into the GEMMs through cuBLASLt's GELU epilogues)
+#   PEER_GELU_TANH=1      also run the compiled PyTorch peer with F.gelu(approximate="tanh") (a patched copy in
+#                         .carry/), so a nopad gelu_new line has a peer with the same activation beside it
 #   NOPAD_CMAKE_EXTRA     extra CMake arguments
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -37,12 +41,16 @@ BATCHES=${BATCHES:-32 64}
 PEER_BATCHES=${PEER_BATCHES:-$BATCHES}
 HF_BATCH=${HF_BATCH:-32}
 LAST_BATCH=${BATCHES##* }
+HIDDEN_ACTS=${HIDDEN_ACTS:-gelu}
 for B in $BATCHES; do
-  echo "== nopad bench model batch $B"
-  BREAKDOWN=""
-  if [ "$B" = "$LAST_BATCH" ]; then BREAKDOWN=--breakdown; fi  # per-op table (a second, event-timed pass)
-  "$NOPAD" bench model --model data/configs/bert-large-mlperf.json --data "$SHARDS" --batch "$B" --steps 20 \
-    --warmup 5 --workload "$OUT/workload-$B.txt" $BREAKDOWN
+  for ACT in $HIDDEN_ACTS; do
+    echo "== nopad bench model batch $B hidden_act $ACT"
+    BREAKDOWN=""
+    if [ "$B" = "$LAST_BATCH" ]; then BREAKDOWN=--breakdown; fi  # per-op table (a second, event-timed pass)
+    # The same shards, seed and batch give the same timed batches whatever the activation: one workload file.
+    "$NOPAD" bench model --model data/configs/bert-large-mlperf.json --data "$SHARDS" --batch "$B" --steps 20 \
+      --warmup 5 --hidden-act "$ACT" --workload "$OUT/workload-$B.txt" $BREAKDOWN
+  done
 done
 
 echo "== fmha PerfSmoke (dropout 0 vs 0.1)"
@@ -54,6 +62,21 @@ for B in $PEER_BATCHES; do
   python3 .carry/peers/peer_torch_varlen.py --batch "$B" --steps 20 --compile --lengths "$OUT/workload-$B.txt" ||
     echo "peer_torch_varlen batch $B failed"
 done
+if [ "${PEER_GELU_TANH:-0}" = 1 ]; then
+  python3 - <<'EOF'
+src = open(".carry/peers/peer_torch_varlen.py").read()
+for a in ("F.gelu(s.f1(x))", "F.gelu(s.mlm_t(x[mpos]))"):
+    assert a in src, a
+    src = src.replace(a, a[:-1] + ', approximate="tanh")')
+open(".carry/peers/peer_torch_varlen_tanh.py", "w").write(src)
+EOF
+  for B in $PEER_BATCHES; do
+    [ -f "$OUT/workload-$B.txt" ] || continue
+    echo "== peer_torch_varlen with tanh GELU batch $B"
+    python3 .carry/peers/peer_torch_varlen_tanh.py --batch "$B" --steps 20 --compile --lengths "$OUT/workload-$B.txt" |
+      sed 's/^{/{"hidden_act": "gelu_new", /' || echo "peer_torch_varlen_tanh batch $B failed"
+  done
+fi
 if [ "${PEER_ATTENTION:-1}" = 1 ] && [ -f "$OUT/workload-$LAST_BATCH.txt" ]; then
   echo "== peer_attention (varlen_attn, batches of 64 from the batch-$LAST_BATCH workload)"
   (cd .carry/peers && python3 peer_attention.py --batch 64 --batches 2 --lengths "$OUT/workload-$LAST_BATCH.txt") ||
@@ -87,12 +110,22 @@ for r in rows:
     print(json.dumps(r))
 def name(r):
     return r.get("bench") or r.get("system") or r.get("name") or "peer"
-nopad = {r["batch"]: r for r in rows if r.get("bench") == "model"}
+nopad = {(r["batch"], r.get("hidden_act", "gelu")): r for r in rows if r.get("bench") == "model"}
+best_peer = {}
 for r in rows:
     if r.get("bench") == "model" or "seqs_per_s" not in r:
         continue
-    n = nopad.get(r.get("batch"))
-    if n:
-        print(f"batch {r.get('batch')}: nopad {n['seqs_per_s']:.1f} seq/s vs {name(r)} {r['seqs_per_s']:.1f} seq/s"
-              f" -> ratio {n['seqs_per_s'] / r['seqs_per_s']:.3f}")
+    act = r.get("hidden_act", "gelu")
+    key = (name(r), act)
+    if key not in best_peer or r["seqs_per_s"] > best_peer[key]["seqs_per_s"]:
+        best_peer[key] = r
+    for (b, nact), n in sorted(nopad.items()):
+        if b == r.get("batch"):
+            print(f"batch {b}: nopad ({nact}) {n['seqs_per_s']:.1f} seq/s vs {name(r)} ({act}) {r['seqs_per_s']:.1f}"
+                  f" seq/s -> ratio {n['seqs_per_s'] / r['seqs_per_s']:.3f}")
+for (pname, act), p in sorted(best_peer.items()):
+    for nact in sorted({a for (_, a) in nopad}):
+        best = max((n for (b, a), n in nopad.items() if a == nact), key=lambda n: n["seqs_per_s"])
+        print(f"best: nopad ({nact}) {best['seqs_per_s']:.1f} seq/s at batch {best['batch']} vs {pname} ({act}) "
+              f"{p['seqs_per_s']:.1f} at batch {p.get('batch')} -> {best['seqs_per_s'] / p['seqs_per_s']:.3f}x")
 EOF

@@ -40,6 +40,17 @@ for n in 8 32; do
   python3 scripts/hf_compat.py --nopad ./build-gpu/nopad --checkpoint "$ckpt" --data $hf/data --samples $n \
     2>&1 | tee -a "$out/hf.log" "$out/summary.txt" || status=1
 done
+# The tanh GELU (hidden_act "gelu_new": cuBLASLt's GELU epilogues in training): the exported config names it, so
+# Hugging Face runs its own tanh GELU on the checkpoint and must agree.
+python3 -c 'import json,sys; c=json.load(open(sys.argv[1])); c["hidden_act"]="gelu_new"; json.dump(c, open(sys.argv[2],"w"))' \
+  data/configs/bert-tiny.json $hf/bert-tiny-gelu-new.json
+./build-gpu/nopad train --config configs/bert-tiny-sample.toml --set run_dir=$hf/run-tanh --set data.train=$hf/data \
+  --set data.eval=$hf/data --set model.config=$hf/bert-tiny-gelu-new.json --set train.max_steps=20 --overwrite \
+  >> "$out/hf.log" 2>&1 || status=1
+ckpt=$hf/run-tanh/checkpoints/$(cat $hf/run-tanh/checkpoints/latest)
+grep -q '"gelu_new"' "$ckpt/config.json" || { echo "hf: gelu_new checkpoint config lacks hidden_act gelu_new" | tee -a "$out/summary.txt"; status=1; }
+python3 scripts/hf_compat.py --nopad ./build-gpu/nopad --checkpoint "$ckpt" --data $hf/data --samples 32 \
+  2>&1 | sed 's/^/gelu_new: /' | tee -a "$out/hf.log" "$out/summary.txt" || status=1
 
 # fp16 end to end, on the data prepared above. check_fp16 MODE RUN_DIR LOG RC: one summary line, exit 1 on failure.
 #   train:    the run finished (exit 0, step 50), fp16 with a dynamic loss scale, every metrics line carries

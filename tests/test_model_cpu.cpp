@@ -60,6 +60,15 @@ TEST(Config, ValidationErrorsNameTheProblem) {
   };
   EXPECT_NE(with("num_attention_heads", 7).find("not divisible"), std::string::npos);
   EXPECT_NE(with("hidden_act", "relu").find("hidden_act"), std::string::npos);
+  for (const char* tanh_name : {"gelu_new", "gelu_pytorch_tanh", "gelu_fast"}) {  // the tanh GELU's names
+    EXPECT_EQ(with("hidden_act", tanh_name), "") << tanh_name;
+    nlohmann::json j = base;
+    j["hidden_act"] = tanh_name;
+    const BertConfig c = BertConfig::from_json(j);
+    EXPECT_TRUE(c.gelu_tanh());
+    EXPECT_EQ(c.to_json()["hidden_act"], tanh_name);  // exported as loaded
+  }
+  EXPECT_FALSE(BertConfig{}.gelu_tanh());
   EXPECT_NE(with("position_embedding_type", "relative_key").find("position_embedding_type"), std::string::npos);
   EXPECT_NE(with("num_hidden_layer", 3).find("\"num_hidden_layer\""), std::string::npos);  // a typo is not ignored
   EXPECT_NE(with("hidden_size", "768").find("hidden_size"), std::string::npos);             // wrong type
@@ -188,9 +197,11 @@ TEST(Params, InitialisationFollowsBert) {
 
 // ------------------------------------------------------------------------------------------------ whole-model FD
 
-TEST(ModelCpu, WholeModelGradientMatchesFiniteDifferences) {
+void expect_whole_model_gradient(const std::string& hidden_act) {
   // Tolerance as in test_ops_cpu.cpp: h = 1e-6 central differences in double, loss O(1).
-  const BertConfig c = small_config();
+  BertConfig c = small_config();
+  c.hidden_act = hidden_act;
+  c.validate();
   ops::CpuBackend<ops::CpuF64> be(1);
   const HostBatch batch = make_batch({1, 5, 9}, {11, 22, 33}, c.vocab_size, 5);
   BertModel<ops::CpuF64> model(c, be, 15, 3, 15);
@@ -227,6 +238,9 @@ TEST(ModelCpu, WholeModelGradientMatchesFiniteDifferences) {
   EXPECT_EQ(bad, 0);
   EXPECT_GT(nonzero, static_cast<int>(params.size()) / 2);
 }
+TEST(ModelCpu, WholeModelGradientMatchesFiniteDifferences) { expect_whole_model_gradient("gelu"); }
+// The tanh GELU (in the FFN and the MLM transform) with its backward folded into the FFN output layer.
+TEST(ModelCpu, WholeModelGradientMatchesFiniteDifferencesGeluTanh) { expect_whole_model_gradient("gelu_new"); }
 
 // ------------------------------------------------------------------------------------------------ padded reference
 

@@ -82,6 +82,9 @@ void setup(CLI::App& sub) {
   model->add_option("--workload", mo->workload, "write the timed batches' 'length masked' lines here (for peers)");
   model->add_option("--seed", mo->seed, "init, shuffle and dropout seed")->capture_default_str();
   model->add_option("--dropout", mo->dropout, "dropout probability (default: the config's)");
+  model->add_option("--hidden-act", mo->hidden_act,
+                    "replace the config's activation: gelu (exact erf) or gelu_new (tanh approximation, fused into "
+                    "the GEMMs on the GPU)");
   model->add_option("--lr", mo->lr, "LAMB learning rate")->capture_default_str();
   model->add_option("--threads", mo->threads, "CPU threads for --device cpu (0: all cores)")->capture_default_str();
   model->add_flag("--per-step", mo->per_step, "synchronise after every step and report the median step time");

@@ -214,6 +214,7 @@ void BertModel<P>::resolve_head_tensors() {
   mlm_w_.hidden = config_.hidden_size;
   mlm_w_.vocab_size = config_.vocab_size;
   mlm_w_.ln_eps = config_.layer_norm_eps;
+  mlm_w_.act = activation();
   mlm_g_.d_transform_weight = grad("cls.predictions.transform.dense.weight");
   mlm_g_.d_transform_bias = grad("cls.predictions.transform.dense.bias");
   mlm_g_.d_ln_gamma = grad("cls.predictions.transform.LayerNorm.weight");
@@ -303,7 +304,7 @@ uint64_t BertModel<P>::forward_async(const HostBatch& batch, bool train, uint64_
     backend_.bias_dropout_residual_layernorm_forward(L.attn_dense, L.b_attn_out, h, L.ln1_gamma, L.ln1_beta, seqs_, H,
                                                      eps, dropout(p_hidden, op_id_attention_output(l)), L.out1,
                                                      L.ln1_mean, L.ln1_rstd);
-    backend_.dense_forward(L.out1, L.w_inter, L.b_inter, T, H, I, ops::Activation::kGelu, L.inter_act, L.inter_pre);
+    backend_.dense_forward(L.out1, L.w_inter, L.b_inter, T, H, I, activation(), L.inter_act, L.inter_pre);
     backend_.dense_forward(L.inter_act, L.w_out, nullptr, T, I, H, ops::Activation::kNone, L.ffn_dense, nullptr);
     backend_.bias_dropout_residual_layernorm_forward(L.ffn_dense, L.b_out, L.out1, L.ln2_gamma, L.ln2_beta, seqs_, H,
                                                      eps, dropout(p_hidden, op_id_ffn_output(l)), L.out2, L.ln2_mean,
@@ -397,10 +398,11 @@ void BertModel<P>::backward(double loss_scale) {
                                                       L.ln2_mean, L.ln2_rstd, seqs_, H,
                                                       dropout(p_hidden, op_id_ffn_output(l)), d_tmp_, d_hidden2_,
                                                       g + L.off_b_out, g + L.off_ln2_gamma, g + L.off_ln2_beta);
-    backend_.dense_backward(d_tmp_, L.inter_act, L.w_out, nullptr, T, I, H, ops::Activation::kNone, d_inter_, false,
-                            g + L.off_w_out, nullptr);
-    backend_.dense_backward(d_inter_, L.out1, L.w_inter, L.inter_pre, T, H, I, ops::Activation::kGelu, d_hidden2_,
-                            /*accumulate_dx=*/true, g + L.off_w_inter, g + L.off_b_inter);
+    // d_inter_ = d(inter_pre): the GELU's backward and d(b_inter) fold into the FFN output layer's dx product.
+    backend_.dense_backward_through_act(d_tmp_, L.inter_act, L.inter_pre, L.w_out, T, I, H, activation(), d_inter_,
+                                        g + L.off_w_out, g + L.off_b_inter);
+    backend_.dense_backward(d_inter_, L.out1, L.w_inter, nullptr, T, H, I, ops::Activation::kNone, d_hidden2_,
+                            /*accumulate_dx=*/true, g + L.off_w_inter, nullptr);
     // Attention block: d_tmp = d(attn_dense), d_hidden_ = d(h_in) from the residual path.
     backend_.bias_dropout_residual_layernorm_backward(d_hidden2_, L.attn_dense, L.b_attn_out, h_in, L.ln1_gamma,
                                                       L.ln1_mean, L.ln1_rstd, seqs_, H,

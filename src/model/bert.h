@@ -1,7 +1,7 @@
 // BertForPreTraining forward and backward, written once against the ops interface (ops/ops.h); the model never sees
 // which backend runs it. Post-LN encoder layers as Hugging Face's BertLayer:
 //   qkv = h Wqkv^T + bqkv;  ctx = attention(qkv);  a = LN1(dropout(ctx Wo^T + bo) + h)
-//   f = GELU(a Wi^T + bi);  h' = LN2(dropout(f Wf^T + bf) + a)
+//   f = GELU(a Wi^T + bi);  h' = LN2(dropout(f Wf^T + bf) + a)     (GELU: erf or tanh, config hidden_act)
 // then the MLM head on the M masked rows only and the NSP head on the B CLS rows only.
 // loss = sum(MLM cross-entropy) / mlm_denominator + sum(NSP cross-entropy) / nsp_denominator, by default the batch's
 // M and B (mean MLM + mean NSP, as BERT's reference). Pass global denominators when a global batch is split across
@@ -107,6 +107,9 @@ class BertModel {
   void backward(double loss_scale = 1.0);
 
  private:
+  ops::Activation activation() const {
+    return config_.gelu_tanh() ? ops::Activation::kGeluTanh : ops::Activation::kGelu;
+  }
   struct Layer {  // parameter pointers (backend memory) and saved activations of one encoder layer
     W *w_qkv, *b_qkv, *w_attn_out, *b_attn_out, *ln1_gamma, *ln1_beta;
     W *w_inter, *b_inter, *w_out, *b_out, *ln2_gamma, *ln2_beta;

@@ -51,8 +51,11 @@ void BertConfig::validate() const {
   NOPAD_CHECK(attention_probs_dropout_prob >= 0 && attention_probs_dropout_prob < 1,
               "config: attention_probs_dropout_prob must be in [0, 1), got ", attention_probs_dropout_prob);
   NOPAD_CHECK(initializer_range > 0, "config: initializer_range must be positive, got ", initializer_range);
-  NOPAD_CHECK(hidden_act == "gelu", "config: hidden_act \"", hidden_act,
-              "\" is not supported (only \"gelu\", the exact erf GELU)");
+  NOPAD_CHECK(hidden_act == "gelu" || hidden_act == "gelu_new" || hidden_act == "gelu_pytorch_tanh" ||
+                  hidden_act == "gelu_fast",
+              "config: hidden_act \"", hidden_act,
+              "\" is not supported: use \"gelu\" (exact erf GELU) or \"gelu_new\" (its tanh approximation; also "
+              "accepted as \"gelu_pytorch_tanh\" or \"gelu_fast\")");
   NOPAD_CHECK(layer_norm_eps > 0, "config: layer_norm_eps must be positive, got ", layer_norm_eps);
 }
 

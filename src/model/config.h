@@ -20,10 +20,13 @@ struct BertConfig {
   double hidden_dropout_prob = 0.1;
   double attention_probs_dropout_prob = 0.1;
   double initializer_range = 0.02;
+  // "gelu": the exact erf GELU; "gelu_new", "gelu_pytorch_tanh" or "gelu_fast": its tanh approximation (the same
+  // function under Hugging Face's names; the name given is kept, so a checkpoint exports what it was loaded with).
   std::string hidden_act = "gelu";
   double layer_norm_eps = 1e-12;
 
   int32_t head_dim() const { return hidden_size / num_attention_heads; }
+  bool gelu_tanh() const { return hidden_act != "gelu"; }  // after validate(): the tanh approximation
 
   // Throws nopad::Error naming the first invalid field.
   void validate() const;

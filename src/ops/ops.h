@@ -62,7 +62,11 @@ struct Dropout {
   uint32_t op_id = 0;  // distinct per op instance in the model (see model/bert.h)
 };
 
-enum class Activation { kNone, kGelu };  // kGelu: exact erf GELU, 0.5 x (1 + erf(x / sqrt 2))
+// kGelu: the exact erf GELU, 0.5 x (1 + erf(x / sqrt 2)) (Hugging Face "gelu").
+// kGeluTanh: the tanh approximation 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))) (Hugging Face "gelu_new" /
+// "gelu_pytorch_tanh"; Google's BERT code and NVIDIA's MLPerf BERT use it). The CUDA backend fuses it into the GEMMs
+// (cuBLASLt's GELU epilogues compute this approximation); the erf GELU costs a separate pass each way.
+enum class Activation { kNone, kGelu, kGeluTanh };
 
 template <class W>
 struct EmbeddingWeights {
@@ -94,6 +98,7 @@ struct MlmHeadWeights {
   const W* output_bias = nullptr;       // [V]
   int32_t hidden = 0, vocab_size = 0;
   double ln_eps = 1e-12;
+  Activation act = Activation::kGelu;  // of the transform (the model's hidden_act)
 };
 template <class G>
 struct MlmHeadGrads {  // all accumulated (+=)
@@ -199,6 +204,14 @@ class Backend {
   // dx, d_bias may be null (not needed).
   virtual void dense_backward(const A* dy, const A* x, const W* weight, const A* pre_act, int64_t rows, int32_t k,
                               int32_t n, Activation act, A* dx, bool accumulate_dx, G* d_weight, G* d_bias) = 0;
+  // The backward of a dense layer whose input x = x_act(x_pre) is the output of an activation (BERT's FFN output
+  // layer, x = GELU(intermediate pre-activation)): d_weight[n, k] += dy^T x; dx_pre[rows, k] = (dy W) * x_act'(x_pre)
+  // (written), and d_x_bias[k] += column sums of dx_pre (the bias of the layer that produced x_pre; may be null).
+  // So the activation's backward and its bias gradient fold into this layer's dx product (on the GPU, cuBLASLt's
+  // DGELU_BGRAD epilogue for kGeluTanh). x_act must not be kNone.
+  virtual void dense_backward_through_act(const A* dy, const A* x, const A* x_pre, const W* weight, int64_t rows,
+                                          int32_t k, int32_t n, Activation x_act, A* dx_pre, G* d_weight,
+                                          G* d_x_bias) = 0;
 
   // ---- attention ----
   // Variable-length multi-head self-attention: each sequence attends only to its own rows. scale = 1/sqrt(head_dim).

@@ -129,6 +129,10 @@ ModelBenchResult run_model_bench(const ModelBenchOptions& o) {
 #endif
   BertConfig config = BertConfig::from_file(o.model);
   if (o.dropout >= 0) config.hidden_dropout_prob = config.attention_probs_dropout_prob = o.dropout;
+  if (!o.hidden_act.empty()) {
+    config.hidden_act = o.hidden_act;
+    config.validate();
+  }
 
   const Dataset ds(o.data);
   NOPAD_CHECK(o.batch <= ds.size(), "--batch ", o.batch, " is larger than the dataset ", o.data, " (", ds.size(),
@@ -284,6 +288,7 @@ ModelBenchResult run_model_bench(const ModelBenchOptions& o) {
   j["skipped_steps"] = skipped;
   j["gpu"] = gpu;
   j["model"] = std::filesystem::path(o.model).stem().string();
+  j["hidden_act"] = config.hidden_act;
   j["batch"] = o.batch;
   j["steps"] = o.steps;
   j["warmup"] = o.warmup;

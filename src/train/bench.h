@@ -66,6 +66,7 @@ struct ModelBenchOptions {
   std::string workload;   // optional: write "length masked" lines of the timed batches
   uint64_t seed = 1;
   double dropout = -1;    // < 0: the config's dropout probabilities
+  std::string hidden_act;  // empty: the config's; else replaces it ("gelu", "gelu_new", ...)
   double lr = 1e-4;
   bool per_step = false;  // synchronise around every step and report the median step time
   bool breakdown = false; // rerun the timed batches with per-op event timing; table on stderr, ms/step in the JSON

@@ -191,14 +191,15 @@ struct ModelCase {
   Arch arch;
   bool dropout;
   bool fp16 = false;  // GpuF16 instead of GpuBf16
+  bool gelu_tanh = false;  // hidden_act "gelu_new": cuBLASLt's GELU epilogues on the GPU, the tanh twin on the CPU
 };
 
 class CudaModelTest : public ::testing::TestWithParam<ModelCase> {};
 
 TEST_P(CudaModelTest, ForwardBackwardMatchCpu) {
   const ModelCase c = GetParam();
-  const BertConfig config =
-      c.arch == Arch::kTiny ? tiny_config() : (c.arch == Arch::kWide ? wide_config() : base_config());
+  BertConfig config = c.arch == Arch::kTiny ? tiny_config() : (c.arch == Arch::kWide ? wide_config() : base_config());
+  if (c.gelu_tanh) config.hidden_act = "gelu_new";
   if (c.fp16)
     compare_models<ops::GpuF16>(config, c.dropout);
   else
@@ -216,7 +217,11 @@ INSTANTIATE_TEST_SUITE_P(Configs, CudaModelTest,
                                            ModelCase{"fp16_tiny_dropout", Arch::kTiny, true, true},
                                            ModelCase{"fp16_h1024_no_dropout", Arch::kWide, false, true},
                                            ModelCase{"fp16_h1024_dropout", Arch::kWide, true, true},
-                                           ModelCase{"fp16_bert_base_dropout", Arch::kBase, true, true}),
+                                           ModelCase{"fp16_bert_base_dropout", Arch::kBase, true, true},
+                                           ModelCase{"gelu_tanh_h1024_dropout", Arch::kWide, true, false, true},
+                                           ModelCase{"gelu_tanh_bert_base_dropout", Arch::kBase, true, false, true},
+                                           ModelCase{"fp16_gelu_tanh_bert_base_dropout", Arch::kBase, true, true,
+                                                     true}),
                          [](const ::testing::TestParamInfo<ModelCase>& info) { return std::string(info.param.name); });
 
 }  // namespace

@@ -20,6 +20,7 @@
 #include <numeric>
 #include <string>
 #include <type_traits>
+#include <tuple>
 #include <vector>
 
 #include "core/dtype.h"
@@ -490,11 +491,15 @@ TYPED_TEST(CudaOps, Dense) {
       {511, 4096, 1024, ops::Activation::kNone, true, true},  {1000, 128, 2, ops::Activation::kNone, true, false},
       {77, 128, 1003, ops::Activation::kNone, true, false},   {300, 1024, 3072, ops::Activation::kNone, true, false},
       {1001, 1024, 4096, ops::Activation::kGelu, true, false}, {33, 64, 100, ops::Activation::kGelu, true, false},
+      // The tanh GELU: GELU_AUX_BIAS forward where n % 8 == 0 (n = 100: the BIAS product and the kernel).
+      {2, 128, 384, ops::Activation::kGeluTanh, true, false}, {1001, 1024, 4096, ops::Activation::kGeluTanh, true, true},
+      {33, 64, 100, ops::Activation::kGeluTanh, true, false},
   };
   for (const auto& c : cases) {
-    const bool gelu = c.act == ops::Activation::kGelu;
+    const bool gelu = c.act != ops::Activation::kNone, tanh = c.act == ops::Activation::kGeluTanh;
     const std::string tag = "rows=" + std::to_string(c.rows) + " k=" + std::to_string(c.k) +
-                            " n=" + std::to_string(c.n) + (gelu ? " gelu" : "") + (c.bias ? " bias" : "") +
+                            " n=" + std::to_string(c.n) + (tanh ? " gelu_tanh" : gelu ? " gelu" : "") +
+                            (c.bias ? " bias" : "") +
                             (c.accumulate_dx ? " accumulate_dx" : "");
     SCOPED_TRACE(tag);
     std::printf("  dense %s\n", tag.c_str());
@@ -524,8 +529,13 @@ TYPED_TEST(CudaOps, Dense) {
       DBuf<E> y_g(c.rows * c.n), pre_g(c.rows * c.n);
       y_g.poison();
       pre_g.poison();
+      cuda::last_gelu_path() = cuda::GeluPath::kEpilogue;  // neither forward path: must be overwritten
       gpu<E>().dense_forward(dx_in->p, dw->p, c.bias ? dbias->p : nullptr, c.rows, c.k, c.n, c.act, y_g.p,
                           gelu ? pre_g.p : nullptr);
+      const cuda::GeluPath fwd_gelu = cuda::last_gelu_path();
+      if (tanh) {
+        EXPECT_NE(fwd_gelu, cuda::GeluPath::kEpilogue);
+      }
       // The GPU's backward reads what its forward saved (its 16-bit pre_act), the CPU's its own.
       DBuf<E> dx_g(c.rows * c.k);
       if (c.accumulate_dx) {
@@ -540,7 +550,11 @@ TYPED_TEST(CudaOps, Dense) {
                            c.accumulate_dx, dgw->p, dgb->p);
       const cuda::BiasGradPath ran = cuda::last_bias_grad_path();
       std::printf("   [d_bias: %s requested, %s ran; GELU forward %s]\n", path_name(path), path_name(ran),
-                  v.gelu_forward_wide ? "wide" : "first");
+                  tanh ? (fwd_gelu == cuda::GeluPath::kEpilogueBias ? "GELU_AUX_BIAS epilogue" : "kernel")
+                       : v.gelu_forward_wide ? "wide" : "first");
+      if (tanh && c.n % 8 != 0) {
+        EXPECT_EQ(fwd_gelu, cuda::GeluPath::kKernel);
+      }
       expect_close("y", down(y_g), y_c, gelu ? kTolChain<E> : kTolOut<E>);
       if (gelu) expect_close("pre_act", down(pre_g), pre_c, kTolOut<E>);
       expect_close(c.accumulate_dx ? "dx (+=)" : "dx", down(dx_g), dx_c, gelu ? kTolChain<E> : kTolOut<E>);
@@ -555,6 +569,69 @@ TYPED_TEST(CudaOps, Dense) {
       } else if (ran != cuda::BiasGradPath::kEpilogue) {
         EXPECT_EQ(ran, fallback) << "epilogue fallback";
       }
+    }
+  }
+}
+
+const char* gelu_path_name(cuda::GeluPath p) {
+  switch (p) {
+    case cuda::GeluPath::kKernel: return "kernels";
+    case cuda::GeluPath::kEpilogue: return "DGELU epilogue + column sums";
+    case cuda::GeluPath::kEpilogueBias: return "GELU_AUX_BIAS epilogue";
+    case cuda::GeluPath::kEpilogueBgrad: return "DGELU_BGRAD epilogue";
+  }
+  return "?";
+}
+
+// dense_backward_through_act (the FFN output layer's backward with the intermediate GELU folded in) against the CPU
+// twin: erf and tanh GELU, the cuBLASLt DGELU_BGRAD epilogue and the kernel path, BERT-large's FFN shape, and k % 8 != 0
+// (no epilogue, no one-pass kernel). Which path ran is printed and checked where it is determined.
+TYPED_TEST(CudaOps, DenseBackwardThroughAct) {
+  using E = TypeParam;  // bf16 or f16
+  struct Case {
+    int64_t rows;
+    int32_t k, n;  // x [rows, k] = act(x_pre), W [n, k]
+    ops::Activation act;
+  };
+  const Case cases[] = {{129, 4096, 1024, ops::Activation::kGeluTanh}, {1001, 4096, 1024, ops::Activation::kGeluTanh},
+                        {129, 4096, 1024, ops::Activation::kGelu},     {2, 384, 128, ops::Activation::kGelu},
+                        {33, 100, 64, ops::Activation::kGeluTanh},     {7, 256, 128, ops::Activation::kGeluTanh}};
+  for (const Case& c : cases) {
+    const bool tanh = c.act == ops::Activation::kGeluTanh;
+    const std::string tag = "rows=" + std::to_string(c.rows) + " k=" + std::to_string(c.k) + " n=" +
+                            std::to_string(c.n) + (tanh ? " gelu_tanh" : " gelu");
+    SCOPED_TRACE(tag);
+    Rng rng({29u, static_cast<uint64_t>(c.rows), static_cast<uint64_t>(c.k)});
+    const float ws = 1.0f / std::sqrt(static_cast<float>(c.k));
+    Vec x = rand_vec<E>(rng, c.rows * c.k, -1, 1), x_pre = rand_vec<E>(rng, c.rows * c.k, -3, 3),
+        w = rand_vec<E>(rng, size_t(c.n) * c.k, -2 * ws, 2 * ws), dy = rand_vec<E>(rng, c.rows * c.n, -1, 1);
+    Vec gw0 = rand_vec<E>(rng, w.size(), -1, 1), gb0 = rand_vec<E>(rng, c.k, -1, 1);
+    Vec dx_c(c.rows * c.k), gw = gw0, gb = gb0;
+    cpu().dense_backward_through_act(dy.data(), x.data(), x_pre.data(), w.data(), c.rows, c.k, c.n, c.act,
+                                     dx_c.data(), gw.data(), gb.data());
+    auto d_x = up16<E>(x), d_pre = up16<E>(x_pre), d_w = up16<E>(w), d_dy = up16<E>(dy);
+    for (const bool epilogue : {true, false}) {
+      cuda::KernelVariants v;
+      v.dgelu_epilogue = epilogue;
+      VariantScope variants(v);
+      DBuf<E> dx_g(c.rows * c.k);
+      dx_g.poison();
+      auto dgw = up(gw0), dgb = up(gb0);
+      cuda::last_gelu_path() = cuda::GeluPath::kEpilogueBias;  // not a backward path: must be overwritten (tanh)
+      gpu<E>().dense_backward_through_act(d_dy->p, d_x->p, d_pre->p, d_w->p, c.rows, c.k, c.n, c.act, dx_g.p, dgw->p,
+                                          dgb->p);
+      const cuda::GeluPath ran = cuda::last_gelu_path();
+      std::printf("  dense_backward_through_act %s, epilogue %s: %s\n", tag.c_str(), epilogue ? "on" : "off",
+                  tanh ? gelu_path_name(ran) : "kernels (erf)");
+      if (tanh) {
+        EXPECT_NE(ran, cuda::GeluPath::kEpilogueBias);
+        if (!epilogue || c.k % 8 != 0) {
+          EXPECT_EQ(ran, cuda::GeluPath::kKernel);
+        }
+      }
+      expect_close("dx_pre", down(dx_g), dx_c, kTolChain<E>);
+      expect_close("d_weight (+=)", minus(down(*dgw), gw0), minus(gw, gw0), kTolGrad<E>);
+      expect_close("d_x_bias (+=)", minus(down(*dgb), gb0), minus(gb, gb0), kTolGrad<E>);
     }
   }
 }
@@ -1060,6 +1137,47 @@ TYPED_TEST(CudaPerf, GeluForward) {
     perf_line("dense_fwd", std::string("k=1024 n=4096 GELU, ") + (wide ? "wide" : "first") + " GELU kernel", ms, 0);
     perf_line("gelu_pass", std::string(wide ? "wide" : "first") + " (difference)", ms - gemm,
               4.0 * static_cast<double>(T) * n);
+  }
+  for (bool epilogue : {false, true}) {  // the tanh GELU: BIAS product + kernel, or the GELU_AUX_BIAS epilogue
+    cuda::KernelVariants kv;
+    kv.gelu_forward_epilogue = epilogue;
+    VariantScope scope(kv);
+    const double ms = median_ms([&] {
+      gpu<E>().dense_forward(x->p, w->p, bias->p, T, k, n, ops::Activation::kGeluTanh, y.p, pre.p);
+    });
+    const bool ran = cuda::last_gelu_path() == cuda::GeluPath::kEpilogueBias;
+    perf_line("dense_fwd", std::string("k=1024 n=4096 GELU tanh, ") + (ran ? "GELU_AUX_BIAS epilogue" : "wide kernel"),
+              ms, 0);
+  }
+}
+
+// The FFN's backward as the model issues it, k=1024 n=4096 (FFN in) and k=4096 n=1024 (FFN out): erf GELU (FFN out
+// dx product, then the one-pass dGELU + d_bias kernel inside the FFN-in backward) vs the tanh GELU with the DGELU
+// epilogues folded into the FFN-out dx product (dense_backward_through_act), and the same without the epilogues.
+TYPED_TEST(CudaPerf, FfnBackward) {
+  using E = TypeParam;  // bf16 or f16
+  const int32_t T = kPerfRows, H = kPerfH, I = 4 * kPerfH;
+  auto x_in = perf16<E>(static_cast<size_t>(T) * H, 41, -1, 1), act = perf16<E>(static_cast<size_t>(T) * I, 42, -1, 1),
+       pre = perf16<E>(static_cast<size_t>(T) * I, 43, -3, 3), w_in = perf16<E>(static_cast<size_t>(I) * H, 44, -0.05f, 0.05f),
+       w_out = perf16<E>(static_cast<size_t>(H) * I, 45, -0.05f, 0.05f), dy = perf16<E>(static_cast<size_t>(T) * H, 46, -1, 1);
+  DBuf<E> d_inter(static_cast<size_t>(T) * I), d_x(static_cast<size_t>(T) * H);
+  DBuf<float> dw_in(static_cast<size_t>(I) * H), dw_out(static_cast<size_t>(H) * I), db_in(I);
+  gpu<E>().zero_bytes(dw_in.p, dw_in.n * sizeof(float));
+  gpu<E>().zero_bytes(dw_out.p, dw_out.n * sizeof(float));
+  gpu<E>().zero_bytes(db_in.p, db_in.n * sizeof(float));
+  for (const auto& [name, a, epilogue] : {std::tuple{"erf GELU", ops::Activation::kGelu, false},
+                                          std::tuple{"tanh GELU, kernels", ops::Activation::kGeluTanh, false},
+                                          std::tuple{"tanh GELU, epilogues", ops::Activation::kGeluTanh, true}}) {
+    cuda::KernelVariants kv;
+    kv.dgelu_epilogue = epilogue;
+    VariantScope scope(kv);
+    const double ms = median_ms([&] {
+      gpu<E>().dense_backward_through_act(dy->p, act->p, pre->p, w_out->p, T, I, H, a, d_inter.p, dw_out.p, db_in.p);
+      gpu<E>().dense_backward(d_inter.p, x_in->p, w_in->p, nullptr, T, H, I, ops::Activation::kNone, d_x.p, true,
+                              dw_in.p, nullptr);
+    });
+    const char* ran = a == ops::Activation::kGelu ? "kernels" : gelu_path_name(cuda::last_gelu_path());
+    perf_line("ffn_bwd", std::string(name) + " (ran " + ran + ")", ms, 0);
   }
 }
 

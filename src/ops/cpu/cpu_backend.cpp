@@ -32,6 +32,27 @@ S gelu_grad(S x) {
   const S pdf = std::exp(S(-0.5) * x * x) * S(0.39894228040143267794);  // 1/sqrt(2 pi)
   return cdf + x * pdf;
 }
+// The tanh approximation: u = c (x + 0.044715 x^3), c = sqrt(2/pi); gelu = 0.5 x (1 + tanh u);
+// gelu' = 0.5 (1 + tanh u) + 0.5 x (1 - tanh^2 u) c (1 + 3 0.044715 x^2).
+template <class S>
+S gelu_tanh(S x) {
+  const S u = S(0.79788456080286535588) * (x + S(0.044715) * x * x * x);
+  return S(0.5) * x * (S(1) + std::tanh(u));
+}
+template <class S>
+S gelu_tanh_grad(S x) {
+  const S c = S(0.79788456080286535588);
+  const S th = std::tanh(c * (x + S(0.044715) * x * x * x));
+  return S(0.5) * (S(1) + th) + S(0.5) * x * (S(1) - th * th) * c * (S(1) + S(3 * 0.044715) * x * x);
+}
+template <class S>
+S activate(Activation act, S x) {
+  return act == Activation::kGelu ? gelu(x) : act == Activation::kGeluTanh ? gelu_tanh(x) : x;
+}
+template <class S>
+S activation_grad(Activation act, S x) {
+  return act == Activation::kGelu ? gelu_grad(x) : act == Activation::kGeluTanh ? gelu_tanh_grad(x) : S(1);
+}
 
 // Keep-scale of one dropout element (core/philox.h): dropout_keep_scale(threshold) if the element's 16-bit draw is
 // >= threshold = ceil(p * 65536), 0 if it is dropped, 1 without dropout (p = 0 draws nothing). The scale is the
@@ -248,8 +269,8 @@ void CpuBackend<P>::dense_forward(const S* x, const S* weight, const S* bias, in
                                   Activation act, S* y, S* pre_act) {
   S* w_t = scratch(kTranspose, static_cast<size_t>(k) * n);  // W^T [k, n], so the GEMM streams rows of B
   cpu::transpose(weight, n, k, w_t, threads_);
-  S* target = act == Activation::kGelu ? pre_act : y;
-  NOPAD_CHECK(target != nullptr, "dense_forward with GELU needs pre_act");
+  S* target = act != Activation::kNone ? pre_act : y;
+  NOPAD_CHECK(target != nullptr, "dense_forward with an activation needs pre_act");
   gemm<S>(rows, n, k, x, k, 1, w_t, n, target, n, false, threads_);
   const int64_t chunks = (rows + kRowsPerChunk - 1) / kRowsPerChunk;
   if (bias == nullptr && act == Activation::kNone) return;
@@ -259,8 +280,8 @@ void CpuBackend<P>::dense_forward(const S* x, const S* weight, const S* bias, in
       S* t = target + r * n;
       if (bias)
         for (int32_t j = 0; j < n; ++j) t[j] += bias[j];
-      if (act == Activation::kGelu)
-        for (int32_t j = 0; j < n; ++j) y[r * n + j] = gelu(t[j]);
+      if (act != Activation::kNone)
+        for (int32_t j = 0; j < n; ++j) y[r * n + j] = activate(act, t[j]);
     }
   });
 }
@@ -270,10 +291,11 @@ void CpuBackend<P>::dense_backward(const S* dy, const S* x, const S* weight, con
                                    int32_t k, int32_t n, Activation act, S* dx, bool accumulate_dx, S* d_weight,
                                    S* d_bias) {
   const S* dpre = dy;
-  if (act == Activation::kGelu) {
+  if (act != Activation::kNone) {
+    NOPAD_CHECK(pre_act != nullptr, "dense_backward with an activation needs pre_act");
     S* buf = scratch(kDpre, static_cast<size_t>(rows) * n);
     parallel_for(static_cast<size_t>(rows), threads_, [&](size_t r) {
-      for (int32_t j = 0; j < n; ++j) buf[r * n + j] = dy[r * n + j] * gelu_grad(pre_act[r * n + j]);
+      for (int32_t j = 0; j < n; ++j) buf[r * n + j] = dy[r * n + j] * activation_grad(act, pre_act[r * n + j]);
     }, 16);
     dpre = buf;
   }
@@ -285,6 +307,26 @@ void CpuBackend<P>::dense_backward(const S* dy, const S* x, const S* weight, con
       const int32_t j0 = static_cast<int32_t>(c) * kCols, j1 = std::min(n, j0 + kCols);
       for (int64_t r = 0; r < rows; ++r)
         for (int32_t j = j0; j < j1; ++j) d_bias[j] += dpre[r * n + j];
+    });
+  }
+}
+
+template <class P>
+void CpuBackend<P>::dense_backward_through_act(const S* dy, const S* x, const S* x_pre, const S* weight, int64_t rows,
+                                               int32_t k, int32_t n, Activation x_act, S* dx_pre, S* d_weight,
+                                               S* d_x_bias) {
+  NOPAD_CHECK(x_act != Activation::kNone, "dense_backward_through_act needs an activation");
+  NOPAD_CHECK(x_pre != nullptr && dx_pre != nullptr, "dense_backward_through_act needs x_pre and dx_pre");
+  dense_backward(dy, x, weight, nullptr, rows, k, n, Activation::kNone, dx_pre, false, d_weight, nullptr);
+  parallel_for(static_cast<size_t>(rows), threads_, [&](size_t r) {
+    for (int32_t j = 0; j < k; ++j) dx_pre[r * k + j] *= activation_grad(x_act, x_pre[r * k + j]);
+  }, 16);
+  if (d_x_bias) {
+    constexpr int32_t kCols = 256;
+    parallel_for(static_cast<size_t>((k + kCols - 1) / kCols), threads_, [&](size_t c) {
+      const int32_t j0 = static_cast<int32_t>(c) * kCols, j1 = std::min(k, j0 + kCols);
+      for (int64_t r = 0; r < rows; ++r)
+        for (int32_t j = j0; j < j1; ++j) d_x_bias[j] += dx_pre[r * k + j];
     });
   }
 }
@@ -477,7 +519,7 @@ void CpuBackend<P>::mlm_head_loss_forward(const S* hidden, const int32_t* mlm_po
     NOPAD_CHECK(mlm_labels[i] >= 0 && mlm_labels[i] < V, "mlm label ", mlm_labels[i], " outside vocab ", V);
     std::copy_n(hidden + int64_t{mlm_positions[i]} * H, H, saved.gathered + int64_t{i} * H);
   }
-  dense_forward(saved.gathered, w.transform_weight, w.transform_bias, M, H, H, Activation::kGelu,
+  dense_forward(saved.gathered, w.transform_weight, w.transform_bias, M, H, H, w.act,
                 saved.transform_act, saved.transform_pre);
   parallel_for(static_cast<size_t>(M), threads_, [&](size_t i) {
     layernorm_row(saved.transform_act + i * H, H, w.ln_gamma, w.ln_beta, w.ln_eps, saved.ln_out + i * H,
@@ -527,7 +569,7 @@ void CpuBackend<P>::mlm_head_loss_backward(double loss_scale, const int32_t* mlm
   layernorm_rows_backward(d_ln_out, saved.transform_act, saved.ln_mean, saved.ln_rstd, w.ln_gamma, M, H, d_act,
                           g.d_ln_gamma, g.d_ln_beta);
   S* d_gathered = d_ln_out;  // no longer needed: reuse
-  dense_backward(d_act, saved.gathered, w.transform_weight, saved.transform_pre, M, H, H, Activation::kGelu,
+  dense_backward(d_act, saved.gathered, w.transform_weight, saved.transform_pre, M, H, H, w.act,
                  d_gathered, false, g.d_transform_weight, g.d_transform_bias);
   for (int32_t i = 0; i < M; ++i) {  // serial: positions may repeat
     S* dh = d_hidden + int64_t{mlm_positions[i]} * H;

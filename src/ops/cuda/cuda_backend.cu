@@ -431,7 +431,7 @@ template <class P>
 void CudaBackendT<P>::dense_forward(const A* x, const W* weight, const W* bias, int64_t rows, int32_t k, int32_t n,
                                 ops::Activation act, A* y, A* pre_act) {
   OpScope timed(*this, "dense_fwd", k, n);
-  const bool gelu = act == ops::Activation::kGelu;
+  const bool gelu = act != ops::Activation::kNone, tanh = act == ops::Activation::kGeluTanh;
   A* target = gelu ? pre_act : y;
   NOPAD_CHECK(target != nullptr && y != nullptr, "dense_forward with GELU needs pre_act");
   if (rows == 0) return;
@@ -449,8 +449,21 @@ void CudaBackendT<P>::dense_forward(const A* x, const W* weight, const W* bias, 
   p.d = target;
   p.ldd = n;
   p.bias = bias;
+  if (tanh && bias && kernel_variants().gelu_forward_epilogue && n % 8 == 0) {  // y and pre_act from one product
+    GemmProblem e = p;
+    e.d = y;
+    e.gelu_aux = pre_act;
+    e.ld_aux = n;
+    if (gemm_->try_run(e, stream_)) {
+      last_gelu_path() = GeluPath::kEpilogueBias;
+      return;
+    }
+  }
   gemm_->run(p, stream_);
-  if (gelu) launch_gelu_forward(dev(pre_act), dev(y), rows * n, kernel_variants().gelu_forward_wide, stream_);
+  if (gelu) {
+    launch_gelu_forward(dev(pre_act), dev(y), rows * n, kernel_variants().gelu_forward_wide, tanh, stream_);
+    if (tanh) last_gelu_path() = GeluPath::kKernel;
+  }
 }
 
 template <class P>
@@ -475,7 +488,7 @@ void CudaBackendT<P>::dense_backward(const A* dy, const A* x, const W* weight, c
                                  int32_t n, ops::Activation act, A* dx, bool accumulate_dx, G* d_weight, G* d_bias) {
   OpScope timed(*this, "dense_bwd", k, n);
   if (rows == 0) return;  // dx has no rows; the parameter gradients receive += 0
-  const bool gelu = act == ops::Activation::kGelu;
+  const bool gelu = act != ops::Activation::kNone, tanh = act == ops::Activation::kGeluTanh;
   NOPAD_CHECK(!gelu || pre_act != nullptr, "dense_backward with GELU needs pre_act");
   A* buf = gelu ? static_cast<A*>(scratch(kDpre, sizeof(A) * static_cast<size_t>(rows) * n)) : nullptr;
   const A* dpre = gelu ? buf : dy;
@@ -490,13 +503,13 @@ void CudaBackendT<P>::dense_backward(const A* dy, const A* x, const W* weight, c
     if (path == BiasGradPath::kOnePass && d_bias) {
       const int chunks = dense_grad_chunks(rows);
       float* partial = static_cast<float*>(scratch(kColPartials, sizeof(float) * chunks * static_cast<size_t>(n)));
-      launch_dense_grad_pass(dev(dy), dev(pre_act), dev(buf), rows, n, partial, stream_);
+      launch_dense_grad_pass(dev(dy), dev(pre_act), dev(buf), rows, n, partial, tanh, stream_);
       launch_column_finish(partial, chunks, n, 1, d_bias, nullptr, nullptr, stream_);
       bias_done = true;
     } else if (path != BiasGradPath::kSeparate && one_pass_ok) {  // dpre alone
-      launch_dense_grad_pass(dev(dy), dev(pre_act), dev(buf), rows, n, nullptr, stream_);
+      launch_dense_grad_pass(dev(dy), dev(pre_act), dev(buf), rows, n, nullptr, tanh, stream_);
     } else {
-      launch_gelu_backward(dev(dy), dev(pre_act), dev(buf), rows * n, stream_);
+      launch_gelu_backward(dev(dy), dev(pre_act), dev(buf), rows * n, tanh, stream_);
     }
   }
   if (dx) {  // dx^T[k, rows] = W^T[k, n] dpre^T[n, rows]
@@ -547,7 +560,7 @@ void CudaBackendT<P>::dense_backward(const A* dy, const A* x, const W* weight, c
     if (path == BiasGradPath::kOnePass) {  // column sums of dpre (or dy) alone
       const int chunks = dense_grad_chunks(rows);
       float* partial = static_cast<float*>(scratch(kColPartials, sizeof(float) * chunks * static_cast<size_t>(n)));
-      launch_dense_grad_pass<device_t<A>>(dev(dpre), nullptr, nullptr, rows, n, partial, stream_);
+      launch_dense_grad_pass<device_t<A>>(dev(dpre), nullptr, nullptr, rows, n, partial, false, stream_);
       launch_column_finish(partial, chunks, n, 1, d_bias, nullptr, nullptr, stream_);
     } else {
       column_sums_accumulate(dpre, rows, n, d_bias);
@@ -555,6 +568,98 @@ void CudaBackendT<P>::dense_backward(const A* dy, const A* x, const W* weight, c
     }
   }
   if (d_bias) last_bias_grad_path() = path;
+}
+
+// dx_pre = (dy W) * act'(x_pre), d_x_bias += its column sums, d_weight += dy^T x. The plain product into scratch and
+// the one-pass dGELU + column-sum kernel (the traffic of dense_backward's GELU path). kGeluTanh with
+// KernelVariants::dgelu_epilogue (off by default: slower, dense.h): the dx product with the DGELU_BGRAD epilogue
+// (fp32 bias gradient, else bf16 for bf16), else DGELU and the column-sum pass, else the default path.
+template <class P>
+void CudaBackendT<P>::dense_backward_through_act(const A* dy, const A* x, const A* x_pre, const W* weight,
+                                                 int64_t rows, int32_t k, int32_t n, ops::Activation x_act,
+                                                 A* dx_pre, G* d_weight, G* d_x_bias) {
+  OpScope timed(*this, "dense_bwd_act", k, n);
+  NOPAD_CHECK(x_act != ops::Activation::kNone, "dense_backward_through_act needs an activation");
+  NOPAD_CHECK(x_pre != nullptr && dx_pre != nullptr, "dense_backward_through_act needs x_pre and dx_pre");
+  if (rows == 0) return;
+  const bool tanh = x_act == ops::Activation::kGeluTanh;
+  GemmProblem p;  // dx^T[k, rows] = W^T[k, n] dy^T[n, rows]
+  p.type = gemm_type<A>();
+  p.m = k;
+  p.n = rows;
+  p.k = n;
+  p.a = weight;
+  p.lda = k;
+  p.b = dy;
+  p.ldb = n;
+  p.ldd = k;
+  bool done = false;
+  if (tanh && kernel_variants().dgelu_epilogue && k % 8 == 0) {
+    GemmProblem e = p;
+    e.d = dx_pre;
+    e.gelu_aux = const_cast<A*>(x_pre);
+    e.ld_aux = k;
+    e.dgelu = true;
+    if (d_x_bias) {
+      e.bias_grad = static_cast<float*>(scratch(kBiasGrad, sizeof(float) * static_cast<size_t>(k)));
+      if (gemm_->try_run(e, stream_)) {  // an fp32 bias gradient
+        launch_column_finish(e.bias_grad, 1, k, 1, d_x_bias, nullptr, nullptr, stream_);  // d_x_bias += row sums
+        last_gelu_path() = GeluPath::kEpilogueBgrad;
+        done = true;
+      } else if (std::is_same_v<A, nopad::bf16>) {
+        // A bf16 bias gradient (the D type): summed in fp32 by the epilogue, rounded once to bf16 (relative 2^-9,
+        // the rounding of every bf16 activation gradient), then added into fp32 d_x_bias. Not for fp16, whose range
+        // a loss-scaled sum over all rows could exceed.
+        e.bias_grad_16 = true;
+        if (gemm_->try_run(e, stream_)) {
+          launch_add_to_f32(reinterpret_cast<const device_t<A>*>(e.bias_grad), k, d_x_bias, stream_);
+          last_gelu_path() = GeluPath::kEpilogueBgrad;
+          done = true;
+        }
+        e.bias_grad_16 = false;
+      }
+      e.bias_grad = nullptr;
+    }
+    if (!done && gemm_->try_run(e, stream_)) {
+      if (d_x_bias) column_sums_accumulate(dx_pre, rows, k, d_x_bias);
+      last_gelu_path() = GeluPath::kEpilogue;
+      done = true;
+    }
+  }
+  if (!done) {  // dy W into scratch, then dGELU (+ column sums) into dx_pre
+    A* buf = static_cast<A*>(scratch(kDpre, sizeof(A) * static_cast<size_t>(rows) * k));
+    p.d = buf;
+    gemm_->run(p, stream_);
+    if (dense_grad_pass_supported(k, buf, x_pre, dx_pre)) {
+      float* partial = nullptr;
+      const int chunks = dense_grad_chunks(rows);
+      if (d_x_bias)
+        partial = static_cast<float*>(scratch(kColPartials, sizeof(float) * chunks * static_cast<size_t>(k)));
+      launch_dense_grad_pass(dev(buf), dev(x_pre), dev(dx_pre), rows, k, partial, tanh, stream_);
+      if (d_x_bias) launch_column_finish(partial, chunks, k, 1, d_x_bias, nullptr, nullptr, stream_);
+    } else {
+      launch_gelu_backward(dev(buf), dev(x_pre), dev(dx_pre), rows * int64_t{k}, tanh, stream_);
+      if (d_x_bias) column_sums_accumulate(dx_pre, rows, k, d_x_bias);
+    }
+    if (tanh) last_gelu_path() = GeluPath::kKernel;
+  }
+  if (d_weight) {  // as in dense_backward: dW^T[k, n] += x^T[k, rows] op_T(dy^T[n, rows]), fp32
+    GemmProblem w;
+    w.type = gemm_type<A>();
+    w.trans_b = true;
+    w.m = k;
+    w.n = n;
+    w.k = rows;
+    w.a = x;
+    w.lda = k;
+    w.b = dy;
+    w.ldb = n;
+    w.d = d_weight;
+    w.ldd = k;
+    w.d_fp32 = true;
+    w.beta = 1.0f;
+    gemm_->run(w, stream_);
+  }
 }
 
 // ------------------------------------------------------------------------------------------------ attention
@@ -728,7 +833,7 @@ void CudaBackendT<P>::mlm_head_loss_forward(const A* hidden, const int32_t* mlm_
   NOPAD_CUDA_CHECK(cudaMemsetAsync(num_correct, 0, sizeof(int32_t), stream_));
   if (M == 0) return;
   launch_gather_rows(dev(hidden), mlm_positions, M, H, dev(saved.gathered), stream_);
-  dense_forward(saved.gathered, w.transform_weight, w.transform_bias, M, H, H, ops::Activation::kGelu,
+  dense_forward(saved.gathered, w.transform_weight, w.transform_bias, M, H, H, w.act,
                 saved.transform_act, saved.transform_pre);
   layernorm_plain_forward(saved.transform_act, w.ln_gamma, w.ln_beta, M, H, w.ln_eps, saved.ln_out, saved.ln_mean,
                           saved.ln_rstd);
@@ -756,7 +861,7 @@ void CudaBackendT<P>::mlm_head_loss_backward(double loss_scale, const int32_t* m
   layernorm_plain_backward(d_ln_out, saved.transform_act, saved.ln_mean, saved.ln_rstd, w.ln_gamma, M, H, d_act,
                            g.d_ln_gamma, g.d_ln_beta);
   A* d_gathered = d_ln_out;  // free again: reuse
-  dense_backward(d_act, saved.gathered, w.transform_weight, saved.transform_pre, M, H, H, ops::Activation::kGelu,
+  dense_backward(d_act, saved.gathered, w.transform_weight, saved.transform_pre, M, H, H, w.act,
                  d_gathered, false, g.d_transform_weight, g.d_transform_bias);
   // Each masked position appears once per batch (the loader's contract), so rows are added without atomics.
   launch_scatter_add_rows(dev(d_gathered), mlm_positions, M, H, dev(d_hidden), stream_);

@@ -94,6 +94,8 @@ class CudaBackendT final : public ops::Backend<P> {
                      ops::Activation act, A* y, A* pre_act) override;
   void dense_backward(const A* dy, const A* x, const W* weight, const A* pre_act, int64_t rows, int32_t k, int32_t n,
                       ops::Activation act, A* dx, bool accumulate_dx, G* d_weight, G* d_bias) override;
+  void dense_backward_through_act(const A* dy, const A* x, const A* x_pre, const W* weight, int64_t rows, int32_t k,
+                                  int32_t n, ops::Activation x_act, A* dx_pre, G* d_weight, G* d_x_bias) override;
   void attention_forward(const A* qkv, const ops::SeqView& seqs, int32_t num_heads, int32_t head_dim,
                          const ops::Dropout& drop, A* ctx, St* lse) override;
   void attention_backward(const A* d_ctx, const A* qkv, const A* ctx, const St* lse, const ops::SeqView& seqs,

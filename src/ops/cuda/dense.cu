@@ -3,10 +3,13 @@
 // one-pass dGELU + column-sum kernel and the first stage of the separate deterministic d_bias column sum, and the
 // process-wide KernelVariants. CPU twin: dense_forward / dense_backward in ops/cpu/cpu_backend.cpp.
 //
-// Why GELU is not a cuBLASLt epilogue: CUBLASLT_EPILOGUE_GELU(_BIAS) is the tanh approximation, while BERT's "gelu"
-// (and the CPU twin) is the exact 0.5 x (1 + erf(x / sqrt 2)). So the GEMM writes pre_act through the BIAS epilogue
-// and a GELU kernel writes y from it (one extra 16-bit read + write of [rows, n]). erff compiles to ~20 FMA-pipe
-// instructions and one MUFU, so the pass is bandwidth-bound as long as enough loads are in flight (the wide kernel).
+// GELU: cuBLASLt's GELU epilogues compute the tanh approximation, so they serve ops::Activation::kGeluTanh
+// (GELU_AUX_BIAS forward; DGELU_BGRAD on the next layer's dx product, off by default: slower than the product plus
+// the one-pass kernel, KernelVariants in dense.h). The exact erf GELU (BERT's "gelu" in Hugging
+// Face configs) cannot be an epilogue: the GEMM writes pre_act through the BIAS epilogue and a GELU kernel writes y
+// from it (one extra 16-bit read + write of [rows, n]). erff compiles to ~20 FMA-pipe instructions and one MUFU, so
+// the pass is bandwidth-bound as long as enough loads are in flight (the wide kernel). The elementwise kernels take
+// either function: they are the fallbacks of the epilogues and the MLM transform's backward.
 #include <algorithm>
 #include <cstdlib>
 #include <string_view>
@@ -72,7 +75,9 @@ LtGemm::Plan& LtGemm::plan_for(const GemmProblem& p) {
   const Key key = {p.type,           p.trans_a,         p.trans_b,    p.m,         p.n,
                    p.k,                p.lda,             p.ldb,        p.ldd,       p.d_fp32,
                    p.bias != nullptr,  p.beta != 0.0f,    alignment_of(p.a), alignment_of(p.b), alignment_of(p.d),
-                   p.bias_grad != nullptr, p.bias_grad ? alignment_of(p.bias_grad) : 0};
+                   p.bias_grad != nullptr, p.bias_grad ? alignment_of(p.bias_grad) : 0,
+                   p.gelu_aux != nullptr, p.dgelu, p.gelu_aux ? alignment_of(p.gelu_aux) : 0, p.ld_aux,
+                   p.bias_grad_16};
   auto it = plans_.find(key);
   if (it != plans_.end()) return it->second;
 
@@ -87,7 +92,32 @@ LtGemm::Plan& LtGemm::plan_for(const GemmProblem& p) {
   const cublasOperation_t ta = p.trans_a ? CUBLAS_OP_T : CUBLAS_OP_N, tb = p.trans_b ? CUBLAS_OP_T : CUBLAS_OP_N;
   NOPAD_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(plan.desc, CUBLASLT_MATMUL_DESC_TRANSA, &ta, sizeof ta));
   NOPAD_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(plan.desc, CUBLASLT_MATMUL_DESC_TRANSB, &tb, sizeof tb));
-  if (p.bias) {
+  if (p.gelu_aux) {  // GELU_AUX_BIAS, DGELU or DGELU_BGRAD (dense.h)
+    NOPAD_CHECK(!p.d_fp32, "LtGemm: the GELU epilogues are only used with 16-bit outputs");
+    NOPAD_CHECK(p.ld_aux >= p.m && p.ld_aux % 8 == 0, "LtGemm: GELU aux leading dimension ", p.ld_aux,
+                " must be a multiple of 8 and >= m = ", p.m);
+    NOPAD_CHECK(p.dgelu ? p.bias == nullptr : (p.bias != nullptr && p.bias_grad == nullptr),
+                "LtGemm: GELU_AUX_BIAS needs a bias and no bias gradient; DGELU takes no bias");
+    const cublasLtEpilogue_t epi = !p.dgelu   ? CUBLASLT_EPILOGUE_GELU_AUX_BIAS
+                                   : p.bias_grad ? CUBLASLT_EPILOGUE_DGELU_BGRAD
+                                                 : CUBLASLT_EPILOGUE_DGELU;
+    NOPAD_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(plan.desc, CUBLASLT_MATMUL_DESC_EPILOGUE, &epi, sizeof epi));
+    const void* vec = p.dgelu ? static_cast<const void*>(p.bias_grad) : p.bias;
+    if (vec) {
+      const int32_t vec_type = p.dgelu && !p.bias_grad_16 ? CUDA_R_32F : p.type;
+      NOPAD_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(plan.desc, CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE, &vec_type,
+                                                        sizeof vec_type));
+      NOPAD_CUBLAS_CHECK(
+          cublasLtMatmulDescSetAttribute(plan.desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &vec, sizeof vec));
+    }
+    const int32_t aux_type = p.type;
+    NOPAD_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(plan.desc, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER,
+                                                      &p.gelu_aux, sizeof p.gelu_aux));
+    NOPAD_CUBLAS_CHECK(
+        cublasLtMatmulDescSetAttribute(plan.desc, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_LD, &p.ld_aux, sizeof p.ld_aux));
+    NOPAD_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(plan.desc, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_DATA_TYPE,
+                                                      &aux_type, sizeof aux_type));
+  } else if (p.bias) {
     NOPAD_CHECK(!p.d_fp32, "LtGemm: a bias epilogue is only used with 16-bit outputs");
     const cublasLtEpilogue_t epi = CUBLASLT_EPILOGUE_BIAS;
     const cudaDataType_t bias_type = p.type;
@@ -97,7 +127,7 @@ LtGemm::Plan& LtGemm::plan_for(const GemmProblem& p) {
     NOPAD_CUBLAS_CHECK(
         cublasLtMatmulDescSetAttribute(plan.desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &p.bias, sizeof p.bias));
   }
-  if (p.bias_grad) {  // column sums of op(B) over the k dimension, fp32 (the output type), written not accumulated
+  if (p.bias_grad && !p.gelu_aux) {  // column sums of op(B) over the k dimension, fp32 (the output type), written
     NOPAD_CHECK(p.d_fp32, "LtGemm: the BGRADB epilogue is only used with fp32 outputs");
     const cublasLtEpilogue_t epi = CUBLASLT_EPILOGUE_BGRADB;
     const cudaDataType_t grad_type = CUDA_R_32F;
@@ -133,8 +163,11 @@ LtGemm::Plan& LtGemm::plan_for(const GemmProblem& p) {
                                         results, &found);
   cublasLtMatmulPreferenceDestroy(pref);
   // An epilogue the library does not offer for this problem may be reported as NOT_SUPPORTED rather than as 0
-  // results: for a bias-gradient product both mean "no algorithm" (the caller falls back).
-  if (p.bias_grad && st == CUBLAS_STATUS_NOT_SUPPORTED) {
+  // results: for a bias-gradient or GELU product both mean "no algorithm" (the caller falls back). A GELU epilogue
+  // with a type combination the library lacks (DGELU_BGRAD with an fp32 bias gradient, seen with cuBLASLt 13 on sm_90)
+  // is reported as INVALID_VALUE: also "no algorithm" for those products.
+  if ((p.bias_grad || p.gelu_aux) &&
+      (st == CUBLAS_STATUS_NOT_SUPPORTED || (p.gelu_aux && st == CUBLAS_STATUS_INVALID_VALUE))) {
     st = CUBLAS_STATUS_SUCCESS;
     found = 0;
   }
@@ -230,6 +263,9 @@ void LtGemm::enqueue(Plan& plan, const GemmProblem& p, cudaStream_t stream) {
   if (p.bias_grad)
     NOPAD_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(plan.desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &p.bias_grad,
                                                       sizeof p.bias_grad));
+  if (p.gelu_aux)
+    NOPAD_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(plan.desc, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER,
+                                                      &p.gelu_aux, sizeof p.gelu_aux));
   if (!plan.tuned) tune(plan, p, stream);
   const float alpha = 1.0f, beta = p.beta;
   NOPAD_CUBLAS_CHECK(cublasLtMatmul(handle_, plan.desc, &alpha, p.a, plan.a, p.b, plan.b, &beta, p.d, plan.d, p.d,
@@ -246,7 +282,8 @@ void LtGemm::run(const GemmProblem& p, cudaStream_t stream) {
     fail("cuBLASLt has no algorithm for the product m=", p.m, " n=", p.n, " k=", p.k, " (transa ", p.trans_a,
          ", transb ", p.trans_b, ", lda ", p.lda, ", ldb ", p.ldb, ", ldd ", p.ldd, ", ",
          p.type == CUDA_R_16F ? "fp16" : "bf16", " inputs, ", p.d_fp32 ? "fp32" : "16-bit", " output, bias ",
-         p.bias != nullptr, ", bias gradient ", p.bias_grad != nullptr, ", alignments ",
+         p.bias != nullptr, ", bias gradient ", p.bias_grad != nullptr, ", GELU aux ", p.gelu_aux != nullptr,
+         p.dgelu ? " (dgelu)" : "", ", alignments ",
          alignment_of(p.a), "/", alignment_of(p.b), "/", alignment_of(p.d), " bytes)");
   enqueue(plan, p, stream);
 }
@@ -265,6 +302,10 @@ KernelVariants& kernel_variants() {
   static KernelVariants v;
   return v;
 }
+GeluPath& last_gelu_path() {
+  static GeluPath path = GeluPath::kKernel;
+  return path;
+}
 BiasGradPath& last_bias_grad_path() {
   static BiasGradPath path = BiasGradPath::kSeparate;
   return path;
@@ -278,7 +319,7 @@ constexpr int kThreads = 256;
 
 // First implementation: one 16-byte vector per thread per grid-stride step, scalar tail (or all scalar when the
 // pointers are not 16-byte aligned).
-template <class T>
+template <class T, bool kTanh>
 __global__ void gelu_forward_kernel(const T* __restrict__ pre, T* __restrict__ y, int64_t count, bool vec) {
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
   int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
@@ -287,12 +328,12 @@ __global__ void gelu_forward_kernel(const T* __restrict__ pre, T* __restrict__ y
       float v[8];
       load8(pre + i * 8, v);
 #pragma unroll
-      for (int e = 0; e < 8; ++e) v[e] = gelu_erf(v[e]);
+      for (int e = 0; e < 8; ++e) v[e] = gelu_fn<kTanh>(v[e]);
       store8(y + i * 8, v);
     }
     i = count / 8 * 8 + static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;  // tail
   }
-  for (; i < count; i += stride) y[i] = from_f32<T>(gelu_erf(to_f32(pre[i])));
+  for (; i < count; i += stride) y[i] = from_f32<T>(gelu_fn<kTanh>(to_f32(pre[i])));
 }
 
 // Wide: a thread owns kWideVecs vectors spaced one block apart (each warp access stays 512 contiguous bytes) and
@@ -300,7 +341,7 @@ __global__ void gelu_forward_kernel(const T* __restrict__ pre, T* __restrict__ y
 // then limited by memory, not by the latency of one load followed by ~200 instructions of erf. Pointers 16-byte
 // aligned; the count % 8 tail is done by block 0.
 constexpr int kWideVecs = 4;
-template <class T>
+template <class T, bool kTanh>
 __global__ void __launch_bounds__(kThreads) gelu_forward_wide_kernel(const T* __restrict__ pre, T* __restrict__ y,
                                                                      int64_t count) {
   const int64_t nvec = count / 8;
@@ -316,17 +357,17 @@ __global__ void __launch_bounds__(kThreads) gelu_forward_wide_kernel(const T* __
 #pragma unroll
     for (int h = 0; h < 4; ++h) {
       const float2 f = to_f32x2(in[u].h[h]);
-      out.h[h] = from_f32x2<T>(gelu_erf(f.x), gelu_erf(f.y));
+      out.h[h] = from_f32x2<T>(gelu_fn<kTanh>(f.x), gelu_fn<kTanh>(f.y));
     }
     st16(y + (base + u * kThreads) * 8, out);
   }
   if (blockIdx.x == 0 && threadIdx.x < count - nvec * 8) {
     const int64_t i = nvec * 8 + threadIdx.x;
-    y[i] = from_f32<T>(gelu_erf(to_f32(pre[i])));
+    y[i] = from_f32<T>(gelu_fn<kTanh>(to_f32(pre[i])));
   }
 }
 
-template <class T>
+template <class T, bool kTanh>
 __global__ void gelu_backward_kernel(const T* __restrict__ dy, const T* __restrict__ pre, T* __restrict__ dpre,
                                      int64_t count, bool vec) {
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
@@ -337,13 +378,13 @@ __global__ void gelu_backward_kernel(const T* __restrict__ dy, const T* __restri
       load8(dy + i * 8, d);
       load8(pre + i * 8, x);
 #pragma unroll
-      for (int e = 0; e < 8; ++e) d[e] *= gelu_erf_grad(x[e]);
+      for (int e = 0; e < 8; ++e) d[e] *= gelu_grad_fn<kTanh>(x[e]);
       store8(dpre + i * 8, d);
     }
     i = count / 8 * 8 + static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   }
   for (; i < count; i += stride)
-    dpre[i] = from_f32<T>(to_f32(dy[i]) * gelu_erf_grad(to_f32(pre[i])));
+    dpre[i] = from_f32<T>(to_f32(dy[i]) * gelu_grad_fn<kTanh>(to_f32(pre[i])));
 }
 
 bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
@@ -373,7 +414,7 @@ __global__ void column_sum_partial_kernel(const T* __restrict__ m, int64_t rows,
 // columns of dpre before the 16-bit rounding (the twin sums its fp32 dpre) over its rows in increasing order, then the
 // block adds its 8 warps in warp order into partial[chunk][j]: a fixed order for a given rows and n.
 constexpr int kGradCols = 256, kGradWarps = 8, kGradUnroll = 4, kGradRowsPerChunk = 128;
-template <class T, bool kGelu, bool kColSum>
+template <class T, bool kGelu, bool kColSum, bool kTanh>
 __global__ void __launch_bounds__(kGradWarps * 32) dense_grad_pass_kernel(const T* __restrict__ dy,
                                                                           const T* __restrict__ pre,
                                                                           T* __restrict__ dpre, int64_t rows,
@@ -406,8 +447,8 @@ __global__ void __launch_bounds__(kGradWarps * 32) dense_grad_pass_kernel(const 
 #pragma unroll
         for (int h = 0; h < 4; ++h) {
           const float2 f = to_f32x2(x[u].h[h]);
-          v[2 * h] *= gelu_erf_grad(f.x);
-          v[2 * h + 1] *= gelu_erf_grad(f.y);
+          v[2 * h] *= gelu_grad_fn<kTanh>(f.x);
+          v[2 * h + 1] *= gelu_grad_fn<kTanh>(f.y);
         }
         store8(dpre + rr * n + j0, v);
       }
@@ -434,25 +475,51 @@ __global__ void __launch_bounds__(kGradWarps * 32) dense_grad_pass_kernel(const 
 
 }  // namespace
 
-template <class T>
-void launch_gelu_forward(const T* pre, T* y, int64_t count, bool wide, cudaStream_t stream) {
-  if (count <= 0) return;
+template <class T, bool kTanh>
+void gelu_forward_impl(const T* pre, T* y, int64_t count, bool wide, cudaStream_t stream) {
   if (wide && aligned16(pre) && aligned16(y)) {
     const int64_t blocks = std::max<int64_t>(1, (count / 8 + kThreads * kWideVecs - 1) / (kThreads * kWideVecs));
     NOPAD_CHECK(blocks <= 0x7fffffff, "GELU forward over ", count, " elements: too many blocks");
-    gelu_forward_wide_kernel<T><<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(pre, y, count);
+    gelu_forward_wide_kernel<T, kTanh><<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(pre, y, count);
   } else {
-    gelu_forward_kernel<T><<<elementwise_blocks(count), kThreads, 0, stream>>>(pre, y, count,
-                                                                                aligned16(pre) && aligned16(y));
+    gelu_forward_kernel<T, kTanh><<<elementwise_blocks(count), kThreads, 0, stream>>>(
+        pre, y, count, aligned16(pre) && aligned16(y));
   }
+}
+
+template <class T>
+void launch_gelu_forward(const T* pre, T* y, int64_t count, bool wide, bool tanh, cudaStream_t stream) {
+  if (count <= 0) return;
+  if (tanh)
+    gelu_forward_impl<T, true>(pre, y, count, wide, stream);
+  else
+    gelu_forward_impl<T, false>(pre, y, count, wide, stream);
   NOPAD_CUDA_CHECK_LAUNCH();
 }
 
 template <class T>
-void launch_gelu_backward(const T* dy, const T* pre, T* dpre, int64_t count, cudaStream_t stream) {
+void launch_gelu_backward(const T* dy, const T* pre, T* dpre, int64_t count, bool tanh, cudaStream_t stream) {
   if (count <= 0) return;
-  gelu_backward_kernel<T><<<elementwise_blocks(count), kThreads, 0, stream>>>(
-      dy, pre, dpre, count, aligned16(dy) && aligned16(pre) && aligned16(dpre));
+  const bool vec = aligned16(dy) && aligned16(pre) && aligned16(dpre);
+  if (tanh)
+    gelu_backward_kernel<T, true><<<elementwise_blocks(count), kThreads, 0, stream>>>(dy, pre, dpre, count, vec);
+  else
+    gelu_backward_kernel<T, false><<<elementwise_blocks(count), kThreads, 0, stream>>>(dy, pre, dpre, count, vec);
+  NOPAD_CUDA_CHECK_LAUNCH();
+}
+
+namespace {
+template <class T>
+__global__ void add_to_f32_kernel(const T* __restrict__ v, int32_t n, float* __restrict__ out) {
+  const int32_t i = static_cast<int32_t>(blockIdx.x * blockDim.x + threadIdx.x);
+  if (i < n) out[i] += to_f32(v[i]);
+}
+}  // namespace
+
+template <class T>
+void launch_add_to_f32(const T* v, int32_t n, float* out, cudaStream_t stream) {
+  if (n <= 0) return;
+  add_to_f32_kernel<T><<<static_cast<unsigned>(ceil_div(n, kThreads)), kThreads, 0, stream>>>(v, n, out);
   NOPAD_CUDA_CHECK_LAUNCH();
 }
 
@@ -481,7 +548,7 @@ int dense_grad_chunks(int64_t rows) {
 }
 
 template <class T>
-void launch_dense_grad_pass(const T* dy, const T* pre, T* dpre, int64_t rows, int32_t n, float* partial,
+void launch_dense_grad_pass(const T* dy, const T* pre, T* dpre, int64_t rows, int32_t n, float* partial, bool tanh,
                             cudaStream_t stream) {
   if (rows <= 0 || n <= 0) return;
   NOPAD_CHECK(dense_grad_pass_supported(n, dy, pre, dpre), "dense gradient pass needs n % 8 == 0 (got ", n,
@@ -490,12 +557,17 @@ void launch_dense_grad_pass(const T* dy, const T* pre, T* dpre, int64_t rows, in
   const int chunks = dense_grad_chunks(rows);
   NOPAD_CHECK(chunks <= 65535, "dense gradient pass over ", rows, " rows: more than 65535 row chunks");
   const dim3 grid(static_cast<unsigned>(ceil_div(n, kGradCols)), static_cast<unsigned>(chunks));
-  if (pre && partial)
-    dense_grad_pass_kernel<T, true, true><<<grid, kGradWarps * 32, 0, stream>>>(dy, pre, dpre, rows, n, partial);
+  constexpr int kT = kGradWarps * 32;
+  if (pre && partial && tanh)
+    dense_grad_pass_kernel<T, true, true, true><<<grid, kT, 0, stream>>>(dy, pre, dpre, rows, n, partial);
+  else if (pre && partial)
+    dense_grad_pass_kernel<T, true, true, false><<<grid, kT, 0, stream>>>(dy, pre, dpre, rows, n, partial);
+  else if (pre && tanh)
+    dense_grad_pass_kernel<T, true, false, true><<<grid, kT, 0, stream>>>(dy, pre, dpre, rows, n, nullptr);
   else if (pre)
-    dense_grad_pass_kernel<T, true, false><<<grid, kGradWarps * 32, 0, stream>>>(dy, pre, dpre, rows, n, nullptr);
+    dense_grad_pass_kernel<T, true, false, false><<<grid, kT, 0, stream>>>(dy, pre, dpre, rows, n, nullptr);
   else if (partial)
-    dense_grad_pass_kernel<T, false, true><<<grid, kGradWarps * 32, 0, stream>>>(dy, nullptr, nullptr, rows, n, partial);
+    dense_grad_pass_kernel<T, false, true, false><<<grid, kT, 0, stream>>>(dy, nullptr, nullptr, rows, n, partial);
   else
     return;  // nothing asked for
   NOPAD_CUDA_CHECK_LAUNCH();
@@ -503,10 +575,11 @@ void launch_dense_grad_pass(const T* dy, const T* pre, T* dpre, int64_t rows, in
 
 // The launchers of both element types.
 #define NOPAD_DENSE_INSTANTIATE(T)                                                                                \
-  template void launch_gelu_forward<T>(const T*, T*, int64_t, bool, cudaStream_t);                                \
-  template void launch_gelu_backward<T>(const T*, const T*, T*, int64_t, cudaStream_t);                           \
+  template void launch_gelu_forward<T>(const T*, T*, int64_t, bool, bool, cudaStream_t);                          \
+  template void launch_gelu_backward<T>(const T*, const T*, T*, int64_t, bool, cudaStream_t);                     \
   template void launch_column_sum_partial<T>(const T*, int64_t, int32_t, int, float*, cudaStream_t);              \
-  template void launch_dense_grad_pass<T>(const T*, const T*, T*, int64_t, int32_t, float*, cudaStream_t);
+  template void launch_add_to_f32<T>(const T*, int32_t, float*, cudaStream_t);                                    \
+  template void launch_dense_grad_pass<T>(const T*, const T*, T*, int64_t, int32_t, float*, bool, cudaStream_t);
 NOPAD_DENSE_INSTANTIATE(bf)
 NOPAD_DENSE_INSTANTIATE(hf)
 #undef NOPAD_DENSE_INSTANTIATE

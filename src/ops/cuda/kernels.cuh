@@ -150,6 +150,24 @@ __device__ __forceinline__ float gelu_erf_grad(float x) {
   const float pdf = expf(-0.5f * x * x) * 0.39894228040143267794f;
   return cdf + x * pdf;
 }
+// The tanh approximation (Hugging Face "gelu_new") and its derivative, as the CPU twin computes them (accurate tanhf;
+// cuBLASLt's GELU epilogues compute the same function with their own rounding).
+__device__ __forceinline__ float gelu_tanh(float x) {
+  return 0.5f * x * (1.0f + tanhf(0.79788456080286535588f * (x + 0.044715f * x * x * x)));
+}
+__device__ __forceinline__ float gelu_tanh_grad(float x) {
+  const float c = 0.79788456080286535588f;
+  const float th = tanhf(c * (x + 0.044715f * x * x * x));
+  return 0.5f * (1.0f + th) + 0.5f * x * (1.0f - th * th) * c * (1.0f + 3.0f * 0.044715f * x * x);
+}
+template <bool kTanh>
+__device__ __forceinline__ float gelu_fn(float x) {
+  if constexpr (kTanh) return gelu_tanh(x); else return gelu_erf(x);
+}
+template <bool kTanh>
+__device__ __forceinline__ float gelu_grad_fn(float x) {
+  if constexpr (kTanh) return gelu_tanh_grad(x); else return gelu_erf_grad(x);
+}
 
 // Dropout of one call (core/philox.h's 16-bit contract): the mixed stream key and p. The threshold ceil(p * 65536) and
 // the keep-scale 65536 / (65536 - threshold) are derived from p on the device (dropout_threshold, dropout_keep_scale:
@@ -254,12 +272,16 @@ void launch_ln_backward(LnKind kind, const LnArgs<T>& a, const LnVariant& v, int
 void launch_column_finish(const float* partial, int blocks, int H, int nacc, float* out0, float* out1, float* out2,
                           cudaStream_t stream);
 
-// dense.cu: elementwise GELU and column sums (the d_bias reduction, first stage).
+// dense.cu: elementwise GELU and column sums (the d_bias reduction, first stage). tanh: the tanh approximation
+// (ops::Activation::kGeluTanh), else the exact erf GELU.
 // y = gelu(pre); wide: 4 vectors in flight per thread (KernelVariants::gelu_forward_wide), else the first kernel.
 template <class T>
-void launch_gelu_forward(const T* pre, T* y, int64_t count, bool wide, cudaStream_t stream);
+void launch_gelu_forward(const T* pre, T* y, int64_t count, bool wide, bool tanh, cudaStream_t stream);
 template <class T>
-void launch_gelu_backward(const T* dy, const T* pre, T* dpre, int64_t count, cudaStream_t stream);
+void launch_gelu_backward(const T* dy, const T* pre, T* dpre, int64_t count, bool tanh, cudaStream_t stream);
+// out[i] += v[i] (a 16-bit vector into an fp32 one: the 16-bit bias gradient of a DGELU_BGRAD product).
+template <class T>
+void launch_add_to_f32(const T* v, int32_t n, float* out, cudaStream_t stream);
 int column_sum_chunks(int64_t rows);
 // partial[c][j] = sum of m[r][j] over the rows r of chunk c (m is [rows, n]).
 template <class T>
@@ -270,7 +292,7 @@ void launch_column_sum_partial(const T* m, int64_t rows, int32_t n, int chunks, 
 bool dense_grad_pass_supported(int32_t n, const void* dy, const void* pre, const void* dpre);
 int dense_grad_chunks(int64_t rows);
 template <class T>
-void launch_dense_grad_pass(const T* dy, const T* pre, T* dpre, int64_t rows, int32_t n, float* partial,
+void launch_dense_grad_pass(const T* dy, const T* pre, T* dpre, int64_t rows, int32_t n, float* partial, bool tanh,
                             cudaStream_t stream);
 
 // heads.cu
