@@ -109,8 +109,7 @@ class CpuEngine final : public TrainEngine {
 
 void TrainEngine::reduce_gradients(dist::Communicator& comm) {
   if (comm.size() == 1) return;
-  fail("data-parallel training on ", device_name(), " is not built yet (the GPU's NCCL gradient all-reduce): set ",
-       "train.device=cpu or run one process");
+  fail("data-parallel training is not available on ", device_name(), ": set train.device=cpu or run one process");
 }
 
 void accumulate(StepResult& sum, const StepResult& r) {

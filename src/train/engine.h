@@ -41,6 +41,8 @@ struct EngineOptions {
   std::string optimizer = "lamb";  // "lamb" or "adamw" (CPU only)
   OptimizerOptions optim;
   int threads = 0;  // CPU threads (<= 0: all cores); ignored on a GPU
+  int device = 0;   // GPU index (data-parallel jobs: the local rank modulo the visible GPUs); ignored on the CPU
+  double dist_timeout_s = 600;  // data parallel: longest wait for a step's collectives before the job stops (0: none)
 };
 
 // What finish_step() returns for one step.
@@ -68,10 +70,14 @@ class TrainEngine {
   // loss_scale x the loss (fp16 loss scaling: pass grad_scale = 1 / loss_scale to optimizer_step).
   virtual void micro_step(const HostBatch& batch, uint64_t seed, uint64_t step, LossDenominators denoms,
                           double loss_scale = 1.0) = 0;
+  // Data parallelism: called once at setup on every rank of a multi-rank job, before the first step (collective):
+  // builds the device's collective (the GPU's NCCL communicator, bootstrapped over `comm`, which must outlive the
+  // engine). The default does nothing (the CPU engine reduces over `comm` itself).
+  virtual void connect(dist::Communicator& comm) {}
   // Data parallelism: called between the last micro_step and optimizer_step of a step on every rank. Sums the
   // gradients and the step's result over the ranks (so every rank then holds the global batch's gradient and loss)
-  // and makes the step's fate the same everywhere (a non-finite loss on any rank skips the update on all). The
-  // default throws: only the CPU engine implements it (the GPU's NCCL all-reduce is not built yet).
+  // and makes the step's fate the same everywhere (a non-finite loss on any rank skips the update on all). On a GPU
+  // the gradient sum is enqueued (NCCL, after connect) and the result sum happens in finish_step. The default throws.
   virtual void reduce_gradients(dist::Communicator& comm);
   // Ends the step: multiplies the gradients by grad_scale and updates the weights.
   virtual void optimizer_step(double lr, double grad_scale) = 0;

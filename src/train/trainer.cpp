@@ -13,6 +13,7 @@
 #include "core/progress.h"
 #include "data/loader.h"
 #include "dist/balance.h"
+#include "dist/watchdog.h"
 #include "dist/comm.h"
 #include "dist/launch.h"
 #include "optim/optimizer.h"
@@ -51,6 +52,8 @@ ConfigSchema train_config_schema() {
         "dist.cost_per_token * L + dist.cost_per_token_sq * L^2)");
   s.add("dist.cost_per_token", 1.0, "balancing cost of a sequence per token (linear work: GEMMs, memory-bound ops)");
   s.add("dist.cost_per_token_sq", 0.0, "balancing cost per token^2 (attention)");
+  s.add("dist.timeout_s", 600.0, "data parallelism: a rank that makes no progress for this long (a peer rank died or "
+        "hangs in a collective) stops the job with an error naming it (0 = wait forever)");
   s.add("mllog.submission_org", "nopad", "MLPerf log (run_dir/mllog.txt): submission_org");
   s.add("mllog.submission_platform", "", "MLPerf log: submission_platform ('' = the device nopad trains on)");
   s.add("mllog.submission_division", "closed", "MLPerf log: submission_division, closed or open");
@@ -245,6 +248,11 @@ struct Trainer::Impl {
   dist::BalanceMode balance = dist::BalanceMode::kCost;
   dist::CostModel cost;
   int64_t rank_batch = 0;
+  double dist_timeout_s = 600;
+  std::unique_ptr<dist::Watchdog> watchdog;  // data parallel, dist.timeout_s > 0: ends a rank stuck in a collective
+  void kick() {
+    if (watchdog) watchdog->kick();
+  }
   bool lead() const { return comm->rank() == 0; }  // rank 0 writes metrics, checkpoints and progress
 
   BertConfig model_config;
@@ -318,9 +326,9 @@ void Trainer::Impl::setup() {
                   cost.per_token_sq >= 0 && cost.per_token + cost.per_token_sq > 0,
               "dist.cost_per_token and dist.cost_per_token_sq must be >= 0 and not both 0, got ", cost.per_token,
               " and ", cost.per_token_sq);
-  if (rank_info.distributed())
-    NOPAD_CHECK(device == "cpu", "data-parallel training (", dist::describe(rank_info), ") runs on the CPU in this ",
-                "build: the GPU's NCCL gradient all-reduce is not built yet; set train.device=cpu or run one process");
+  dist_timeout_s = cfg.get_double("dist.timeout_s");
+  NOPAD_CHECK(std::isfinite(dist_timeout_s) && dist_timeout_s >= 0, "dist.timeout_s must be >= 0 (0 = no timeout), "
+              "got ", dist_timeout_s);
   {
     std::string ls = cfg.get_string("train.loss_scale");
     if (ls == "auto") ls = precision == "fp16" ? "dynamic" : "none";
@@ -485,7 +493,17 @@ void Trainer::Impl::setup() {
   eo.optimizer = optim_name;
   eo.optim = oo;
   eo.threads = threads;
+  eo.device = rank_info.local_rank;  // one GPU per process (modulo the GPUs visible)
+  eo.dist_timeout_s = dist_timeout_s;
   engine = make_engine(device, eo);
+  if (rank_info.distributed()) {
+    engine->connect(*comm);  // the device collective (GPU: NCCL), bootstrapped over the host communicator
+    // The process-wide watchdog fires 30 s after a device wait's own timeout would (that one aborts NCCL with a
+    // clearer message); it also catches ranks stuck in the host's MPI collectives.
+    if (dist_timeout_s > 0)
+      watchdog = std::make_unique<dist::Watchdog>(dist_timeout_s + 30, dist::describe(rank_info) +
+                                                                             " (dist.timeout_s + 30 s watchdog)");
+  }
   if (lead()) {
     std::fprintf(stderr, "device: %s, %s%s%s\n", engine->device_name().c_str(), engine->precision().c_str(),
                  loss_scaler ? ", dynamic loss scale" : (fixed_loss_scale != 1 ? ", fixed loss scale" : ""),
@@ -566,6 +584,7 @@ void Trainer::Impl::setup() {
 }
 
 fs::path Trainer::Impl::save_checkpoint() {
+  kick();
   if (loss_scaler) state.extra["loss_scale"] = loss_scaler->to_json();
   std::vector<float> host;
   engine->get_params(host);
@@ -584,14 +603,20 @@ fs::path Trainer::Impl::save_checkpoint() {
   o.keep = static_cast<int>(checkpoint_keep);
   last_checkpoint =
       write_checkpoint(run_dir, model_config, engine->layout(), host.data(), &engine->optimizer_state(), state, o);
+  kick();
   return last_checkpoint;
 }
 
 EvalResult Trainer::Impl::run_eval() {
   // MLPerf BERT counts "epochs" in training samples.
   mllog.start("eval_start", nullptr, {{"epoch_num", state.samples}});
-  const EvalResult e = evaluate_with([&](const HostBatch& hb) { return engine->evaluate(hb); }, *eval_data,
-                                     eval_max_samples, static_cast<int32_t>(micro_batch), comm.get());
+  const EvalResult e = evaluate_with(
+      [&](const HostBatch& hb) {
+        kick();
+        return engine->evaluate(hb);
+      },
+      *eval_data, eval_max_samples, static_cast<int32_t>(micro_batch), comm.get());
+  kick();
   state.extra["last_eval"] = eval_json(e);
   mllog.point("eval_accuracy", e.mlm_accuracy, {{"epoch_num", state.samples}});
   mllog.end("eval_stop", nullptr, {{"epoch_num", state.samples}});
@@ -689,6 +714,7 @@ TrainSummary Trainer::run() {
     q_first = (q_first + 1) % TrainEngine::kMaxStepsInFlight;
     --q_count;
     StepOutcome out = m.engine->finish_step();  // waits for that step only
+    m.kick();
     if (m.hooks.after_forward) m.hooks.after_forward(e.step, out.result);
     const std::string keep_note =
         m.last_checkpoint.empty() ? std::string(" (no checkpoint was written yet)")

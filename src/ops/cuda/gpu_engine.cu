@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <array>
 #include <cstddef>
+#include <span>
 #include <string>
 #include <type_traits>
 #include <unordered_map>
@@ -17,6 +18,7 @@
 #include "ops/cuda/check.h"
 #include "ops/cuda/cuda_backend.h"
 #include "ops/cuda/lamb.h"
+#include "ops/cuda/nccl_comm.h"
 
 namespace nopad::cuda {
 
@@ -41,18 +43,20 @@ template <class P>
 class GpuEngine final : public TrainEngine {
  public:
   explicit GpuEngine(const EngineOptions& o)
-      : backend_(0),
+      : backend_(o.device),
         model_(o.config, backend_, o.max_tokens, o.max_seqs, o.max_masked),
         lamb_(lamb_tensors(model_.layout()), model_.num_params(), o.optim, backend_.stream()),
         host_params_(model_.num_params(), 0.0f),
         host_m_(model_.num_params(), 0.0f),
         host_v_(model_.num_params(), 0.0f),
-        micro_per_step_(std::max(1, o.micro_batches_per_step)) {
+        micro_per_step_(std::max(1, o.micro_batches_per_step)),
+        timeout_s_(o.dist_timeout_s) {
     // Room for every result of the unread steps, the step being built and a few evaluation forwards.
     model_.set_result_capacity(static_cast<size_t>(kMaxStepsInFlight + 1) * micro_per_step_ + 4);
     for (PendingStep& p : steps_) {
       p.tickets.reserve(static_cast<size_t>(micro_per_step_));
       p.stats_host.assign(FusedLamb::state_size(), 0);
+      NOPAD_CUDA_CHECK(cudaEventCreateWithFlags(&p.done, cudaEventDisableTiming));
     }
     // Host mirror of the optimizer in the CPU form, for checkpoints (never stepped).
     std::vector<ParamView> views;
@@ -64,7 +68,12 @@ class GpuEngine final : public TrainEngine {
     NOPAD_CUDA_CHECK(cudaGetDeviceProperties(&prop, backend_.device()));
     name_ = std::string("cuda (") + prop.name + ")";
   }
-  ~GpuEngine() override { (void)cudaStreamSynchronize(backend_.stream()); }  // no throwing while tearing down
+  ~GpuEngine() override {  // no throwing while tearing down
+    nccl_.reset();
+    (void)cudaStreamSynchronize(backend_.stream());
+    for (PendingStep& p : steps_)
+      if (p.done) (void)cudaEventDestroy(p.done);
+  }
 
   std::string device_name() const override { return name_; }
   const ParamLayout& layout() const override { return model_.layout(); }
@@ -99,19 +108,52 @@ class GpuEngine final : public TrainEngine {
     p.tickets.push_back(model_.forward_async(batch, /*train=*/true, seed, step, denoms));
     model_.backward(loss_scale);
   }
+  void connect(dist::Communicator& comm) override {
+    if (comm.size() == 1) return;
+    NOPAD_CUDA_CHECK(cudaSetDevice(backend_.device()));
+    comm_ = &comm;
+    nccl_ = make_nccl_comm(comm);
+  }
+  // The gradients' sum over the ranks, enqueued on the compute stream after the backward passes (one fp32
+  // all-reduce of the whole gradient buffer); the step results are summed in finish_step.
+  void reduce_gradients(dist::Communicator& comm) override {
+    if (comm.size() == 1) return;
+    NOPAD_CHECK(nccl_ != nullptr && comm_ == &comm, "GpuEngine::reduce_gradients before connect()");
+    nccl_->all_reduce_sum(model_.grads(), model_.num_params(), backend_.stream());
+    building().reduced = true;
+  }
   void optimizer_step(double lr, double grad_scale) override {
     NOPAD_CHECK(unread_ < kMaxStepsInFlight, "GpuEngine: more than ", kMaxStepsInFlight,
                 " steps unread (call finish_step)");
     PendingStep& p = building();
     lamb_.step(model_.grads(), model_.params(), static_cast<float>(lr), static_cast<float>(grad_scale));
     p.stats_ticket = backend_.download_bytes_async(p.stats_host.data(), lamb_.device_state(), FusedLamb::state_size());
+    NOPAD_CUDA_CHECK(cudaEventRecord(p.done, backend_.stream()));
     ++unread_;
   }
   StepOutcome finish_step() override {
     NOPAD_CHECK(unread_ > 0, "GpuEngine::finish_step: no step to finish");
     PendingStep& p = steps_[first_];
     StepOutcome o;
+    // A step with collectives is waited for under the watch of NCCL's error state and dist.timeout_s: a dead or hung
+    // peer ends this rank with an error instead of a wait without end.
+    if (p.reduced) nccl_->wait_for(p.done, timeout_s_, "a step's gradient all-reduce and update");
+    p.reduced = false;
     for (const uint64_t t : p.tickets) accumulate(o.result, model_.read_result(t));  // waits for that forward
+    if (comm_) {  // the global batch's result, as the CPU engine's reduce_gradients gives it
+      StepResult& r = o.result;
+      std::array<double, 3> losses = {r.loss, r.mlm_loss, r.nsp_loss};
+      std::array<int64_t, 4> counts = {r.mlm_correct, r.mlm_count, r.nsp_correct, r.nsp_count};
+      comm_->all_reduce_sum(std::span<double>(losses));
+      comm_->all_reduce_sum(std::span<int64_t>(counts));
+      r.loss = losses[0];
+      r.mlm_loss = losses[1];
+      r.nsp_loss = losses[2];
+      r.mlm_correct = counts[0];
+      r.mlm_count = counts[1];
+      r.nsp_correct = counts[2];
+      r.nsp_count = counts[3];
+    }
     backend_.wait_download(p.stats_ticket);
     const FusedLamb::Stats st = FusedLamb::decode_state(p.stats_host.data());
     o.stats.grad_norm = st.grad_norm;
@@ -152,6 +194,8 @@ class GpuEngine final : public TrainEngine {
     std::vector<uint64_t> tickets;        // the model's result tickets of its micro-batches
     uint64_t stats_ticket = 0;            // the backend download of FusedLamb's state after its update
     std::vector<unsigned char> stats_host;
+    cudaEvent_t done = nullptr;           // recorded after the step's update
+    bool reduced = false;                 // the step has a gradient all-reduce
   };
   // steps_[first_ .. first_ + unread_) are ended and unread; the next one is being built.
   PendingStep& building() { return steps_[(first_ + unread_) % static_cast<int>(steps_.size())]; }
@@ -172,6 +216,9 @@ class GpuEngine final : public TrainEngine {
   std::unique_ptr<Optimizer> mirror_;
   std::string name_;
   int micro_per_step_ = 1;
+  double timeout_s_ = 600;
+  dist::Communicator* comm_ = nullptr;  // data parallel (after connect): the host communicator
+  std::unique_ptr<NcclComm> nccl_;
   std::array<PendingStep, kMaxStepsInFlight + 1> steps_;
   int first_ = 0, unread_ = 0;
 };
@@ -185,9 +232,14 @@ std::unique_ptr<TrainEngine> make_gpu_engine(const EngineOptions& options) {
               "train.precision ", options.precision, " is not available on the GPU; use bf16 or fp16");
   std::string why;
   if (!cuda_device_visible(&why)) fail("no CUDA device: ", why, "; use --set train.device=cpu");
+  int count = 0;
+  NOPAD_CUDA_CHECK(cudaGetDeviceCount(&count));
+  NOPAD_CHECK(options.device >= 0, "GPU index ", options.device, " is negative");
+  EngineOptions o = options;
+  o.device = options.device % count;  // a data-parallel job's local rank on the GPUs this process sees
   try {
-    if (options.precision == "fp16") return std::make_unique<GpuEngine<ops::GpuF16>>(options);
-    return std::make_unique<GpuEngine<ops::GpuBf16>>(options);  // bf16, and auto
+    if (o.precision == "fp16") return std::make_unique<GpuEngine<ops::GpuF16>>(o);
+    return std::make_unique<GpuEngine<ops::GpuBf16>>(o);  // bf16, and auto
   } catch (const OutOfMemory& e) {
     throw OutOfMemory(str_cat("the model for a micro-batch of ", options.max_seqs, " sequences (up to ",
                               options.max_tokens, " tokens, ", options.max_masked,
