@@ -84,7 +84,7 @@ fault() {
   mpirun -np 2 --bind-to none $NOPAD "${train_args[@]}" --set run_dir=$d/$name --set train.max_steps=100000 \
     --set dist.timeout_s=15 > "$log" 2>&1 &
   local job=$! r1="" t=0
-  while [ $t -lt 120 ] && [ "$(grep -c . $d/$name/metrics.jsonl 2>/dev/null || echo 0)" -lt 5 ]; do
+  while [ $t -lt 120 ] && [ "$(cat $d/$name/metrics.jsonl 2>/dev/null | wc -l)" -lt 5 ]; do
     sleep 1; t=$((t + 1))
   done
   for p in $(pgrep -f "nopad train .*run_dir=$d/$name"); do
@@ -134,9 +134,11 @@ if [ -f .carry/enwiki-20150515-AA.txt.xz ]; then
               --set data.train=/tmp/nopad-enwiki-shards --set 'data.eval=""' --set train.device=cuda
               --set optim.lr=0.0001 --set train.max_steps=30 --set log.interval_steps=1 --overwrite)
   $NOPAD "${large_args[@]}" --set run_dir=$d/large1 --set train.global_batch=64 > "$out/large1.log" 2>&1 || status=1
-  mpirun -np "$ngpu" --bind-to none $NOPAD "${large_args[@]}" --set run_dir=$d/largeN \
-    --set train.global_batch=$((64 * ngpu)) > "$out/largeN.log" 2>&1 || status=1
-  python3 - $d/large1/metrics.jsonl $d/largeN/metrics.jsonl "$ngpu" <<'PY' | tee -a "$out/summary.txt" || status=1
+  for ov in true false; do  # gradient buckets reduced during backward, or one all-reduce after it (ablation)
+    mpirun -np "$ngpu" --bind-to none $NOPAD "${large_args[@]}" --set run_dir=$d/largeN-$ov --set dist.overlap=$ov \
+      --set train.global_batch=$((64 * ngpu)) > "$out/largeN-$ov.log" 2>&1 || status=1
+  done
+  python3 - $d/large1/metrics.jsonl $d/largeN-true/metrics.jsonl $d/largeN-false/metrics.jsonl "$ngpu" <<'PY' |
 import json, statistics, sys
 def rate(p):
     try:
@@ -145,12 +147,15 @@ def rate(p):
         return None
     v = [l["seq_per_s"] for l in lines if 6 <= l["step"] <= 30]
     return statistics.median(v) if v else None
-one, many, n = rate(sys.argv[1]), rate(sys.argv[2]), int(sys.argv[3])
-if one is None or many is None:
-    print(f"scaling: FAILED (no step rates: 1 GPU {one}, {n} GPUs {many})"); sys.exit(1)
-print(f"scaling: 1 GPU {one:.1f} seq/s; {n} GPUs {many:.1f} seq/s = {many / n:.1f} per GPU, efficiency "
-      f"{many / n / one:.3f} (median of steps 6-30)")
+one, n = rate(sys.argv[1]), int(sys.argv[4])
+for name, path in (("overlap on", sys.argv[2]), ("overlap off", sys.argv[3])):
+    many = rate(path)
+    if one is None or many is None:
+        print(f"scaling ({name}): FAILED (no step rates: 1 GPU {one}, {n} GPUs {many})"); sys.exit(1)
+    print(f"scaling ({name}): 1 GPU {one:.1f} seq/s; {n} GPUs {many:.1f} seq/s = {many / n:.1f} per GPU, "
+          f"efficiency {many / n / one:.3f} (median of steps 6-30)")
 PY
+    tee -a "$out/summary.txt" || status=1
 fi
 
 step "done, status $status"

@@ -128,9 +128,11 @@ TEST(Params, BertBaseNamesShapesAndCount) {
   // + pooler 590,592 = 109,482,240 (BertModel) + heads 30,522 + 590,592 + 1,536 + 1,538 = 110,106,428.
   EXPECT_EQ(layout.num_values(), 110106428u);
   EXPECT_GE(layout.total_numel(), layout.num_values());
-  for (const ParamTensor& t : layout.tensors())
-    if (t.name.find(".key.") == std::string::npos && t.name.find(".value.") == std::string::npos)
+  for (const ParamTensor& t : layout.tensors()) {
+    if (t.name.find(".key.") == std::string::npos && t.name.find(".value.") == std::string::npos) {
       EXPECT_EQ(t.offset % kParamAlign, 0u) << t.name;
+    }
+  }
   // Names unique, each tensor after the previous one (at the next aligned offset, or right after it within a q/k/v
   // group), flags on biases and LayerNorm only.
   std::set<std::string> names;
@@ -239,6 +241,60 @@ void expect_whole_model_gradient(const std::string& hidden_act) {
   EXPECT_GT(nonzero, static_cast<int>(params.size()) / 2);
 }
 TEST(ModelCpu, WholeModelGradientMatchesFiniteDifferences) { expect_whole_model_gradient("gelu"); }
+
+// Gradient buckets for data-parallel overlap: they tile the buffer exactly once, the layers' come first (last layer
+// first), and an armed hook reports each bucket in that order at a point where its gradients are already final (the
+// CPU backend computes synchronously, so the values seen at the hook equal the values after backward).
+TEST(ModelCpu, GradientBucketsAreCompleteWhenReported) {
+  const BertConfig c = small_config();
+  ops::CpuBackend<ops::CpuF64> be(1);
+  const HostBatch batch = make_batch({1, 5, 9}, {11, 22, 33}, c.vocab_size, 5);
+  BertModel<ops::CpuF64> model(c, be, 15, 3, 15);
+  model.init_params(7);
+  const auto& buckets = model.grad_buckets();
+  ASSERT_EQ(buckets.size(), static_cast<size_t>(c.num_hidden_layers) + 2);  // + embeddings, + pooler/heads
+  std::vector<std::pair<size_t, size_t>> sorted = buckets;
+  std::sort(sorted.begin(), sorted.end());
+  size_t at = 0;
+  for (const auto& [offset, count] : sorted) {
+    EXPECT_EQ(offset, at);
+    EXPECT_GT(count, 0u);
+    at = offset + count;
+  }
+  EXPECT_EQ(at, model.layout().total_numel());
+  for (int32_t l = 0; l < c.num_hidden_layers; ++l) {  // bucket i is layer L-1-i
+    const auto& b = buckets[static_cast<size_t>(c.num_hidden_layers - 1 - l)];
+    const ParamTensor& q = model.layout().find("bert.encoder.layer." + std::to_string(l) + ".attention.self.query.weight");
+    EXPECT_TRUE(q.offset >= b.first && q.offset < b.first + b.second) << "layer " << l;
+  }
+
+  std::vector<std::pair<size_t, size_t>> seen;
+  std::vector<std::vector<double>> at_hook;
+  model.set_grad_ready_hook([&](size_t offset, size_t count) {
+    seen.emplace_back(offset, count);
+    at_hook.emplace_back(model.grads() + offset, model.grads() + offset + count);
+  });
+  model.zero_grad();
+  model.forward(batch, true, 99, 4);
+  model.backward();  // not armed: silent
+  EXPECT_TRUE(seen.empty());
+  model.zero_grad();
+  model.forward(batch, true, 99, 4);
+  model.arm_grad_ready_hook(true);
+  model.backward();
+  model.arm_grad_ready_hook(false);
+  ASSERT_EQ(seen, buckets);
+  for (size_t i = 0; i < seen.size(); ++i) {
+    const double* final_grads = model.grads() + seen[i].first;
+    size_t differ = 0, nonzero = 0;
+    for (size_t j = 0; j < seen[i].second; ++j) {
+      differ += at_hook[i][j] != final_grads[j];
+      nonzero += final_grads[j] != 0.0;
+    }
+    EXPECT_EQ(differ, 0u) << "bucket " << i << " changed after it was reported";
+    EXPECT_GT(nonzero, 0u) << "bucket " << i;
+  }
+}
 // The tanh GELU (in the FFN and the MLM transform) with its backward folded into the FFN output layer.
 TEST(ModelCpu, WholeModelGradientMatchesFiniteDifferencesGeluTanh) { expect_whole_model_gradient("gelu_new"); }
 

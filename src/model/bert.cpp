@@ -79,6 +79,44 @@ BertModel<P>::BertModel(const BertConfig& config, ops::Backend<P>& backend, int3
     L.ln2_rstd = alloc<St>(T);
     layers_.push_back(L);
   }
+  // Gradient buckets (bert.h): each layer's tensors must fill [lo, hi) alone (alignment gaps included) to be a bucket.
+  {
+    const size_t total = layout_.total_numel();
+    std::vector<std::pair<size_t, size_t>> layer_ranges;  // [lo, hi) per layer
+    bool ok = true;
+    for (int32_t l = 0; l < config.num_hidden_layers && ok; ++l) {
+      const std::string p = "bert.encoder.layer." + std::to_string(l) + ".";
+      size_t lo = total, hi = 0;
+      for (const ParamTensor& t : layout_.tensors())
+        if (t.name.rfind(p, 0) == 0) lo = std::min(lo, t.offset), hi = std::max(hi, t.offset + t.numel);
+      for (const ParamTensor& t : layout_.tensors())  // no other tensor inside
+        if (t.name.rfind(p, 0) != 0 && t.offset < hi && t.offset + t.numel > lo) ok = false;
+      ok = ok && lo < hi;
+      layer_ranges.emplace_back(lo, hi);
+    }
+    // A layer's bucket also takes the alignment padding up to the next layer's first tensor (no tiny gap buckets).
+    for (size_t l = 0; ok && l + 1 < layer_ranges.size(); ++l) {
+      const size_t gap_lo = layer_ranges[l].second, gap_hi = layer_ranges[l + 1].first;
+      bool empty = gap_lo <= gap_hi;
+      for (const ParamTensor& t : layout_.tensors()) empty = empty && !(t.offset >= gap_lo && t.offset < gap_hi);
+      if (empty) layer_ranges[l].second = gap_hi;
+    }
+    if (ok) {
+      for (int32_t l = config.num_hidden_layers - 1; l >= 0; --l)
+        grad_buckets_.emplace_back(layer_ranges[l].first, layer_ranges[l].second - layer_ranges[l].first);
+      std::sort(layer_ranges.begin(), layer_ranges.end());
+      size_t at = 0;
+      for (const auto& [lo, hi] : layer_ranges) {  // the rest: the gaps between the layers' ranges
+        if (lo > at) grad_buckets_.emplace_back(at, lo - at);
+        at = std::max(at, hi);
+      }
+      if (at < total) grad_buckets_.emplace_back(at, total - at);
+      layer_buckets_ = true;
+    } else {
+      grad_buckets_.assign(1, {0, total});
+    }
+  }
+
   for (BatchSlot& slot : slots_) {
     slot.tokens = alloc<int32_t>(T);
     slot.positions = alloc<int32_t>(T);
@@ -415,9 +453,18 @@ void BertModel<P>::backward(double loss_scale) {
                                 dropout(p_attn, op_id_attention_probs(l)), d_qkv_);
     backend_.dense_backward(d_qkv_, h_in, L.w_qkv, nullptr, T, H, 3 * H, ops::Activation::kNone, d_hidden_,
                             /*accumulate_dx=*/true, g + L.off_w_qkv, g + L.off_b_qkv);
+    // Layer l's gradients are final once this is enqueued: its bucket can be reduced while backward goes on.
+    if (grad_hook_ && grad_hook_armed_ && layer_buckets_) {
+      const auto& b = grad_buckets_[static_cast<size_t>(config_.num_hidden_layers - 1 - l)];
+      grad_hook_(b.first, b.second);
+    }
   }
   backend_.embed_layernorm_dropout_backward(d_hidden_, tokens_, positions_, segments_, seqs_, emb_w_,
                                             dropout(p_hidden, kOpIdEmbeddingDropout), emb_mean_, emb_rstd_, emb_g_);
+  if (grad_hook_ && grad_hook_armed_) {  // the rest (embeddings, pooler, heads), or the whole buffer
+    for (size_t i = layer_buckets_ ? static_cast<size_t>(config_.num_hidden_layers) : 0; i < grad_buckets_.size(); ++i)
+      grad_hook_(grad_buckets_[i].first, grad_buckets_[i].second);
+  }
   slots_[cur_slot_].free_fence = backend_.fence_compute();
 }
 

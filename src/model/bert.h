@@ -29,6 +29,8 @@
 // identified by a ticket: read_result(ticket) waits for that forward only, never for work enqueued after it.
 #pragma once
 #include <cstdint>
+#include <functional>
+#include <utility>
 #include <string>
 #include <type_traits>
 #include <vector>
@@ -106,6 +108,17 @@ class BertModel {
   // grads += loss_scale * d(loss)/d(params) for the last forward (once per forward).
   void backward(double loss_scale = 1.0);
 
+  // Data parallelism: the gradient buffer as buckets that backward completes one after another (an encoder layer's
+  // range as soon as that layer's backward is enqueued, from the last layer down; then the ranges of everything else:
+  // embeddings, pooler, heads), each [offset, offset + count) of grads(). With a hook set and armed, backward calls
+  // hook(offset, count) for every bucket in that order, right after enqueuing the work that finishes it (so the
+  // caller can start the bucket's reduction while the rest of backward runs). Arm it for the last micro-batch of a
+  // step only. Where the layout does not keep each layer contiguous, there is one bucket: the whole buffer.
+  using GradReadyHook = std::function<void(size_t offset, size_t count)>;
+  void set_grad_ready_hook(GradReadyHook hook) { grad_hook_ = std::move(hook); }
+  void arm_grad_ready_hook(bool armed) { grad_hook_armed_ = armed; }
+  const std::vector<std::pair<size_t, size_t>>& grad_buckets() const { return grad_buckets_; }
+
  private:
   ops::Activation activation() const {
     return config_.gelu_tanh() ? ops::Activation::kGeluTanh : ops::Activation::kGelu;
@@ -137,6 +150,10 @@ class BertModel {
   ops::NspHeadGrads<G> nsp_g_;
 
   BertConfig config_;
+  GradReadyHook grad_hook_;
+  bool grad_hook_armed_ = false;
+  std::vector<std::pair<size_t, size_t>> grad_buckets_;  // [offset, count]: one per layer (last first), then the rest
+  bool layer_buckets_ = false;                            // grad_buckets_ starts with the layers' buckets
   ops::Backend<P>& backend_;
   ParamLayout layout_;
   int32_t max_tokens_, max_seqs_, max_masked_;

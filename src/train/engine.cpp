@@ -42,8 +42,8 @@ class CpuEngine final : public TrainEngine {
     finite_ = true;
   }
   std::string precision() const override { return "fp32"; }
-  void micro_step(const HostBatch& batch, uint64_t seed, uint64_t step, LossDenominators denoms,
-                  double loss_scale) override {
+  void micro_step(const HostBatch& batch, uint64_t seed, uint64_t step, LossDenominators denoms, double loss_scale,
+                  bool /*last_micro_batch*/) override {
     const StepResult r = model_.forward(batch, /*train=*/true, seed, step, denoms);
     accumulate(current_.result, r);
     if (!std::isfinite(r.loss)) finite_ = false;

@@ -42,6 +42,7 @@ struct EngineOptions {
   OptimizerOptions optim;
   int threads = 0;  // CPU threads (<= 0: all cores); ignored on a GPU
   int device = 0;   // GPU index (data-parallel jobs: the local rank modulo the visible GPUs); ignored on the CPU
+  bool overlap_grad_reduce = true;  // data parallel on GPUs: all-reduce gradient buckets during backward
   double dist_timeout_s = 600;  // data parallel: longest wait for a step's collectives before the job stops (0: none)
 };
 
@@ -68,8 +69,10 @@ class TrainEngine {
   virtual void zero_grad() = 0;  // begins a step
   // Forward (train, dropout keyed by seed/step/sample id) with the given loss denominators, then backward of
   // loss_scale x the loss (fp16 loss scaling: pass grad_scale = 1 / loss_scale to optimizer_step).
+  // last_micro_batch: no micro_step follows in this step (a data-parallel GPU engine then starts each gradient
+  // bucket's all-reduce as soon as backward has produced it; earlier micro-batches only accumulate).
   virtual void micro_step(const HostBatch& batch, uint64_t seed, uint64_t step, LossDenominators denoms,
-                          double loss_scale = 1.0) = 0;
+                          double loss_scale = 1.0, bool last_micro_batch = true) = 0;
   // Data parallelism: called once at setup on every rank of a multi-rank job, before the first step (collective):
   // builds the device's collective (the GPU's NCCL communicator, bootstrapped over `comm`, which must outlive the
   // engine). The default does nothing (the CPU engine reduces over `comm` itself).

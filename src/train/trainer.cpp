@@ -52,6 +52,8 @@ ConfigSchema train_config_schema() {
         "dist.cost_per_token * L + dist.cost_per_token_sq * L^2)");
   s.add("dist.cost_per_token", 1.0, "balancing cost of a sequence per token (linear work: GEMMs, memory-bound ops)");
   s.add("dist.cost_per_token_sq", 0.0, "balancing cost per token^2 (attention)");
+  s.add("dist.overlap", true, "data parallelism on GPUs: all-reduce each layer's gradients while backward goes on "
+        "(false: one all-reduce after backward, for ablation)");
   s.add("dist.timeout_s", 600.0, "data parallelism: a rank that makes no progress for this long (a peer rank died or "
         "hangs in a collective) stops the job with an error naming it (0 = wait forever)");
   s.add("mllog.submission_org", "nopad", "MLPerf log (run_dir/mllog.txt): submission_org");
@@ -495,6 +497,7 @@ void Trainer::Impl::setup() {
   eo.threads = threads;
   eo.device = rank_info.local_rank;  // one GPU per process (modulo the GPUs visible)
   eo.dist_timeout_s = dist_timeout_s;
+  eo.overlap_grad_reduce = cfg.get_bool("dist.overlap");
   engine = make_engine(device, eo);
   if (rank_info.distributed()) {
     engine->connect(*comm);  // the device collective (GPU: NCCL), bootstrapped over the host communicator
@@ -824,7 +827,8 @@ TrainSummary Trainer::run() {
       const int32_t b0 = static_cast<int32_t>(a * m.micro_batch), b1 = static_cast<int32_t>((a + 1) * m.micro_batch);
       if (b0 >= mine.num_seqs()) break;  // a rank's share may be a little smaller than the others'
       slice_batch(mine, b0, std::min(b1, mine.num_seqs()), m.micro);
-      m.engine->micro_step(m.micro, m.seed, static_cast<uint64_t>(step_index), denoms, loss_scale);
+      const bool last = a + 1 == m.grad_accumulation || b1 >= mine.num_seqs();
+      m.engine->micro_step(m.micro, m.seed, static_cast<uint64_t>(step_index), denoms, loss_scale, last);
     }
     if (m.rank_info.distributed()) m.engine->reduce_gradients(*m.comm);
     m.engine->optimizer_step(lr, 1.0 / loss_scale);

@@ -50,7 +50,8 @@ class GpuEngine final : public TrainEngine {
         host_m_(model_.num_params(), 0.0f),
         host_v_(model_.num_params(), 0.0f),
         micro_per_step_(std::max(1, o.micro_batches_per_step)),
-        timeout_s_(o.dist_timeout_s) {
+        timeout_s_(o.dist_timeout_s),
+        overlap_(o.overlap_grad_reduce) {
     // Room for every result of the unread steps, the step being built and a few evaluation forwards.
     model_.set_result_capacity(static_cast<size_t>(kMaxStepsInFlight + 1) * micro_per_step_ + 4);
     for (PendingStep& p : steps_) {
@@ -69,8 +70,12 @@ class GpuEngine final : public TrainEngine {
     name_ = std::string("cuda (") + prop.name + ")";
   }
   ~GpuEngine() override {  // no throwing while tearing down
-    nccl_.reset();
     (void)cudaStreamSynchronize(backend_.stream());
+    if (comm_stream_) (void)cudaStreamSynchronize(comm_stream_);
+    nccl_.reset();
+    for (cudaEvent_t e : bucket_ready_) (void)cudaEventDestroy(e);
+    if (comm_done_) (void)cudaEventDestroy(comm_done_);
+    if (comm_stream_) (void)cudaStreamDestroy(comm_stream_);
     for (PendingStep& p : steps_)
       if (p.done) (void)cudaEventDestroy(p.done);
   }
@@ -100,26 +105,47 @@ class GpuEngine final : public TrainEngine {
     model_.zero_grad();
   }
   std::string precision() const override { return std::is_same_v<P, ops::GpuF16> ? "fp16" : "bf16"; }
-  void micro_step(const HostBatch& batch, uint64_t seed, uint64_t step, LossDenominators denoms,
-                  double loss_scale) override {
+  void micro_step(const HostBatch& batch, uint64_t seed, uint64_t step, LossDenominators denoms, double loss_scale,
+                  bool last_micro_batch) override {
     PendingStep& p = building();
     NOPAD_CHECK(p.tickets.size() < static_cast<size_t>(micro_per_step_), "GpuEngine: more than ",
                 micro_per_step_, " micro-batches in one step (EngineOptions::micro_batches_per_step)");
     p.tickets.push_back(model_.forward_async(batch, /*train=*/true, seed, step, denoms));
+    // Data parallel, last micro-batch: each bucket's all-reduce starts as soon as backward has enqueued its last
+    // gradient (on_bucket_ready), on the communication stream, overlapping the rest of backward.
+    model_.arm_grad_ready_hook(nccl_ != nullptr && overlap_ && last_micro_batch);
     model_.backward(loss_scale);
+    model_.arm_grad_ready_hook(false);
   }
   void connect(dist::Communicator& comm) override {
     if (comm.size() == 1) return;
     NOPAD_CUDA_CHECK(cudaSetDevice(backend_.device()));
     comm_ = &comm;
     nccl_ = make_nccl_comm(comm);
+    NOPAD_CUDA_CHECK(cudaStreamCreateWithFlags(&comm_stream_, cudaStreamNonBlocking));
+    bucket_ready_.assign(model_.grad_buckets().size(), nullptr);
+    for (cudaEvent_t& e : bucket_ready_) NOPAD_CUDA_CHECK(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
+    NOPAD_CUDA_CHECK(cudaEventCreateWithFlags(&comm_done_, cudaEventDisableTiming));
+    model_.set_grad_ready_hook([this](size_t offset, size_t count) { on_bucket_ready(offset, count); });
   }
-  // The gradients' sum over the ranks, enqueued on the compute stream after the backward passes (one fp32
-  // all-reduce of the whole gradient buffer); the step results are summed in finish_step.
+  // The gradients' sum over the ranks. Overlapped: the buckets' all-reduces were enqueued during the last backward
+  // on the communication stream; the compute stream now waits for them. Otherwise (overlap off, or a rank with no
+  // micro-batch this step) the same buckets, in the same order, on the compute stream: every rank issues the same
+  // sequence of NCCL calls. The step results are summed in finish_step.
   void reduce_gradients(dist::Communicator& comm) override {
     if (comm.size() == 1) return;
     NOPAD_CHECK(nccl_ != nullptr && comm_ == &comm, "GpuEngine::reduce_gradients before connect()");
-    nccl_->all_reduce_sum(model_.grads(), model_.num_params(), backend_.stream());
+    const auto& buckets = model_.grad_buckets();
+    if (next_bucket_ == 0) {
+      for (const auto& [offset, count] : buckets)
+        nccl_->all_reduce_sum(model_.grads() + offset, count, backend_.stream());
+    } else {
+      NOPAD_CHECK(next_bucket_ == buckets.size(), "GpuEngine: ", next_bucket_, " of ", buckets.size(),
+                  " gradient buckets were reduced during backward");
+      NOPAD_CUDA_CHECK(cudaEventRecord(comm_done_, comm_stream_));
+      NOPAD_CUDA_CHECK(cudaStreamWaitEvent(backend_.stream(), comm_done_, 0));
+    }
+    next_bucket_ = 0;
     building().reduced = true;
   }
   void optimizer_step(double lr, double grad_scale) override {
@@ -209,6 +235,16 @@ class GpuEngine final : public TrainEngine {
     return out;
   }
 
+  // Called by the model's backward (armed) when a gradient bucket is final: start its all-reduce on the
+  // communication stream once the compute stream has produced it.
+  void on_bucket_ready(size_t offset, size_t count) {
+    NOPAD_CHECK(next_bucket_ < bucket_ready_.size(), "GpuEngine: more gradient buckets than the model has");
+    cudaEvent_t ev = bucket_ready_[next_bucket_++];
+    NOPAD_CUDA_CHECK(cudaEventRecord(ev, backend_.stream()));
+    NOPAD_CUDA_CHECK(cudaStreamWaitEvent(comm_stream_, ev, 0));
+    nccl_->all_reduce_sum(model_.grads() + offset, count, comm_stream_);
+  }
+
   CudaBackendT<P> backend_;
   BertModel<P> model_;
   FusedLamb lamb_;
@@ -217,6 +253,11 @@ class GpuEngine final : public TrainEngine {
   std::string name_;
   int micro_per_step_ = 1;
   double timeout_s_ = 600;
+  bool overlap_ = true;
+  cudaStream_t comm_stream_ = nullptr;       // data parallel: the buckets' all-reduces during backward
+  std::vector<cudaEvent_t> bucket_ready_;    // one per gradient bucket: produced on the compute stream
+  cudaEvent_t comm_done_ = nullptr;          // all buckets reduced
+  size_t next_bucket_ = 0;                   // buckets started in this step
   dist::Communicator* comm_ = nullptr;  // data parallel (after connect): the host communicator
   std::unique_ptr<NcclComm> nccl_;
   std::array<PendingStep, kMaxStepsInFlight + 1> steps_;
