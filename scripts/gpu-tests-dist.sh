@@ -134,26 +134,42 @@ if [ -f .carry/enwiki-20150515-AA.txt.xz ]; then
               --set data.train=/tmp/nopad-enwiki-shards --set 'data.eval=""' --set train.device=cuda
               --set optim.lr=0.0001 --set train.max_steps=30 --set log.interval_steps=1 --overwrite)
   $NOPAD "${large_args[@]}" --set run_dir=$d/large1 --set train.global_batch=64 > "$out/large1.log" 2>&1 || status=1
-  for ov in true false; do  # gradient buckets reduced during backward, or one all-reduce after it (ablation)
-    mpirun -np "$ngpu" --bind-to none $NOPAD "${large_args[@]}" --set run_dir=$d/largeN-$ov --set dist.overlap=$ov \
-      --set train.global_batch=$((64 * ngpu)) > "$out/largeN-$ov.log" 2>&1 || status=1
+  # Overlap on/off (gradient buckets reduced during backward, or one all-reduce after it) and balancing by the
+  # measured cost model (configs/mlperf-phase2.toml) vs none.
+  runs=("ov-cost:--set dist.overlap=true --set dist.balance=cost --set dist.cost_per_token_sq=0.00062"
+        "ov-none:--set dist.overlap=true --set dist.balance=none"
+        "noov-cost:--set dist.overlap=false --set dist.balance=cost --set dist.cost_per_token_sq=0.00062")
+  for r in "${runs[@]}"; do
+    name=${r%%:*}
+    # shellcheck disable=SC2086
+    mpirun -np "$ngpu" --bind-to none $NOPAD "${large_args[@]}" --set run_dir=$d/large-$name ${r#*:} \
+      --set train.global_batch=$((64 * ngpu)) > "$out/large-$name.log" 2>&1 || status=1
   done
-  python3 - $d/large1/metrics.jsonl $d/largeN-true/metrics.jsonl $d/largeN-false/metrics.jsonl "$ngpu" <<'PY' |
+  python3 - $d/large1/metrics.jsonl "$ngpu" $d/large-ov-cost/metrics.jsonl $d/large-ov-none/metrics.jsonl \
+    $d/large-noov-cost/metrics.jsonl <<'PY' |
 import json, statistics, sys
-def rate(p):
+def lines(p):
     try:
-        lines = [json.loads(l) for l in open(p) if '"eval"' not in l]
+        return [l for l in (json.loads(x) for x in open(p) if '"eval"' not in x) if 6 <= l["step"] <= 30]
     except OSError:
-        return None
-    v = [l["seq_per_s"] for l in lines if 6 <= l["step"] <= 30]
-    return statistics.median(v) if v else None
-one, n = rate(sys.argv[1]), int(sys.argv[4])
-for name, path in (("overlap on", sys.argv[2]), ("overlap off", sys.argv[3])):
-    many = rate(path)
-    if one is None or many is None:
-        print(f"scaling ({name}): FAILED (no step rates: 1 GPU {one}, {n} GPUs {many})"); sys.exit(1)
-    print(f"scaling ({name}): 1 GPU {one:.1f} seq/s; {n} GPUs {many:.1f} seq/s = {many / n:.1f} per GPU, "
-          f"efficiency {many / n / one:.3f} (median of steps 6-30)")
+        return []
+def med(ls, k):
+    v = [l[k] for l in ls if k in l]
+    return statistics.median(v) if v else float("nan")
+one, n = lines(sys.argv[1]), int(sys.argv[2])
+base = med(one, "seq_per_s")
+print(f"1 GPU: {base:.1f} seq/s, compute {med(one, 'compute_ms'):.1f} ms/step (median of steps 6-30)")
+bad = not one
+for name, path in zip(("overlap, cost balance", "overlap, no balance", "no overlap, cost balance"), sys.argv[3:]):
+    ls = lines(path)
+    if not ls:
+        print(f"{n} GPUs, {name}: FAILED (no metrics)"); bad = True; continue
+    r = med(ls, "seq_per_s")
+    imb = statistics.mean(l["compute_imbalance"] for l in ls)
+    print(f"{n} GPUs, {name}: {r:.1f} seq/s = {r / n:.1f} per GPU, efficiency {r / n / base:.3f}; compute "
+          f"{med(ls, 'compute_ms'):.1f} ms mean / {med(ls, 'compute_ms_max'):.1f} max, max/mean {imb:.3f} (mean over "
+          f"steps); gradient reduction {med(ls, 'reduce_ms'):.1f} ms (exposed + waiting)")
+sys.exit(1 if bad else 0)
 PY
     tee -a "$out/summary.txt" || status=1
 fi

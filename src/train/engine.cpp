@@ -2,6 +2,7 @@
 #include "train/engine.h"
 
 #include <array>
+#include <chrono>
 #include <cmath>
 #include <span>
 #include <limits>
@@ -37,6 +38,7 @@ class CpuEngine final : public TrainEngine {
     model_.get_params(host.data());
   }
   void zero_grad() override {
+    step_start_ = Clock::now();
     model_.zero_grad();
     current_ = StepOutcome{};
     finite_ = true;
@@ -48,10 +50,13 @@ class CpuEngine final : public TrainEngine {
     accumulate(current_.result, r);
     if (!std::isfinite(r.loss)) finite_ = false;
     if (finite_) model_.backward(loss_scale);  // nothing more is accumulated once the step is lost
+    current_.compute_ms = ms_since(step_start_);
+    current_.reduce_ms = 0;
   }
   void reduce_gradients(dist::Communicator& comm) override {
     // One all-reduce for the step's result sums and the skip flag, one for the gradients (identical bits on every
     // rank: the MPI communicator reduces to rank 0 and broadcasts, so the ranks' weights never drift apart).
+    const auto reduce_start = Clock::now();
     StepResult& r = current_.result;
     std::array<double, 3> losses = {r.loss, r.mlm_loss, r.nsp_loss};
     std::array<int64_t, 5> counts = {r.mlm_correct, r.mlm_count, r.nsp_correct, r.nsp_count, finite_ ? 0 : 1};
@@ -66,6 +71,7 @@ class CpuEngine final : public TrainEngine {
     r.nsp_count = counts[3];
     finite_ = counts[4] == 0;
     if (finite_) comm.all_reduce_sum(std::span<float>(model_.grads(), model_.num_params()));
+    current_.reduce_ms = ms_since(reduce_start);
   }
   void optimizer_step(double lr, double grad_scale) override {
     NOPAD_CHECK(unread_ < kMaxStepsInFlight, "CpuEngine: more than ", kMaxStepsInFlight,
@@ -101,6 +107,11 @@ class CpuEngine final : public TrainEngine {
   std::unique_ptr<Optimizer> optimizer_;
   StepOutcome current_;
   bool finite_ = true;
+  using Clock = std::chrono::steady_clock;
+  static double ms_since(Clock::time_point t) {
+    return std::chrono::duration<double, std::milli>(Clock::now() - t).count();
+  }
+  Clock::time_point step_start_ = Clock::now();
   std::array<StepOutcome, kMaxStepsInFlight> done_{};  // ended, unread: a ring from first_
   int first_ = 0, unread_ = 0;
 };

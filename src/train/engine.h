@@ -18,6 +18,7 @@
 #pragma once
 #include <cstddef>
 #include <cstdint>
+#include <limits>
 #include <memory>
 #include <string>
 #include <vector>
@@ -50,6 +51,12 @@ struct EngineOptions {
 struct StepOutcome {
   StepResult result;  // summed over the step's micro-batches (losses are sums of the per-micro-batch losses)
   StepStats stats;    // of the update; skipped when it was not applied
+  // This rank's time in the step (device time on a GPU, from events; wall time on the CPU), for data-parallel
+  // timing: compute_ms = zero_grad to the end of the last backward; reduce_ms = from there until the summed
+  // gradients are usable (exposed communication plus waiting for slower ranks; 0 in a single process). NaN when
+  // not measured.
+  double compute_ms = std::numeric_limits<double>::quiet_NaN();
+  double reduce_ms = std::numeric_limits<double>::quiet_NaN();
 };
 
 class TrainEngine {

@@ -718,6 +718,15 @@ TrainSummary Trainer::run() {
     --q_count;
     StepOutcome out = m.engine->finish_step();  // waits for that step only
     m.kick();
+    // Per-rank timing (data parallel): the slowest and the mean rank's compute time, and the time until the summed
+    // gradients were usable (exposed communication plus waiting for the slowest rank).
+    std::array<double, 2> t_sum = {out.compute_ms, out.reduce_ms}, t_max = t_sum;
+    if (m.rank_info.distributed()) {
+      m.comm->all_reduce_sum(std::span<double>(t_sum));
+      m.comm->all_reduce_max(std::span<double>(t_max));
+    }
+    const double ranks = static_cast<double>(m.comm->size());
+    const double compute_mean = t_sum[0] / ranks, reduce_mean = t_sum[1] / ranks;
     if (m.hooks.after_forward) m.hooks.after_forward(e.step, out.result);
     const std::string keep_note =
         m.last_checkpoint.empty() ? std::string(" (no checkpoint was written yet)")
@@ -782,6 +791,15 @@ TrainSummary Trainer::run() {
                              {"seq_per_s", seq_per_s},
                              {"tokens_per_s", tokens_per_s},
                              {"elapsed_s", elapsed_s}};
+      if (std::isfinite(compute_mean)) {
+        line["compute_ms"] = compute_mean;
+        if (m.rank_info.distributed()) {
+          line["compute_ms_max"] = t_max[0];
+          line["compute_imbalance"] = compute_mean > 0 ? t_max[0] / compute_mean : 1.0;  // max / mean over ranks
+          line["reduce_ms"] = reduce_mean;
+          line["reduce_ms_max"] = t_max[1];
+        }
+      }
       if (m.loss_scaler) {
         line["loss_scale"] = e.loss_scale;
         line["skipped"] = overflow_skipped;

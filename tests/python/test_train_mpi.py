@@ -102,6 +102,15 @@ def main():
             check(r.stdout.count("final: step 6") == 1, f"{what}: one final line: {r.stdout!r}")
             got = losses(run_dir)
             check(len(got) == len(ref_loss), f"{what}: {len(got)} metrics lines (one writer), expected {len(ref_loss)}")
+            # Per-rank timing: every step line has the mean and slowest rank's compute time and the reduction time.
+            lines = [json.loads(l) for l in open(os.path.join(run_dir, "metrics.jsonl")) if l.strip()]
+            for l in lines:
+                ok = all(k in l for k in ("compute_ms", "compute_ms_max", "compute_imbalance", "reduce_ms",
+                                          "reduce_ms_max"))
+                check(ok, f"{what}: step {l.get('step')} lacks per-rank timing: {sorted(l)}")
+                if ok:
+                    check(0 < l["compute_ms"] <= l["compute_ms_max"] and l["compute_imbalance"] >= 1.0 and
+                          0 <= l["reduce_ms"] <= l["reduce_ms_max"], f"{what}: step {l['step']} timing {l}")
             for step, (a, b) in enumerate(zip(ref_loss, got), 1):
                 check(abs(a - b) <= 1e-4 * abs(a), f"{what}: step {step} loss {b} vs one process {a}")
             w = weights(run_dir)

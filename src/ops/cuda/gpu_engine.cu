@@ -58,6 +58,8 @@ class GpuEngine final : public TrainEngine {
       p.tickets.reserve(static_cast<size_t>(micro_per_step_));
       p.stats_host.assign(FusedLamb::state_size(), 0);
       NOPAD_CUDA_CHECK(cudaEventCreateWithFlags(&p.done, cudaEventDisableTiming));
+      for (cudaEvent_t* e : std::array<cudaEvent_t*, 3>{&p.t_start, &p.t_backward, &p.t_reduced})
+        NOPAD_CUDA_CHECK(cudaEventCreate(e));
     }
     // Host mirror of the optimizer in the CPU form, for checkpoints (never stepped).
     std::vector<ParamView> views;
@@ -77,7 +79,8 @@ class GpuEngine final : public TrainEngine {
     if (comm_done_) (void)cudaEventDestroy(comm_done_);
     if (comm_stream_) (void)cudaStreamDestroy(comm_stream_);
     for (PendingStep& p : steps_)
-      if (p.done) (void)cudaEventDestroy(p.done);
+      for (cudaEvent_t e : std::array<cudaEvent_t, 4>{p.done, p.t_start, p.t_backward, p.t_reduced})
+        if (e) (void)cudaEventDestroy(e);
   }
 
   std::string device_name() const override { return name_; }
@@ -101,7 +104,9 @@ class GpuEngine final : public TrainEngine {
   // A step only enqueues: the loss is not known while it is built, so backward runs whatever it is, and a
   // non-finite loss shows up as a non-finite gradient norm, on which FusedLamb skips the update on the device.
   void zero_grad() override {
-    building().tickets.clear();
+    PendingStep& p = building();
+    p.tickets.clear();
+    NOPAD_CUDA_CHECK(cudaEventRecord(p.t_start, backend_.stream()));
     model_.zero_grad();
   }
   std::string precision() const override { return std::is_same_v<P, ops::GpuF16> ? "fp16" : "bf16"; }
@@ -116,6 +121,7 @@ class GpuEngine final : public TrainEngine {
     model_.arm_grad_ready_hook(nccl_ != nullptr && overlap_ && last_micro_batch);
     model_.backward(loss_scale);
     model_.arm_grad_ready_hook(false);
+    NOPAD_CUDA_CHECK(cudaEventRecord(p.t_backward, backend_.stream()));  // the last one recorded counts
   }
   void connect(dist::Communicator& comm) override {
     if (comm.size() == 1) return;
@@ -146,7 +152,9 @@ class GpuEngine final : public TrainEngine {
       NOPAD_CUDA_CHECK(cudaStreamWaitEvent(backend_.stream(), comm_done_, 0));
     }
     next_bucket_ = 0;
-    building().reduced = true;
+    PendingStep& p = building();
+    p.reduced = true;
+    NOPAD_CUDA_CHECK(cudaEventRecord(p.t_reduced, backend_.stream()));  // the summed gradients usable here
   }
   void optimizer_step(double lr, double grad_scale) override {
     NOPAD_CHECK(unread_ < kMaxStepsInFlight, "GpuEngine: more than ", kMaxStepsInFlight,
@@ -164,6 +172,17 @@ class GpuEngine final : public TrainEngine {
     // A step with collectives is waited for under the watch of NCCL's error state and dist.timeout_s: a dead or hung
     // peer ends this rank with an error instead of a wait without end.
     if (p.reduced) nccl_->wait_for(p.done, timeout_s_, "a step's gradient all-reduce and update");
+    if (!p.tickets.empty()) {  // device time of this rank's compute and of its gradient reduction
+      NOPAD_CUDA_CHECK(cudaEventSynchronize(p.done));
+      float ms = 0;
+      NOPAD_CUDA_CHECK(cudaEventElapsedTime(&ms, p.t_start, p.t_backward));
+      o.compute_ms = ms;
+      o.reduce_ms = 0;
+      if (p.reduced) {
+        NOPAD_CUDA_CHECK(cudaEventElapsedTime(&ms, p.t_backward, p.t_reduced));
+        o.reduce_ms = ms;
+      }
+    }
     p.reduced = false;
     for (const uint64_t t : p.tickets) accumulate(o.result, model_.read_result(t));  // waits for that forward
     if (comm_) {  // the global batch's result, as the CPU engine's reduce_gradients gives it
@@ -222,6 +241,7 @@ class GpuEngine final : public TrainEngine {
     std::vector<unsigned char> stats_host;
     cudaEvent_t done = nullptr;           // recorded after the step's update
     bool reduced = false;                 // the step has a gradient all-reduce
+    cudaEvent_t t_start = nullptr, t_backward = nullptr, t_reduced = nullptr;  // timing: StepOutcome::compute_ms
   };
   // steps_[first_ .. first_ + unread_) are ended and unread; the next one is being built.
   PendingStep& building() { return steps_[(first_ + unread_) % static_cast<int>(steps_.size())]; }
