@@ -54,6 +54,8 @@ ConfigSchema train_config_schema() {
   s.add("dist.cost_per_token_sq", 0.0, "balancing cost per token^2 (attention)");
   s.add("dist.overlap", true, "data parallelism on GPUs: all-reduce each layer's gradients while backward goes on "
         "(false: one all-reduce after backward, for ablation)");
+  s.add("dist.nccl_max_ctas", 4, "data parallelism on GPUs: thread blocks (SMs) an NCCL all-reduce may occupy, so the "
+        "buckets reduced during backward slow the compute beside them little (0 = NCCL's default)");
   s.add("dist.timeout_s", 600.0, "data parallelism: a rank that makes no progress for this long (a peer rank died or "
         "hangs in a collective) stops the job with an error naming it (0 = wait forever)");
   s.add("mllog.submission_org", "nopad", "MLPerf log (run_dir/mllog.txt): submission_org");
@@ -498,6 +500,8 @@ void Trainer::Impl::setup() {
   eo.device = rank_info.local_rank;  // one GPU per process (modulo the GPUs visible)
   eo.dist_timeout_s = dist_timeout_s;
   eo.overlap_grad_reduce = cfg.get_bool("dist.overlap");
+  eo.nccl_max_ctas = static_cast<int>(cfg.get_int("dist.nccl_max_ctas"));
+  NOPAD_CHECK(eo.nccl_max_ctas >= 0, "dist.nccl_max_ctas must be >= 0 (0 = NCCL's default), got ", eo.nccl_max_ctas);
   engine = make_engine(device, eo);
   if (rank_info.distributed()) {
     engine->connect(*comm);  // the device collective (GPU: NCCL), bootstrapped over the host communicator

@@ -51,7 +51,8 @@ class GpuEngine final : public TrainEngine {
         host_v_(model_.num_params(), 0.0f),
         micro_per_step_(std::max(1, o.micro_batches_per_step)),
         timeout_s_(o.dist_timeout_s),
-        overlap_(o.overlap_grad_reduce) {
+        overlap_(o.overlap_grad_reduce),
+        nccl_max_ctas_(o.nccl_max_ctas) {
     // Room for every result of the unread steps, the step being built and a few evaluation forwards.
     model_.set_result_capacity(static_cast<size_t>(kMaxStepsInFlight + 1) * micro_per_step_ + 4);
     for (PendingStep& p : steps_) {
@@ -127,7 +128,7 @@ class GpuEngine final : public TrainEngine {
     if (comm.size() == 1) return;
     NOPAD_CUDA_CHECK(cudaSetDevice(backend_.device()));
     comm_ = &comm;
-    nccl_ = make_nccl_comm(comm);
+    nccl_ = make_nccl_comm(comm, nccl_max_ctas_);
     NOPAD_CUDA_CHECK(cudaStreamCreateWithFlags(&comm_stream_, cudaStreamNonBlocking));
     bucket_ready_.assign(model_.grad_buckets().size(), nullptr);
     for (cudaEvent_t& e : bucket_ready_) NOPAD_CUDA_CHECK(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
@@ -274,6 +275,7 @@ class GpuEngine final : public TrainEngine {
   int micro_per_step_ = 1;
   double timeout_s_ = 600;
   bool overlap_ = true;
+  int nccl_max_ctas_ = 4;
   cudaStream_t comm_stream_ = nullptr;       // data parallel: the buckets' all-reduces during backward
   std::vector<cudaEvent_t> bucket_ready_;    // one per gradient bucket: produced on the compute stream
   cudaEvent_t comm_done_ = nullptr;          // all buckets reduced

@@ -35,12 +35,17 @@ namespace {
 
 class Nccl final : public NcclComm {
  public:
-  explicit Nccl(dist::Communicator& host) : rank_(host.rank()), size_(host.size()) {
+  Nccl(dist::Communicator& host, int max_ctas) : rank_(host.rank()), size_(host.size()) {
     ncclUniqueId id;
     std::memset(&id, 0, sizeof id);
     if (rank_ == 0) NOPAD_NCCL_CHECK(ncclGetUniqueId(&id));
     host.broadcast(std::span<uint8_t>(reinterpret_cast<uint8_t*>(&id), sizeof id), 0);
-    NOPAD_NCCL_CHECK(ncclCommInitRank(&comm_, size_, id, rank_));
+    ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
+    if (max_ctas > 0) {
+      config.minCTAs = 1;
+      config.maxCTAs = max_ctas;
+    }
+    NOPAD_NCCL_CHECK(ncclCommInitRankConfig(&comm_, size_, id, rank_, &config));
   }
   ~Nccl() override {
     // No throwing while tearing down; an aborted communicator is already gone.
@@ -96,12 +101,15 @@ class Nccl final : public NcclComm {
 }  // namespace
 
 bool nccl_built() { return true; }
-std::unique_ptr<NcclComm> make_nccl_comm(dist::Communicator& host) { return std::make_unique<Nccl>(host); }
+std::unique_ptr<NcclComm> make_nccl_comm(dist::Communicator& host, int max_ctas) {
+  NOPAD_CHECK(max_ctas >= 0, "NCCL max CTAs must be >= 0, got ", max_ctas);
+  return std::make_unique<Nccl>(host, max_ctas);
+}
 
 #else
 
 bool nccl_built() { return false; }
-std::unique_ptr<NcclComm> make_nccl_comm(dist::Communicator& host) {
+std::unique_ptr<NcclComm> make_nccl_comm(dist::Communicator& host, int max_ctas) {
   fail("data-parallel training on GPUs needs NCCL, and this build has none: install NCCL (libnccl-dev) or point ",
        "NCCL_ROOT at it and rebuild, or train on the CPU (--set train.device=cpu)");
 }
