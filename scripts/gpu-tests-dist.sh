@@ -141,7 +141,7 @@ if [ -f .carry/enwiki-20150515-AA.txt.xz ]; then
   runs=("ov-cost:--set dist.overlap=true --set dist.balance=cost --set dist.cost_per_token_sq=0.00062"
         "ov-none:--set dist.overlap=true --set dist.balance=none"
         "noov-cost:--set dist.overlap=false --set dist.balance=cost --set dist.cost_per_token_sq=0.00062"
-        "ov-cost-allsm:--set dist.overlap=true --set dist.balance=cost --set dist.cost_per_token_sq=0.00062 --set dist.nccl_max_ctas=0")
+        "ov-cost-4sm:--set dist.overlap=true --set dist.balance=cost --set dist.cost_per_token_sq=0.00062 --set dist.nccl_max_ctas=4")
   for r in "${runs[@]}"; do
     name=${r%%:*}
     # shellcheck disable=SC2086
@@ -149,7 +149,7 @@ if [ -f .carry/enwiki-20150515-AA.txt.xz ]; then
       --set train.global_batch=$((64 * ngpu)) > "$out/large-$name.log" 2>&1 || status=1
   done
   python3 - $d/large1/metrics.jsonl "$ngpu" $d/large-ov-cost/metrics.jsonl $d/large-ov-none/metrics.jsonl \
-    $d/large-noov-cost/metrics.jsonl $d/large-ov-cost-allsm/metrics.jsonl <<'PY' |
+    $d/large-noov-cost/metrics.jsonl $d/large-ov-cost-4sm/metrics.jsonl <<'PY' |
 import json, statistics, sys
 def lines(p):
     try:
@@ -163,8 +163,8 @@ one, n = lines(sys.argv[1]), int(sys.argv[2])
 base = med(one, "seq_per_s")
 print(f"1 GPU: {base:.1f} seq/s, compute {med(one, 'compute_ms'):.1f} ms/step (median of steps 6-30)")
 bad = not one
-names = ("overlap (NCCL on <= 4 SMs), cost balance", "overlap, no balance", "no overlap, cost balance",
-         "overlap with NCCL's default SMs, cost balance")
+names = ("overlap, cost balance", "overlap, no balance", "no overlap, cost balance",
+         "overlap with NCCL capped to 4 SMs, cost balance")
 for name, path in zip(names, sys.argv[3:]):
     ls = lines(path)
     if not ls:

@@ -44,7 +44,7 @@ struct EngineOptions {
   int threads = 0;  // CPU threads (<= 0: all cores); ignored on a GPU
   int device = 0;   // GPU index (data-parallel jobs: the local rank modulo the visible GPUs); ignored on the CPU
   bool overlap_grad_reduce = true;  // data parallel on GPUs: all-reduce gradient buckets during backward
-  int nccl_max_ctas = 4;            // data parallel on GPUs: SMs an NCCL all-reduce may take (0: NCCL's default)
+  int nccl_max_ctas = 0;            // data parallel on GPUs: SMs an NCCL all-reduce may take (0: NCCL's default)
   double dist_timeout_s = 600;  // data parallel: longest wait for a step's collectives before the job stops (0: none)
 };
 

@@ -54,8 +54,8 @@ ConfigSchema train_config_schema() {
   s.add("dist.cost_per_token_sq", 0.0, "balancing cost per token^2 (attention)");
   s.add("dist.overlap", true, "data parallelism on GPUs: all-reduce each layer's gradients while backward goes on "
         "(false: one all-reduce after backward, for ablation)");
-  s.add("dist.nccl_max_ctas", 4, "data parallelism on GPUs: thread blocks (SMs) an NCCL all-reduce may occupy, so the "
-        "buckets reduced during backward slow the compute beside them little (0 = NCCL's default)");
+  s.add("dist.nccl_max_ctas", 0, "data parallelism on GPUs: cap on the thread blocks (SMs) an NCCL all-reduce may "
+        "occupy (0 = NCCL's default; 4 measured slower on 2 H200s: docs/distributed.md)");
   s.add("dist.timeout_s", 600.0, "data parallelism: a rank that makes no progress for this long (a peer rank died or "
         "hangs in a collective) stops the job with an error naming it (0 = wait forever)");
   s.add("mllog.submission_org", "nopad", "MLPerf log (run_dir/mllog.txt): submission_org");

@@ -275,7 +275,7 @@ class GpuEngine final : public TrainEngine {
   int micro_per_step_ = 1;
   double timeout_s_ = 600;
   bool overlap_ = true;
-  int nccl_max_ctas_ = 4;
+  int nccl_max_ctas_ = 0;
   cudaStream_t comm_stream_ = nullptr;       // data parallel: the buckets' all-reduces during backward
   std::vector<cudaEvent_t> bucket_ready_;    // one per gradient bucket: produced on the compute stream
   cudaEvent_t comm_done_ = nullptr;          // all buckets reduced
