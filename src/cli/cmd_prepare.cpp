@@ -36,7 +36,16 @@ void setup(CLI::App& sub) {
   sub.add_option("--format", *format, "input format: auto, wiki (WikiExtractor) or lines")
       ->check(CLI::IsMember({"auto", "wiki", "lines"}))
       ->capture_default_str();
-  sub.add_flag("--overwrite", opt->overwrite, "replace a dataset already in --output");
+  sub.add_option("--eval-output", opt->eval_output,
+                 "also write a held-out evaluation set here: documents drawn at random (seeded) are kept out of "
+                 "training until their instances reach --eval-samples; exactly that many are written (MLPerf's "
+                 "eval protocol)");
+  sub.add_option("--eval-samples", opt->eval_samples, "instances in the held-out evaluation set")
+      ->capture_default_str();
+  sub.add_option("--eval-dupe-factor", opt->eval_dupe_factor,
+                 "passes over the held-out documents (0: --dupe-factor; MLPerf made its eval set with 10)")
+      ->capture_default_str();
+  sub.add_flag("--overwrite", opt->overwrite, "replace a dataset already in --output (and --eval-output)");
   sub.add_flag("--quiet", *quiet, "no progress output");
   sub.callback([opt, inputs, format, quiet] {
     for (const auto& s : *inputs) opt->inputs.emplace_back(s);
@@ -59,6 +68,11 @@ void setup(CLI::App& sub) {
         static_cast<double>(r.masked) / static_cast<double>(r.instances),
         100.0 * static_cast<double>(r.random_next) / static_cast<double>(r.instances), r.total_s, r.threads, r.read_s,
         r.tokenize_s, r.instances_s, r.write_s, mb / r.total_s, mb / r.total_s / r.threads);
+    if (!opt->eval_output.empty())
+      std::printf("  held out for evaluation: %llu documents -> %llu instances, %llu of them written to %s\n",
+                  static_cast<unsigned long long>(r.eval_documents),
+                  static_cast<unsigned long long>(r.eval_candidates),
+                  static_cast<unsigned long long>(r.eval_instances), opt->eval_output.string().c_str());
   });
 }
 

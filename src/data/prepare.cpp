@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <nlohmann/json.hpp>
 
 #include "core/error.h"
@@ -27,6 +28,75 @@ std::string shard_name(size_t index) {
   char buf[32];
   std::snprintf(buf, sizeof buf, "shard_%05zu%s", index, kShardExtension);
   return buf;
+}
+
+// Existing shards / dataset.json in `dir` (refused unless overwrite).
+std::vector<fs::path> stale_dataset_files(const fs::path& dir, bool overwrite, const char* flag) {
+  std::vector<fs::path> stale;
+  for (const auto& e : fs::directory_iterator(dir))
+    if (e.path().extension() == kShardExtension || e.path().filename() == "dataset.json") stale.push_back(e.path());
+  NOPAD_CHECK(stale.empty() || overwrite, flag, " folder ", dir.string(),
+              " already holds a dataset; pass --overwrite to replace it, or choose another ", flag);
+  return stale;
+}
+
+// Every instance of `corpus` for dupe rounds 0 .. dupes-1, in (dupe, document) order.
+std::vector<Instance> make_instances(const TokenizedCorpus& corpus, const Vocab& vocab, const InstanceOptions& o,
+                                     int dupes, int threads, Progress* progress) {
+  const size_t num_docs = corpus.num_docs();
+  const size_t jobs = num_docs * static_cast<size_t>(dupes);
+  std::vector<std::vector<Instance>> per_job(jobs);
+  parallel_for(
+      jobs, threads,
+      [&](size_t j) {
+        const size_t dupe = j / num_docs, doc = j % num_docs;
+        Rng rng({o.seed, 0x696e7374ull /* "inst" */, dupe, doc});
+        per_job[j] = create_instances_from_document(corpus, doc, vocab, o, rng);
+        if (progress) progress->add(1);
+      },
+      16);
+  std::vector<Instance> out;
+  for (auto& v : per_job)
+    for (auto& inst : v) out.push_back(std::move(inst));
+  return out;
+}
+
+// Writes instances[order[0 .. count)] as shards and dataset.json into `dir` (stale files not rewritten are removed).
+// Returns the bytes written.
+uint64_t write_dataset(const fs::path& dir, const std::vector<Instance>& instances, const std::vector<uint64_t>& order,
+                       size_t count, size_t per_shard, const Vocab& vocab, const std::vector<fs::path>& stale,
+                       nlohmann::json manifest, int threads, bool show_progress, size_t* shards_out) {
+  const size_t num_shards = (count + per_shard - 1) / per_shard;
+  std::vector<uint64_t> shard_bytes(num_shards);
+  {
+    Progress progress("write", static_cast<double>(num_shards), "shards", show_progress);
+    parallel_for(num_shards, threads, [&](size_t s) {
+      ShardWriter w(dir / shard_name(s), vocab.size(), vocab.checksum());
+      const size_t end = std::min(count, (s + 1) * per_shard);
+      for (size_t i = s * per_shard; i < end; ++i) w.add(instances[order[i]]);
+      shard_bytes[s] = w.finish();
+      progress.add(1);
+    });
+    progress.finish();
+  }
+  uint64_t bytes = 0, tokens = 0, masked = 0;
+  for (uint64_t b : shard_bytes) bytes += b;
+  for (size_t i = 0; i < count; ++i) {
+    tokens += instances[order[i]].tokens.size();
+    masked += instances[order[i]].mlm_positions.size();
+  }
+  for (const fs::path& p : stale) {
+    bool rewritten = false;
+    for (size_t s = 0; s < num_shards && !rewritten; ++s) rewritten = p.filename() == shard_name(s);
+    if (!rewritten && p.filename() != "dataset.json") fs::remove(p);
+  }
+  manifest["num_shards"] = num_shards;
+  manifest["num_seqs"] = count;
+  manifest["num_tokens"] = tokens;
+  manifest["num_masked"] = masked;
+  write_file_atomic(dir / "dataset.json", manifest.dump(2) + "\n");
+  *shards_out = num_shards;
+  return bytes;
 }
 
 }  // namespace
@@ -64,11 +134,19 @@ PrepareResult prepare_dataset(const PrepareOptions& opt) {
   const WordPieceTokenizer tokenizer(vocab);
   const std::vector<fs::path> files = expand_inputs(opt.inputs);
   ensure_writable_dir(opt.output);
-  std::vector<fs::path> stale;
-  for (const auto& e : fs::directory_iterator(opt.output))
-    if (e.path().extension() == kShardExtension || e.path().filename() == "dataset.json") stale.push_back(e.path());
-  NOPAD_CHECK(stale.empty() || opt.overwrite, "output folder ", opt.output.string(),
-              " already holds a dataset; pass --overwrite to replace it, or choose another --output");
+  const std::vector<fs::path> stale = stale_dataset_files(opt.output, opt.overwrite, "--output");
+  const bool held_out = !opt.eval_output.empty();
+  const int eval_dupes = opt.eval_dupe_factor > 0 ? opt.eval_dupe_factor : opt.instances.dupe_factor;
+  std::vector<fs::path> eval_stale;
+  if (held_out) {
+    NOPAD_CHECK(opt.eval_samples >= 1, "--eval-samples must be at least 1, got ", opt.eval_samples);
+    NOPAD_CHECK(opt.eval_dupe_factor >= 0, "--eval-dupe-factor must be >= 0 (0: --dupe-factor), got ",
+                opt.eval_dupe_factor);
+    ensure_writable_dir(opt.eval_output);
+    NOPAD_CHECK(fs::weakly_canonical(opt.eval_output) != fs::weakly_canonical(opt.output),
+                "--eval-output must be another folder than --output");
+    eval_stale = stale_dataset_files(opt.eval_output, opt.overwrite, "--eval-output");
+  }
 
   // 1. Read and split into documents (views into the file texts, which stay alive until tokenised).
   auto t0 = std::chrono::steady_clock::now();
@@ -111,42 +189,74 @@ PrepareResult prepare_dataset(const PrepareOptions& opt) {
         8);
     progress.finish();
   }
+  // The input's sentences and tokens (training and held-out documents together; empty sentences are not kept).
+  for (const auto& d : doc_tokens)
+    for (const auto& sent : d)
+      if (!sent.empty()) ++r.sentences, r.text_tokens += sent.size();
+  // 2b. Held-out evaluation documents (PrepareOptions::eval_output): a seeded random order of the documents; the first
+  // m are held out, m doubling until their instances reach eval_samples (at least one document stays for training).
+  std::vector<Instance> eval_instances;
+  std::vector<uint64_t> eval_order;
+  std::vector<char> is_eval(doc_tokens.size(), 0);
+  if (held_out) {
+    const auto t_eval = std::chrono::steady_clock::now();
+    std::vector<size_t> doc_order(doc_tokens.size());
+    for (size_t i = 0; i < doc_order.size(); ++i) doc_order[i] = i;
+    Rng eval_rng({opt.instances.seed, 0x6576616cull /* "eval" */});
+    eval_rng.shuffle(doc_order.begin(), doc_order.end());
+    const size_t usable = doc_tokens.size() - 1;
+    NOPAD_CHECK(usable >= 1, "a held-out eval set needs at least 2 documents; the inputs hold ",
+                doc_tokens.size());
+    // First guess: documents' tokens ~ instances x max_seq_length / dupes, with a margin.
+    uint64_t all_tokens = 0;
+    for (const auto& d : doc_tokens)
+      for (const auto& sent : d) all_tokens += sent.size();
+    const double tokens_per_doc = std::max(1.0, static_cast<double>(all_tokens) / static_cast<double>(doc_tokens.size()));
+    size_t m = static_cast<size_t>(std::ceil(1.5 * static_cast<double>(opt.eval_samples) * opt.instances.max_seq_length /
+                                             (tokens_per_doc * eval_dupes)));
+    m = std::clamp<size_t>(m, 1, usable);
+    for (;;) {
+      TokenizedCorpus eval_corpus;
+      for (size_t i = 0; i < m; ++i) eval_corpus.add_document(doc_tokens[doc_order[i]]);
+      eval_instances = make_instances(eval_corpus, vocab, opt.instances, eval_dupes, r.threads, nullptr);
+      if (eval_instances.size() >= static_cast<size_t>(opt.eval_samples) || m == usable) break;
+      m = std::min(usable, 2 * m);
+    }
+    NOPAD_CHECK(eval_instances.size() >= static_cast<size_t>(opt.eval_samples), "--eval-samples ", opt.eval_samples,
+                ": holding out ", m, " of ", doc_tokens.size(), " documents (all but one) gives only ",
+                eval_instances.size(), " instances with --eval-dupe-factor ", eval_dupes,
+                "; lower --eval-samples, raise --eval-dupe-factor or add text");
+    for (size_t i = 0; i < m; ++i) is_eval[doc_order[i]] = 1;
+    eval_order.resize(eval_instances.size());
+    for (size_t i = 0; i < eval_order.size(); ++i) eval_order[i] = i;
+    Rng pick_rng({opt.instances.seed, 0x7069636bull /* "pick" */});
+    pick_rng.shuffle(eval_order.begin(), eval_order.end());
+    r.eval_documents = m;
+    r.eval_candidates = eval_instances.size();
+    r.eval_instances = static_cast<uint64_t>(opt.eval_samples);
+    r.tokenize_s += seconds_since(t_eval);
+  }
   TokenizedCorpus corpus;
-  for (auto& d : doc_tokens) {
-    corpus.add_document(d);
-    std::vector<std::vector<int32_t>>().swap(d);
+  for (size_t d = 0; d < doc_tokens.size(); ++d) {
+    if (!is_eval[d]) corpus.add_document(doc_tokens[d]);
+    std::vector<std::vector<int32_t>>().swap(doc_tokens[d]);
   }
   doc_tokens.clear();
   texts.clear();
   file_docs.clear();
-  r.documents = corpus.num_docs();
-  r.sentences = corpus.sentence_offsets.size() - 1;
-  r.text_tokens = corpus.tokens.size();
-  NOPAD_CHECK(r.documents >= 1, "the inputs contain no tokenisable text");
+  r.documents = corpus.num_docs() + r.eval_documents;  // all documents: training's and the held-out ones
+  NOPAD_CHECK(corpus.num_docs() >= 1, "the inputs contain no tokenisable text");
   r.tokenize_s = seconds_since(t0);
 
   // 3. Instances for every (dupe, document), each from its own keyed random stream.
   t0 = std::chrono::steady_clock::now();
-  const size_t num_docs = corpus.num_docs();
-  const size_t jobs = num_docs * static_cast<size_t>(opt.instances.dupe_factor);
-  std::vector<std::vector<Instance>> per_job(jobs);
+  const size_t jobs = corpus.num_docs() * static_cast<size_t>(opt.instances.dupe_factor);
+  std::vector<Instance> instances;
   {
     Progress progress("instances", static_cast<double>(jobs), "docs", opt.progress);
-    parallel_for(
-        jobs, r.threads,
-        [&](size_t j) {
-          const size_t dupe = j / num_docs, doc = j % num_docs;
-          Rng rng({opt.instances.seed, 0x696e7374ull /* "inst" */, dupe, doc});
-          per_job[j] = create_instances_from_document(corpus, doc, vocab, opt.instances, rng);
-          progress.add(1);
-        },
-        16);
+    instances = make_instances(corpus, vocab, opt.instances, opt.instances.dupe_factor, r.threads, &progress);
     progress.finish();
   }
-  std::vector<Instance> instances;
-  for (auto& v : per_job)
-    for (auto& inst : v) instances.push_back(std::move(inst));
-  per_job.clear();
   NOPAD_CHECK(!instances.empty(), "no pre-training instances could be made: the text is too short");
   Rng shuffle_rng({opt.instances.seed, 0x73687566ull /* "shuf" */});
   std::vector<uint64_t> order(instances.size());
@@ -161,52 +271,52 @@ PrepareResult prepare_dataset(const PrepareOptions& opt) {
   r.instances_s = seconds_since(t0);
 
   // 4. Shards, written in parallel, each atomically; dataset.json last, so a complete manifest means a complete set.
+  // The eval set first: a training manifest that names it is only written once it is complete.
   t0 = std::chrono::steady_clock::now();
-  const size_t per_shard = static_cast<size_t>(opt.seqs_per_shard);
-  const size_t num_shards = (instances.size() + per_shard - 1) / per_shard;
-  std::vector<uint64_t> shard_bytes(num_shards);
-  {
-    Progress progress("write", static_cast<double>(num_shards), "shards", opt.progress);
-    parallel_for(num_shards, r.threads, [&](size_t s) {
-      ShardWriter w(opt.output / shard_name(s), vocab.size(), vocab.checksum());
-      const size_t end = std::min(instances.size(), (s + 1) * per_shard);
-      for (size_t i = s * per_shard; i < end; ++i) w.add(instances[order[i]]);
-      shard_bytes[s] = w.finish();
-      progress.add(1);
-    });
-    progress.finish();
-  }
-  for (uint64_t b : shard_bytes) r.output_bytes += b;
-  r.shards = num_shards;
-  for (const fs::path& p : stale) {
-    bool rewritten = false;
-    for (size_t s = 0; s < num_shards && !rewritten; ++s) rewritten = p.filename() == shard_name(s);
-    if (!rewritten && p.filename() != "dataset.json") fs::remove(p);
-  }
-  nlohmann::json manifest = {
-      {"format", "nopad-shards"},
-      {"version", kShardVersion},
-      {"source", "text"},
-      {"num_shards", num_shards},
-      {"num_seqs", r.instances},
-      {"num_tokens", r.instance_tokens},
-      {"num_masked", r.masked},
-      {"vocab_size", vocab.size()},
-      {"vocab_checksum", vocab.checksum()},
-      {"options",
-       {{"max_seq_length", opt.instances.max_seq_length},
-        {"max_predictions", opt.instances.max_predictions},
-        {"masked_lm_prob", opt.instances.masked_lm_prob},
-        {"short_seq_prob", opt.instances.short_seq_prob},
-        {"dupe_factor", opt.instances.dupe_factor},
-        {"seed", opt.instances.seed}}},
-      {"documents", r.documents},
-      {"sentences", r.sentences},
-  };
+  nlohmann::json options = {{"max_seq_length", opt.instances.max_seq_length},
+                            {"max_predictions", opt.instances.max_predictions},
+                            {"masked_lm_prob", opt.instances.masked_lm_prob},
+                            {"short_seq_prob", opt.instances.short_seq_prob},
+                            {"dupe_factor", opt.instances.dupe_factor},
+                            {"seed", opt.instances.seed}};
   nlohmann::json inputs = nlohmann::json::array();
   for (const fs::path& f : files) inputs.push_back(f.string());
-  manifest["inputs"] = inputs;
-  write_file_atomic(opt.output / "dataset.json", manifest.dump(2) + "\n");
+  const size_t per_shard = static_cast<size_t>(opt.seqs_per_shard);
+  if (held_out) {
+    nlohmann::json eval_options = options;
+    eval_options["dupe_factor"] = eval_dupes;
+    nlohmann::json m = {{"format", "nopad-shards"},
+                        {"version", kShardVersion},
+                        {"source", "text, held-out documents"},
+                        {"vocab_size", vocab.size()},
+                        {"vocab_checksum", vocab.checksum()},
+                        {"options", eval_options},
+                        {"documents", r.eval_documents},
+                        {"candidates", r.eval_candidates},
+                        {"training_set", fs::absolute(opt.output).lexically_normal().string()},
+                        {"inputs", inputs}};
+    size_t eval_shards = 0;
+    r.output_bytes += write_dataset(opt.eval_output, eval_instances, eval_order,
+                                    static_cast<size_t>(opt.eval_samples), per_shard, vocab, eval_stale, m, r.threads,
+                                    false, &eval_shards);
+  }
+  nlohmann::json manifest = {{"format", "nopad-shards"},
+                             {"version", kShardVersion},
+                             {"source", "text"},
+                             {"vocab_size", vocab.size()},
+                             {"vocab_checksum", vocab.checksum()},
+                             {"options", options},
+                             {"documents", corpus.num_docs()},
+                             {"sentences", corpus.sentence_offsets.size() - 1},
+                             {"inputs", inputs}};
+  if (held_out) {
+    manifest["held_out_documents"] = r.eval_documents;
+    manifest["eval_set"] = fs::absolute(opt.eval_output).lexically_normal().string();
+  }
+  size_t num_shards = 0;
+  r.output_bytes += write_dataset(opt.output, instances, order, instances.size(), per_shard, vocab, stale, manifest,
+                                  r.threads, opt.progress, &num_shards);
+  r.shards = num_shards;
   r.write_s = seconds_since(t0);
   r.total_s = seconds_since(t_start);
   return r;

@@ -22,6 +22,13 @@ struct PrepareOptions {
   int64_t seqs_per_shard = 65536;
   bool overwrite = false;  // replace an existing dataset in `output`
   bool progress = true;
+  // Held-out evaluation set (MLPerf's protocol: exactly eval_samples instances from documents that training never
+  // sees). When eval_output is set, documents are drawn in a seeded random order and held out until their instances
+  // (eval_dupe_factor passes, random next segments drawn only from held-out documents) reach eval_samples; a seeded
+  // shuffle picks exactly eval_samples of them for eval_output; the training set is made from the other documents.
+  std::filesystem::path eval_output;
+  int64_t eval_samples = 10000;
+  int eval_dupe_factor = 0;  // 0: the training dupe_factor
 };
 
 struct PrepareResult {
@@ -29,6 +36,7 @@ struct PrepareResult {
   uint64_t documents = 0, sentences = 0, text_tokens = 0;
   uint64_t instances = 0, instance_tokens = 0, masked = 0, random_next = 0;
   uint64_t shards = 0, output_bytes = 0;
+  uint64_t eval_documents = 0, eval_instances = 0, eval_candidates = 0;  // held out; written; made before the pick
   double read_s = 0, tokenize_s = 0, instances_s = 0, write_s = 0, total_s = 0;
   int threads = 1;
 };
