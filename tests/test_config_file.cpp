@@ -105,6 +105,13 @@ TEST(ConfigFile, OverridesUseTheSameRulesPlusBareStrings) {
             std::string::npos);
   EXPECT_NE(error_of([&] { c.apply_override("optim.lrate=1"); }).find("did you mean 'optim.lr'?"), std::string::npos);
   EXPECT_NE(error_of([&] { c.apply_override("seed"); }).find("expected key=value"), std::string::npos);
+  // key= clears a text key; a number or flag cannot be empty; an unknown key is still named.
+  c.apply_override("run_dir=");
+  EXPECT_EQ(c.get_string("run_dir"), "");
+  c.apply_override("run_dir=\"\"");
+  EXPECT_EQ(c.get_string("run_dir"), "");
+  EXPECT_NE(error_of([&] { c.apply_override("seed="); }).find("missing value for seed"), std::string::npos);
+  EXPECT_NE(error_of([&] { c.apply_override("run_dirr="); }).find("did you mean 'run_dir'?"), std::string::npos);
 }
 
 TEST(ConfigFile, GettersRejectUnknownKeysAndWrongTypes) {

@@ -269,6 +269,15 @@ void Config::apply_override(std::string_view assignment) {
   NOPAD_CHECK(eq != std::string_view::npos, where, ": expected key=value (for example --set optim.lr=4.25e-4)");
   const std::string key(trim(assignment.substr(0, eq)));
   NOPAD_CHECK(valid_name(key), where, ": invalid key '", key, "'");
+  if (trim(assignment.substr(eq + 1)).empty()) {  // key= : the empty string, for text keys (e.g. data.eval=)
+    const ConfigSchema::Key* k = schema_.find(key);
+    NOPAD_CHECK(k == nullptr || k->type == ConfigType::kString, where, ": missing value for ", key,
+                " (only text keys can be set empty)");
+    ConfigValue v;
+    v.source = "--set";
+    set(key, std::move(v), where);  // an unknown key fails here, naming the closest one
+    return;
+  }
   ConfigValue v = parse_value(assignment.substr(eq + 1), where, key, true);
   v.source = "--set";
   set(key, std::move(v), where);
