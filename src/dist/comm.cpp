@@ -59,9 +59,16 @@ std::unique_ptr<Communicator> make_mpi_communicator(const RankInfo*) {
 
 std::unique_ptr<Communicator> make_communicator(const RankInfo& info) {
   if (!info.distributed()) return make_single_communicator();
-  if (info.launcher == "torchrun" && !mpi_built())
-    fail("a torchrun-style launch (RANK/WORLD_SIZE) needs MPI in this build for its host-side collectives: launch with "
-         "mpirun or srun, or rebuild with MPI installed");
+  if (info.launcher == "torchrun") {
+    double timeout_s = 300;
+    if (const char* t = std::getenv("NOPAD_BOOTSTRAP_TIMEOUT_S")) {
+      char* end = nullptr;
+      timeout_s = std::strtod(t, &end);
+      NOPAD_CHECK(end != t && *end == '\0' && timeout_s > 0, "NOPAD_BOOTSTRAP_TIMEOUT_S must be a positive number of "
+                  "seconds, got '", t, "'");
+    }
+    return make_tcp_communicator(info, timeout_s);
+  }
   return make_mpi_communicator(&info);
 }
 

@@ -27,7 +27,7 @@ class Communicator {
   virtual ~Communicator() = default;
   virtual int rank() const = 0;
   virtual int size() const = 0;
-  virtual std::string name() const = 0;  // "single" or "mpi"
+  virtual std::string name() const = 0;  // "single", "mpi" or "tcp"
 
   virtual void all_reduce_sum(std::span<float> data) = 0;
   virtual void all_reduce_sum(std::span<double> data) = 0;
@@ -55,8 +55,12 @@ bool mpi_built();
 // MPI or MPI cannot start. The rank and size must match `expected` (what the launcher's environment said) when given.
 std::unique_ptr<Communicator> make_mpi_communicator(const RankInfo* expected = nullptr);
 
-// For a job launched as `info` says: single process -> make_single_communicator(); mpirun/srun -> MPI; torchrun
-// without MPI in the build -> an error saying to launch with mpirun/srun or build with MPI.
+// A torchrun-style job's host communicator over TCP (comm_tcp.cpp): rank 0 listens on info.master_port, the others
+// connect to info.master_addr (retrying for up to timeout_s seconds); collectives go through rank 0 in rank order.
+std::unique_ptr<Communicator> make_tcp_communicator(const RankInfo& info, double timeout_s);
+
+// For a job launched as `info` says: single process -> make_single_communicator(); mpirun/srun -> MPI; torchrun ->
+// TCP (bootstrap timeout NOPAD_BOOTSTRAP_TIMEOUT_S, 300 s by default).
 std::unique_ptr<Communicator> make_communicator(const RankInfo& info);
 
 // All-gathers `value` and throws, naming `what` and the ranks whose value differs from rank 0's, unless all are

@@ -1,0 +1,99 @@
+"""`nopad train` launched the torchrun way (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT in each process's
+environment, no mpirun): 2 CPU ranks over the TCP communicator train bert-tiny on the same global batches as one
+process; every step's loss agrees (1e-4 relative: only the summation order differs), rank 0 alone writes metrics,
+both ranks say they run data parallel over tcp. A second pair started with a wrong WORLD_SIZE on one side is refused
+with a message. Run by CTest with NOPAD_BINARY and NOPAD_SOURCE_DIR set; needs no MPI."""
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+
+NOPAD = os.environ["NOPAD_BINARY"]
+SRC = os.environ["NOPAD_SOURCE_DIR"]
+failures = []
+
+
+def check(cond, what):
+    if not cond:
+        failures.append(what)
+        print("FAIL:", what)
+
+
+def free_port():
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    return port
+
+
+def cmd(run_dir, data):
+    return [NOPAD, "train", "--config", os.path.join(SRC, "configs/bert-tiny-sample.toml"), "--overwrite",
+            "--set", f"run_dir={run_dir}", "--set", f"data.train={data}", "--set", "data.eval=",
+            "--set", "train.device=cpu", "--set", "train.threads=1", "--set", "train.global_batch=8",
+            "--set", "train.max_steps=6", "--set", "log.interval_steps=1", "--set", "checkpoint.interval_steps=0"]
+
+
+def launch(run_dir, data, world_sizes):
+    """Starts one process per entry of world_sizes (rank i told WORLD_SIZE=world_sizes[i]); returns their results."""
+    port = free_port()
+    procs = []
+    for rank, world in enumerate(world_sizes):
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("OMPI_", "PMI_", "SLURM_"))}
+        env.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
+                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), NOPAD_BOOTSTRAP_TIMEOUT_S="20")
+        procs.append(subprocess.Popen(cmd(run_dir, data), env=env, cwd=SRC, stdout=subprocess.PIPE,
+                                      stderr=subprocess.PIPE, text=True))
+    out = []
+    for p in procs:
+        try:
+            o, e = p.communicate(timeout=300)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            o, e = p.communicate()
+        out.append((p.returncode, o, e))
+    return out
+
+
+def losses(run_dir):
+    return [json.loads(l)["loss"] for l in open(os.path.join(run_dir, "metrics.jsonl")) if l.strip()]
+
+
+def main():
+    tmp = tempfile.mkdtemp(prefix="nopad-torchrun-")
+    data = os.path.join(tmp, "data")
+    r = subprocess.run([NOPAD, "prepare", "--input", os.path.join(SRC, "data/wiki-sample/wiki_00"), "--vocab",
+                        os.path.join(SRC, "data/vocab/bert-uncased-vocab.txt"), "--output", data,
+                        "--max-seq-length", "64", "--max-predictions", "10", "--dupe-factor", "1", "--quiet"],
+                       capture_output=True, text=True)
+    check(r.returncode == 0, f"prepare: {r.stderr}")
+    one = os.path.join(tmp, "one")
+    r = subprocess.run(cmd(one, data), capture_output=True, text=True, cwd=SRC)
+    check(r.returncode == 0, f"single process: {r.stderr[-500:]}")
+    ref = losses(one) if r.returncode == 0 else []
+
+    two = os.path.join(tmp, "two")
+    res = launch(two, data, [2, 2])
+    for rank, (rc, o, e) in enumerate(res):
+        check(rc == 0, f"rank {rank} exit {rc}: {e[-800:]}")
+    if all(rc == 0 for rc, _, _ in res):
+        check("data parallel: 2 ranks (torchrun, tcp" in res[0][2], f"rank 0 does not say 'torchrun, tcp': {res[0][2]!r}")
+        got = losses(two)
+        check(len(got) == len(ref) == 6, f"{len(got)} metrics lines (one writer) vs {len(ref)}")
+        for step, (a, b) in enumerate(zip(ref, got), 1):
+            check(abs(a - b) <= 1e-4 * abs(a), f"step {step}: loss {b} with 2 ranks vs {a} in one process")
+        print(f"  losses one process {['%.5f' % x for x in ref]}, 2 ranks over tcp {['%.5f' % x for x in got]}")
+
+    # Rank 1 believes the job has 3 ranks: rank 0 refuses it, and neither trains.
+    bad = launch(os.path.join(tmp, "bad"), data, [2, 3])
+    check(all(rc != 0 for rc, _, _ in bad), f"a WORLD_SIZE mismatch was not refused: {[rc for rc, _, _ in bad]}")
+    check("WORLD_SIZE" in bad[0][2], f"rank 0's message does not name WORLD_SIZE: {bad[0][2][-400:]!r}")
+    if failures:
+        sys.exit(1)
+    print("test_train_torchrun: all checks passed")
+
+
+if __name__ == "__main__":
+    main()
