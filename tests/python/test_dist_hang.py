@@ -32,7 +32,8 @@ def main():
            "dist.timeout_s=1", "--overwrite"]
     log_path = os.path.join(tmp, "log")
     with open(log_path, "w") as log:
-        job = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        # From the source tree: the config names its model file relative to it.
+        job = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True, cwd=SRC)
     failures = []
     rank1 = None
     try:
