@@ -709,6 +709,10 @@ TrainSummary Trainer::run() {
     double loss_scale = 1;  // what its backward was scaled by
     double enqueue_s = 0;   // host time spent enqueuing it (all of the step's work on the synchronous CPU engine)
   };
+  struct {  // per-rank timing summed over the steps read (data parallel: printed at the end)
+    int64_t steps = 0;
+    double compute_ms = 0, imbalance = 0, reduce_ms = 0;
+  } timing;
   std::array<Enqueued, TrainEngine::kMaxStepsInFlight> queue{};
   int q_first = 0, q_count = 0;
   int64_t last_eval_step = -1, last_checkpoint_step = m.last_checkpoint.empty() ? -1 : m.state.step;
@@ -731,6 +735,12 @@ TrainSummary Trainer::run() {
     }
     const double ranks = static_cast<double>(m.comm->size());
     const double compute_mean = t_sum[0] / ranks, reduce_mean = t_sum[1] / ranks;
+    if (std::isfinite(compute_mean) && compute_mean > 0) {  // run totals for the closing per-rank timing line
+      timing.steps += 1;
+      timing.compute_ms += compute_mean;
+      timing.imbalance += t_max[0] / compute_mean;
+      timing.reduce_ms += reduce_mean;
+    }
     if (m.hooks.after_forward) m.hooks.after_forward(e.step, out.result);
     const std::string keep_note =
         m.last_checkpoint.empty() ? std::string(" (no checkpoint was written yet)")
@@ -910,6 +920,11 @@ TrainSummary Trainer::run() {
   summary.samples = m.state.samples;
   summary.elapsed_s = seconds_since(start);
   summary.rank = m.comm->rank();
+  if (lead && m.rank_info.distributed() && timing.steps > 0)
+    std::fprintf(stderr, "per-rank timing over %lld steps: compute %.1f ms per step (mean rank), slowest rank %.3fx the "
+                 "mean, gradient reduction %.1f ms (exposed + waiting)\n", static_cast<long long>(timing.steps),
+                 timing.compute_ms / static_cast<double>(timing.steps), timing.imbalance / static_cast<double>(timing.steps),
+                 timing.reduce_ms / static_cast<double>(timing.steps));
   if (lead) std::fprintf(stderr, "done: step %lld, %llu samples, %.1f s; checkpoint %s\n", static_cast<long long>(m.state.step),
                static_cast<unsigned long long>(m.state.samples), summary.elapsed_s,
                summary.final_checkpoint.string().c_str());

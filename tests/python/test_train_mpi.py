@@ -98,6 +98,8 @@ def main():
             if r.returncode != 0:
                 continue
             check(f"data parallel: {ranks} ranks" in r.stderr, f"{what}: says it runs data parallel")
+            check(r.stderr.count("per-rank timing over 6 steps: compute ") == 1 and "slowest rank" in r.stderr,
+                  f"{what}: one closing per-rank timing line: {r.stderr[-600:]!r}")
             check(r.stderr.count("done: step 6") == 1, f"{what}: one 'done' line (rank 0 only): {r.stderr!r}")
             check(r.stdout.count("final: step 6") == 1, f"{what}: one final line: {r.stdout!r}")
             got = losses(run_dir)
