@@ -208,10 +208,8 @@ PrepareResult prepare_dataset(const PrepareOptions& opt) {
     NOPAD_CHECK(usable >= 1, "a held-out eval set needs at least 2 documents; the inputs hold ",
                 doc_tokens.size());
     // First guess: documents' tokens ~ instances x max_seq_length / dupes, with a margin.
-    uint64_t all_tokens = 0;
-    for (const auto& d : doc_tokens)
-      for (const auto& sent : d) all_tokens += sent.size();
-    const double tokens_per_doc = std::max(1.0, static_cast<double>(all_tokens) / static_cast<double>(doc_tokens.size()));
+    const double tokens_per_doc =
+        std::max(1.0, static_cast<double>(r.text_tokens) / static_cast<double>(doc_tokens.size()));
     size_t m = static_cast<size_t>(std::ceil(1.5 * static_cast<double>(opt.eval_samples) * opt.instances.max_seq_length /
                                              (tokens_per_doc * eval_dupes)));
     m = std::clamp<size_t>(m, 1, usable);

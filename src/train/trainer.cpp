@@ -728,17 +728,27 @@ TrainSummary Trainer::run() {
     m.kick();
     // Per-rank timing (data parallel): the slowest and the mean rank's compute time, and the time until the summed
     // gradients were usable (exposed communication plus waiting for the slowest rank).
+    // One all_gather of every rank's pair gives both the sums and the maxima.
     std::array<double, 2> t_sum = {out.compute_ms, out.reduce_ms}, t_max = t_sum;
     if (m.rank_info.distributed()) {
-      m.comm->all_reduce_sum(std::span<double>(t_sum));
-      m.comm->all_reduce_max(std::span<double>(t_max));
+      std::vector<double> all(2 * static_cast<size_t>(m.comm->size()));
+      m.comm->all_gather(std::span<const uint8_t>(reinterpret_cast<const uint8_t*>(t_sum.data()), sizeof t_sum),
+                         std::span<uint8_t>(reinterpret_cast<uint8_t*>(all.data()), all.size() * sizeof(double)));
+      t_sum = t_max = {all[0], all[1]};
+      for (size_t i = 2; i < all.size(); i += 2) {
+        t_sum[0] += all[i];
+        t_sum[1] += all[i + 1];
+        t_max[0] = std::max(t_max[0], all[i]);
+        t_max[1] = std::max(t_max[1], all[i + 1]);
+      }
     }
     const double ranks = static_cast<double>(m.comm->size());
     const double compute_mean = t_sum[0] / ranks, reduce_mean = t_sum[1] / ranks;
+    const double imbalance = compute_mean > 0 ? t_max[0] / compute_mean : 1.0;  // slowest rank / mean
     if (std::isfinite(compute_mean) && compute_mean > 0) {  // run totals for the closing per-rank timing line
       timing.steps += 1;
       timing.compute_ms += compute_mean;
-      timing.imbalance += t_max[0] / compute_mean;
+      timing.imbalance += imbalance;
       timing.reduce_ms += reduce_mean;
     }
     if (m.hooks.after_forward) m.hooks.after_forward(e.step, out.result);
@@ -809,7 +819,7 @@ TrainSummary Trainer::run() {
         line["compute_ms"] = compute_mean;
         if (m.rank_info.distributed()) {
           line["compute_ms_max"] = t_max[0];
-          line["compute_imbalance"] = compute_mean > 0 ? t_max[0] / compute_mean : 1.0;  // max / mean over ranks
+          line["compute_imbalance"] = imbalance;
           line["reduce_ms"] = reduce_mean;
           line["reduce_ms_max"] = t_max[1];
         }

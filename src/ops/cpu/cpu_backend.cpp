@@ -45,6 +45,16 @@ S gelu_tanh_grad(S x) {
   const S th = std::tanh(c * (x + S(0.044715) * x * x * x));
   return S(0.5) * (S(1) + th) + S(0.5) * x * (S(1) - th * th) * c * (S(1) + S(3 * 0.044715) * x * x);
 }
+// out[j] += sum over rows of m[r][j] ([rows, n]); columns split in blocks of 256 across threads, rows summed in order.
+template <class S>
+void add_column_sums(const S* m, int64_t rows, int32_t n, S* out, int threads) {
+  constexpr int32_t kCols = 256;
+  parallel_for(static_cast<size_t>((n + kCols - 1) / kCols), threads, [&](size_t c) {
+    const int32_t j0 = static_cast<int32_t>(c) * kCols, j1 = std::min(n, j0 + kCols);
+    for (int64_t r = 0; r < rows; ++r)
+      for (int32_t j = j0; j < j1; ++j) out[j] += m[r * n + j];
+  });
+}
 template <class S>
 S activate(Activation act, S x) {
   return act == Activation::kGelu ? gelu(x) : act == Activation::kGeluTanh ? gelu_tanh(x) : x;
@@ -301,14 +311,7 @@ void CpuBackend<P>::dense_backward(const S* dy, const S* x, const S* weight, con
   }
   if (dx) gemm<S>(rows, k, n, dpre, n, 1, weight, k, dx, k, accumulate_dx, threads_);            // dpre W
   if (d_weight) gemm<S>(n, k, rows, dpre, 1, n, x, k, d_weight, k, /*accumulate=*/true, threads_);  // dpre^T x
-  if (d_bias) {
-    constexpr int32_t kCols = 256;
-    parallel_for(static_cast<size_t>((n + kCols - 1) / kCols), threads_, [&](size_t c) {
-      const int32_t j0 = static_cast<int32_t>(c) * kCols, j1 = std::min(n, j0 + kCols);
-      for (int64_t r = 0; r < rows; ++r)
-        for (int32_t j = j0; j < j1; ++j) d_bias[j] += dpre[r * n + j];
-    });
-  }
+  if (d_bias) add_column_sums(dpre, rows, n, d_bias, threads_);
 }
 
 template <class P>
@@ -321,14 +324,7 @@ void CpuBackend<P>::dense_backward_through_act(const S* dy, const S* x, const S*
   parallel_for(static_cast<size_t>(rows), threads_, [&](size_t r) {
     for (int32_t j = 0; j < k; ++j) dx_pre[r * k + j] *= activation_grad(x_act, x_pre[r * k + j]);
   }, 16);
-  if (d_x_bias) {
-    constexpr int32_t kCols = 256;
-    parallel_for(static_cast<size_t>((k + kCols - 1) / kCols), threads_, [&](size_t c) {
-      const int32_t j0 = static_cast<int32_t>(c) * kCols, j1 = std::min(k, j0 + kCols);
-      for (int64_t r = 0; r < rows; ++r)
-        for (int32_t j = j0; j < j1; ++j) d_x_bias[j] += dx_pre[r * k + j];
-    });
-  }
+  if (d_x_bias) add_column_sums(dx_pre, rows, k, d_x_bias, threads_);
 }
 
 // ---------------------------------------------------------------------------------------------- attention
