@@ -12,6 +12,7 @@
 #include "data/prepare.h"
 #include "model/config.h"
 #include "test_util.h"
+#include "train/attention_bench.h"
 #include "train/bench.h"
 
 namespace nopad {
@@ -149,6 +150,77 @@ TEST(BenchModel, RejectsBatchLargerThanDataset) {
   } catch (const Error& e) {
     EXPECT_NE(std::string(e.what()).find("larger than the dataset"), std::string::npos) << e.what();
   }
+}
+
+// bench attention's host side: batches from a lengths file (cut in order, comments skipped, masked counts optional)
+// and from a dataset (the loader's batches: lengths and masked counts add up to the batch), the workload file written
+// before the GPU is needed, and clear errors for bad input.
+TEST(BenchAttention, BatchesFromALengthsFile) {
+  test::TempDir dir{"bench-attn"};
+  const std::string path = (dir / "lengths.txt").string();
+  {
+    std::ofstream f(path);
+    f << "# lengths\n512 76\n1\n300 45\n\n64 9\n65 10\n128 20\n7 1\n";
+  }
+  AttentionBenchOptions o;
+  o.lengths = path;
+  o.batch = 3;
+  o.batches = 5;
+  const AttentionBenchBatches b = attention_bench_batches(o);
+  ASSERT_EQ(b.lengths.size(), 2u);  // 7 sequences: two full batches of 3, the rest dropped
+  EXPECT_EQ(b.lengths[0], (std::vector<int32_t>{512, 1, 300}));
+  EXPECT_EQ(b.masked[0], (std::vector<int32_t>{76, 0, 45}));
+  EXPECT_EQ(b.lengths[1], (std::vector<int32_t>{64, 65, 128}));
+  EXPECT_DOUBLE_EQ(attention_forward_flops({512, 1}, 16, 64), 4.0 * (512.0 * 512 + 1) * 64 * 16);
+
+  {
+    std::ofstream f(path);
+    f << "100 3\nabc\n";
+  }
+  o.batch = 1;
+  try {
+    o.batches = 2;
+    attention_bench_batches(o);
+    ADD_FAILURE() << "no error";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("lengths.txt:2"), std::string::npos) << e.what();
+  }
+  o.lengths = (dir / "missing.txt").string();
+  EXPECT_THROW(attention_bench_batches(o), Error);
+  o.data = "x";  // both sources
+  EXPECT_THROW(attention_bench_batches(o), Error);
+}
+
+TEST(BenchAttention, BatchesFromADatasetAndTheWorkloadFile) {
+  const BenchData& data = bench_data();
+  test::TempDir out{"bench-attn-out"};
+  AttentionBenchOptions o;
+  o.data = data.path.string();
+  o.batch = 4;
+  o.batches = 2;
+  o.workload = (out / "workload.txt").string();
+  const AttentionBenchBatches b = attention_bench_batches(o);
+  ASSERT_EQ(b.lengths.size(), 2u);
+  for (size_t i = 0; i < 2; ++i) {
+    ASSERT_EQ(b.lengths[i].size(), 4u);
+    for (size_t s = 0; s < 4; ++s) {
+      EXPECT_GE(b.lengths[i][s], 5);
+      EXPECT_LE(b.lengths[i][s], 64);
+      EXPECT_GE(b.masked[i][s], 1);
+      EXPECT_LT(b.masked[i][s], b.lengths[i][s]);
+    }
+  }
+  // The GPU part fails here (no GPU, or no CUDA backend), after the workload file was written for the peers.
+  EXPECT_THROW(run_attention_bench(o), Error);
+  std::ifstream f(o.workload);
+  int64_t n = 0, m = 0;
+  size_t lines = 0;
+  while (f >> n >> m) {
+    EXPECT_EQ(n, b.lengths[lines / 4][lines % 4]);
+    EXPECT_EQ(m, b.masked[lines / 4][lines % 4]);
+    ++lines;
+  }
+  EXPECT_EQ(lines, 8u);
 }
 
 }  // namespace

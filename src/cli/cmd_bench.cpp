@@ -10,6 +10,7 @@
 #include "core/error.h"
 #include "data/dataset.h"
 #include "data/loader.h"
+#include "train/attention_bench.h"
 #include "train/bench.h"
 
 namespace {
@@ -99,8 +100,45 @@ void setup(CLI::App& sub) {
     std::printf("%s\n", r.json.c_str());
     std::fflush(stdout);
   });
+
+  auto ao = std::make_shared<nopad::AttentionBenchOptions>();
+  CLI::App* attn = sub.add_subcommand(
+      "attention", "fused attention forward/backward time on real lengths, per launch schedule (GPU); one JSON line "
+                   "per measurement, a table on stderr");
+  attn->add_option("--data", ao->data, "dataset folder: the batches bench model draws with the same --seed");
+  attn->add_option("--lengths", ao->lengths, "or a file of 'length [masked]' lines, cut into batches in order");
+  attn->add_option("--batch", ao->batch, "sequences per batch")->capture_default_str();
+  attn->add_option("--batches", ao->batches, "batches measured")->capture_default_str();
+  attn->add_option("--seed", ao->seed, "shuffle seed (--data) and input values")->capture_default_str();
+  attn->add_option("--heads", ao->heads, "attention heads")->capture_default_str();
+  attn->add_option("--head-dim", ao->head_dim, "head dimension: 32, 64 or 128")->capture_default_str();
+  attn->add_option("--precision", ao->precision, "bf16 or fp16")->capture_default_str();
+  attn->add_option("--dropout", ao->dropouts, "attention dropout probabilities, comma-separated")
+      ->delimiter(',')
+      ->capture_default_str();
+  attn->add_option("--schedules", ao->schedules,
+                   "launch schedules, comma-separated: single (one launch in batch order), sorted (one launch, "
+                   "longest sequences first), grouped (one launch per length bucket, over --streams streams)")
+      ->delimiter(',')
+      ->capture_default_str();
+  attn->add_option("--streams", ao->streams, "grouped: stream counts to time, comma-separated (1-8)")
+      ->delimiter(',')
+      ->capture_default_str();
+  attn->add_option("--buckets", ao->buckets, "grouped: bucket widths in tokens, comma-separated (multiples of 16)")
+      ->delimiter(',')
+      ->capture_default_str();
+  attn->add_flag("--variants", ao->variants,
+                 "also time every kernel variant on each length group (which kernel suits which lengths)");
+  attn->add_option("--warmup", ao->warmup, "untimed calls before each measurement")->capture_default_str();
+  attn->add_option("--reps", ao->reps, "timed calls per measurement (the median is reported)")->capture_default_str();
+  attn->add_option("--workload", ao->workload,
+                   "write the batches' 'length masked' lines here (peers/peer_attention.py --lengths)");
+  attn->callback([ao] {
+    for (const std::string& line : nopad::run_attention_bench(*ao)) std::printf("%s\n", line.c_str());
+    std::fflush(stdout);
+  });
 }
 
-NOPAD_REGISTER_COMMAND("bench", "benchmarks: loader, model", 70, setup);
+NOPAD_REGISTER_COMMAND("bench", "benchmarks: loader, model, attention", 70, setup);
 
 }  // namespace

@@ -5,6 +5,7 @@
 #include <vector>
 
 #include "core/error.h"
+#include "ops/attention_groups.h"
 
 namespace nopad {
 
@@ -126,6 +127,9 @@ BertModel<P>::BertModel(const BertConfig& config, ops::Backend<P>& backend, int3
     slot.mlm_labels = alloc<int32_t>(M);
     slot.nsp_labels = alloc<int32_t>(B);
     slot.sample_ids = alloc<uint64_t>(B);
+    slot.by_length = alloc<int32_t>(B);
+    slot.host_by_length.reserve(B);
+    slot.host_cu_seqlens.reserve(B + 1);
   }
   tokens_ = slots_[0].tokens;
   positions_ = slots_[0].positions;
@@ -308,6 +312,12 @@ uint64_t BertModel<P>::forward_async(const HostBatch& batch, bool train, uint64_
   backend_.upload_bytes_async(slot.mlm_labels, batch.mlm_labels.data(), sizeof(int32_t) * M);
   backend_.upload_bytes_async(slot.nsp_labels, batch.nsp_labels.data(), sizeof(int32_t) * B);
   backend_.upload_bytes_async(slot.sample_ids, batch.sample_ids.data(), sizeof(uint64_t) * B);
+  // The length order, once per batch: every attention call of the step cuts its launches from it (no allocation:
+  // the host vectors hold max_seqs from the constructor).
+  slot.host_cu_seqlens.assign(batch.cu_seqlens.begin(), batch.cu_seqlens.end());
+  slot.host_by_length.resize(static_cast<size_t>(B));
+  ops::order_by_length(slot.host_cu_seqlens.data(), B, slot.host_by_length.data());
+  backend_.upload_bytes_async(slot.by_length, slot.host_by_length.data(), sizeof(int32_t) * B);
   backend_.compute_waits_for_uploads();
   tokens_ = slot.tokens;
   positions_ = slot.positions;
@@ -319,6 +329,9 @@ uint64_t BertModel<P>::forward_async(const HostBatch& batch, bool train, uint64_
   sample_ids_ = slot.sample_ids;
 
   seqs_ = ops::SeqView{T, B, batch.max_seqlen, cu_seqlens_, sample_ids_};
+  seqs_.by_length = slot.by_length;
+  seqs_.host_by_length = slot.host_by_length.data();
+  seqs_.host_cu_seqlens = slot.host_cu_seqlens.data();
   num_masked_ = M;
   train_ = train;
   seed_ = seed;

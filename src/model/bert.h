@@ -166,6 +166,8 @@ class BertModel {
   struct BatchSlot {
     int32_t *tokens, *positions, *segments, *cu_seqlens, *mlm_positions, *mlm_labels, *nsp_labels;
     uint64_t* sample_ids;
+    int32_t* by_length;  // [B] the sequences longest first (ops/attention_groups.h), for grouped attention
+    std::vector<int32_t> host_by_length, host_cu_seqlens;  // their host copies (capacity fixed at construction)
     uint64_t free_fence = 0;  // backend fence after the last compute work that reads this slot
   };
   BatchSlot slots_[2]{};

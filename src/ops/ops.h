@@ -50,6 +50,12 @@ struct SeqView {
   int32_t max_seqlen = 0;                // longest sequence (host value)
   const int32_t* cu_seqlens = nullptr;   // [B+1], backend memory
   const uint64_t* sample_ids = nullptr;  // [B], backend memory: dropout keys (see core/philox.h)
+  // Optional scheduling hints (null: not given; the ops compute the same either way): the sequences longest first
+  // (ops/attention_groups.h order_by_length) in backend memory and on the host, and cu_seqlens on the host. A device
+  // backend cuts its grouped attention launches from them without reading device memory.
+  const int32_t* by_length = nullptr;        // [B], backend memory
+  const int32_t* host_by_length = nullptr;   // [B], host
+  const int32_t* host_cu_seqlens = nullptr;  // [B+1], host
 };
 
 // Dropout of one op call: drop probability p (0 = off). Draws are 16 bits per element (core/philox.h): an element is

@@ -21,6 +21,7 @@
 #include "core/error.h"
 #include "core/philox.h"
 #include "ops/cpu/cpu_backend.h"
+#include "ops/attention_groups.h"
 #include "ops/cuda/fmha.h"
 
 namespace nopad::cuda {
@@ -498,6 +499,78 @@ TEST(Fmha, SeqIndexSubsetsMatchOneLaunch) {
     EXPECT_EQ(bad_kv, 0u) << "dk/dv elements differ between one launch and two subset launches";
     EXPECT_EQ(bad_q, 0u) << "dq elements differ by more than one bf16 ulp between one launch and two subset launches";
   }
+}
+
+// Planned launches (fmha_forward_planned / fmha_backward_planned, ops/attention_groups.h): every schedule (one launch
+// in batch order, one launch longest first, length groups on 1, 2 and 4 streams, 64- and 128-token buckets) computes
+// exactly what one plain launch computes (ctx, lse, dk, dv bitwise; dq up to its atomics' order), writes every
+// element (outputs and workspace poisoned first), and leaves nothing running past the join (the outputs are read
+// after synchronising only the caller's stream). A sequence of length 0 and lengths at every tile edge are included.
+TEST(Fmha, PlannedLaunchesMatchOneLaunch) {
+  ASSERT_TRUE(have_gpu()) << "no CUDA device: nopad_cuda_tests runs on a GPU machine (scripts/gpu-tests.sh)";
+  const std::vector<int32_t> lens = {129, 1, 700, 0, 2, 63, 512, 64, 65, 127, 128, 511, 300, 17, 384, 385, 256, 90};
+  const Problem pr = make_problem(lens, 16, 64, 0.1f, false, 11);
+  GpuRun g(pr);
+  upload(g, pr);
+  std::vector<int32_t> order(lens.size());
+  ops::order_by_length(pr.cu.data(), static_cast<int32_t>(lens.size()), order.data());
+  CK(cudaMemcpy(g.idx.ptr, order.data(), order.size() * sizeof(int32_t), cudaMemcpyHostToDevice));
+  cudaStream_t stream = nullptr;
+  CK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  FmhaStreams streams(ops::AttentionSchedule::kMaxStreams);
+
+  poison(g);
+  fmha_forward(g.p, stream);
+  fmha_backward(g.p, stream);
+  CK(cudaStreamSynchronize(stream));
+  const Out one = download(g, pr);
+  ASSERT_EQ(count_nonfinite(one.ctx) + count_nonfinite(one.lse) + count_nonfinite(one.dqkv), 0u);
+
+  struct Case {
+    ops::AttentionMode mode;
+    int streams, bucket;
+  };
+  const Case cases[] = {{ops::AttentionMode::kSingle, 1, 64},  {ops::AttentionMode::kSorted, 1, 64},
+                        {ops::AttentionMode::kGrouped, 1, 64}, {ops::AttentionMode::kGrouped, 2, 64},
+                        {ops::AttentionMode::kGrouped, 4, 64}, {ops::AttentionMode::kGrouped, 4, 128}};
+  for (const Case& c : cases) {
+    ops::AttentionSchedule s;
+    s.mode = c.mode;
+    s.streams = c.streams;
+    s.bucket_tokens = c.bucket;
+    ops::AttentionPlan plan;
+    ops::plan_attention(pr.cu.data(), order.data(), static_cast<int32_t>(lens.size()), s, plan);
+    const std::string label = std::string(ops::attention_mode_name(c.mode)) + ", " + std::to_string(c.streams) +
+                              " streams, bucket " + std::to_string(c.bucket) + ": " + std::to_string(plan.num_groups) +
+                              " launches on " + std::to_string(plan.num_streams) + " streams";
+    SCOPED_TRACE(label);
+    if (c.mode == ops::AttentionMode::kGrouped && c.streams > 1) EXPECT_GT(plan.num_streams, 1);
+    poison(g);
+    fmha_forward_planned(g.p, g.idx.ptr, plan, streams, stream);
+    fmha_backward_planned(g.p, g.idx.ptr, plan, streams, stream);
+    CK(cudaStreamSynchronize(stream));  // the join must have made the caller's stream wait for the side streams
+    const Out two = download(g, pr);
+    ASSERT_EQ(count_nonfinite(two.ctx) + count_nonfinite(two.lse) + count_nonfinite(two.dqkv), 0u)
+        << "planned launches left elements unwritten";
+    EXPECT_EQ(0, std::memcmp(one.ctx.data(), two.ctx.data(), one.ctx.size() * sizeof(float))) << "ctx differs";
+    EXPECT_EQ(0, std::memcmp(one.lse.data(), two.lse.data(), one.lse.size() * sizeof(float))) << "lse differs";
+    const int H = pr.H();
+    size_t bad_kv = 0, bad_q = 0;
+    for (int t = 0; t < pr.T; ++t)
+      for (int col = 0; col < 3 * H; ++col) {
+        const size_t i = static_cast<size_t>(t) * 3 * H + col;
+        const float a = one.dqkv[i], b = two.dqkv[i];
+        if (col >= H) {
+          bad_kv += a != b;
+        } else {
+          bad_q += std::fabs(a - b) > std::fabs(a) * (1.0f / 128) + 1e-6f;
+        }
+      }
+    EXPECT_EQ(bad_kv, 0u) << "dk/dv differ from one plain launch";
+    EXPECT_EQ(bad_q, 0u) << "dq differs from one plain launch by more than one bf16 ulp";
+    std::printf("  planned launches OK: %s\n", label.c_str());
+  }
+  CK(cudaStreamDestroy(stream));
 }
 
 TEST(Fmha, RejectsBadParams) {

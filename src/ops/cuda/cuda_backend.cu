@@ -77,6 +77,14 @@ CudaBackendT<P>::CudaBackendT(int device) : device_(device) {
   for (cudaEvent_t& e : fences_) NOPAD_CUDA_CHECK(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
   NOPAD_CUDA_CHECK(cudaEventCreateWithFlags(&uploads_done_, cudaEventDisableTiming));
   gemm_ = std::make_unique<LtGemm>();
+  attn_schedule_ = ops::attention_schedule_from_env();
+  attn_streams_ = std::make_unique<FmhaStreams>(ops::AttentionSchedule::kMaxStreams);
+}
+
+template <class P>
+void CudaBackendT<P>::set_attention_schedule(const ops::AttentionSchedule& s) {
+  ops::validate(s);
+  attn_schedule_ = s;
 }
 
 template <class P>
@@ -699,7 +707,11 @@ void CudaBackendT<P>::attention_forward(const A* qkv, const ops::SeqView& seqs, 
   p.qkv = qkv;
   p.ctx = ctx;
   p.lse = lse;
-  fmha_forward(p, stream_);
+  if (plan_attention_launches(seqs)) {
+    fmha_forward_planned(p, seqs.by_length, attn_plan_, *attn_streams_, stream_);
+  } else {
+    fmha_forward(p, stream_);
+  }
 }
 
 template <class P>
@@ -719,7 +731,24 @@ void CudaBackendT<P>::attention_backward(const A* d_ctx, const A* qkv, const A* 
   // launch uses (fmha.h), so it needs no memset here.
   p.workspace_bytes = fmha_backward_workspace_bytes(seqs.num_tokens, num_heads, head_dim);
   if (p.workspace_bytes > 0) p.workspace = scratch(kFmhaWorkspace, p.workspace_bytes);
-  fmha_backward(p, stream_);
+  if (plan_attention_launches(seqs)) {
+    fmha_backward_planned(p, seqs.by_length, attn_plan_, *attn_streams_, stream_);
+  } else {
+    fmha_backward(p, stream_);
+  }
+}
+
+// Cuts the grouped launches of one attention call from the batch's host-side length order (ops/attention_groups.h);
+// false: one plain launch (kSingle, or the caller gave no order).
+template <class P>
+bool CudaBackendT<P>::plan_attention_launches(const ops::SeqView& seqs) {
+  if (attn_schedule_.mode == ops::AttentionMode::kSingle || seqs.by_length == nullptr ||
+      seqs.host_by_length == nullptr || seqs.host_cu_seqlens == nullptr) {
+    attn_plan_ = ops::AttentionPlan{};
+    return false;
+  }
+  ops::plan_attention(seqs.host_cu_seqlens, seqs.host_by_length, seqs.num_seqs, attn_schedule_, attn_plan_);
+  return true;
 }
 
 // ------------------------------------------------------------------------------------------------ residual + LN

@@ -22,11 +22,13 @@
 #include <utility>
 #include <vector>
 
+#include "ops/attention_groups.h"
 #include "ops/ops.h"
 
 namespace nopad::cuda {
 
-class LtGemm;  // dense.h
+class LtGemm;       // dense.h
+class FmhaStreams;  // fmha.h
 
 // P: ops::GpuBf16 or ops::GpuF16 (explicitly instantiated in cuda_backend.cu; the aliases below).
 template <class P>
@@ -72,6 +74,13 @@ class CudaBackendT final : public ops::Backend<P> {
   // graph reuses the uploaded batch), fences and async downloads are skipped (no cross-stream nodes, no pinned
   // slots baked into the graph). For the benchmark's launch-overhead measurement only.
   void set_capture_mode(bool on) { capture_mode_ = on; }
+
+  // How attention calls are launched (ops/attention_groups.h: single, sorted or grouped over streams; the default
+  // from attention_schedule_from_env()). Setup time only: not while work of a step is being enqueued.
+  void set_attention_schedule(const ops::AttentionSchedule& s);
+  const ops::AttentionSchedule& attention_schedule() const { return attn_schedule_; }
+  // The plan of the last attention call (for tests and the benchmark).
+  const ops::AttentionPlan& last_attention_plan() const { return attn_plan_; }
 
   // Per-op GPU timing (the benchmark's breakdown). When on, each public op is bracketed by two events on stream()
   // from a grow-only pool; an op called from inside another counts towards the outer one. When off: one branch.
@@ -135,12 +144,17 @@ class CudaBackendT final : public ops::Backend<P> {
   void layernorm_plain_backward(const A* dy, const A* x, const St* mean, const St* rstd, const W* gamma, int64_t rows,
                                 int32_t H, A* dz, G* d_gamma, G* d_beta);
   void column_sums_accumulate(const A* m, int64_t rows, int32_t n, G* out);
+  bool plan_attention_launches(const ops::SeqView& seqs);
 
   int device_ = 0;
   int sm_count_ = 0;
   size_t allocated_bytes_ = 0;
   cudaStream_t stream_ = nullptr;
   std::unique_ptr<LtGemm> gemm_;
+  // Grouped attention: the schedule, side streams made once (the most a schedule may ask for), the last plan.
+  ops::AttentionSchedule attn_schedule_;
+  std::unique_ptr<FmhaStreams> attn_streams_;
+  ops::AttentionPlan attn_plan_;
 
   class OpScope;  // .cu: brackets one public op with events when timing is on
   struct OpKey {

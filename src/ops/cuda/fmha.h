@@ -25,6 +25,8 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "ops/attention_groups.h"
+
 namespace nopad::cuda {
 
 struct FmhaParams {
@@ -68,5 +70,49 @@ size_t fmha_backward_workspace_bytes(int32_t num_tokens, int32_t num_heads, int3
 // Throws nopad::Error for unsupported head_dim/sizes; launch errors are checked.
 void fmha_forward(const FmhaParams& p, cudaStream_t stream);
 void fmha_backward(const FmhaParams& p, cudaStream_t stream);
+
+// ---- grouped multi-stream launches (docs/fmha.md "Grouping"; the plan comes from ops/attention_groups.h)
+
+// The side streams of grouped launches and the events that fork them from, and join them back to, the caller's
+// stream. Made once at setup time (it creates streams and events); count in [1, AttentionSchedule::kMaxStreams].
+class FmhaStreams {
+ public:
+  explicit FmhaStreams(int count);
+  ~FmhaStreams();
+  FmhaStreams(const FmhaStreams&) = delete;
+  FmhaStreams& operator=(const FmhaStreams&) = delete;
+  int count() const { return count_; }
+  // Makes side streams 1 .. n-1 wait for the work enqueued on `stream` so far (n <= count()).
+  void fork(cudaStream_t stream, int n);
+  // Makes `stream` wait for everything enqueued on side streams 1 .. n-1.
+  void join(cudaStream_t stream, int n);
+  // Stream i of a plan: 0 is the caller's.
+  cudaStream_t get(int i, cudaStream_t caller) const { return i == 0 ? caller : side_[i]; }
+
+ private:
+  int count_ = 1;
+  cudaStream_t side_[ops::AttentionSchedule::kMaxStreams] = {};
+  cudaEvent_t fork_ = nullptr;
+  cudaEvent_t join_[ops::AttentionSchedule::kMaxStreams] = {};
+};
+
+// Kernel variants per length for grouped launches: entry min(ceil(max_seqlen / 64), 8) - 1 of a group's longest
+// sequence. An entry >= 0 is used unless the FmhaParams field is set (>= 0); -1 leaves the usual choice (FmhaParams
+// field, environment, default).
+struct FmhaGroupVariants {
+  int8_t fwd[8] = {-1, -1, -1, -1, -1, -1, -1, -1};
+  int8_t bwd[8] = {-1, -1, -1, -1, -1, -1, -1, -1};
+};
+
+// Runs a plan's launches: group g covers the sequences order[g.begin .. g.begin + g.count) (plan.uses_order; order is
+// the device copy of the length order the plan was cut from) or the whole batch in batch order (kSingle), with the
+// group's max_seqlen, on stream g.stream (0 = `stream`). Everything is ordered after the work enqueued on `stream`
+// before the call and before the work enqueued on it after the call; nothing waits on the host. p's seq_index,
+// num_launch_seqs and max_seqlen are replaced per launch; its other fields are as for fmha_forward / fmha_backward
+// (the backward's launches share p.workspace: they touch disjoint rows of it).
+void fmha_forward_planned(const FmhaParams& p, const int32_t* order, const ops::AttentionPlan& plan,
+                          FmhaStreams& streams, cudaStream_t stream, const FmhaGroupVariants* variants = nullptr);
+void fmha_backward_planned(const FmhaParams& p, const int32_t* order, const ops::AttentionPlan& plan,
+                           FmhaStreams& streams, cudaStream_t stream, const FmhaGroupVariants* variants = nullptr);
 
 }  // namespace nopad::cuda

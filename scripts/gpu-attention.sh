@@ -1,0 +1,112 @@
+#!/usr/bin/env bash
+# The attention measurements on the GPU machine (docs/fmha.md, docs/performance.md): build, the FMHA tests, then
+# `nopad bench attention` on real Wikipedia phase-2 lengths (every launch schedule, dropout 0 and 0.1, optionally every
+# kernel variant per length group) beside PyTorch's varlen_attn on the same batches, and BERT-large training steps
+# with each attention schedule. Logs and JSON lines go to $OUT (default out/attention); a summary is printed last.
+#   STAGES="build tests bench peer standin model ncu sanitize"   what to run (default: build tests bench peer model)
+#   BATCH=128 BATCHES=2           attention batches (sequences per batch, how many)
+#   MODEL_BATCH=128               BERT-large batch of the model ablation; MODEL_SCHEDULES="single grouped"
+#   CUDA_TEST_FILTER='Fmha.*'     GoogleTest filter of the tests stage
+#   NOPAD_CMAKE_EXTRA             extra CMake arguments (e.g. -DCMAKE_CUDA_ARCHITECTURES=90a-real)
+# Needs .carry/enwiki-20150515-AA.txt.xz and .carry/peers/ (copies of ../shared/data/enwiki and ../shared/peers).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+export PYTHONUNBUFFERED=1
+OUT=${OUT:-$PWD/out/attention}
+mkdir -p "$OUT"
+STAGES=${STAGES:-build tests bench peer model}
+BATCH=${BATCH:-128}
+BATCHES=${BATCHES:-2}
+MODEL_BATCH=${MODEL_BATCH:-128}
+NOPAD=build-gpu/nopad
+status=0
+has() { [[ " $STAGES " == *" $1 "* ]]; }
+say() { echo "== $(date -u +%T) $*" | tee -a "$OUT/summary.txt"; }
+
+if has build; then
+  say "build"
+  if [ ! -f build-gpu/CMakeCache.txt ]; then
+    cmake -S . -B build-gpu -G Ninja -DCMAKE_BUILD_TYPE=Release -DNOPAD_CUDA=ON ${NOPAD_CMAKE_EXTRA:-} \
+      >"$OUT/build.log" 2>&1 || { tail -30 "$OUT/build.log"; exit 1; }
+  fi
+  cmake --build build-gpu -j "$(nproc)" --target nopad nopad_cuda_tests >>"$OUT/build.log" 2>&1 ||
+    { grep -E "error|FAILED" "$OUT/build.log" | head -30; exit 1; }
+  nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader | tee -a "$OUT/summary.txt"
+fi
+
+if has tests; then
+  say "FMHA tests (${CUDA_TEST_FILTER:-Fmha.*})"
+  build-gpu/nopad_cuda_tests --gtest_filter="${CUDA_TEST_FILTER:-Fmha.*}" >"$OUT/tests.log" 2>&1 || status=1
+  grep -E "^\[ +(OK|FAILED) +\]|PASSED|FAILED|planned launches|fmha perf" "$OUT/tests.log" | tee -a "$OUT/summary.txt"
+fi
+
+SHARDS=/tmp/nopad-enwiki-shards
+if has bench || has model || has ncu || has peer || has standin; then
+  if [ ! -f "$SHARDS/dataset.json" ]; then
+    xz -dc .carry/enwiki-20150515-AA.txt.xz >/tmp/nopad-enwiki-AA.txt
+    "$NOPAD" prepare --input /tmp/nopad-enwiki-AA.txt --vocab data/vocab/bert-uncased-vocab.txt --output "$SHARDS" \
+      --max-seq-length 512 --max-predictions 76 --dupe-factor 1 --quiet --overwrite || exit 1
+  fi
+fi
+
+if has bench; then
+  say "nopad bench attention (batch $BATCH x $BATCHES, real lengths)"
+  "$NOPAD" bench attention --data "$SHARDS" --batch "$BATCH" --batches "$BATCHES" --streams 1,2,4 --buckets 64,128 \
+    ${VARIANTS:+--variants} --workload "$OUT/attn-workload.txt" >"$OUT/attention.jsonl" 2>"$OUT/attention.txt" ||
+    { status=1; tail -5 "$OUT/attention.txt"; }
+  grep -v "group " "$OUT/attention.txt" | tee -a "$OUT/summary.txt"
+fi
+
+if has peer; then
+  say "PyTorch varlen_attn on the same batches"
+  (cd .carry/peers && python3 peer_attention.py --batch "$BATCH" --batches "$BATCHES" --lengths "$OUT/attn-workload.txt") \
+    2>&1 | grep '^{' | tee "$OUT/peer-attention.jsonl" | tee -a "$OUT/summary.txt" || status=1
+fi
+
+# The peers' Gaussian stand-in for MLPerf's phase-2 lengths (mean ~256, more short sequences than this corpus, whose
+# batches are 65% full-length): the same comparison on an MLPerf-like mix.
+if has standin; then
+  (cd .carry/peers && python3 -c "
+from common import load_workload
+for batch in load_workload(None, $BATCH, $BATCHES):
+    for n, m in batch: print(n, m)") >"$OUT/standin-lengths.txt"
+  say "nopad bench attention on the Gaussian stand-in lengths (mean ~256)"
+  "$NOPAD" bench attention --lengths "$OUT/standin-lengths.txt" --batch "$BATCH" --batches "$BATCHES" --streams 1,4 \
+    --buckets 64,128 >"$OUT/attention-standin.jsonl" 2>"$OUT/attention-standin.txt" || status=1
+  tee -a "$OUT/summary.txt" <"$OUT/attention-standin.txt"
+  (cd .carry/peers && python3 peer_attention.py --batch "$BATCH" --batches "$BATCHES" --lengths "$OUT/standin-lengths.txt") \
+    2>&1 | grep '^{' | tee -a "$OUT/summary.txt" || status=1
+fi
+
+if has model; then
+  for S in ${MODEL_SCHEDULES:-single grouped}; do
+    say "BERT-large batch $MODEL_BATCH, attention schedule $S"
+    NOPAD_FMHA_SCHEDULE=$S "$NOPAD" bench model --model data/configs/bert-large-mlperf.json --data "$SHARDS" \
+      --batch "$MODEL_BATCH" --steps 20 --warmup 5 ${BREAKDOWN:+--breakdown} 2>"$OUT/model-$S.txt" |
+      sed "s/^{/{\"attention_schedule\": \"$S\", /" | tee -a "$OUT/model.jsonl" | tee -a "$OUT/summary.txt" || status=1
+  done
+fi
+
+if has ncu; then
+  # One launch of each main kernel (a single-launch forward and backward at dropout 0.1): where the time goes.
+  for K in fmha_fwd_wgmma fmha_bwd_wgmma; do
+    say "ncu: $K"
+    ncu --clock-control none -k regex:$K --launch-count 1 --section SpeedOfLight --section Occupancy \
+      --section WarpStateStats --section SchedulerStats --section ComputeWorkloadAnalysis \
+      --section MemoryWorkloadAnalysis --section LaunchStats --metrics lts__t_sectors_op_red.sum,\
+sm__inst_executed_pipe_tensor_op_gmma.avg.pct_of_peak_sustained_active \
+      "$NOPAD" bench attention --data "$SHARDS" --batch "$BATCH" --batches 1 --schedules single --dropout 0.1 \
+      --reps 1 --warmup 0 >"$OUT/ncu-$K.txt" 2>&1 || status=1
+    grep -E "Duration|Throughput|Registers Per|Achieved Occupancy|Eligible Warps|Issue Slots|Spilling Requests  |op_red|gmma" \
+      "$OUT/ncu-$K.txt" | head -30
+  done
+fi
+
+if has sanitize; then
+  say "compute-sanitizer memcheck on the FMHA accuracy tests"
+  compute-sanitizer --tool memcheck --error-exitcode 9 build-gpu/nopad_cuda_tests \
+    --gtest_filter='Fmha.*Heads2*:Fmha.SeqIndex*:Fmha.Planned*' >"$OUT/sanitize.log" 2>&1 || status=1
+  grep -E "ERROR SUMMARY|PASSED|FAILED" "$OUT/sanitize.log" | tee -a "$OUT/summary.txt"
+fi
+say "done, status $status"
+exit $status
