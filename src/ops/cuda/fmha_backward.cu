@@ -548,6 +548,203 @@ __global__ void __launch_bounds__(128, kMinCtas)
 #endif
 }
 
+// 128 keys per CTA on two warpgroups (warpgroup w owns keys 64 w .. 64 w + 63 and runs fmha_bwd_wgmma_kernel's tile
+// body on them), sharing every Q, dO, lse and D tile: per key, half the tile loads of the one-warpgroup kernel, and
+// half its dQ atomics. Each warpgroup computes the dQ partial of its own keys (64 queries x 64 head dims; the dS^T and
+// K it reads are its own, so a warpgroup barrier suffices before that product); the two partials are summed through
+// shared memory: warp w of the warpgroup that does not own rows 16 w .. 16 w + 15 of the sum (warpgroup 0 owns rows
+// 0..31, warpgroup 1 rows 32..63) stores its fragment, and the owning warp adds it and issues the atomics. A
+// warpgroup whose keys all lie past the end skips its products and sends zeros. One CTA per SM (8 warps, no
+// register cap).
+struct BwdWg2Shape {
+  static constexpr int kBlockN = 128;  // keys per CTA
+  static constexpr int kThreads = 256;
+  static constexpr int kXchgFloats = 4 * 32 * 32;  // dQ exchange: 4 warp slots x 32 lanes x 32 floats
+  // K, V (2 tiles each), Q x2, dO x2, dS^T (2 tiles); the dQ exchange; lse x2 and D x2 (fp32); alignment slack.
+  static constexpr int kSmemBytes = 10 * kTileBytes + kXchgFloats * 4 + 4 * kTile * 4 + kSmemAlign;
+};
+
+template <bool kFp16, bool kDrop>
+__global__ void __launch_bounds__(256, 1)
+    fmha_bwd_wgmma2_kernel(const __grid_constant__ KernelArgs args, const float* D, float* dq_acc) {
+#if NOPAD_FMHA_WGMMA
+  constexpr int HD = 64;
+  using Sh = BwdWg2Shape;
+  constexpr int kNTiles = kTile / 8;
+  constexpr int kDTiles = HD / 8;
+  const FmhaParams& p = args.p;
+
+  int b, s0, L;
+  launch_sequence(p, static_cast<int>(blockIdx.z), b, s0, L);
+  const int k0 = static_cast<int>(blockIdx.x) * Sh::kBlockN;
+  if (k0 >= L) return;
+  const int head = static_cast<int>(blockIdx.y);
+  const int H = p.num_heads * HD, T = p.num_tokens;
+  const int64_t ld = 3 * int64_t{H};
+  const uint16_t* qkv = static_cast<const uint16_t*>(p.qkv);
+  const uint16_t* gQ = qkv + int64_t{s0} * ld + head * HD;
+  const uint16_t* gdO = static_cast<const uint16_t*>(p.d_ctx) + int64_t{s0} * H + head * HD;
+  const float* gLse = p.lse + int64_t{head} * T + s0;
+  const float* gD = D + int64_t{head} * T + s0;
+
+  extern __shared__ uint8_t smem_raw[];
+  uint16_t* sK = reinterpret_cast<uint16_t*>(align_smem(smem_raw));  // [128][HD]: two 64-key tiles
+  uint16_t* sV = sK + Sh::kBlockN * HD;                               // [128][HD]
+  uint16_t* sQ = sV + Sh::kBlockN * HD;                               // [2][64][HD]
+  uint16_t* sdO = sQ + 2 * kTile * HD;                                // [2][64][HD]
+  uint16_t* sdS = sdO + 2 * kTile * HD;                               // [2 warpgroups][64 keys][64 queries]
+  float* sX = reinterpret_cast<float*>(sdS + Sh::kBlockN * kTile);    // dQ exchange [4 warps][8][32 lanes] float4
+  float* sLse = sX + Sh::kXchgFloats;                                 // [2][64], log2 domain; +inf past the end
+  float* sD = sLse + 2 * kTile;                                       // [2][64]
+
+  const int tid = static_cast<int>(threadIdx.x);
+  const int wg = tid >> 7;  // warpgroup
+  const TileCopy<HD, kTile, Sh::kThreads> q_copy(ld), do_copy(H);
+  const auto load_q_tile = [&](int i, int buf) {
+    const int qs = i * kTile;
+    q_copy.load(sQ + buf * kTile * HD, gQ, L - qs);
+    do_copy.load(sdO + buf * kTile * HD, gdO, L - qs);
+    if (tid < kTile) {
+      const bool ok = qs + tid < L;
+      sLse[buf * kTile + tid] = ok ? gLse[qs + tid] * kLog2e : INFINITY;
+      sD[buf * kTile + tid] = ok ? gD[qs + tid] : 0.0f;
+    }
+  };
+  {
+    const TileCopy<HD, Sh::kBlockN, Sh::kThreads> kv_copy(ld);
+    const uint16_t* gK = qkv + int64_t{s0 + k0} * ld + H + head * HD;
+    kv_copy.load(sK, gK, L - k0);
+    kv_copy.load(sV, gK + H, L - k0);
+  }
+  load_q_tile(0, 0);
+  cp_async_commit();
+
+  const int warp = (tid >> 5) & 3, lane = tid & 31;  // warp within the warpgroup
+  const int g = lane >> 2, t = lane & 3;
+  const int wrow = warp * 16;      // this warp's first key within its warpgroup's tile; its 16 queries in dQ
+  const int kw0 = k0 + 64 * wg;    // the warpgroup's first key
+  const bool active = kw0 < L;     // warpgroup-uniform: a warpgroup MMA is collective
+  const bool key_ok0 = kw0 + wrow + g < L, key_ok1 = kw0 + wrow + g + 8 < L;
+  uint16_t* sdSw = sdS + wg * 64 * kTile;
+  const uint64_t desc_k = wgmma_desc(sK + wg * 64 * HD), desc_v = wgmma_desc(sV + wg * 64 * HD);
+  const uint64_t desc_ds = wgmma_desc(sdSw);
+  // Rows 0..31 of the dQ sum belong to warpgroup 0 (its warps 0, 1), rows 32..63 to warpgroup 1 (warps 2, 3).
+  const bool owner = (wg == 0) == (warp < 2);
+  float4* xslot = reinterpret_cast<float4*>(sX) + warp * 8 * 32 + lane;
+
+  uint32_t s_lo = 0, s_hi = 0;
+  if constexpr (kDrop) {
+    const uint64_t sample = p.sample_ids[b];
+    s_lo = static_cast<uint32_t>(sample);
+    s_hi = static_cast<uint32_t>(sample >> 32);
+  }
+  const auto draw = [&](uint32_t lo, uint32_t hi) { return dropout_block(args, s_lo, s_hi, lo, hi); };
+
+  float dv[kDTiles][4], dk[kDTiles][4];
+#pragma unroll
+  for (int i = 0; i < kDTiles; ++i)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) dv[i][e] = dk[i][e] = 0.0f;
+
+  const int num_qt = (L + kTile - 1) / kTile;
+  for (int i = 0; i < num_qt; ++i) {
+    const int buf = i & 1, qs = i * kTile;
+    cp_async_wait<0>();
+    fence_proxy_async();  // this thread's cp.async writes, visible to the tensor cores after the barrier
+    __syncthreads();      // tile i visible; both warpgroups done with tile i-1's buffers, sdS and the exchange
+    if (i + 1 < num_qt) {
+      gQ += kTile * ld;
+      gdO += kTile * int64_t{H};
+      load_q_tile(i + 1, buf ^ 1);
+    }
+    cp_async_commit();
+    const uint64_t desc_q = wgmma_desc(sQ + buf * kTile * HD), desc_do = wgmma_desc(sdO + buf * kTile * HD);
+    const float* lse2 = sLse + buf * kTile;
+    const float* Dq = sD + buf * kTile;
+
+    float dq[kDTiles][4];
+    if (active) {
+      float s[kNTiles][4], dp[kNTiles][4];
+      wgmma_fence();
+#pragma unroll
+      for (int kk = 0; kk < HD / 16; ++kk)
+        wgmma_ss<kFp16, 0, 0>(s, desc_k + kk * kDescStepK, desc_q + kk * kDescStepK, kk > 0);
+#pragma unroll
+      for (int kk = 0; kk < HD / 16; ++kk)
+        wgmma_ss<kFp16, 0, 0>(dp, desc_v + kk * kDescStepK, desc_do + kk * kDescStepK, kk > 0);
+      wgmma_commit();
+      uint32_t keep = 0;
+      if constexpr (kDrop) {
+        keep = lane_transpose<1, 2>(
+            fmha_dropout::bwd_lane_bits(draw, args.threshold, static_cast<uint32_t>(head), static_cast<uint32_t>(qs),
+                                        static_cast<uint32_t>(kw0 + wrow), static_cast<uint32_t>(g),
+                                        static_cast<uint32_t>(t)),
+            static_cast<uint32_t>(g));
+      }
+      wgmma_wait<0>();
+      fence_regs(s);
+      fence_regs(dp);
+
+      p_and_ds<kDrop>(args, s, dp, keep, key_ok0, key_ok1, lse2, Dq, t);
+      uint32_t pa[kTile / 16][4], da[kTile / 16][4];
+#pragma unroll
+      for (int kk = 0; kk < kTile / 16; ++kk) {
+        a_fragment<kFp16>(s, kk, pa[kk]);
+        a_fragment<kFp16>(dp, kk, da[kk]);
+        store_ds_t(sdSw, wrow, g, t, kk, da[kk]);
+      }
+      wgmma_fence();
+#pragma unroll
+      for (int kk = 0; kk < kTile / 16; ++kk) wgmma_rs<kFp16, 1>(dv, pa[kk], desc_do + kk * kDescStepMN);
+#pragma unroll
+      for (int kk = 0; kk < kTile / 16; ++kk) wgmma_rs<kFp16, 1>(dk, da[kk], desc_q + kk * kDescStepMN);
+      wgmma_commit();
+      fence_proxy_async();  // this thread's dS^T stores, visible to the tensor cores after the barrier
+      // This warpgroup's dS^T written (the other warpgroup's is not read here): a 128-thread named barrier.
+      asm volatile("bar.sync %0, 128;\n" ::"r"(1 + wg) : "memory");
+      wgmma_fence();
+#pragma unroll
+      for (int kk = 0; kk < 64 / 16; ++kk)
+        wgmma_ss<kFp16, 1, 1>(dq, desc_ds + kk * kDescStepMN, desc_k + kk * kDescStepMN, kk > 0);
+      wgmma_commit();
+      wgmma_wait<0>();
+      fence_regs(dv);
+      fence_regs(dk);
+      fence_regs(dq);
+      fence_regs(pa);
+      fence_regs(da);
+    } else {
+#pragma unroll
+      for (int n = 0; n < kDTiles; ++n)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) dq[n][e] = 0.0f;
+    }
+
+    // Sum the two warpgroups' partials; the owning warp adds the other's fragment and issues the atomics.
+    if (!owner) {
+#pragma unroll
+      for (int n = 0; n < kDTiles; ++n) xslot[n * 32] = make_float4(dq[n][0], dq[n][1], dq[n][2], dq[n][3]);
+    }
+    __syncthreads();
+    if (owner) {
+#pragma unroll
+      for (int n = 0; n < kDTiles; ++n) {
+        const float4 x = xslot[n * 32];
+        dq[n][0] += x.x;
+        dq[n][1] += x.y;
+        dq[n][2] += x.z;
+        dq[n][3] += x.w;
+      }
+      add_dq<kDTiles>(p, dq_acc, dq, s0, qs + wrow + g, L, head * HD, t);
+    }
+  }
+
+  if (active) store_dk_dv<HD, kFp16>(p, dk, dv, s0, kw0 + wrow + g, L, head, t);
+#else
+  __trap();  // never launched: the host selects this kernel only where fmha_wgmma_available()
+#endif
+}
+
 // ------------------------------------------------------------------------------------------------ variants
 // CTAs per SM asked for (launch bounds). 4 warps at HD <= 64: 3 CTAs (168 registers, a few spills) or 2 (no cap, no
 // spills); 8 warps: 1 (no cap). HD = 128 is never capped (the dK/dV accumulators alone are 128 registers).
@@ -562,6 +759,8 @@ constexpr BwdVariant kBwdVariants[] = {
     {"n128w8", 8, 1, false},  // 2: 128 keys, 8 warps: half the Q/dO tile loads and half the dQ atomics per key
     {"wg64", 4, 3, true},     // 3: wgmma, one warpgroup x 64 keys, 3 CTAs per SM (168 registers)
     {"wg64r", 4, 2, true},    // 4: the same with 2 CTAs per SM and no register cap
+    {"wg128", 8, 1, true},    // 5: wgmma, two warpgroups x 64 keys sharing the Q/dO tiles: half the loads and dQ
+                              //    atomics per key, 8 warps per SM
 };
 constexpr int kNumBwdVariants = static_cast<int>(sizeof(kBwdVariants) / sizeof(kBwdVariants[0]));
 constexpr int kDefaultBwdVariant = 0;    // where the wgmma kernel cannot run
@@ -600,6 +799,22 @@ void launch_backward_wgmma(const KernelArgs& args, const float* D, float* dq_acc
   NOPAD_CUDA_CHECK_LAUNCH();
 }
 
+template <bool kFp16>
+void launch_backward_wgmma2(const KernelArgs& args, const float* D, float* dq_acc, int32_t n, cudaStream_t stream) {
+  using Sh = BwdWg2Shape;
+  const dim3 grid((args.p.max_seqlen + Sh::kBlockN - 1) / Sh::kBlockN, args.p.num_heads, n);
+  if (args.dropout) {
+    constexpr auto kernel = fmha_bwd_wgmma2_kernel<kFp16, true>;
+    ensure_smem<kernel>(Sh::kSmemBytes);
+    kernel<<<grid, Sh::kThreads, Sh::kSmemBytes, stream>>>(args, D, dq_acc);
+  } else {
+    constexpr auto kernel = fmha_bwd_wgmma2_kernel<kFp16, false>;
+    ensure_smem<kernel>(Sh::kSmemBytes);
+    kernel<<<grid, Sh::kThreads, Sh::kSmemBytes, stream>>>(args, D, dq_acc);
+  }
+  NOPAD_CUDA_CHECK_LAUNCH();
+}
+
 template <int HD, bool kFp16>
 void launch_backward(const KernelArgs& args, int variant, int32_t n, cudaStream_t stream) {
   const FmhaParams& p = args.p;
@@ -625,12 +840,15 @@ void launch_backward(const KernelArgs& args, int variant, int32_t n, cudaStream_
     case 4:
       if constexpr (HD == 64) launch_backward_wgmma<2, kFp16>(args, D, dq_acc, n, stream);
       break;
+    case 5:
+      if constexpr (HD == 64) launch_backward_wgmma2<kFp16>(args, D, dq_acc, n, stream);
+      break;
     default: fail("fmha_backward: no variant ", variant);
   }
   fmha_bwd_dq_kernel<kFp16><<<row_grid, 32 * kPreRows, 0, stream>>>(args, dq_acc);
   NOPAD_CUDA_CHECK_LAUNCH();
 }
-static_assert(kNumBwdVariants == 5, "launch_backward dispatches every variant");
+static_assert(kNumBwdVariants == 6, "launch_backward dispatches every variant");
 
 template <int HD>
 void launch_backward_hd(const KernelArgs& args, int variant, int32_t n, cudaStream_t stream) {
