@@ -237,6 +237,7 @@ std::vector<std::string> run_attention_bench_gpu(const AttentionBenchOptions& o,
       // lengths. Each launch alone, so the times add up to a grouped run without overlap.
       if (o.variants) {
         ops::AttentionSchedule gs;
+        gs.mode = ops::AttentionMode::kGrouped;
         gs.streams = 1;
         gs.bucket_tokens = o.buckets.empty() ? 64 : o.buckets.front();
         ops::AttentionPlan plan;

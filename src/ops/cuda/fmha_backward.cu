@@ -101,6 +101,38 @@ __device__ __forceinline__ void p_and_ds(const KernelArgs& args, float (&s)[kTil
   }
 }
 
+// p_and_ds without writing s and dp: P'^T and dS^T of k-step kk (queries 16 kk .. +15) straight into the packed A
+// fragments pa and da (a_fragment's layout), so the accumulators stay the tensor cores' alone (the pipelined kernel
+// issues the next tile's products into them while this tile's fragments are still in use).
+template <bool kDrop, bool kFp16>
+__device__ __forceinline__ void p_ds_fragments(const KernelArgs& args, const float (&s)[kTile / 8][4],
+                                               const float (&dp)[kTile / 8][4], uint32_t keep, bool key_ok0,
+                                               bool key_ok1, const float* lse2, const float* Dq, int t, int kk,
+                                               uint32_t (&pa)[4], uint32_t (&da)[4]) {
+  float pv[2][4], dv[2][4];
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int nt = 2 * kk + h;
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int qc = nt * 8 + 2 * t + (e & 1);
+      const bool ok = (e < 2) ? key_ok0 : key_ok1;
+      const float pr = ok ? exp2_ftz(fmaf(s[nt][e], args.scale_log2, -lse2[qc])) : 0.0f;
+      const float kf = kDrop ? (((keep >> fmha_dropout::bwd_bit(nt, e)) & 1u) ? args.keep_scale : 0.0f) : 1.0f;
+      pv[h][e] = pr * kf;
+      dv[h][e] = pr * (dp[nt][e] * kf - Dq[qc]);
+    }
+  }
+  pa[0] = pack2<kFp16>(pv[0][0], pv[0][1]);
+  pa[1] = pack2<kFp16>(pv[0][2], pv[0][3]);
+  pa[2] = pack2<kFp16>(pv[1][0], pv[1][1]);
+  pa[3] = pack2<kFp16>(pv[1][2], pv[1][3]);
+  da[0] = pack2<kFp16>(dv[0][0], dv[0][1]);
+  da[1] = pack2<kFp16>(dv[0][2], dv[0][3]);
+  da[2] = pack2<kFp16>(dv[1][0], dv[1][1]);
+  da[3] = pack2<kFp16>(dv[1][2], dv[1][3]);
+}
+
 // dS^T fragment da (k-step kk: queries 16 kk .. +15 of this warp's keys wrow + g, + 8) into the shared dS^T tile
 // (rows = keys, columns = queries, swizzled as a 64-column tile) for dQ = dS K.
 __device__ __forceinline__ void store_ds_t(uint16_t* sdS, int wrow, int g, int t, int kk, const uint32_t (&da)[4]) {
@@ -745,6 +777,179 @@ __global__ void __launch_bounds__(256, 1)
 #endif
 }
 
+// fmha_bwd_wgmma_kernel software-pipelined across query tiles: the S^T / dP^T products of tile i + 1 are issued
+// before this tile's dV/dK/dQ products are waited for, so they run on the tensor cores while the warps do tile i's
+// dQ atomics and tile i + 1's Philox draws. Q, dO, lse and D are triple buffered (tile i + 2 is loaded while tile i's
+// dV/dK products may still read tile i's buffers); no register cap (2 CTAs per SM) for the second S/dP accumulator
+// set. Per tile: wait S/dP(i); P', dS; dS^T to shared memory; issue dV/dK(i); barrier; load tile i + 2; issue dQ(i)
+// and S/dP(i + 1); wait for all but the newest group (dV/dK/dQ(i) done); dQ(i) atomics. dS^T is double buffered:
+// a warp may store tile i + 1's rows while another warp's share of the dQ(i) product still reads tile i's (each warp
+// waits only for its own share; the barrier of tile i + 1 orders everyone's before tile i + 2's stores).
+struct BwdWgPShape {
+  static constexpr int kBlockN = 64;
+  static constexpr int kThreads = 128;
+  // K, V, Q x3, dO x3, dS^T x2 (10 tiles), lse x3 and D x3 (fp32), alignment slack.
+  static constexpr int kSmemBytes = 10 * kTileBytes + 6 * kTile * 4 + kSmemAlign;
+};
+
+template <bool kFp16, bool kDrop>
+__global__ void __launch_bounds__(128, 2)
+    fmha_bwd_wgmma_pipe_kernel(const __grid_constant__ KernelArgs args, const float* D, float* dq_acc) {
+#if NOPAD_FMHA_WGMMA
+  constexpr int HD = 64;
+  using Sh = BwdWgPShape;
+  constexpr int kNTiles = kTile / 8;
+  constexpr int kDTiles = HD / 8;
+  const FmhaParams& p = args.p;
+
+  int b, s0, L;
+  launch_sequence(p, static_cast<int>(blockIdx.z), b, s0, L);
+  const int k0 = static_cast<int>(blockIdx.x) * Sh::kBlockN;
+  if (k0 >= L) return;
+  const int head = static_cast<int>(blockIdx.y);
+  const int H = p.num_heads * HD, T = p.num_tokens;
+  const int64_t ld = 3 * int64_t{H};
+  const uint16_t* qkv = static_cast<const uint16_t*>(p.qkv);
+  const uint16_t* gQ = qkv + int64_t{s0} * ld + head * HD;
+  const uint16_t* gdO = static_cast<const uint16_t*>(p.d_ctx) + int64_t{s0} * H + head * HD;
+  const float* gLse = p.lse + int64_t{head} * T + s0;
+  const float* gD = D + int64_t{head} * T + s0;
+
+  extern __shared__ uint8_t smem_raw[];
+  uint16_t* sK = reinterpret_cast<uint16_t*>(align_smem(smem_raw));  // [64][HD]
+  uint16_t* sV = sK + Sh::kBlockN * HD;                               // [64][HD]
+  uint16_t* sQ = sV + Sh::kBlockN * HD;                               // [3][64][HD]
+  uint16_t* sdO = sQ + 3 * kTile * HD;                                // [3][64][HD]
+  uint16_t* sdS = sdO + 3 * kTile * HD;                               // [2][64 keys][64 queries]
+  float* sLse = reinterpret_cast<float*>(sdS + 2 * Sh::kBlockN * kTile);  // [3][64], log2 domain; +inf past the end
+  float* sD = sLse + 3 * kTile;                                           // [3][64]
+
+  const int tid = static_cast<int>(threadIdx.x);
+  const TileCopy<HD, kTile, Sh::kThreads> q_copy(ld), do_copy(H);
+  // Tile i into buffer i % 3 (the global pointers of tile i computed from i: tiles are loaded two ahead).
+  const auto load_q_tile = [&](int i) {
+    const int qs = i * kTile, buf = i % 3;
+    q_copy.load(sQ + buf * kTile * HD, gQ + int64_t{qs} * ld, L - qs);
+    do_copy.load(sdO + buf * kTile * HD, gdO + int64_t{qs} * H, L - qs);
+    if (tid < kTile) {
+      const bool ok = qs + tid < L;
+      sLse[buf * kTile + tid] = ok ? gLse[qs + tid] * kLog2e : INFINITY;
+      sD[buf * kTile + tid] = ok ? gD[qs + tid] : 0.0f;
+    }
+  };
+  const int num_qt = (L + kTile - 1) / kTile;
+  {
+    const TileCopy<HD, Sh::kBlockN, Sh::kThreads> kv_copy(ld);
+    const uint16_t* gK = qkv + int64_t{s0 + k0} * ld + H + head * HD;
+    kv_copy.load(sK, gK, L - k0);
+    kv_copy.load(sV, gK + H, L - k0);
+  }
+  load_q_tile(0);
+  cp_async_commit();
+  if (num_qt > 1) load_q_tile(1);
+  cp_async_commit();
+
+  const int warp = tid >> 5, lane = tid & 31;
+  const int g = lane >> 2, t = lane & 3;
+  const int wrow = warp * 16;
+  const bool key_ok0 = k0 + wrow + g < L, key_ok1 = k0 + wrow + g + 8 < L;
+  const uint64_t desc_k = wgmma_desc(sK), desc_v = wgmma_desc(sV);
+
+  uint32_t s_lo = 0, s_hi = 0;
+  if constexpr (kDrop) {
+    const uint64_t sample = p.sample_ids[b];
+    s_lo = static_cast<uint32_t>(sample);
+    s_hi = static_cast<uint32_t>(sample >> 32);
+  }
+  const auto draw = [&](uint32_t lo, uint32_t hi) { return dropout_block(args, s_lo, s_hi, lo, hi); };
+
+  float dv[kDTiles][4], dk[kDTiles][4];
+#pragma unroll
+  for (int i = 0; i < kDTiles; ++i)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) dv[i][e] = dk[i][e] = 0.0f;
+
+  float s[kNTiles][4], dp[kNTiles][4];
+  const auto issue_s_dp = [&](int buf) {
+    const uint64_t dq_ = wgmma_desc(sQ + buf * kTile * HD), ddo = wgmma_desc(sdO + buf * kTile * HD);
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < HD / 16; ++kk) wgmma_ss<kFp16, 0, 0>(s, desc_k + kk * kDescStepK, dq_ + kk * kDescStepK, kk > 0);
+#pragma unroll
+    for (int kk = 0; kk < HD / 16; ++kk)
+      wgmma_ss<kFp16, 0, 0>(dp, desc_v + kk * kDescStepK, ddo + kk * kDescStepK, kk > 0);
+    wgmma_commit();
+  };
+  // Prologue: tile 0 in shared memory, its S/dP products issued.
+  cp_async_wait<1>();
+  fence_proxy_async();
+  __syncthreads();
+  issue_s_dp(0);
+
+  for (int i = 0; i < num_qt; ++i) {
+    const int buf = i % 3, qs = i * kTile;
+    const uint64_t desc_q = wgmma_desc(sQ + buf * kTile * HD), desc_do = wgmma_desc(sdO + buf * kTile * HD);
+    const float* lse2 = sLse + buf * kTile;
+    const float* Dq = sD + buf * kTile;
+    uint32_t keep = 0;
+    if constexpr (kDrop) {  // drawn while S/dP(i) run
+      keep = lane_transpose<1, 2>(
+          fmha_dropout::bwd_lane_bits(draw, args.threshold, static_cast<uint32_t>(head), static_cast<uint32_t>(qs),
+                                      static_cast<uint32_t>(k0 + wrow), static_cast<uint32_t>(g),
+                                      static_cast<uint32_t>(t)),
+          static_cast<uint32_t>(g));
+    }
+    wgmma_wait<0>();
+    fence_regs(s);
+    fence_regs(dp);
+
+    uint16_t* sdS_i = sdS + (i & 1) * Sh::kBlockN * kTile;
+    uint32_t pa[kTile / 16][4], da[kTile / 16][4];
+#pragma unroll
+    for (int kk = 0; kk < kTile / 16; ++kk) {
+      p_ds_fragments<kDrop, kFp16>(args, s, dp, keep, key_ok0, key_ok1, lse2, Dq, t, kk, pa[kk], da[kk]);
+      store_ds_t(sdS_i, wrow, g, t, kk, da[kk]);
+    }
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < kTile / 16; ++kk) wgmma_rs<kFp16, 1>(dv, pa[kk], desc_do + kk * kDescStepMN);
+#pragma unroll
+    for (int kk = 0; kk < kTile / 16; ++kk) wgmma_rs<kFp16, 1>(dk, da[kk], desc_q + kk * kDescStepMN);
+    wgmma_commit();
+    cp_async_wait<0>();   // tile i + 1 landed (this thread's copies)
+    fence_proxy_async();  // dS^T stores and tile i + 1's copies, visible to the tensor cores after the barrier
+    __syncthreads();      // dS^T complete; tile i + 1 complete; every warp done with tile i - 1's buffers
+    if (i + 2 < num_qt) load_q_tile(i + 2);  // into buffer (i + 2) % 3 = (i - 1) % 3
+    cp_async_commit();
+
+    float dq[kDTiles][4];
+    const uint64_t desc_ds = wgmma_desc(sdS_i);
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < Sh::kBlockN / 16; ++kk)
+      wgmma_ss<kFp16, 1, 1>(dq, desc_ds + kk * kDescStepMN, desc_k + kk * kDescStepMN, kk > 0);
+    wgmma_commit();
+    if (i + 1 < num_qt) {
+      issue_s_dp((i + 1) % 3);
+      wgmma_wait<1>();  // dV/dK(i) and dQ(i) done; S/dP(i + 1) may still run
+    } else {
+      wgmma_wait<0>();
+    }
+    fence_regs(dv);
+    fence_regs(dk);
+    fence_regs(dq);
+    fence_regs(pa);
+    fence_regs(da);
+
+    add_dq<kDTiles>(p, dq_acc, dq, s0, qs + wrow + g, L, head * HD, t);
+  }
+
+  store_dk_dv<HD, kFp16>(p, dk, dv, s0, k0 + wrow + g, L, head, t);
+#else
+  __trap();  // never launched: the host selects this kernel only where fmha_wgmma_available()
+#endif
+}
+
 // ------------------------------------------------------------------------------------------------ variants
 // CTAs per SM asked for (launch bounds). 4 warps at HD <= 64: 3 CTAs (168 registers, a few spills) or 2 (no cap, no
 // spills); 8 warps: 1 (no cap). HD = 128 is never capped (the dK/dV accumulators alone are 128 registers).
@@ -761,6 +966,7 @@ constexpr BwdVariant kBwdVariants[] = {
     {"wg64r", 4, 2, true},    // 4: the same with 2 CTAs per SM and no register cap
     {"wg128", 8, 1, true},    // 5: wgmma, two warpgroups x 64 keys sharing the Q/dO tiles: half the loads and dQ
                               //    atomics per key, 8 warps per SM
+    {"wg64p", 4, 2, true},    // 6: wgmma, 64 keys, the next tile's S/dP products issued before this tile's dQ wait
 };
 constexpr int kNumBwdVariants = static_cast<int>(sizeof(kBwdVariants) / sizeof(kBwdVariants[0]));
 constexpr int kDefaultBwdVariant = 0;    // where the wgmma kernel cannot run
@@ -815,6 +1021,23 @@ void launch_backward_wgmma2(const KernelArgs& args, const float* D, float* dq_ac
   NOPAD_CUDA_CHECK_LAUNCH();
 }
 
+template <bool kFp16>
+void launch_backward_wgmma_pipe(const KernelArgs& args, const float* D, float* dq_acc, int32_t n,
+                                cudaStream_t stream) {
+  using Sh = BwdWgPShape;
+  const dim3 grid((args.p.max_seqlen + Sh::kBlockN - 1) / Sh::kBlockN, args.p.num_heads, n);
+  if (args.dropout) {
+    constexpr auto kernel = fmha_bwd_wgmma_pipe_kernel<kFp16, true>;
+    ensure_smem<kernel>(Sh::kSmemBytes);
+    kernel<<<grid, Sh::kThreads, Sh::kSmemBytes, stream>>>(args, D, dq_acc);
+  } else {
+    constexpr auto kernel = fmha_bwd_wgmma_pipe_kernel<kFp16, false>;
+    ensure_smem<kernel>(Sh::kSmemBytes);
+    kernel<<<grid, Sh::kThreads, Sh::kSmemBytes, stream>>>(args, D, dq_acc);
+  }
+  NOPAD_CUDA_CHECK_LAUNCH();
+}
+
 template <int HD, bool kFp16>
 void launch_backward(const KernelArgs& args, int variant, int32_t n, cudaStream_t stream) {
   const FmhaParams& p = args.p;
@@ -843,12 +1066,15 @@ void launch_backward(const KernelArgs& args, int variant, int32_t n, cudaStream_
     case 5:
       if constexpr (HD == 64) launch_backward_wgmma2<kFp16>(args, D, dq_acc, n, stream);
       break;
+    case 6:
+      if constexpr (HD == 64) launch_backward_wgmma_pipe<kFp16>(args, D, dq_acc, n, stream);
+      break;
     default: fail("fmha_backward: no variant ", variant);
   }
   fmha_bwd_dq_kernel<kFp16><<<row_grid, 32 * kPreRows, 0, stream>>>(args, dq_acc);
   NOPAD_CUDA_CHECK_LAUNCH();
 }
-static_assert(kNumBwdVariants == 6, "launch_backward dispatches every variant");
+static_assert(kNumBwdVariants == 7, "launch_backward dispatches every variant");
 
 template <int HD>
 void launch_backward_hd(const KernelArgs& args, int variant, int32_t n, cudaStream_t stream) {
