@@ -13,7 +13,8 @@ A run is NAME=PATH; its system is NAME without trailing digits (nopad, torch). P
     ratio of the systems (nopad / torch, means of the runs' medians);
   * wall-clock to a common accuracy (the lowest final accuracy of all runs): the first time each run's curve
     reaches it (linear between evaluations; time at a step interpolated from the training lines), and the ratio
-    torch / nopad beside the throughput ratio;
+    torch / nopad beside the throughput ratio, also counted from each run's first training line (without start-up
+    and torch.compile's first steps);
   * resume: the resumed run's accuracies after its checkpoint against the full run's at the same samples; it
     continues the curve when the largest difference is within the seed-to-seed difference of its system (or 0.002).
 --svg draws accuracy against samples and against wall-clock time (two panels, one SVG); --json writes the numbers.
@@ -111,20 +112,25 @@ def analyse(runs, resume=None, resume_of=None, resume_after=None):
                                "samples": r.steps[-1]["samples"] if r.steps else 0, "wall_s": r.wall_s(),
                                "median_seq_per_s": r.median_seq_per_s(), "median_tokens_per_s": r.median_tokens_per_s(),
                                "final_accuracy": r.evals[-1]["mlm_accuracy"] if r.evals else None,
-                               "samples_to_target": s, "seconds_to_target": r.elapsed_at(s) if s is not None else None}
+                               "samples_to_target": s, "seconds_to_target": r.elapsed_at(s) if s is not None else None,
+                               # from the first training line on: without start-up (and torch.compile's first steps)
+                               "steady_seconds_to_target": (r.elapsed_at(s) - r.steps[0]["elapsed_s"]
+                                                            if s is not None and r.steps else None)}
     per_sys = {}
     for sysname, rs in by_sys.items():
         info = [out["runs"][r.name] for r in rs]
-        t = [i["seconds_to_target"] for i in info if i["seconds_to_target"] is not None]
         per_sys[sysname] = {"median_seq_per_s": statistics.fmean([i["median_seq_per_s"] for i in info]),
-                            "wall_s": statistics.fmean([i["wall_s"] for i in info]),
-                            "seconds_to_target": statistics.fmean(t) if len(t) == len(info) else None}
+                            "wall_s": statistics.fmean([i["wall_s"] for i in info])}
+        for key in ("seconds_to_target", "steady_seconds_to_target"):
+            t = [i[key] for i in info if i[key] is not None]
+            per_sys[sysname][key] = statistics.fmean(t) if len(t) == len(info) else None
     out["systems"] = per_sys
     if "nopad" in per_sys and "torch" in per_sys:
         n, t = per_sys["nopad"], per_sys["torch"]
         out["throughput_ratio"] = n["median_seq_per_s"] / t["median_seq_per_s"]
-        out["time_to_target_ratio"] = (t["seconds_to_target"] / n["seconds_to_target"]
-                                       if n["seconds_to_target"] and t["seconds_to_target"] else None)
+        for key in ("seconds_to_target", "steady_seconds_to_target"):
+            out[key.replace("seconds_to_target", "time_to_target_ratio")] = (
+                t[key] / n[key] if n[key] and t[key] else None)
     # Resume.
     if resume is not None and resume_of is not None:
         base = next(r for r in runs if r.name == resume_of)
@@ -186,17 +192,18 @@ def report(runs, res, resume=None):
     L.append(f"Common accuracy: {fmt(tgt)} (the lowest final accuracy of the runs).")
     L.append("")
     L.append("| run | steps | samples | wall s | median seq/s | median tokens/s | final accuracy | samples to common | "
-             "s to common |")
-    L.append("|---|---|---|---|---|---|---|---|---|")
+             "s to common | s to common after the first line |")
+    L.append("|---|---|---|---|---|---|---|---|---|---|")
     for name, r in res["runs"].items():
         L.append(f"| {name} | {r['steps']} | {r['samples']} | {fmt(r['wall_s'], '.1f')} | "
                  f"{fmt(r['median_seq_per_s'], '.0f')} | {fmt(r['median_tokens_per_s'], '.0f')} | "
                  f"{fmt(r['final_accuracy'])} | {fmt(r['samples_to_target'], '.0f')} | "
-                 f"{fmt(r['seconds_to_target'], '.1f')} |")
+                 f"{fmt(r['seconds_to_target'], '.1f')} | {fmt(r['steady_seconds_to_target'], '.1f')} |")
     L.append("")
     if "throughput_ratio" in res:
         L.append(f"Throughput nopad / torch: {res['throughput_ratio']:.3f}x; wall-clock to {fmt(tgt)} torch / nopad: "
-                 f"{fmt(res['time_to_target_ratio'], '.3f')}x")
+                 f"{fmt(res['time_to_target_ratio'], '.3f')}x ({fmt(res['steady_time_to_target_ratio'], '.3f')}x "
+                 "from the first training line on, i.e. without start-up and compilation)")
         L.append("")
     if "resume" in res:
         r = res["resume"]

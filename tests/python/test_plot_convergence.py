@@ -91,7 +91,8 @@ def main():
         check(res["agreement"]["agree"] and "AGREE within run-to-run noise" in out, "same law: the systems agree")
         check(0.001 < res["agreement"]["sigma"] < 0.01, f"sigma from the seed differences: {res['agreement']}")
         check(abs(res["throughput_ratio"] - 2.0) < 1e-9, f"throughput ratio {res['throughput_ratio']}")
-        check(1.8 < res["time_to_target_ratio"] < 2.2, f"wall-clock ratio {res['time_to_target_ratio']}")
+        check(1.8 < res["time_to_target_ratio"] < 2.2 and 1.8 < res["steady_time_to_target_ratio"] < 2.2,
+              f"wall-clock ratios {res['time_to_target_ratio']}, {res['steady_time_to_target_ratio']}")
         tgt = min(e["mlm_accuracy"] for f in ("n1", "n2", "t1", "t2")
                   for e in [json.loads(l) for l in open(p(f + ".jsonl")) if '"eval"' in l][-1:])
         check(abs(res["target_accuracy"] - tgt) < 1e-12, "the common accuracy is the lowest final accuracy")
