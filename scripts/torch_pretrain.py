@@ -148,7 +148,9 @@ class Heads(nn.Module):
 
 class BertForPreTraining(nn.Module):
     """Parameter names and shapes are Hugging Face's (state_dict() == nopad's checkpoint tensors). forward() takes a
-    packed batch (see to_device) and returns (loss, detached sums [mlm_ce, nsp_ce, mlm_correct, nsp_correct])."""
+    packed batch (see to_device) and returns (the cross-entropy sums [mlm, nsp] to differentiate, detached
+    [mlm_ce, nsp_ce, mlm_correct, nsp_correct] in float64). The loss denominators are applied by the caller, so
+    that a compiled forward does not see a new constant every step."""
 
     def __init__(self, c):
         super().__init__()
@@ -164,7 +166,7 @@ class BertForPreTraining(nn.Module):
     def attention(self, qkv, b):
         T = qkv.shape[0]
         p = self.c["attention_probs_dropout_prob"] if self.training else 0.0
-        if p == 0.0 and varlen_attn is not None and qkv.is_cuda:
+        if "pad_index" not in b:  # the batch was built for varlen_attn (CUDA, 16-bit, no attention dropout)
             q, k, v = qkv.view(T, 3, self.heads, self.head_dim).unbind(1)
             return varlen_attn(q, k, v, b["cu_seqlens"], b["cu_seqlens"], b["max_seqlen"], b["max_seqlen"])
         # Padded: rows gathered into [B, Lmax] (pad slots read an appended zero row), keys masked, dropout on P.
@@ -174,7 +176,7 @@ class BertForPreTraining(nn.Module):
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=b["key_mask"][:, None, None, :], dropout_p=p)
         return out.transpose(1, 2).reshape(Bn * L, self.heads, self.head_dim)[b["valid_rows"]]
 
-    def forward(self, b, mlm_denom, nsp_denom):
+    def forward(self, b):
         c, e = self.c, self.bert.embeddings
         p_h = c["hidden_dropout_prob"] if self.training else 0.0
         x = e.word_embeddings(b["tokens"]) + e.position_embeddings(b["positions"]) + \
@@ -198,14 +200,13 @@ class BertForPreTraining(nn.Module):
         nsp_logits = self.cls.seq_relationship(pooled).float()
         mlm_ce = F.cross_entropy(logits, b["mlm_labels"], reduction="sum")
         nsp_ce = F.cross_entropy(nsp_logits, b["nsp_labels"], reduction="sum")
-        loss = mlm_ce / mlm_denom + nsp_ce / nsp_denom
         # nopad counts a masked prediction correct when the first maximal logit is the label, and NSP "random"
         # (1) only when its logit is strictly larger.
         mlm_correct = (logits.argmax(-1) == b["mlm_labels"]).sum()
         nsp_correct = ((nsp_logits[:, 1] > nsp_logits[:, 0]).long() == b["nsp_labels"]).sum()
         sums = torch.stack([mlm_ce.detach().double(), nsp_ce.detach().double(), mlm_correct.double(),
                             nsp_correct.double()])
-        return loss, sums
+        return torch.stack([mlm_ce, nsp_ce]), sums
 
 
 def init_nopad_law(model, layout, std, seed):
@@ -352,7 +353,7 @@ class Prefetcher:
 # -------------------------------------------------------------------------------------------------- evaluation
 
 @torch.no_grad()
-def evaluate(model, fwd, ds, max_samples, batch, device, autocast):
+def evaluate(model, fwd, ds, max_samples, batch, device, autocast, padded):
     """nopad's evaluate_with: the first max_samples (0 = all) samples in order, dropout off, loss sums averaged over
     all masked positions / all sequences."""
     was_training = model.training
@@ -362,9 +363,9 @@ def evaluate(model, fwd, ds, max_samples, batch, device, autocast):
     masked = 0
     for start in range(0, n, batch):
         ids = list(range(start, min(n, start + batch)))
-        b = to_device(host_batch(ds, ids, device.type != "cuda" or varlen_attn is None), device)
+        b = to_device(host_batch(ds, ids, padded), device)
         with autocast():
-            _, s = fwd(b, 1.0, 1.0)
+            _, s = fwd(b)
         sums += s
         masked += b["num_masked"]
     model.train(was_training)
@@ -464,12 +465,15 @@ def main(argv=None):
     # The run's global batches, nopad's order (a step count bounded by max_samples too).
     steps_total = max_steps if max_samples <= 0 else min(max_steps, -(-max_samples // gb))
     batches = nopad_order.global_batches(train_ds.num_seqs, seed, gb, steps_total)
-    need_padded = dev != "cuda" or varlen_attn is None or mc["attention_probs_dropout_prob"] > 0
+    # varlen_attn: CUDA, 16-bit, no dropout; otherwise batches carry the padded path's indices.
+    eval_padded = dev != "cuda" or varlen_attn is None or precision == "fp32"
+    need_padded = eval_padded or mc["attention_probs_dropout_prob"] > 0
     prefetch = Prefetcher(train_ds, batches, acc, need_padded, device)
     gpu_name = torch.cuda.get_device_name(device) if dev == "cuda" else f"cpu ({torch.get_num_threads()} threads)"
     print(f"torch {torch.__version__} on {gpu_name}, {precision}{', compiled' if args.compile else ''}; "
           f"{len(layout)} tensors, {sum(p.numel() for p in model.parameters())} parameters; attention "
-          f"{'padded SDPA + dropout' if need_padded else 'varlen_attn'}; {steps_total} steps of {gb}", flush=True)
+          f"{'padded SDPA' if need_padded else 'varlen_attn'} in training, {'padded SDPA' if eval_padded else 'varlen_attn'} "
+          f"in evaluation; {steps_total} steps of {gb}", flush=True)
 
     step, samples = 0, 0
     pending = []  # per step since the last line: (step, samples, lr, sums tensor, grad norm tensor, masked, seqs)
@@ -486,7 +490,7 @@ def main(argv=None):
     def run_eval():
         nonlocal eval_s, last_eval_step
         t0 = time.perf_counter()
-        r = evaluate(model, fwd, eval_ds, cfg["eval.max_samples"], micro, device, autocast)
+        r = evaluate(model, fwd, eval_ds, cfg["eval.max_samples"], micro, device, autocast, eval_padded)
         eval_s += time.perf_counter() - t0
         metrics.eval(step, samples, r)
         evals.append(r)
@@ -526,8 +530,8 @@ def main(argv=None):
         sums = torch.zeros(4, dtype=torch.float64, device=device)
         for b in micros:
             with autocast():
-                loss, s = fwd(b, float(max(1, masked)), float(seqs))
-            loss.backward()
+                ce, s = fwd(b)
+            (ce[0] / max(1, masked) + ce[1] / seqs).backward()
             sums += s
         gnorm = opt.step(lr)
         before = samples
