@@ -2,9 +2,12 @@
 # The convergence comparison of nopad and its PyTorch twin (docs/convergence.md): bert-base from scratch at sequence
 # length 128 on the 2015 Wikipedia sample, configs/convergence-bert-base.toml on both systems, two seeds each, the
 # held-out masked-LM accuracy curves compared, plus a nopad run resumed from its mid-way checkpoint.
-# Run on the GPU machine from the repository root, with nopad built; stages can be split over several calls (the
-# prepared data, run folders and results stay in $WORK):
-#   STAGES="equiv nopad1" bash scripts/convergence.sh ; STAGES="nopad2 torch1" bash scripts/convergence.sh ; ...
+# Run on the GPU machine from the repository root, with the corpus carried in .carry/. Stages can be split over
+# several calls; the prepared data, run folders and results stay in $WORK while the machine stays up, and every
+# call copies the results so far to $OUT (give earlier calls' files back with PRIOR=DIR to compare them):
+#   STAGES="equiv nopad1 nopad2" bash scripts/convergence.sh ; STAGES="torch1" bash scripts/convergence.sh ; ...
+# nopad is built when $NOPAD is missing (the nopad target only, CUDA for CUDA_ARCH, default 90a-real: ~3-5 min;
+# stages that only need `nopad prepare` build it without CUDA, ~1 min).
 # Stages (default: all, in this order; estimated H100 times):
 #   data     prepare the training shards and the 10,000-sample held-out eval set (~1 min; done by any stage that
 #            needs them and they are missing)
@@ -21,7 +24,8 @@
 # Environment: OUT (default out/convergence-results), WORK (out/convergence), NOPAD (build-gpu/nopad), PYTHON
 # (python3, with torch), CONFIG (configs/convergence-bert-base.toml), DEVICE (cuda; cpu for a smoke test),
 # SETS ("key=value ..." overrides for every run of both systems), TORCH_COMPILE (1), CORPUS (a text file or folder;
-# default .carry/enwiki-20150515-AA.txt.xz decompressed), DUPE (2), EVAL_SAMPLES (10000).
+# default .carry/enwiki-20150515-AA.txt.xz decompressed), DUPE (2), EVAL_SAMPLES (10000), CUDA_ARCH (90a-real),
+# PRIOR (a folder of metrics-*.jsonl from earlier calls, compared with this call's; this call's runs win).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
@@ -53,7 +57,37 @@ EVAL=$WORK/eval
 # Keys every run of both systems gets.
 common_sets() { set_args "data.train=$TRAIN" "data.eval=$EVAL" "train.device=$DEVICE" "$@"; }
 
+# nopad itself: the CUDA build for training (need=cuda), or any build for `nopad prepare`.
+ensure_nopad() {
+  local need=$1
+  if [ -x "$NOPAD" ]; then
+    [ "$need" != cuda ] || [ "$DEVICE" != cuda ] || "$NOPAD" info 2>/dev/null | grep -q "cuda backend: built" || {
+      say "$NOPAD has no CUDA backend"; return 1; }
+    return 0
+  fi
+  if [ "$need" = cuda ] && [ "$DEVICE" = cuda ]; then
+    say "building $NOPAD (CUDA, ${CUDA_ARCH:-90a-real}; log $LOGS/build.log)"
+    local dir
+    dir=$(dirname "$NOPAD")
+    cmake -S . -B "$dir" "${GENERATOR[@]}" -DCMAKE_BUILD_TYPE=Release -DNOPAD_CUDA=ON \
+      -DCMAKE_CUDA_ARCHITECTURES="${CUDA_ARCH:-90a-real}" >"$LOGS/build.log" 2>&1 &&
+      cmake --build "$dir" --target nopad -j "$(nproc)" >>"$LOGS/build.log" 2>&1 ||
+      { tail -30 "$LOGS/build.log" | tee -a "$LOG"; return 1; }
+  else
+    PREP_NOPAD=$ROOT/build-prep/nopad
+    [ -x "$PREP_NOPAD" ] && return 0
+    say "building $PREP_NOPAD (no CUDA, for nopad prepare; log $LOGS/build.log)"
+    cmake -S . -B build-prep "${GENERATOR[@]}" -DCMAKE_BUILD_TYPE=Release -DNOPAD_CUDA=OFF -DNOPAD_TESTS=OFF \
+      >"$LOGS/build.log" 2>&1 && cmake --build build-prep --target nopad -j "$(nproc)" >>"$LOGS/build.log" 2>&1 ||
+      { tail -30 "$LOGS/build.log" | tee -a "$LOG"; return 1; }
+  fi
+}
+PREP_NOPAD=$NOPAD
+GENERATOR=()
+command -v ninja >/dev/null && GENERATOR=(-G Ninja)
+
 stage_data() {
+  ensure_nopad any
   local stamp="corpus=${CORPUS:-enwiki-20150515-AA} dupe=$DUPE eval=$EVAL_SAMPLES seq=128 pred=20"
   if [ -f "$TRAIN/dataset.json" ] && [ -f "$EVAL/dataset.json" ] && [ "$(cat "$WORK/data.stamp" 2>/dev/null)" = "$stamp" ]; then
     say "data: $TRAIN and $EVAL already prepared ($stamp)"
@@ -64,13 +98,15 @@ stage_data() {
     corpus=/tmp/nopad-enwiki-AA.txt
     [ -f "$corpus" ] || xz -dc .carry/enwiki-20150515-AA.txt.xz >"$corpus"
   fi
-  "$NOPAD" prepare --input "$corpus" --vocab data/vocab/bert-uncased-vocab.txt --output "$TRAIN" \
+  [ -x "$NOPAD" ] && PREP_NOPAD=$NOPAD
+  "$PREP_NOPAD" prepare --input "$corpus" --vocab data/vocab/bert-uncased-vocab.txt --output "$TRAIN" \
     --eval-output "$EVAL" --eval-samples "$EVAL_SAMPLES" --max-seq-length 128 --max-predictions 20 \
     --dupe-factor "$DUPE" --overwrite 2>>"$LOGS/data.log" | tee -a "$LOG"
   echo "$stamp" >"$WORK/data.stamp"
 }
 
 stage_equiv() {
+  ensure_nopad cuda
   local ok=0
   : >"$LOGS/equiv.log"
   # fp32 on the CPU: bert-tiny, so that both systems' CPU paths take seconds; a larger lr moves the weights more.
@@ -101,6 +137,7 @@ run_nopad() {  # NAME SEED [extra sets...] [--resume]
 }
 
 stage_nopad() {  # SEED
+  ensure_nopad cuda
   local name=nopad$1
   : >"$LOGS/$name.log"
   run_nopad "$name" "$1" || return 1
@@ -126,6 +163,7 @@ stage_torch() {  # SEED
 }
 
 stage_resume() {
+  ensure_nopad cuda
   local mid rd=$WORK/resume
   mid=$(cfg checkpoint.interval_steps) || return 1
   [ "$mid" -gt 0 ] || { say "resume: checkpoint.interval_steps is 0: no mid-way checkpoint"; return 1; }
@@ -147,7 +185,6 @@ stage_resume() {
   run_nopad resume 1 --resume || return 1
   grep -E "resuming from" "$LOGS/resume.log" | tee -a "$LOG"
   cp "$rd/metrics.jsonl" "$RES/metrics-resume.jsonl"
-  echo $((mid * $(cfg train.global_batch))) >"$RES/resume-after.txt"
 }
 
 run_stage() {
@@ -157,10 +194,10 @@ run_stage() {
   set +e
   case $s in
     data) (set -e; stage_data) ;;
-    equiv) (set -e; stage_data >/dev/null; stage_equiv) ;;
-    nopad[0-9]*) (set -e; stage_data >/dev/null; stage_nopad "${s#nopad}") ;;
+    equiv) (set -e; ensure_nopad cuda; stage_data >/dev/null; stage_equiv) ;;
+    nopad[0-9]*) (set -e; ensure_nopad cuda; stage_data >/dev/null; stage_nopad "${s#nopad}") ;;
     torch[0-9]*) (set -e; stage_data >/dev/null; stage_torch "${s#torch}") ;;
-    resume) (set -e; stage_data >/dev/null; stage_resume) ;;
+    resume) (set -e; ensure_nopad cuda; stage_data >/dev/null; stage_resume) ;;
     *) say "unknown stage $s (data equiv nopadN torchN resume)"; false ;;
   esac
   rc=$?
@@ -182,13 +219,17 @@ command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.total --f
 say "nopad $NOPAD, config $CONFIG, device $DEVICE, work $WORK, stages: $STAGES${SETS:+, sets: $SETS}"
 for s in $STAGES; do run_stage "$s"; done
 
-# Compare whatever has been run so far (this call or earlier ones).
+# Compare whatever has been run so far (this call, earlier ones in $WORK, or files given back in PRIOR).
+if [ -n "${PRIOR:-}" ]; then
+  for f in "$PRIOR"/metrics-*.jsonl; do [ -f "$f" ] && [ ! -f "$RES/$(basename "$f")" ] && cp "$f" "$RES/"; done
+fi
 runs=()
 for n in nopad1 nopad2 torch1 torch2; do [ -f "$RES/metrics-$n.jsonl" ] && runs+=("$n=$RES/metrics-$n.jsonl"); done
 if [ ${#runs[@]} -gt 0 ]; then
   resume=()
   [ -f "$RES/metrics-resume.jsonl" ] && grep -q '"step"' "$RES/metrics-nopad1.jsonl" 2>/dev/null &&
-    resume=(--resume "$RES/metrics-resume.jsonl" --resume-of nopad1 --resume-after "$(cat "$RES/resume-after.txt")")
+    resume=(--resume "$RES/metrics-resume.jsonl" --resume-of nopad1
+            --resume-after "$(($(cfg checkpoint.interval_steps) * $(cfg train.global_batch)))")
   {
     echo "# nopad vs PyTorch twin: convergence ($(date -u +%F), $CONFIG${SETS:+, sets: $SETS})"
     echo
