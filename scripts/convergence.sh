@@ -109,6 +109,7 @@ stage_equiv() {
   ensure_nopad cuda
   local ok=0
   : >"$LOGS/equiv.log"
+  rm -f "$RES/equiv-cpu.txt" "$RES/equiv-gpu.txt"
   # fp32 on the CPU: bert-tiny, so that both systems' CPU paths take seconds; a larger lr moves the weights more.
   "$PYTHON" scripts/compare_twins.py --nopad "$NOPAD" --config "$CONFIG" --python "$PYTHON" --device cpu \
     --set model.config=data/configs/bert-tiny.json --set train.global_batch=32 --set optim.lr=0.02 \
