@@ -173,10 +173,51 @@ class Dataset:
         if not paths:
             raise ShardError(f"dataset folder {self.directory} holds no .nopad shards")
         self.shards = [Shard(p, verify=verify) for p in paths]
+        # offsets[k] = global id of shard k's first sample (nopad::Dataset numbers samples in shard-name order).
+        self.offsets = np.concatenate([[0], np.cumsum([s.num_seqs for s in self.shards])]).astype(np.int64)
 
     @property
     def num_seqs(self):
-        return sum(s.num_seqs for s in self.shards)
+        return int(self.offsets[-1])
+
+    def locate(self, i):
+        """(shard index, index within it) of global sample i."""
+        if not 0 <= i < self.num_seqs:
+            raise IndexError(f"sample {i} outside dataset {self.directory} of {self.num_seqs} samples")
+        k = int(np.searchsorted(self.offsets, i, side="right")) - 1
+        return k, int(i - self.offsets[k])
+
+    def sample(self, i):
+        k, j = self.locate(i)
+        return self.shards[k].sample(j)
+
+    def build_batch(self, ids):
+        """The unpadded batch of the given global ids, in that order, as nopad's build_batch makes it (data/batch.h):
+        numpy int32 arrays tokens, positions, segments [T]; cu_seqlens [B+1]; mlm_positions (rows of the packed
+        batch, not positions within a sequence) and mlm_labels [M]; nsp_labels [B]; sample_ids [B] (int64); and
+        max_seqlen (int)."""
+        tokens, positions, segments, mlm_pos, mlm_lab, nsp = [], [], [], [], [], []
+        cu = [0]
+        for i in ids:
+            k, j = self.locate(int(i))
+            sh = self.shards[k]
+            t = sh.tokens(j)
+            n, a = len(t), sh.a_length(j)
+            tokens.append(t)
+            positions.append(np.arange(n, dtype=np.int32))
+            seg = np.ones(n, dtype=np.int32)
+            seg[:a] = 0
+            segments.append(seg)
+            mlm_pos.append(sh.mlm_positions(j).astype(np.int32) + cu[-1])
+            mlm_lab.append(sh.mlm_labels(j))
+            nsp.append(sh.nsp_label(j))
+            cu.append(cu[-1] + n)
+        cat = lambda parts: np.concatenate(parts).astype(np.int32) if parts else np.zeros(0, np.int32)
+        lengths = np.diff(cu)
+        return {"tokens": cat(tokens), "positions": cat(positions), "segments": cat(segments),
+                "cu_seqlens": np.asarray(cu, dtype=np.int32), "max_seqlen": int(lengths.max()) if len(ids) else 0,
+                "mlm_positions": cat(mlm_pos), "mlm_labels": cat(mlm_lab),
+                "nsp_labels": np.asarray(nsp, dtype=np.int32), "sample_ids": np.asarray(ids, dtype=np.int64)}
 
     def __len__(self):
         return self.num_seqs

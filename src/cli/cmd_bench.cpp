@@ -21,6 +21,7 @@ struct LoaderBenchOptions {
   uint64_t steps = 2000;
   bool background = false;
   uint64_t seed = 1;
+  std::string dump_ids;  // write each batch's sample ids here (one line per batch)
 };
 
 void run_loader_bench(const LoaderBenchOptions& o) {
@@ -30,12 +31,25 @@ void run_loader_bench(const LoaderBenchOptions& o) {
   lo.seed = o.seed;
   lo.background = o.background;
   nopad::Loader loader(ds, lo);
+  // --dump-ids: the order a training run of this seed and batch draws (checked against python/nopad_order.py).
+  std::unique_ptr<std::FILE, int (*)(std::FILE*)> dump(nullptr, &std::fclose);
+  if (!o.dump_ids.empty()) {
+    dump.reset(std::fopen(o.dump_ids.c_str(), "w"));
+    NOPAD_CHECK(dump != nullptr, "--dump-ids: cannot write ", o.dump_ids);
+  }
+  const auto record = [&](const nopad::HostBatch& b) {
+    if (!dump) return;
+    for (size_t i = 0; i < b.sample_ids.size(); ++i)
+      std::fprintf(dump.get(), i ? " %llu" : "%llu", static_cast<unsigned long long>(b.sample_ids[i]));
+    std::fputc('\n', dump.get());
+  };
   // Warm-up: touch the data once so the page cache, not the disk, is measured (as in a long training run).
-  for (int i = 0; i < 10; ++i) loader.next();
+  for (int i = 0; i < 10; ++i) record(loader.next());
   uint64_t seqs = 0, tokens = 0, masked = 0, checksum = 0;
   const auto t0 = std::chrono::steady_clock::now();
   for (uint64_t s = 0; s < o.steps; ++s) {
     const nopad::HostBatch& b = loader.next();
+    record(b);
     seqs += static_cast<uint64_t>(b.num_seqs());
     tokens += static_cast<uint64_t>(b.num_tokens());
     masked += static_cast<uint64_t>(b.num_masked());
@@ -61,6 +75,9 @@ void setup(CLI::App& sub) {
   loader->add_option("--batch", lo->batch, "sequences per batch")->capture_default_str();
   loader->add_option("--steps", lo->steps, "timed batches")->capture_default_str();
   loader->add_option("--seed", lo->seed, "shuffle seed")->capture_default_str();
+  loader->add_option("--dump-ids", lo->dump_ids,
+                     "write the sample ids of every batch drawn (the 10 warm-up batches, then --steps), one line "
+                     "per batch: the order nopad train uses for this --seed and --batch");
   loader->add_flag("--background", lo->background,
                    "build batches on the loader thread (default: on the calling thread, i.e. one core)");
   loader->callback([lo] { run_loader_bench(*lo); });
