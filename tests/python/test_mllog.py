@@ -1,9 +1,11 @@
 """MLPerf logging of a real (short, CPU) `nopad train` run: run_dir/mllog.txt holds `:::MLLOG` lines whose keys,
 order and epoch numbers follow the closed-division BERT rules, and MLCommons' own compliance checker
 (`python -m mlperf_logging.compliance_checker --usage training --ruleset 5.0.0`, package mlperf-logging, installed
-by scripts/setup.sh) accepts every rule but one: a run this short cannot reach the benchmark's masked-LM accuracy of
-0.720, so that check (and only that one) must be the one that fails. Also: --mllog-stdout prints the same lines, a run
-stopped before its target logs run_stop with status aborted. Run by CTest with NOPAD_BINARY and NOPAD_SOURCE_DIR set."""
+by scripts/setup.sh) accepts every rule but one: a short run on Wikipedia text cannot reach the benchmark's
+masked-LM accuracy of 0.720, so that check (and only that one) must be the one that fails. A run on a corpus a small
+model can learn in seconds (a few proverbs repeated in a fixed cycle) does reach 0.720, and on its log the checker
+reports SUCCESS with no complaint at all. Also: --mllog-stdout prints the same lines, a run stopped before its
+target logs run_stop with status aborted. Run by CTest with NOPAD_BINARY and NOPAD_SOURCE_DIR set."""
 import json
 import os
 import shutil
@@ -105,6 +107,48 @@ def main():
         check(len(failed) == 1 and "v['value'] >= 0.720" in failed[0],
               f"the checker fails only the 0.720 accuracy target a short run cannot reach; it reported {failed}")
         check("closed_bert.yaml" in out, "the checker applied the closed-division BERT rules")
+
+        # A run that reaches MLPerf's own target, 0.720: bert-tiny on a learnable corpus (4 proverbs in a fixed cycle,
+        # 200 documents; the eval shards are the same text prepared with another seed). About 200 steps on 2 cores.
+        easy = os.path.join(tmp, "easy.txt")
+        proverbs = ["the quick brown fox jumps over the lazy dog .", "all that glitters is not gold .",
+                    "the early bird catches the worm .", "actions speak louder than words ."]
+        with open(easy, "w") as f:
+            for d in range(200):
+                for i in range(16):
+                    f.write(proverbs[(d + i) % len(proverbs)] + "\n")
+                f.write("\n")
+        easy_dirs = []
+        for name, seed in (("easy-train", "1"), ("easy-eval", "2")):
+            out_dir = os.path.join(tmp, name)
+            r = subprocess.run([NOPAD, "prepare", "--input", easy, "--vocab",
+                                os.path.join(SRC, "data/vocab/bert-uncased-vocab.txt"), "--output", out_dir,
+                                "--max-seq-length", "32", "--max-predictions", "5", "--dupe-factor", "1", "--seed",
+                                seed, "--quiet"], capture_output=True, text=True)
+            check(r.returncode == 0, f"prepare {name}: {r.stderr}")
+            easy_dirs.append(out_dir)
+        run3 = os.path.join(tmp, "run3")
+        r = subprocess.run(
+            [NOPAD, "train", "--config", os.path.join(SRC, "configs/bert-tiny-sample.toml"), "--overwrite",
+             "--set", f"run_dir={run3}", "--set", f"data.train={easy_dirs[0]}", "--set", f"data.eval={easy_dirs[1]}",
+             "--set", "train.device=cpu", "--set", "train.global_batch=32", "--set", "train.max_steps=800",
+             "--set", "eval.interval_samples=960", "--set", "eval.max_samples=256", "--set", "optim.lr=0.02",
+             "--set", "train.target_mlm_accuracy=0.72"], capture_output=True, text=True, cwd=SRC)
+        check(r.returncode == 0, f"training to 0.720 exits 0: {r.stderr[-400:]}")
+        ev3 = parse(os.path.join(run3, "mllog.txt"))
+        stop = [e for e in ev3 if e["key"] == "run_stop"]
+        accs = [e["value"] for e in ev3 if e["key"] == "eval_accuracy"]
+        check(len(stop) == 1 and stop[0]["metadata"]["status"] == "success" and accs and accs[-1] >= 0.720,
+              f"the learnable run reaches 0.720 and stops with success: accuracies {accs}, {stop}")
+        c = subprocess.run([sys.executable, "-m", "mlperf_logging.compliance_checker", "--usage", "training",
+                            "--ruleset", "5.0.0", os.path.join(run3, "mllog.txt")], capture_output=True, text=True,
+                           cwd=tmp)
+        out = c.stdout + c.stderr
+        complaints = [l for l in out.splitlines()
+                      if "Failed" in l or "WARNING" in l or ("ERROR" in l and "FAILED" not in l)]
+        print("compliance checker (run to 0.720):", *out.strip().splitlines()[-2:], sep="\n  ")
+        check(c.returncode == 0 and "SUCCESS" in out and not complaints,
+              f"the checker accepts the run that reaches 0.720 (exit {c.returncode}): {complaints or out[-400:]}")
 
         # A run that ends (max_steps) before its target: status aborted.
         run2 = os.path.join(tmp, "run2")
