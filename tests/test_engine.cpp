@@ -12,6 +12,7 @@
 #include "data/dataset.h"
 #include "data/loader.h"
 #include "ops/cpu/cpu_backend.h"
+#include "model/bert.h"
 #include "optim/optimizer.h"
 #include "test_util.h"
 #include "train/engine.h"
@@ -230,6 +231,61 @@ TEST(Engine, DeviceKeyIsResolvedOrRefusedClearly) {
   });
   EXPECT_NE(te.find("no CUDA device: "), std::string::npos) << te;
   EXPECT_FALSE(fs::exists(run));
+}
+
+// dist.clip = bucket on the CPU engine: with a threshold far below every bucket's norm, each bucket of the step's
+// gradient is scaled to exactly threshold / ranks (so the optimizer's gradient norm is that times sqrt(buckets)),
+// in the units of the gradient the optimizer applies (a loss scale changes nothing); a threshold above every bucket
+// changes nothing at all (bitwise the unclipped update).
+TEST(Engine, BucketClippingScalesEachBucketOfTheStep) {
+  const EngineFixtureData s;
+  EngineOptions o;
+  o.config = BertConfig::from_file(s.model);
+  o.max_tokens = 4 * kMaxLen;
+  o.max_seqs = 4;
+  o.max_masked = 4 * kMaxLen;
+  o.threads = 1;
+  o.optim.max_grad_norm = 0;  // the trainer turns LAMB's clipping off with dist.clip = bucket
+  ops::CpuBackend<ops::CpuF32> backend(1);
+  const BertModel<ops::CpuF32> shape(o.config, backend, o.max_tokens, o.max_seqs, o.max_masked);
+  const double buckets = static_cast<double>(shape.grad_buckets().size());
+  ASSERT_GE(buckets, 3.0);
+  const Dataset ds(s.data);
+  LoaderOptions lo;
+  lo.global_batch = 4;
+  lo.background = false;
+  Loader loader(ds, lo);
+  const HostBatch batch = loader.next();
+
+  struct Run {
+    double norm;
+    std::vector<float> params;
+  };
+  const auto run = [&](double clip, int ranks, double loss_scale) {
+    EngineOptions eo = o;
+    eo.bucket_clip_norm = clip;
+    eo.world_size = ranks;
+    auto e = make_cpu_engine(eo);
+    e->init_params(5);
+    e->zero_grad();
+    e->micro_step(batch, 1, 0, {}, loss_scale, /*last_micro_batch=*/true);
+    e->optimizer_step(1e-3, 1.0 / loss_scale);
+    const StepOutcome out = e->finish_step();
+    EXPECT_FALSE(out.stats.skipped);
+    Run r{out.stats.grad_norm, {}};
+    e->get_params(r.params);
+    return r;
+  };
+  const Run plain = run(0, 1, 1.0);
+  ASSERT_GT(plain.norm, 1e-2);
+  const double c = 1e-4;
+  for (const auto& [ranks, scale] : {std::pair{1, 1.0}, std::pair{1, 1024.0}, std::pair{4, 1.0}}) {
+    const Run clipped = run(c, ranks, scale);
+    EXPECT_NEAR(clipped.norm, c / ranks * std::sqrt(buckets), 1e-5 * c) << ranks << " ranks, loss scale " << scale;
+  }
+  const Run loose = run(1e6, 1, 1.0);
+  EXPECT_EQ(loose.norm, plain.norm);
+  EXPECT_EQ(loose.params, plain.params);
 }
 
 }  // namespace

@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "core/error.h"
+#include "optim/clip.h"
 #include "optim/optimizer.h"
 #include "optim/schedule.h"
 
@@ -329,6 +330,27 @@ TEST(Schedule, RejectsBadSettings) {
   s.total_steps = 10;
   s.warmup_steps = -1;
   EXPECT_THROW(s.validate(), Error);
+}
+
+// Bucket-wise clipping's definition (optim/clip.h), which the CUDA kernels are tested against: a bucket above the
+// threshold is scaled to exactly the threshold, one at or below it and a non-finite one are left alone.
+TEST(Clip, ScalesABucketToItsThresholdOnlyWhenAbove) {
+  std::vector<float> g = {3.0f, -4.0f, 0.0f, 12.0f};  // norm 13
+  EXPECT_DOUBLE_EQ(sum_of_squares(g.data(), g.size()), 169.0);
+  EXPECT_DOUBLE_EQ(clip_to_norm(g.data(), g.size(), 6.5), 0.5);
+  EXPECT_EQ(g, (std::vector<float>{1.5f, -2.0f, 0.0f, 6.0f}));
+  EXPECT_NEAR(std::sqrt(sum_of_squares(g.data(), g.size())), 6.5, 1e-6);
+  EXPECT_DOUBLE_EQ(clip_to_norm(g.data(), g.size(), 6.5), 1.0) << "at the threshold: unchanged";
+  EXPECT_DOUBLE_EQ(clip_to_norm(g.data(), g.size(), 100.0), 1.0);
+  EXPECT_EQ(g, (std::vector<float>{1.5f, -2.0f, 0.0f, 6.0f}));
+  EXPECT_DOUBLE_EQ(clip_to_norm(g.data(), g.size(), 0.0), 1.0) << "threshold 0: no clipping";
+  std::vector<float> bad = {1.0f, INFINITY, 2.0f};
+  EXPECT_DOUBLE_EQ(clip_to_norm(bad.data(), bad.size(), 1.0), 1.0);
+  EXPECT_TRUE(std::isinf(bad[1])) << "an overflow stays visible to the optimizer";
+  EXPECT_DOUBLE_EQ(clip_factor(NAN, 1.0), 1.0);
+  EXPECT_DOUBLE_EQ(clip_factor(4.0, 1.0), 0.5);
+  std::vector<float> none;
+  EXPECT_DOUBLE_EQ(clip_to_norm(none.data(), 0, 1.0), 1.0);
 }
 
 }  // namespace

@@ -1,6 +1,7 @@
 // The CPU TrainEngine and device selection (see engine.h).
 #include "train/engine.h"
 
+#include <algorithm>
 #include <array>
 #include <chrono>
 #include <cmath>
@@ -8,6 +9,7 @@
 #include <limits>
 
 #include "core/error.h"
+#include "optim/clip.h"
 #include "ops/cpu/cpu_backend.h"
 
 #ifdef NOPAD_HAVE_CUDA
@@ -20,7 +22,10 @@ namespace {
 class CpuEngine final : public TrainEngine {
  public:
   explicit CpuEngine(const EngineOptions& o)
-      : backend_(o.threads), model_(o.config, backend_, o.max_tokens, o.max_seqs, o.max_masked) {
+      : backend_(o.threads),
+        model_(o.config, backend_, o.max_tokens, o.max_seqs, o.max_masked),
+        bucket_clip_norm_(o.bucket_clip_norm),
+        world_size_(std::max(1, o.world_size)) {
     std::vector<ParamView> views;
     for (const ParamTensor& t : model_.layout().tensors())
       views.push_back({t.name, model_.params() + t.offset, model_.grads() + t.offset, t.numel, t.no_weight_decay});
@@ -45,11 +50,17 @@ class CpuEngine final : public TrainEngine {
   }
   std::string precision() const override { return "fp32"; }
   void micro_step(const HostBatch& batch, uint64_t seed, uint64_t step, LossDenominators denoms, double loss_scale,
-                  bool /*last_micro_batch*/) override {
+                  bool last_micro_batch) override {
     const StepResult r = model_.forward(batch, /*train=*/true, seed, step, denoms);
     accumulate(current_.result, r);
     if (!std::isfinite(r.loss)) finite_ = false;
     if (finite_) model_.backward(loss_scale);  // nothing more is accumulated once the step is lost
+    if (finite_ && last_micro_batch && bucket_clip_norm_ > 0) {
+      // The step's gradients are final: each bucket of this rank's share to bucket_clip_norm / ranks, in the units
+      // of the raw (loss-scaled) gradients.
+      const double threshold = bucket_clip_norm_ / world_size_ * loss_scale;
+      for (const auto& [offset, count] : model_.grad_buckets()) clip_to_norm(model_.grads() + offset, count, threshold);
+    }
     current_.compute_ms = ms_since(step_start_);
     current_.reduce_ms = 0;
   }
@@ -106,6 +117,8 @@ class CpuEngine final : public TrainEngine {
   BertModel<ops::CpuF32> model_;
   std::unique_ptr<Optimizer> optimizer_;
   StepOutcome current_;
+  double bucket_clip_norm_ = 0;
+  int world_size_ = 1;
   bool finite_ = true;
   using Clock = std::chrono::steady_clock;
   static double ms_since(Clock::time_point t) {

@@ -46,6 +46,12 @@ struct EngineOptions {
   bool overlap_grad_reduce = true;  // data parallel on GPUs: all-reduce gradient buckets during backward
   int nccl_max_ctas = 0;            // data parallel on GPUs: SMs an NCCL all-reduce may take (0: NCCL's default)
   double dist_timeout_s = 600;  // data parallel: longest wait for a step's collectives before the job stops (0: none)
+  // Bucket-wise clipping (dist.clip = bucket; optim/clip.h): > 0 clips each gradient bucket of the model
+  // (BertModel::grad_buckets) on the last micro-batch of a step, before its all-reduce, so that this rank's share has
+  // a norm of at most bucket_clip_norm / world_size (the gradient as the optimizer applies it: divided by the loss
+  // scale). The optimizer's own clipping (optim.max_grad_norm) is then 0.
+  double bucket_clip_norm = 0;
+  int world_size = 1;
 };
 
 // What finish_step() returns for one step.

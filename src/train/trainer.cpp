@@ -56,6 +56,10 @@ ConfigSchema train_config_schema() {
         "(false: one all-reduce after backward, for ablation)");
   s.add("dist.nccl_max_ctas", 0, "data parallelism on GPUs: cap on the thread blocks (SMs) an NCCL all-reduce may "
         "occupy (0 = NCCL's default; 4 measured slower on 2 H200s: docs/distributed.md)");
+  s.add("dist.clip", "global", "gradient clipping to optim.max_grad_norm: global (LAMB clips the norm of all the "
+        "summed gradients) or bucket (each gradient bucket, one per encoder layer, is clipped as soon as backward has "
+        "produced it, before its all-reduce: each rank scales its share to max_grad_norm / ranks, so every summed "
+        "bucket's norm is at most max_grad_norm; docs/distributed.md)");
   s.add("dist.timeout_s", 600.0, "data parallelism: a rank that makes no progress for this long (a peer rank died or "
         "hangs in a collective) stops the job with an error naming it (0 = wait forever)");
   s.add("mllog.submission_org", "nopad", "MLPerf log (run_dir/mllog.txt): submission_org");
@@ -502,6 +506,17 @@ void Trainer::Impl::setup() {
   eo.overlap_grad_reduce = cfg.get_bool("dist.overlap");
   eo.nccl_max_ctas = static_cast<int>(cfg.get_int("dist.nccl_max_ctas"));
   NOPAD_CHECK(eo.nccl_max_ctas >= 0, "dist.nccl_max_ctas must be >= 0 (0 = NCCL's default), got ", eo.nccl_max_ctas);
+  {
+    const std::string clip = cfg.get_string("dist.clip");
+    NOPAD_CHECK(clip == "global" || clip == "bucket", "dist.clip must be global or bucket, got \"", clip, "\"");
+    if (clip == "bucket") {
+      NOPAD_CHECK(oo.max_grad_norm > 0, "dist.clip = bucket clips to optim.max_grad_norm, which is 0 (no clipping); "
+                  "set optim.max_grad_norm > 0 or dist.clip = global");
+      eo.bucket_clip_norm = oo.max_grad_norm;
+      eo.world_size = rank_info.world_size;
+      eo.optim.max_grad_norm = 0;  // the buckets are clipped instead of the global norm
+    }
+  }
   engine = make_engine(device, eo);
   if (rank_info.distributed()) {
     engine->connect(*comm);  // the device collective (GPU: NCCL), bootstrapped over the host communicator

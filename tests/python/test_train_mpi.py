@@ -125,6 +125,35 @@ def main():
             print(f"  {what}: losses {['%.5f' % x for x in got]}; weights max rel diff {worst:.2e} ({worst_name})")
             check(worst <= 1e-3, f"{what}: final weights differ from one process's by {worst:.2e} (relative)")
 
+        # dist.clip = bucket: every gradient bucket is clipped before its all-reduce (each rank's share to
+        # max_grad_norm / ranks). With a threshold far below every bucket's norm, one process reports a gradient norm
+        # of exactly max_grad_norm * sqrt(buckets) at every step (LAMB's own clipping is off); 2 ranks' summed buckets
+        # are at most max_grad_norm each, so their norm can only be smaller.
+        c = 1e-4
+        norms = {}
+        for ranks in (1, 2):
+            run_dir = os.path.join(tmp, f"bucket-clip-np{ranks}")
+            r = train(ranks, run_dir, data, ("--set", "dist.clip=bucket", "--set", f"optim.max_grad_norm={c}"))
+            check(r.returncode == 0, f"dist.clip=bucket, {ranks} rank(s): exit code {r.returncode}: {r.stderr[-300:]}")
+            if r.returncode == 0:
+                norms[ranks] = [json.loads(l)["grad_norm"] for l in open(os.path.join(run_dir, "metrics.jsonl"))
+                                if l.strip()]
+        if 1 in norms and 2 in norms:
+            one_norm = norms[1][0]
+            buckets = (one_norm / c) ** 2
+            check(abs(buckets - round(buckets)) < 1e-2 and round(buckets) >= 3,
+                  f"one process: every step's gradient norm is max_grad_norm * sqrt(buckets): {norms[1]}")
+            check(all(abs(n - one_norm) <= 1e-4 * one_norm for n in norms[1]), f"the same at every step: {norms[1]}")
+            check(all(0.1 * c < n <= one_norm * (1 + 1e-4) for n in norms[2]),
+                  f"2 ranks: every summed bucket within max_grad_norm: {norms[2]} vs {one_norm}")
+            print(f"  dist.clip=bucket: 1 process {one_norm:.4e} (= {c} x sqrt({round(buckets)})), 2 ranks "
+                  f"{['%.4e' % n for n in norms[2]]}")
+        for extra, msg in ((("--set", "dist.clip=layer"), "dist.clip must be global or bucket"),
+                           (("--set", "dist.clip=bucket", "--set", "optim.max_grad_norm=0"),
+                            "dist.clip = bucket clips to optim.max_grad_norm")):
+            r = train(1, os.path.join(tmp, "bad-clip"), data, extra, check_rc=False)
+            check(r.returncode != 0 and msg in r.stderr, f"{extra}: refused with '{msg}': {r.stderr[-300:]!r}")
+
         # Ranks that disagree on the config refuse to start, naming the rank; nothing is trained.
         bad = os.path.join(tmp, "mismatch")
         cmd = mpiexec() + [

@@ -17,6 +17,7 @@
 #include "model/params.h"
 #include "ops/cuda/check.h"
 #include "ops/cuda/cuda_backend.h"
+#include "ops/cuda/grad_clip.h"
 #include "ops/cuda/lamb.h"
 #include "ops/cuda/nccl_comm.h"
 
@@ -52,7 +53,9 @@ class GpuEngine final : public TrainEngine {
         micro_per_step_(std::max(1, o.micro_batches_per_step)),
         timeout_s_(o.dist_timeout_s),
         overlap_(o.overlap_grad_reduce),
-        nccl_max_ctas_(o.nccl_max_ctas) {
+        nccl_max_ctas_(o.nccl_max_ctas),
+        bucket_clip_norm_(o.bucket_clip_norm),
+        world_size_(std::max(1, o.world_size)) {
     // Room for every result of the unread steps, the step being built and a few evaluation forwards.
     model_.set_result_capacity(static_cast<size_t>(kMaxStepsInFlight + 1) * micro_per_step_ + 4);
     for (PendingStep& p : steps_) {
@@ -68,6 +71,10 @@ class GpuEngine final : public TrainEngine {
       views.push_back({t.name, host_params_.data() + t.offset, host_params_.data() + t.offset, t.numel,
                        t.no_weight_decay});
     mirror_ = make_optimizer("lamb", std::move(views), o.optim);
+    if (bucket_clip_norm_ > 0) {  // dist.clip = bucket: one device sum of squares per gradient bucket
+      clip_sums_ = static_cast<float*>(backend_.allocate_bytes(sizeof(float) * model_.grad_buckets().size()));
+      model_.set_grad_ready_hook([this](size_t offset, size_t count) { on_bucket_ready(offset, count); });
+    }
     cudaDeviceProp prop{};
     NOPAD_CUDA_CHECK(cudaGetDeviceProperties(&prop, backend_.device()));
     name_ = std::string("cuda (") + prop.name + ")";
@@ -76,6 +83,7 @@ class GpuEngine final : public TrainEngine {
     (void)cudaStreamSynchronize(backend_.stream());
     if (comm_stream_) (void)cudaStreamSynchronize(comm_stream_);
     nccl_.reset();
+    if (clip_sums_) backend_.free_bytes(clip_sums_);
     for (cudaEvent_t e : bucket_ready_) (void)cudaEventDestroy(e);
     if (comm_done_) (void)cudaEventDestroy(comm_done_);
     if (comm_stream_) (void)cudaStreamDestroy(comm_stream_);
@@ -118,10 +126,23 @@ class GpuEngine final : public TrainEngine {
                 micro_per_step_, " micro-batches in one step (EngineOptions::micro_batches_per_step)");
     p.tickets.push_back(model_.forward_async(batch, /*train=*/true, seed, step, denoms));
     // Data parallel, last micro-batch: each bucket's all-reduce starts as soon as backward has enqueued its last
-    // gradient (on_bucket_ready), on the communication stream, overlapping the rest of backward.
-    model_.arm_grad_ready_hook(nccl_ != nullptr && overlap_ && last_micro_batch);
+    // gradient (on_bucket_ready), on the communication stream, overlapping the rest of backward. With dist.clip =
+    // bucket, each final bucket is first clipped on the compute stream (this rank's share to bucket_clip_norm / ranks,
+    // in the loss-scaled units of the raw gradients).
+    reduce_armed_ = nccl_ != nullptr && overlap_ && last_micro_batch;
+    clip_armed_ = bucket_clip_norm_ > 0 && last_micro_batch;
+    if (clip_armed_) {
+      clip_next_ = 0;
+      clip_threshold_ = static_cast<float>(bucket_clip_norm_ / world_size_ * loss_scale);
+      NOPAD_CUDA_CHECK(cudaMemsetAsync(clip_sums_, 0, sizeof(float) * model_.grad_buckets().size(),
+                                       backend_.stream()));
+    }
+    model_.arm_grad_ready_hook(reduce_armed_ || clip_armed_);
     model_.backward(loss_scale);
     model_.arm_grad_ready_hook(false);
+    NOPAD_CHECK(!clip_armed_ || clip_next_ == model_.grad_buckets().size(), "GpuEngine: ", clip_next_, " of ",
+                model_.grad_buckets().size(), " gradient buckets were clipped");
+    reduce_armed_ = clip_armed_ = false;
     NOPAD_CUDA_CHECK(cudaEventRecord(p.t_backward, backend_.stream()));  // the last one recorded counts
   }
   void connect(dist::Communicator& comm) override {
@@ -259,6 +280,14 @@ class GpuEngine final : public TrainEngine {
   // Called by the model's backward (armed) when a gradient bucket is final: start its all-reduce on the
   // communication stream once the compute stream has produced it.
   void on_bucket_ready(size_t offset, size_t count) {
+    if (clip_armed_) {
+      NOPAD_CHECK(clip_next_ < model_.grad_buckets().size(), "GpuEngine: more gradient buckets than the model has");
+      float* sum_sq = clip_sums_ + clip_next_++;
+      launch_sum_of_squares(model_.grads() + offset, count, sum_sq, backend_.multiprocessors(), backend_.stream());
+      launch_clip_scale(model_.grads() + offset, count, sum_sq, clip_threshold_, backend_.multiprocessors(),
+                        backend_.stream());
+    }
+    if (!reduce_armed_) return;
     NOPAD_CHECK(next_bucket_ < bucket_ready_.size(), "GpuEngine: more gradient buckets than the model has");
     cudaEvent_t ev = bucket_ready_[next_bucket_++];
     NOPAD_CUDA_CHECK(cudaEventRecord(ev, backend_.stream()));
@@ -280,6 +309,14 @@ class GpuEngine final : public TrainEngine {
   std::vector<cudaEvent_t> bucket_ready_;    // one per gradient bucket: produced on the compute stream
   cudaEvent_t comm_done_ = nullptr;          // all buckets reduced
   size_t next_bucket_ = 0;                   // buckets started in this step
+  bool reduce_armed_ = false;                // this backward all-reduces its buckets as they are ready
+  // dist.clip = bucket: the threshold (0: off), the ranks, a device sum of squares per bucket, this backward's state
+  double bucket_clip_norm_ = 0;
+  int world_size_ = 1;
+  float* clip_sums_ = nullptr;
+  bool clip_armed_ = false;
+  size_t clip_next_ = 0;
+  float clip_threshold_ = 0;
   dist::Communicator* comm_ = nullptr;  // data parallel (after connect): the host communicator
   std::unique_ptr<NcclComm> nccl_;
   std::array<PendingStep, kMaxStepsInFlight + 1> steps_;
