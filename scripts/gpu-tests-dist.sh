@@ -6,7 +6,10 @@
 #      final checkpoint passed the trainer's check that both ranks hold identical weights;
 #   2. hang: one rank stopped (SIGSTOP) mid-run: the other ends the job with an error naming the timeout
 #      (dist.timeout_s = 15) within 60 s;
-#   3. death: one rank killed (SIGKILL) mid-run: the job ends within 60 s with the launcher's error.
+#   3. death: one rank killed (SIGKILL) mid-run: the job ends within 60 s with the launcher's error;
+#   1b. bucket-wise clipping (dist.clip = bucket): kernels vs CPU twin, 1 and 2 GPUs bound every bucket's norm;
+#   4. scaling of BERT-large (with .carry/): overlap, balancing, NCCL SM cap and bucket clipping variants.
+#   SKIP_FAULTS=1 skips 2 and 3 (~100 s).
 # Prints a pass/fail line per check; logs in $OUT (or out/gpu-dist). Usage: bash scripts/gpu-tests-dist.sh
 #   NOPAD_CMAKE_EXTRA="..."   extra CMake arguments (e.g. -DCMAKE_CUDA_ARCHITECTURES=90a-real)
 set -uo pipefail
@@ -77,6 +80,36 @@ grep -q "checkpoint" "$out/two.log" && ! grep -qi "differ" "$out/two.log" &&
   result "identical weights on both ranks at the final checkpoint: OK" ||
   { result "identical weights on both ranks: FAILED (see two.log)"; status=1; }
 
+step "1b. bucket-wise clipping (dist.clip = bucket): the kernels against their CPU twin, then 1 GPU and 2 GPUs"
+build-gpu/nopad_cuda_tests --gtest_filter='GradClip.*' > "$out/grad-clip.log" 2>&1 &&
+  result "GradClip kernels vs CPU twin: OK" || { result "GradClip kernels: FAILED (grad-clip.log)"; status=1; }
+# max_grad_norm far below every bucket's norm: one GPU must report max_grad_norm * sqrt(4 buckets) at every step;
+# two GPUs' summed buckets (each rank's share clipped to half) at most that.
+$NOPAD "${train_args[@]}" --set run_dir=$d/clip1 --set train.max_steps=10 --set dist.clip=bucket \
+  --set optim.max_grad_norm=0.0001 > "$out/clip1.log" 2>&1 || status=1
+mpirun -np 2 --bind-to none $NOPAD "${train_args[@]}" --set run_dir=$d/clip2 --set train.max_steps=10 \
+  --set dist.clip=bucket --set optim.max_grad_norm=0.0001 > "$out/clip2.log" 2>&1 || status=1
+python3 - $d/clip1/metrics.jsonl $d/clip2/metrics.jsonl <<'PY' | tee -a "$out/summary.txt" || status=1
+import json, sys
+def norms(p):
+    try:
+        return [json.loads(l)["grad_norm"] for l in open(p) if '"eval"' not in l]
+    except (OSError, KeyError):
+        return []
+one, two = norms(sys.argv[1]), norms(sys.argv[2])
+c, want = 1e-4, 2e-4  # bert-tiny: 4 gradient buckets
+problems = []
+if len(one) != 10 or len(two) != 10:
+    problems.append(f"steps logged: {len(one)} and {len(two)} (want 10 each)")
+if any(abs(n - want) > 1e-3 * want for n in one):
+    problems.append(f"1 GPU: gradient norms {one} (want {want} at every step)")
+if any(not (0.1 * c < n <= want * (1 + 1e-3)) for n in two):
+    problems.append(f"2 GPUs: gradient norms {two} (want within (1e-5, {want}])")
+print(f"bucket clipping: {'FAILED: ' + '; '.join(problems) if problems else 'OK'} (1 GPU {one[:2]}..., 2 GPUs "
+      f"{[round(n, 7) for n in two[:4]]}...)")
+sys.exit(1 if problems else 0)
+PY
+
 # Starts a long 2-rank run, waits for training steps, applies `signal` to rank 1, and checks that the job ends
 # within 60 s with a non-zero status and (when given) a message matching `pattern` in its log.
 fault() {
@@ -141,7 +174,8 @@ if [ -f .carry/enwiki-20150515-AA.txt.xz ]; then
   runs=("ov-cost:--set dist.overlap=true --set dist.balance=cost --set dist.cost_per_token_sq=0.00062"
         "ov-none:--set dist.overlap=true --set dist.balance=none"
         "noov-cost:--set dist.overlap=false --set dist.balance=cost --set dist.cost_per_token_sq=0.00062"
-        "ov-cost-4sm:--set dist.overlap=true --set dist.balance=cost --set dist.cost_per_token_sq=0.00062 --set dist.nccl_max_ctas=4")
+        "ov-cost-4sm:--set dist.overlap=true --set dist.balance=cost --set dist.cost_per_token_sq=0.00062 --set dist.nccl_max_ctas=4"
+        "ov-cost-bclip:--set dist.overlap=true --set dist.balance=cost --set dist.cost_per_token_sq=0.00062 --set dist.clip=bucket")
   for r in "${runs[@]}"; do
     name=${r%%:*}
     # shellcheck disable=SC2086
@@ -149,7 +183,7 @@ if [ -f .carry/enwiki-20150515-AA.txt.xz ]; then
       --set train.global_batch=$((64 * ngpu)) > "$out/large-$name.log" 2>&1 || status=1
   done
   python3 - $d/large1/metrics.jsonl "$ngpu" $d/large-ov-cost/metrics.jsonl $d/large-ov-none/metrics.jsonl \
-    $d/large-noov-cost/metrics.jsonl $d/large-ov-cost-4sm/metrics.jsonl <<'PY' |
+    $d/large-noov-cost/metrics.jsonl $d/large-ov-cost-4sm/metrics.jsonl $d/large-ov-cost-bclip/metrics.jsonl <<'PY' |
 import json, statistics, sys
 def lines(p):
     try:
@@ -164,7 +198,7 @@ base = med(one, "seq_per_s")
 print(f"1 GPU: {base:.1f} seq/s, compute {med(one, 'compute_ms'):.1f} ms/step (median of steps 6-30)")
 bad = not one
 names = ("overlap, cost balance", "overlap, no balance", "no overlap, cost balance",
-         "overlap with NCCL capped to 4 SMs, cost balance")
+         "overlap with NCCL capped to 4 SMs, cost balance", "overlap, cost balance, bucket-wise clipping")
 for name, path in zip(names, sys.argv[3:]):
     ls = lines(path)
     if not ls:
