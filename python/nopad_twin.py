@@ -28,7 +28,7 @@ TRAIN_DEFAULTS = {
     "train.precision": "auto", "train.loss_scale": "auto", "train.loss_scale_init": 65536.0,
     "train.loss_scale_window": 2000,
     "dist.balance": "cost", "dist.cost_per_token": 1.0, "dist.cost_per_token_sq": 0.0, "dist.overlap": True,
-    "dist.nccl_max_ctas": 0, "dist.timeout_s": 600.0,
+    "dist.nccl_max_ctas": 0, "dist.clip": "global", "dist.timeout_s": 600.0,
     "mllog.submission_org": "nopad", "mllog.submission_platform": "", "mllog.submission_division": "closed",
     "mllog.cache_clear": False, "mllog.stdout": False,
     "optim.name": "lamb", "optim.lr": 1e-3, "optim.beta1": 0.9, "optim.beta2": 0.999, "optim.eps": 1e-6,

@@ -449,6 +449,9 @@ def main(argv=None):
         init_nopad_law(model, layout, mc["initializer_range"], seed)
     model.to(device).train()
     params = dict(model.named_parameters())
+    if cfg["dist.clip"] != "global":
+        sys.exit(f"error: dist.clip = {cfg['dist.clip']} is not implemented by the twin (it clips the global norm, "
+                 "as LAMB does); use dist.clip = global")
     opt = Lamb([params[n] for n, _, _, _ in layout], [nd for _, _, _, nd in layout], cfg["optim.beta1"],
                cfg["optim.beta2"], cfg["optim.eps"], cfg["optim.weight_decay"], cfg["optim.max_grad_norm"])
     fwd = torch.compile(model, dynamic=True) if args.compile else model
