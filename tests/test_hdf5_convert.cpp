@@ -373,9 +373,21 @@ TEST(Hdf5Convert, ConvertsAllLayoutsIntoShards) {
   for ([[maybe_unused]] const auto& e : fs::directory_iterator(out)) ++entries;
   EXPECT_EQ(entries, shards.size() + 1);
 
-  // A second conversion into the same folder is refused rather than mixing datasets.
+  // A second conversion into the same folder is refused rather than mixing datasets, and changes nothing.
+  const std::string manifest_before = read_file(out / "dataset.json");
   EXPECT_NE(run_convert({dir / "a_fixed.hdf5"}, out, "", dir / "log2.txt"), 0);
   EXPECT_NE(read_file(dir / "log2.txt").find("already holds a dataset"), std::string::npos);
+  EXPECT_NE(read_file(dir / "log2.txt").find("--overwrite"), std::string::npos);
+  EXPECT_EQ(read_file(out / "dataset.json"), manifest_before);
+  EXPECT_EQ(list_shards(out).size(), shards.size());
+  // With --overwrite the folder then holds exactly the new dataset: the old shards beyond its count are gone.
+  ASSERT_EQ(run_convert({dir / "a_fixed.hdf5"}, out, "--overwrite --seqs-per-shard 1000", dir / "log3.txt"), 0)
+      << read_file(dir / "log3.txt");
+  const auto replaced = read_all_shards(out);
+  ASSERT_EQ(replaced.size(), fixed.size());
+  for (size_t i = 0; i < fixed.size(); ++i) expect_same(fixed[i], replaced[i], i);
+  EXPECT_EQ(list_shards(out).size(), 1u);
+  EXPECT_EQ(nlohmann::json::parse(read_file(out / "dataset.json"))["num_seqs"], fixed.size());
   fs::remove_all(dir);
 }
 

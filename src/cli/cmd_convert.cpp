@@ -30,6 +30,7 @@ constexpr const char* kDefaultVocab = "data/vocab/bert-uncased-vocab.txt";
 struct ConvertOptions {
   std::vector<std::string> inputs;
   std::string output;
+  bool overwrite = false;
   std::string vocab;
   int64_t seqs_per_shard = 65536;
   int threads = 0;
@@ -71,11 +72,15 @@ void run_convert(const ConvertOptions& opt) {
 
   const fs::path out_dir(opt.output);
   nopad::ensure_writable_dir(out_dir);
-  // Refuse to mix with an existing dataset: its shards would silently join this one.
+  // An existing dataset is never mixed with this one: refused, or with --overwrite replaced once the new one is
+  // complete (until then it stays as it was).
+  std::vector<fs::path> stale;
   for (const auto& e : fs::directory_iterator(out_dir))
     if (e.path().extension() == nopad::kShardExtension || e.path().filename() == "dataset.json")
-      fail("output folder ", out_dir.string(), " already holds a dataset (", e.path().filename().string(),
-           "): choose an empty folder or remove its shards and dataset.json first");
+      stale.push_back(e.path());
+  if (!stale.empty() && !opt.overwrite)
+    fail("output folder ", out_dir.string(), " already holds a dataset (", stale.front().filename().string(),
+         "): pass --overwrite to replace it, or choose an empty folder");
 
   StagingDir staging{out_dir / (".convert-staging-" + std::to_string(::getpid()))};
   fs::remove_all(staging.path);
@@ -132,7 +137,13 @@ void run_convert(const ConvertOptions& opt) {
   progress.finish();
   NOPAD_CHECK(num_seqs > 0, "the inputs hold no sequences; nothing to convert");
 
-  // Everything converted: move the shards into place, then write the manifest that marks the dataset complete.
+  // Everything converted: the old manifest goes first (a dataset without one is incomplete, never a mix), then the
+  // old shards; the new shards move into place, then the manifest that marks the dataset complete.
+  if (!stale.empty()) {
+    fs::remove(out_dir / "dataset.json");
+    nopad::fsync_dir(out_dir);
+    for (const fs::path& p : stale) fs::remove(p);
+  }
   for (const std::string& name : shard_names) fs::rename(staging.path / name, out_dir / name);
   nopad::fsync_dir(out_dir);
   const nlohmann::json manifest = {
@@ -161,6 +172,8 @@ void setup(CLI::App& sub) {
                                             " when it exists)");
   sub.add_option("--seqs-per-shard", opt->seqs_per_shard, "sequences per shard")->default_val(65536);
   sub.add_option("--threads", opt->threads, "input files read at once (default: cores, at most 8)");
+  sub.add_flag("--overwrite", opt->overwrite,
+               "replace a dataset already in --output (it stays untouched until the new one is complete)");
   sub.callback([opt] { run_convert(*opt); });
 }
 
