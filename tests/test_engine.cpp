@@ -38,6 +38,16 @@ struct EngineFixtureData {
     model = dir / "model.json";
     std::ofstream(model) << j.dump(2);
   }
+  // A one-thread CPU engine for batches of 4 sequences of this data.
+  EngineOptions engine_options() const {
+    EngineOptions o;
+    o.config = BertConfig::from_file(model);
+    o.max_tokens = 4 * kMaxLen;
+    o.max_seqs = 4;
+    o.max_masked = 4 * kMaxLen;
+    o.threads = 1;
+    return o;
+  }
   std::string config(const fs::path& run, const std::string& extra) const {
     std::ostringstream s;
     s << "run_dir = \"" << run.string() << "\"\n"
@@ -105,12 +115,7 @@ TEST(Engine, CpuTrainerMatchesThePlainCpuLoopExactly) {
 
 TEST(Engine, CpuEngineOptimizerStateRoundTrips) {
   const EngineFixtureData s;
-  EngineOptions o;
-  o.config = BertConfig::from_file(s.model);
-  o.max_tokens = 4 * kMaxLen;
-  o.max_seqs = 4;
-  o.max_masked = 4 * kMaxLen;
-  o.threads = 1;
+  EngineOptions o = s.engine_options();
   auto a = make_cpu_engine(o), b = make_cpu_engine(o);
   EXPECT_NE(a->device_name().find("cpu (1 threads)"), std::string::npos) << a->device_name();
   a->init_params(5);
@@ -178,12 +183,7 @@ TEST(Engine, ModelResultsAreReadByTicket) {
 // Steps are ended without waiting and read back later, oldest first; a step with a non-finite loss is not applied.
 TEST(Engine, StepsAreReadBackInOrderAndAtMostTwoUnread) {
   const EngineFixtureData s;
-  EngineOptions o;
-  o.config = BertConfig::from_file(s.model);
-  o.max_tokens = 4 * kMaxLen;
-  o.max_seqs = 4;
-  o.max_masked = 4 * kMaxLen;
-  o.threads = 1;
+  EngineOptions o = s.engine_options();
   auto e = make_cpu_engine(o);
   e->init_params(5);
   const Dataset ds(s.data);
@@ -239,12 +239,7 @@ TEST(Engine, DeviceKeyIsResolvedOrRefusedClearly) {
 // changes nothing at all (bitwise the unclipped update).
 TEST(Engine, BucketClippingScalesEachBucketOfTheStep) {
   const EngineFixtureData s;
-  EngineOptions o;
-  o.config = BertConfig::from_file(s.model);
-  o.max_tokens = 4 * kMaxLen;
-  o.max_seqs = 4;
-  o.max_masked = 4 * kMaxLen;
-  o.threads = 1;
+  EngineOptions o = s.engine_options();
   o.optim.max_grad_norm = 0;  // the trainer turns LAMB's clipping off with dist.clip = bucket
   ops::CpuBackend<ops::CpuF32> backend(1);
   const BertModel<ops::CpuF32> shape(o.config, backend, o.max_tokens, o.max_seqs, o.max_masked);

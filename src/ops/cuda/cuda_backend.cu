@@ -743,10 +743,8 @@ void CudaBackendT<P>::attention_backward(const A* d_ctx, const A* qkv, const A* 
 template <class P>
 bool CudaBackendT<P>::plan_attention_launches(const ops::SeqView& seqs) {
   if (attn_schedule_.mode == ops::AttentionMode::kSingle || seqs.by_length == nullptr ||
-      seqs.host_by_length == nullptr || seqs.host_cu_seqlens == nullptr) {
-    attn_plan_ = ops::AttentionPlan{};
+      seqs.host_by_length == nullptr || seqs.host_cu_seqlens == nullptr)
     return false;
-  }
   ops::plan_attention(seqs.host_cu_seqlens, seqs.host_by_length, seqs.num_seqs, attn_schedule_, attn_plan_);
   return true;
 }

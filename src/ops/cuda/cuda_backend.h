@@ -79,8 +79,6 @@ class CudaBackendT final : public ops::Backend<P> {
   // from attention_schedule_from_env()). Setup time only: not while work of a step is being enqueued.
   void set_attention_schedule(const ops::AttentionSchedule& s);
   const ops::AttentionSchedule& attention_schedule() const { return attn_schedule_; }
-  // The plan of the last attention call (for tests and the benchmark).
-  const ops::AttentionPlan& last_attention_plan() const { return attn_plan_; }
 
   // Per-op GPU timing (the benchmark's breakdown). When on, each public op is bracketed by two events on stream()
   // from a grow-only pool; an op called from inside another counts towards the outer one. When off: one branch.
@@ -151,7 +149,8 @@ class CudaBackendT final : public ops::Backend<P> {
   size_t allocated_bytes_ = 0;
   cudaStream_t stream_ = nullptr;
   std::unique_ptr<LtGemm> gemm_;
-  // Grouped attention: the schedule, side streams made once (the most a schedule may ask for), the last plan.
+  // Grouped attention: the schedule, side streams made once (the most a schedule may ask for), the plan of the
+  // current call (a member so that planning allocates nothing).
   ops::AttentionSchedule attn_schedule_;
   std::unique_ptr<FmhaStreams> attn_streams_;
   ops::AttentionPlan attn_plan_;

@@ -96,14 +96,6 @@ class FmhaStreams {
   cudaEvent_t join_[ops::AttentionSchedule::kMaxStreams] = {};
 };
 
-// Kernel variants per length for grouped launches: entry min(ceil(max_seqlen / 64), 8) - 1 of a group's longest
-// sequence. An entry >= 0 is used unless the FmhaParams field is set (>= 0); -1 leaves the usual choice (FmhaParams
-// field, environment, default).
-struct FmhaGroupVariants {
-  int8_t fwd[8] = {-1, -1, -1, -1, -1, -1, -1, -1};
-  int8_t bwd[8] = {-1, -1, -1, -1, -1, -1, -1, -1};
-};
-
 // Runs a plan's launches: group g covers the sequences order[g.begin .. g.begin + g.count) (plan.uses_order; order is
 // the device copy of the length order the plan was cut from) or the whole batch in batch order (kSingle), with the
 // group's max_seqlen, on stream g.stream (0 = `stream`). Everything is ordered after the work enqueued on `stream`
@@ -111,8 +103,8 @@ struct FmhaGroupVariants {
 // num_launch_seqs and max_seqlen are replaced per launch; its other fields are as for fmha_forward / fmha_backward
 // (the backward's launches share p.workspace: they touch disjoint rows of it).
 void fmha_forward_planned(const FmhaParams& p, const int32_t* order, const ops::AttentionPlan& plan,
-                          FmhaStreams& streams, cudaStream_t stream, const FmhaGroupVariants* variants = nullptr);
+                          FmhaStreams& streams, cudaStream_t stream);
 void fmha_backward_planned(const FmhaParams& p, const int32_t* order, const ops::AttentionPlan& plan,
-                           FmhaStreams& streams, cudaStream_t stream, const FmhaGroupVariants* variants = nullptr);
+                           FmhaStreams& streams, cudaStream_t stream);
 
 }  // namespace nopad::cuda

@@ -1,7 +1,5 @@
 // Grouped multi-stream FMHA launches (fmha.h, docs/fmha.md "Grouping"): one fmha_forward / fmha_backward per group of
 // an ops::AttentionPlan, on streams forked from the caller's stream and joined back to it with events. Host code only.
-#include <algorithm>
-
 #include "core/error.h"
 #include "ops/cuda/check.h"
 #include "ops/cuda/fmha.h"
@@ -43,11 +41,9 @@ void FmhaStreams::join(cudaStream_t stream, int n) {
 
 namespace {
 
-int group_entry(int32_t max_seqlen) { return std::clamp((max_seqlen + 63) / 64, 1, 8) - 1; }
-
 template <class Launch>
 void run_planned(const FmhaParams& p, const int32_t* order, const ops::AttentionPlan& plan, FmhaStreams& streams,
-                 cudaStream_t stream, const int8_t* variant_by_length, int32_t FmhaParams::*variant, Launch launch) {
+                 cudaStream_t stream, Launch launch) {
   NOPAD_CHECK(plan.num_groups >= 0 && plan.num_groups <= ops::AttentionPlan::kMaxGroups,
               "fmha planned launch: bad plan (", plan.num_groups, " groups)");
   NOPAD_CHECK(plan.num_streams <= streams.count(), "fmha planned launch: the plan uses ", plan.num_streams,
@@ -57,18 +53,9 @@ void run_planned(const FmhaParams& p, const int32_t* order, const ops::Attention
   for (int i = 0; i < plan.num_groups; ++i) {
     const ops::AttentionGroup& g = plan.groups[i];
     FmhaParams q = p;
-    if (plan.uses_order) {
-      q.seq_index = order + g.begin;
-      q.num_launch_seqs = g.count;
-    } else {
-      q.seq_index = nullptr;
-      q.num_launch_seqs = p.num_seqs;
-    }
+    q.seq_index = plan.uses_order ? order + g.begin : nullptr;
+    q.num_launch_seqs = plan.uses_order ? g.count : p.num_seqs;
     q.max_seqlen = g.max_seqlen;
-    if (variant_by_length != nullptr && q.*variant < 0) {
-      const int v = variant_by_length[group_entry(g.max_seqlen)];
-      if (v >= 0) q.*variant = v;
-    }
     launch(q, streams.get(g.stream, stream));
   }
   streams.join(stream, plan.num_streams);
@@ -77,15 +64,13 @@ void run_planned(const FmhaParams& p, const int32_t* order, const ops::Attention
 }  // namespace
 
 void fmha_forward_planned(const FmhaParams& p, const int32_t* order, const ops::AttentionPlan& plan,
-                          FmhaStreams& streams, cudaStream_t stream, const FmhaGroupVariants* variants) {
-  run_planned(p, order, plan, streams, stream, variants != nullptr ? variants->fwd : nullptr,
-              &FmhaParams::fwd_variant, [](const FmhaParams& q, cudaStream_t s) { fmha_forward(q, s); });
+                          FmhaStreams& streams, cudaStream_t stream) {
+  run_planned(p, order, plan, streams, stream, [](const FmhaParams& q, cudaStream_t s) { fmha_forward(q, s); });
 }
 
 void fmha_backward_planned(const FmhaParams& p, const int32_t* order, const ops::AttentionPlan& plan,
-                           FmhaStreams& streams, cudaStream_t stream, const FmhaGroupVariants* variants) {
-  run_planned(p, order, plan, streams, stream, variants != nullptr ? variants->bwd : nullptr,
-              &FmhaParams::bwd_variant, [](const FmhaParams& q, cudaStream_t s) { fmha_backward(q, s); });
+                           FmhaStreams& streams, cudaStream_t stream) {
+  run_planned(p, order, plan, streams, stream, [](const FmhaParams& q, cudaStream_t s) { fmha_backward(q, s); });
 }
 
 }  // namespace nopad::cuda

@@ -71,10 +71,11 @@ class GpuEngine final : public TrainEngine {
       views.push_back({t.name, host_params_.data() + t.offset, host_params_.data() + t.offset, t.numel,
                        t.no_weight_decay});
     mirror_ = make_optimizer("lamb", std::move(views), o.optim);
-    if (bucket_clip_norm_ > 0) {  // dist.clip = bucket: one device sum of squares per gradient bucket
+    // dist.clip = bucket: one device sum of squares per gradient bucket. The model calls the hook only while it is
+    // armed (micro_step: clipping or a data-parallel all-reduce on the step's last micro-batch).
+    if (bucket_clip_norm_ > 0)
       clip_sums_ = static_cast<float*>(backend_.allocate_bytes(sizeof(float) * model_.grad_buckets().size()));
-      model_.set_grad_ready_hook([this](size_t offset, size_t count) { on_bucket_ready(offset, count); });
-    }
+    model_.set_grad_ready_hook([this](size_t offset, size_t count) { on_bucket_ready(offset, count); });
     cudaDeviceProp prop{};
     NOPAD_CUDA_CHECK(cudaGetDeviceProperties(&prop, backend_.device()));
     name_ = std::string("cuda (") + prop.name + ")";
@@ -154,7 +155,6 @@ class GpuEngine final : public TrainEngine {
     bucket_ready_.assign(model_.grad_buckets().size(), nullptr);
     for (cudaEvent_t& e : bucket_ready_) NOPAD_CUDA_CHECK(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
     NOPAD_CUDA_CHECK(cudaEventCreateWithFlags(&comm_done_, cudaEventDisableTiming));
-    model_.set_grad_ready_hook([this](size_t offset, size_t count) { on_bucket_ready(offset, count); });
   }
   // The gradients' sum over the ranks. Overlapped: the buckets' all-reduces were enqueued during the last backward
   // on the communication stream; the compute stream now waits for them. Otherwise (overlap off, or a rank with no
