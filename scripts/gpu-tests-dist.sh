@@ -8,6 +8,7 @@
 #      (dist.timeout_s = 15) within 60 s;
 #   3. death: one rank killed (SIGKILL) mid-run: the job ends within 60 s with the launcher's error;
 #   1b. bucket-wise clipping (dist.clip = bucket): kernels vs CPU twin, 1 and 2 GPUs bound every bucket's norm;
+#   1c. bf16 gradient reduction (dist.reduce = bf16): kernels vs CPU twin, 2 GPUs vs 1 GPU loss for loss;
 #   4. scaling of BERT-large (with .carry/): overlap, balancing, NCCL SM cap and bucket clipping variants.
 #   SKIP_FAULTS=1 skips 2 and 3 (~100 s).
 # Prints a pass/fail line per check; logs in $OUT (or out/gpu-dist). Usage: bash scripts/gpu-tests-dist.sh
@@ -153,6 +154,29 @@ if [ "${SKIP_FAULTS:-0}" != 1 ]; then
   fault death KILL "signal 9|Killed|exited on signal|NCCL|non-zero"
 fi
 
+step "1c. bf16 gradient reduction (dist.reduce = bf16): the conversions and a one-rank NCCL bf16 sum, then 2 GPUs"
+build-gpu/nopad_cuda_tests --gtest_filter='GradCast.*' > "$out/grad-cast.log" 2>&1 &&
+  result "GradCast kernels vs CPU twin, one-rank NCCL bf16 all-reduce: OK" ||
+  { result "GradCast: FAILED (grad-cast.log)"; status=1; }
+mpirun -np 2 --bind-to none $NOPAD "${train_args[@]}" --set run_dir=$d/two-bf16 --set train.max_steps=20 \
+  --set dist.reduce=bf16 > "$out/two-bf16.log" 2>&1 || status=1
+python3 - $d/one/metrics.jsonl $d/two-bf16/metrics.jsonl <<'PY' | tee -a "$out/summary.txt" || status=1
+import json, sys
+def losses(p):
+    try:
+        return [json.loads(l)["loss"] for l in open(p) if '"eval"' not in l]
+    except (OSError, KeyError):
+        return []
+one, two = losses(sys.argv[1]), losses(sys.argv[2])
+ok = len(one) == 20 and len(two) == 20
+worst = max((abs(a - b) for a, b in zip(one, two)), default=float("nan"))
+ok = ok and worst <= 0.05  # the fp32-reduced pair's bound (step 1), bf16 rounding of the gradients added
+print(f"bf16 reduction, 2 GPUs vs 1: {'OK' if ok else 'FAILED'} ({len(two)} steps, largest per-step loss difference "
+      f"{worst:.4g}; step 20 {one[-1] if one else None} vs {two[-1] if two else None})")
+sys.exit(0 if ok else 1)
+PY
+grep -q "gradients summed in bf16" "$out/two-bf16.log" || { result "bf16 reduction not announced: FAILED"; status=1; }
+
 # 4. Scaling (when .carry/ holds the Wikipedia text): BERT-large, 64 sequences per GPU of real phase-2 lengths, one
 # GPU vs all of them; per-GPU sequences/s from metrics.jsonl (median over steps 6..30). NCCL all-reduce not yet
 # overlapped with backward, so the gap is the exposed all-reduce (~1.3 GB of fp32 gradients per step).
@@ -175,7 +199,8 @@ if [ -f .carry/enwiki-20150515-AA.txt.xz ]; then
         "ov-none:--set dist.overlap=true --set dist.balance=none"
         "noov-cost:--set dist.overlap=false --set dist.balance=cost --set dist.cost_per_token_sq=0.00062"
         "ov-cost-4sm:--set dist.overlap=true --set dist.balance=cost --set dist.cost_per_token_sq=0.00062 --set dist.nccl_max_ctas=4"
-        "ov-cost-bclip:--set dist.overlap=true --set dist.balance=cost --set dist.cost_per_token_sq=0.00062 --set dist.clip=bucket")
+        "ov-cost-bclip:--set dist.overlap=true --set dist.balance=cost --set dist.cost_per_token_sq=0.00062 --set dist.clip=bucket"
+        "ov-cost-bf16:--set dist.overlap=true --set dist.balance=cost --set dist.cost_per_token_sq=0.00062 --set dist.reduce=bf16")
   for r in "${runs[@]}"; do
     name=${r%%:*}
     # shellcheck disable=SC2086
@@ -183,7 +208,8 @@ if [ -f .carry/enwiki-20150515-AA.txt.xz ]; then
       --set train.global_batch=$((64 * ngpu)) > "$out/large-$name.log" 2>&1 || status=1
   done
   python3 - $d/large1/metrics.jsonl "$ngpu" $d/large-ov-cost/metrics.jsonl $d/large-ov-none/metrics.jsonl \
-    $d/large-noov-cost/metrics.jsonl $d/large-ov-cost-4sm/metrics.jsonl $d/large-ov-cost-bclip/metrics.jsonl <<'PY' |
+    $d/large-noov-cost/metrics.jsonl $d/large-ov-cost-4sm/metrics.jsonl $d/large-ov-cost-bclip/metrics.jsonl \
+    $d/large-ov-cost-bf16/metrics.jsonl <<'PY' |
 import json, statistics, sys
 def lines(p):
     try:
@@ -198,7 +224,8 @@ base = med(one, "seq_per_s")
 print(f"1 GPU: {base:.1f} seq/s, compute {med(one, 'compute_ms'):.1f} ms/step (median of steps 6-30)")
 bad = not one
 names = ("overlap, cost balance", "overlap, no balance", "no overlap, cost balance",
-         "overlap with NCCL capped to 4 SMs, cost balance", "overlap, cost balance, bucket-wise clipping")
+         "overlap with NCCL capped to 4 SMs, cost balance", "overlap, cost balance, bucket-wise clipping",
+         "overlap, cost balance, bf16 gradient reduction")
 for name, path in zip(names, sys.argv[3:]):
     ls = lines(path)
     if not ls:

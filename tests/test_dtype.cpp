@@ -199,5 +199,27 @@ TEST(Dtype, ConvertBetweenStorageTypes) {
   static_assert(sizeof(bf16) == 2 && sizeof(f16) == 2);
 }
 
+// round_to_bf16 (the bf16 gradient reduction's rounding): in place, nearest even, inf and NaN kept, and the result
+// is a fixed point (rounding twice changes nothing).
+TEST(Dtype, RoundToBf16InPlace) {
+  float x[] = {1.0f + 1.0f / 256, 1.0f + 3.0f / 256, -1.0f - 1.0f / 512, 3.4028235e38f,
+               std::numeric_limits<float>::infinity(), std::numeric_limits<float>::quiet_NaN(), 0.1f, -0.0f};
+  round_to_bf16(x, std::size(x));
+  EXPECT_EQ(x[0], 1.0f);                     // tie -> even
+  EXPECT_EQ(x[1], 1.0f + 4.0f / 256);        // tie -> even (up)
+  EXPECT_EQ(x[2], -1.0f);                    // below half an ulp
+  EXPECT_TRUE(std::isinf(x[3]) && x[3] > 0);  // beyond the largest bf16
+  EXPECT_TRUE(std::isinf(x[4]));
+  EXPECT_TRUE(std::isnan(x[5]));
+  EXPECT_EQ(x[6], to_float(to_bf16(0.1f)));
+  EXPECT_NE(x[6], 0.1f);
+  EXPECT_TRUE(x[7] == 0.0f && std::signbit(x[7]));
+  float again[std::size(x)];
+  std::memcpy(again, x, sizeof x);
+  round_to_bf16(again, std::size(again));
+  for (size_t i = 0; i + 1 < std::size(x); ++i)
+    if (!std::isnan(x[i])) EXPECT_EQ(again[i], x[i]) << i;
+}
+
 }  // namespace
 }  // namespace nopad

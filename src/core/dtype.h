@@ -2,6 +2,7 @@
 // layout-identical to CUDA's __nv_bfloat16 and __half (16 bits), so device code reinterprets them. Conversions here
 // round to nearest, ties to even, as the hardware does; NaN stays NaN.
 #pragma once
+#include <cstddef>
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
@@ -89,6 +90,12 @@ inline To convert(From x) {
   } else {
     return static_cast<To>(x);
   }
+}
+
+// x[i] = float(bf16(x[i])) for i < n: the bf16 gradient reduction's rounding (dist.reduce = bf16), the CPU twin of
+// ops/cuda/grad_cast.h.
+inline void round_to_bf16(float* x, size_t n) {
+  for (size_t i = 0; i < n; ++i) x[i] = to_float(to_bf16(x[i]));
 }
 
 }  // namespace nopad

@@ -8,6 +8,7 @@
 #include <span>
 #include <limits>
 
+#include "core/dtype.h"
 #include "core/error.h"
 #include "optim/clip.h"
 #include "ops/cpu/cpu_backend.h"
@@ -25,7 +26,8 @@ class CpuEngine final : public TrainEngine {
       : backend_(o.threads),
         model_(o.config, backend_, o.max_tokens, o.max_seqs, o.max_masked),
         bucket_clip_norm_(o.bucket_clip_norm),
-        world_size_(std::max(1, o.world_size)) {
+        world_size_(std::max(1, o.world_size)),
+        reduce_bf16_(o.reduce_bf16) {
     std::vector<ParamView> views;
     for (const ParamTensor& t : model_.layout().tensors())
       views.push_back({t.name, model_.params() + t.offset, model_.grads() + t.offset, t.numel, t.no_weight_decay});
@@ -81,7 +83,15 @@ class CpuEngine final : public TrainEngine {
     r.nsp_correct = counts[2];
     r.nsp_count = counts[3];
     finite_ = counts[4] == 0;
-    if (finite_) comm.all_reduce_sum(std::span<float>(model_.grads(), model_.num_params()));
+    if (finite_) {
+      float* g = model_.grads();
+      const size_t n = model_.num_params();
+      // dist.reduce = bf16: what the GPUs' bf16 NCCL all-reduce computes for two ranks exactly (each share rounded,
+      // the fp32 sum rounded); NCCL also rounds the partial sums of more ranks.
+      if (reduce_bf16_) round_to_bf16(g, n);
+      comm.all_reduce_sum(std::span<float>(g, n));
+      if (reduce_bf16_) round_to_bf16(g, n);
+    }
     current_.reduce_ms = ms_since(reduce_start);
   }
   void optimizer_step(double lr, double grad_scale) override {
@@ -119,6 +129,7 @@ class CpuEngine final : public TrainEngine {
   StepOutcome current_;
   double bucket_clip_norm_ = 0;
   int world_size_ = 1;
+  bool reduce_bf16_ = false;  // dist.reduce = bf16
   bool finite_ = true;
   using Clock = std::chrono::steady_clock;
   static double ms_since(Clock::time_point t) {

@@ -52,6 +52,9 @@ struct EngineOptions {
   // scale). The optimizer's own clipping (optim.max_grad_norm) is then 0.
   double bucket_clip_norm = 0;
   int world_size = 1;
+  // dist.reduce = bf16: the gradient sum over the ranks is taken in bf16 (half the bytes on the wire): each rank's
+  // gradient is rounded to bf16, summed, and the sum rounded to bf16 (round_to_bf16, core/dtype.h); false: fp32.
+  bool reduce_bf16 = false;
 };
 
 // What finish_step() returns for one step.

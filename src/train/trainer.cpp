@@ -60,6 +60,8 @@ ConfigSchema train_config_schema() {
         "summed gradients) or bucket (each gradient bucket, one per encoder layer, is clipped as soon as backward has "
         "produced it, before its all-reduce: each rank scales its share to max_grad_norm / ranks, so every summed "
         "bucket's norm is at most max_grad_norm; docs/distributed.md)");
+  s.add("dist.reduce", "fp32", "data parallelism: the precision of the gradient all-reduce: fp32, or bf16 (each "
+        "rank's gradients rounded to bf16 and summed in bf16: half the bytes on the wire, ~3 significant digits)");
   s.add("dist.timeout_s", 600.0, "data parallelism: a rank that makes no progress for this long (a peer rank died or "
         "hangs in a collective) stops the job with an error naming it (0 = wait forever)");
   s.add("mllog.submission_org", "nopad", "MLPerf log (run_dir/mllog.txt): submission_org");
@@ -517,6 +519,11 @@ void Trainer::Impl::setup() {
       eo.optim.max_grad_norm = 0;  // the buckets are clipped instead of the global norm
     }
   }
+  {
+    const std::string reduce = cfg.get_string("dist.reduce");
+    NOPAD_CHECK(reduce == "fp32" || reduce == "bf16", "dist.reduce must be fp32 or bf16, got \"", reduce, "\"");
+    eo.reduce_bf16 = reduce == "bf16";
+  }
   engine = make_engine(device, eo);
   if (rank_info.distributed()) {
     engine->connect(*comm);  // the device collective (GPU: NCCL), bootstrapped over the host communicator
@@ -532,8 +539,9 @@ void Trainer::Impl::setup() {
                  device_note.empty() ? "" : (" (train.device auto: " + device_note + ")").c_str());
     if (rank_info.distributed())
       std::fprintf(stderr, "data parallel: %d ranks (%s, %s), dist.balance %s, up to %lld sequences per rank and "
-                   "step\n", comm->size(), rank_info.launcher.c_str(), comm->name().c_str(),
-                   dist::balance_mode_name(balance), static_cast<long long>(rank_batch));
+                   "step, gradients summed in %s\n", comm->size(), rank_info.launcher.c_str(), comm->name().c_str(),
+                   dist::balance_mode_name(balance), static_cast<long long>(rank_batch),
+                   eo.reduce_bf16 ? "bf16" : "fp32");
   }
   reserve_batch(micro, cap_tokens, static_cast<size_t>(micro_batch), cap_masked);
 

@@ -21,6 +21,7 @@
 #include "dist/comm.h"
 #include "model/bert.h"
 #include "ops/cpu/cpu_backend.h"
+#include "train/engine.h"
 #include "support/batches.h"
 
 namespace nopad::dist {
@@ -193,6 +194,70 @@ TEST(Mpi, DataParallelEqualsOneProcessStratified) {
   expect_data_parallel_equals_one_process(BalanceMode::kStratified);
 }
 TEST(Mpi, DataParallelEqualsOneProcessCostBalanced) { expect_data_parallel_equals_one_process(BalanceMode::kCost); }
+
+// dist.reduce = bf16 through the CPU engine: the same step on every rank's share with fp32 and with bf16 reduction.
+// The bf16 sum is the rounding of the fp32 sum of rounded shares, so the gradient norm agrees with fp32's to a few
+// bf16 ulps but not bit for bit (the rounding happened), and every rank ends with the same weights.
+TEST(Mpi, Bf16GradientReductionRoundsAndKeepsRanksIdentical) {
+  Communicator& c = *g_comm;
+  const BertConfig cfg = test_support::small_config();
+  const std::vector<int> lengths = {9, 3, 12, 5, 1, 7, 11, 2, 8, 6, 10, 4};
+  std::vector<uint64_t> ids(lengths.size());
+  std::iota(ids.begin(), ids.end(), 2000);
+  const HostBatch full = test_support::make_batch(lengths, ids, cfg.vocab_size, 78);
+  std::vector<int32_t> lens32(lengths.begin(), lengths.end());
+  BalancePlan plan;
+  plan_balance(lens32, c.size(), BalanceMode::kCost, CostModel{}, 0, plan);
+  std::vector<int> mine;
+  for (size_t i = 0; i < lengths.size(); ++i)
+    if (plan.rank_of[i] == c.rank()) mine.push_back(static_cast<int>(i));
+  const HostBatch part = test_support::select_batch(full, mine);
+  const LossDenominators denoms{static_cast<double>(full.num_masked()), static_cast<double>(full.num_seqs())};
+
+  auto run = [&](bool bf16, std::vector<float>& weights) {
+    EngineOptions o;
+    o.config = cfg;
+    o.max_tokens = 128;
+    o.max_seqs = 12;
+    o.max_masked = 64;
+    o.threads = 1;
+    o.world_size = c.size();
+    o.reduce_bf16 = bf16;
+    auto e = make_cpu_engine(o);
+    e->init_params(5);
+    e->connect(c);
+    e->zero_grad();
+    if (!mine.empty()) e->micro_step(part, 3, 0, denoms);
+    e->reduce_gradients(c);
+    e->optimizer_step(1e-2, 1.0);
+    const StepOutcome out = e->finish_step();
+    e->get_params(weights);
+    return out;
+  };
+  std::vector<float> w32, w16;
+  const StepOutcome o32 = run(false, w32), o16 = run(true, w16);
+  ASSERT_FALSE(o32.stats.skipped);
+  ASSERT_FALSE(o16.stats.skipped);
+  const double n32 = o32.stats.grad_norm, n16 = o16.stats.grad_norm;
+  ASSERT_GT(n32, 0.0);
+  EXPECT_NEAR(n16, n32, n32 / 64) << "bf16 has 8 significant bits";
+  EXPECT_NE(n16, n32) << "the bf16 reduction left the gradients as they were";
+  EXPECT_NEAR(o16.result.loss, o32.result.loss, 1e-12 * std::fabs(o32.result.loss)) << "the forward is the same";
+  // Same bits on every rank: all-gather a hash of the weights.
+  const uint64_t h = hash_bytes(std::span<const uint8_t>(reinterpret_cast<const uint8_t*>(w16.data()),
+                                                         w16.size() * sizeof(float)));
+  std::vector<uint8_t> all(sizeof h * static_cast<size_t>(c.size()));
+  c.all_gather(std::span<const uint8_t>(reinterpret_cast<const uint8_t*>(&h), sizeof h), all);
+  for (int r = 0; r < c.size(); ++r)
+    EXPECT_EQ(0, std::memcmp(all.data() + sizeof h * static_cast<size_t>(r), &h, sizeof h)) << "rank " << r;
+  double max_diff = 0, max_w = 0;
+  for (size_t i = 0; i < w32.size(); ++i) {
+    max_diff = std::max(max_diff, std::fabs(static_cast<double>(w16[i]) - w32[i]));
+    max_w = std::max(max_w, std::fabs(static_cast<double>(w32[i])));
+  }
+  EXPECT_GT(max_diff, 0.0) << "the update did not see the rounding";
+  EXPECT_LT(max_diff, 1e-2 * max_w);
+}
 
 }  // namespace
 }  // namespace nopad::dist

@@ -17,6 +17,7 @@
 #include "model/params.h"
 #include "ops/cuda/check.h"
 #include "ops/cuda/cuda_backend.h"
+#include "ops/cuda/grad_cast.h"
 #include "ops/cuda/grad_clip.h"
 #include "ops/cuda/lamb.h"
 #include "ops/cuda/nccl_comm.h"
@@ -55,7 +56,8 @@ class GpuEngine final : public TrainEngine {
         overlap_(o.overlap_grad_reduce),
         nccl_max_ctas_(o.nccl_max_ctas),
         bucket_clip_norm_(o.bucket_clip_norm),
-        world_size_(std::max(1, o.world_size)) {
+        world_size_(std::max(1, o.world_size)),
+        reduce_bf16_(o.reduce_bf16) {
     // Room for every result of the unread steps, the step being built and a few evaluation forwards.
     model_.set_result_capacity(static_cast<size_t>(kMaxStepsInFlight + 1) * micro_per_step_ + 4);
     for (PendingStep& p : steps_) {
@@ -85,6 +87,7 @@ class GpuEngine final : public TrainEngine {
     if (comm_stream_) (void)cudaStreamSynchronize(comm_stream_);
     nccl_.reset();
     if (clip_sums_) backend_.free_bytes(clip_sums_);
+    if (grads16_) backend_.free_bytes(grads16_);
     for (cudaEvent_t e : bucket_ready_) (void)cudaEventDestroy(e);
     if (comm_done_) (void)cudaEventDestroy(comm_done_);
     if (comm_stream_) (void)cudaStreamDestroy(comm_stream_);
@@ -155,6 +158,8 @@ class GpuEngine final : public TrainEngine {
     bucket_ready_.assign(model_.grad_buckets().size(), nullptr);
     for (cudaEvent_t& e : bucket_ready_) NOPAD_CUDA_CHECK(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
     NOPAD_CUDA_CHECK(cudaEventCreateWithFlags(&comm_done_, cudaEventDisableTiming));
+    // dist.reduce = bf16: a bf16 staging copy of the whole gradient buffer, so every bucket has its own slice.
+    if (reduce_bf16_) grads16_ = static_cast<bf16*>(backend_.allocate_bytes(sizeof(bf16) * model_.num_params()));
   }
   // The gradients' sum over the ranks. Overlapped: the buckets' all-reduces were enqueued during the last backward
   // on the communication stream; the compute stream now waits for them. Otherwise (overlap off, or a rank with no
@@ -165,8 +170,7 @@ class GpuEngine final : public TrainEngine {
     NOPAD_CHECK(nccl_ != nullptr && comm_ == &comm, "GpuEngine::reduce_gradients before connect()");
     const auto& buckets = model_.grad_buckets();
     if (next_bucket_ == 0) {
-      for (const auto& [offset, count] : buckets)
-        nccl_->all_reduce_sum(model_.grads() + offset, count, backend_.stream());
+      for (const auto& [offset, count] : buckets) reduce_bucket(offset, count, backend_.stream());
     } else {
       NOPAD_CHECK(next_bucket_ == buckets.size(), "GpuEngine: ", next_bucket_, " of ", buckets.size(),
                   " gradient buckets were reduced during backward");
@@ -289,10 +293,27 @@ class GpuEngine final : public TrainEngine {
     }
     if (!reduce_armed_) return;
     NOPAD_CHECK(next_bucket_ < bucket_ready_.size(), "GpuEngine: more gradient buckets than the model has");
+    // bf16 reduction: the bucket's rounding runs on the compute stream (it reads what backward just wrote), before
+    // the event the communication stream waits for.
+    if (reduce_bf16_)
+      launch_fp32_to_bf16(model_.grads() + offset, grads16_ + offset, count, backend_.multiprocessors(),
+                          backend_.stream());
     cudaEvent_t ev = bucket_ready_[next_bucket_++];
     NOPAD_CUDA_CHECK(cudaEventRecord(ev, backend_.stream()));
     NOPAD_CUDA_CHECK(cudaStreamWaitEvent(comm_stream_, ev, 0));
-    nccl_->all_reduce_sum(model_.grads() + offset, count, comm_stream_);
+    reduce_bucket(offset, count, comm_stream_, /*rounded=*/true);
+  }
+  // The all-reduce of one bucket on `stream`: in place in fp32, or (dist.reduce = bf16) rounded into the staging
+  // copy (unless `rounded` says that is done), summed there in bf16 and widened back into the fp32 gradients.
+  void reduce_bucket(size_t offset, size_t count, cudaStream_t stream, bool rounded = false) {
+    if (!reduce_bf16_) {
+      nccl_->all_reduce_sum(model_.grads() + offset, count, stream);
+      return;
+    }
+    const int sms = backend_.multiprocessors();
+    if (!rounded) launch_fp32_to_bf16(model_.grads() + offset, grads16_ + offset, count, sms, stream);
+    nccl_->all_reduce_sum_bf16(grads16_ + offset, count, stream);
+    launch_bf16_to_fp32(grads16_ + offset, model_.grads() + offset, count, sms, stream);
   }
 
   CudaBackendT<P> backend_;
@@ -317,6 +338,8 @@ class GpuEngine final : public TrainEngine {
   bool clip_armed_ = false;
   size_t clip_next_ = 0;
   float clip_threshold_ = 0;
+  bool reduce_bf16_ = false;   // dist.reduce = bf16
+  bf16* grads16_ = nullptr;    // its staging copy of the gradients (allocated by connect)
   dist::Communicator* comm_ = nullptr;  // data parallel (after connect): the host communicator
   std::unique_ptr<NcclComm> nccl_;
   std::array<PendingStep, kMaxStepsInFlight + 1> steps_;

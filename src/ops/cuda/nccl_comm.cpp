@@ -59,6 +59,11 @@ class Nccl final : public NcclComm {
     if (count == 0) return;
     NOPAD_NCCL_CHECK(ncclAllReduce(data, data, count, ncclFloat32, ncclSum, comm_, stream));
   }
+  void all_reduce_sum_bf16(void* data, size_t count, CUstream_st* stream) override {
+    NOPAD_CHECK(!aborted_, "NCCL communicator of rank ", rank_, " was aborted after an earlier error");
+    if (count == 0) return;
+    NOPAD_NCCL_CHECK(ncclAllReduce(data, data, count, ncclBfloat16, ncclSum, comm_, stream));
+  }
 
   void wait_for(CUevent_st* event, double timeout_s, const std::string& what) override {
     const auto start = std::chrono::steady_clock::now();

@@ -7,6 +7,7 @@
 //    rank joins on its current CUDA device (the caller sets it). Blocking; call it at setup, not inside a step.
 //  - all_reduce_sum enqueues an in-place fp32 sum on `stream` and returns: no host synchronisation. Every rank gets
 //    the same bits (NCCL's ring/tree all-reduce ends with every rank holding the one reduced copy).
+//    all_reduce_sum_bf16 is the same over bf16 elements (NCCL adds in fp32 and rounds each partial sum to bf16).
 //  - wait_for(event, ...) is the host's wait for work that includes collectives: it polls the event and NCCL's
 //    asynchronous error state; on an NCCL error, or when `timeout_s` passes with the event not complete (a peer rank
 //    died or hangs), it aborts the communicator (ncclCommAbort, which also releases the stream) and throws
@@ -29,6 +30,7 @@ class NcclComm {
   virtual int rank() const = 0;
   virtual int size() const = 0;
   virtual void all_reduce_sum(float* data, size_t count, CUstream_st* stream) = 0;
+  virtual void all_reduce_sum_bf16(void* data, size_t count, CUstream_st* stream) = 0;
   virtual void wait_for(CUevent_st* event, double timeout_s, const std::string& what) = 0;
 };
 
