@@ -9,7 +9,8 @@
 #   3. death: one rank killed (SIGKILL) mid-run: the job ends within 60 s with the launcher's error;
 #   1b. bucket-wise clipping (dist.clip = bucket): kernels vs CPU twin, 1 and 2 GPUs bound every bucket's norm;
 #   1c. bf16 gradient reduction (dist.reduce = bf16): kernels vs CPU twin, 2 GPUs vs 1 GPU loss for loss;
-#   4. scaling of BERT-large (with .carry/): overlap, balancing, NCCL SM cap and bucket clipping variants.
+#   4. scaling of BERT-large (with .carry/): overlap, balancing, NCCL SM cap, bucket clipping and bf16 variants;
+#   5. the same through `nopad bench model` on all GPUs (per-rank timing table), balancing off and on.
 #   SKIP_FAULTS=1 skips 2 and 3 (~100 s).
 # Prints a pass/fail line per check; logs in $OUT (or out/gpu-dist). Usage: bash scripts/gpu-tests-dist.sh
 #   NOPAD_CMAKE_EXTRA="..."   extra CMake arguments (e.g. -DCMAKE_CUDA_ARCHITECTURES=90a-real)
@@ -238,6 +239,17 @@ for name, path in zip(names, sys.argv[3:]):
 sys.exit(1 if bad else 0)
 PY
     tee -a "$out/summary.txt" || status=1
+  # The same workload through `nopad bench model` on all GPUs (per-rank table from rank 0), balancing off and on.
+  step "5. nopad bench model on $ngpu GPUs: BERT-large, 64 sequences per GPU, balance none vs cost"
+  for bal in none cost; do
+    mpirun -np "$ngpu" --bind-to none $NOPAD bench model --model data/configs/bert-large-mlperf.json \
+      --data /tmp/nopad-enwiki-shards --batch 64 --steps 20 --warmup 5 --balance $bal --cost-per-token-sq 0.00062 \
+      > "$out/bench-ranks-$bal.json" 2> "$out/bench-ranks-$bal.log" || status=1
+    tail -n 4 "$out/bench-ranks-$bal.log" | tee -a "$out/summary.txt"
+    python3 -c "import json,sys; j=json.load(open(sys.argv[1])); print(f'bench {sys.argv[2]}: {j[\"seqs_per_s\"]:.1f} seq/s, ' \
+      f'{j[\"seqs_per_s_per_rank\"]:.1f} per GPU, compute max/mean {j[\"compute_imbalance\"]:.4f}, reduce {j[\"reduce_ms\"]:.2f} ms')" \
+      "$out/bench-ranks-$bal.json" $bal | tee -a "$out/summary.txt" || status=1
+  done
 fi
 
 step "done, status $status"

@@ -112,8 +112,22 @@ void setup(CLI::App& sub) {
   model->add_flag("--graph", mo->graph,
                   "also measure launch overhead: the last timed step run eagerly vs replayed as a CUDA graph "
                   "(graph_experiment in the JSON, with the padding that bucketing T for graphs would add)");
+  model->add_option("--balance", mo->balance,
+                    "several ranks (mpirun/srun/torchrun; --batch is then per rank): how each global batch is split: "
+                    "none, stratified or cost (as dist.balance)")
+      ->capture_default_str();
+  model->add_option("--cost-per-token", mo->cost_per_token, "several ranks: balancing cost per token (a in a L + b L^2)")
+      ->capture_default_str();
+  model->add_option("--cost-per-token-sq", mo->cost_per_token_sq,
+                    "several ranks: balancing cost per token^2 (b; 0.00062 measured for BERT-large on H200s)")
+      ->capture_default_str();
+  model->add_option("--reduce", mo->reduce, "several ranks: gradient all-reduce in fp32 or bf16 (as dist.reduce)")
+      ->capture_default_str();
+  model->add_flag("!--no-overlap", mo->overlap,
+                  "several GPUs: one all-reduce after backward instead of per-layer buckets during it");
   model->callback([mo] {
     const nopad::ModelBenchResult r = nopad::run_model_bench(*mo);
+    if (!r.lead) return;  // a multi-rank run reports once, from rank 0
     std::printf("%s\n", r.json.c_str());
     std::fflush(stdout);
   });

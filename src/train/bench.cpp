@@ -18,6 +18,7 @@
 #include "core/error.h"
 #include "data/dataset.h"
 #include "data/loader.h"
+#include "dist/launch.h"
 #include "ops/cpu/cpu_backend.h"
 
 #ifdef NOPAD_HAVE_CUDA
@@ -69,7 +70,8 @@ double median(std::vector<double> v) {
   return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
 }
 
-// Masked positions per sequence (mlm_positions are rows of the packed batch).
+}  // namespace
+
 std::vector<int64_t> masked_per_sequence(const HostBatch& b) {
   std::vector<int64_t> counts(static_cast<size_t>(b.num_seqs()), 0);
   for (const int32_t row : b.mlm_positions) {
@@ -81,7 +83,6 @@ std::vector<int64_t> masked_per_sequence(const HostBatch& b) {
   return counts;
 }
 
-}  // namespace
 
 std::unique_ptr<StepRunner> make_cpu_runner(const BertConfig& config, int32_t max_tokens, int32_t max_seqs,
                                             int32_t max_masked, uint64_t seed, const OptimizerOptions& options,
@@ -132,6 +133,13 @@ ModelBenchResult run_model_bench(const ModelBenchOptions& o) {
   if (!o.hidden_act.empty()) {
     config.hidden_act = o.hidden_act;
     config.validate();
+  }
+
+  if (dist::detect_rank_info().distributed()) {
+    NOPAD_CHECK(!o.breakdown && !o.graph && !o.per_step && o.workload.empty(),
+                "--breakdown, --graph, --per-step and --workload measure one GPU: run them without mpirun/torchrun");
+    NOPAD_CHECK(o.loss_scale == 1.0, "--loss-scale is for one GPU; the multi-rank bench runs bf16 without scaling");
+    return run_model_bench_ranks(o, config, precision);
   }
 
   const Dataset ds(o.data);

@@ -72,6 +72,13 @@ struct ModelBenchOptions {
   bool breakdown = false; // rerun the timed batches with per-op event timing; table on stderr, ms/step in the JSON
   bool graph = false;     // also time one step replayed as a CUDA graph against the same step run eagerly
   int threads = 0;        // CPU runner only
+  // Several ranks (launched by mpirun/srun/torchrun; run_model_bench_ranks): --batch is per rank, the global batch
+  // batch x ranks is split by the balancer as nopad train splits it, and the gradients are summed over the ranks.
+  std::string balance = "cost";   // none, stratified or cost (dist.balance)
+  double cost_per_token = 1.0;    // the balancer's cost a L + b L^2 (dist.cost_per_token, dist.cost_per_token_sq)
+  double cost_per_token_sq = 0.0;
+  bool overlap = true;            // GPUs: all-reduce gradient buckets during backward (dist.overlap)
+  std::string reduce = "fp32";    // gradient all-reduce in fp32 or bf16 (dist.reduce)
 };
 
 struct ModelBenchResult {
@@ -79,11 +86,24 @@ struct ModelBenchResult {
   double step_ms = 0, seqs_per_s = 0, real_tokens_per_s = 0, model_tflops = 0, mfu = 0, max_mem_gib = 0;
   double final_loss = 0;
   uint64_t seqs = 0, tokens = 0, flops = 0;
+  bool lead = true;  // this process prints the report (rank 0 of a multi-rank run)
 };
 
 constexpr double kPeakBf16Flops = 989e12;  // H100/H200 SXM dense bf16 datasheet (dense fp16: the same)
 
 // Runs the benchmark; prints a short table on stderr and returns the report. Throws nopad::Error on bad input.
+// Under a multi-process launcher (dist::detect_rank_info) it runs run_model_bench_ranks instead.
 ModelBenchResult run_model_bench(const ModelBenchOptions& options);
+
+// The benchmark on every rank of a data-parallel job (bench_ranks.cpp): each rank trains its share of each global
+// batch through the TrainEngine that nopad train uses (NCCL gradient buckets on GPUs, MPI on CPUs), the host reading
+// each step one step late. Rank 0 reports the global throughput, per-GPU throughput and, per rank, the compute time
+// per step (zero_grad to the end of backward), the gradient-reduction time after it (exposed communication plus
+// waiting for slower ranks) and max/mean of the compute time over the ranks (the balancer's figure of merit).
+ModelBenchResult run_model_bench_ranks(const ModelBenchOptions& options, const BertConfig& config,
+                                       const std::string& precision);
+
+// Masked positions per sequence of a packed batch (mlm_positions are its rows).
+std::vector<int64_t> masked_per_sequence(const HostBatch& b);
 
 }  // namespace nopad
