@@ -27,8 +27,7 @@ BertModel<P>::BertModel(const BertConfig& config, ops::Backend<P>& backend, int3
               max_masked, ")");
   const size_t T = static_cast<size_t>(max_tokens), B = static_cast<size_t>(max_seqs),
                M = static_cast<size_t>(max_masked), H = static_cast<size_t>(config.hidden_size),
-               I = static_cast<size_t>(config.intermediate_size), V = static_cast<size_t>(config.vocab_size),
-               NH = static_cast<size_t>(config.num_attention_heads);
+               I = static_cast<size_t>(config.intermediate_size), NH = static_cast<size_t>(config.num_attention_heads);
   params_ = alloc<W>(layout_.total_numel());
   grads_ = alloc<G>(layout_.total_numel());
   backend_.zero_bytes(params_, layout_.total_numel() * sizeof(W));
@@ -149,7 +148,8 @@ BertModel<P>::BertModel(const BertConfig& config, ops::Backend<P>& backend, int3
   mlm_saved_.ln_mean = alloc<St>(M);
   mlm_saved_.ln_rstd = alloc<St>(M);
   mlm_saved_.ln_out = alloc<A>(M * H);
-  mlm_saved_.probs = alloc<A>(M * V);
+  mlm_saved_.probs_ld = backend_.mlm_logits_row_stride(config.vocab_size);  // a GPU pads rows to 16 bytes
+  mlm_saved_.probs = alloc<A>(M * static_cast<size_t>(mlm_saved_.probs_ld));
   nsp_saved_.cls = alloc<A>(B * H);
   nsp_saved_.pooled = alloc<A>(B * H);
   nsp_saved_.probs = alloc<A>(B * 2);

@@ -124,7 +124,9 @@ struct MlmHeadSaved {
   St* ln_mean = nullptr;       // [M]
   St* ln_rstd = nullptr;       // [M]
   A* ln_out = nullptr;         // [M, H] decoder input
-  A* probs = nullptr;          // [M, V] softmax; backward overwrites it with d_logits
+  A* probs = nullptr;          // [M, V] softmax, rows probs_ld apart; backward overwrites it with d_logits
+  int64_t probs_ld = 0;        // row stride of probs in elements (0: V); Backend::mlm_logits_row_stride(V) is the
+                               // stride the backend runs fastest with (its columns V .. probs_ld-1 are never touched)
 };
 
 // NSP head: CLS rows -> pooler dense H->H + tanh -> classifier H->2.
@@ -245,6 +247,10 @@ class Backend {
                                                         G* d_ln_gamma, G* d_ln_beta) = 0;
 
   // ---- heads ----
+  // The row stride (elements, >= V) of the MLM logits buffer (MlmHeadSaved::probs_ld) this backend wants: V on the
+  // CPU; a GPU pads V to a multiple of 8 so that every row starts 16-byte aligned (what cuBLASLt's fast GEMM kernels
+  // need: BERT's V = 30522 is not).
+  virtual int64_t mlm_logits_row_stride(int32_t V) const { return V; }
   // Masked-LM loss over the M rows hidden[mlm_positions[i]] with labels mlm_labels[i] in [0, V).
   // Writes loss_sum[0] = sum of cross-entropies, num_correct[0] = number of rows whose argmax equals the label.
   virtual void mlm_head_loss_forward(const A* hidden, const int32_t* mlm_positions, const int32_t* mlm_labels,

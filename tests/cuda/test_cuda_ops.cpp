@@ -801,8 +801,22 @@ TYPED_TEST(CudaOps, MlmHeadLoss) {
       SCOPED_TRACE(hv.name);
       std::printf("   [%s]\n", hv.name);
       VariantScope variants(hv.v);
+      // The GPU's logits rows are padded to its preferred stride (V = 30522 -> 30528); the padding is poisoned
+      // and must stay untouched (checked after forward and backward), the V columns compared with the twin's.
+      const int64_t ld = gpu<E>().mlm_logits_row_stride(V);
+      ASSERT_TRUE(ld >= V && ld % 8 == 0) << ld;
+      auto unpad = [&](const Vec& padded, size_t* pad_touched) {
+        Vec out(static_cast<size_t>(M) * V);
+        for (int32_t i = 0; i < M; ++i)
+          for (int64_t j = 0; j < ld; ++j) {
+            const float x = padded[static_cast<size_t>(i * ld + j)];
+            if (j < V) out[static_cast<size_t>(i) * V + static_cast<size_t>(j)] = x;
+            else *pad_touched += !std::isnan(x);
+          }
+        return out;
+      };
       DBuf<E> g_gath(static_cast<size_t>(M) * H), g_pre(static_cast<size_t>(M) * H),
-          g_act(static_cast<size_t>(M) * H), g_ln(static_cast<size_t>(M) * H), g_probs(static_cast<size_t>(M) * V);
+          g_act(static_cast<size_t>(M) * H), g_ln(static_cast<size_t>(M) * H), g_probs(static_cast<size_t>(M * ld));
       DBuf<float> g_mean(M), g_rstd(M), g_loss(1);
       DBuf<int32_t> g_correct(1);
       for (auto* d : {&g_gath, &g_pre, &g_act, &g_ln, &g_probs}) d->poison();
@@ -810,13 +824,15 @@ TYPED_TEST(CudaOps, MlmHeadLoss) {
       g_rstd.poison();
       g_loss.poison();
       g_correct.poison();
-      ops::MlmHeadSaved<E, float> sg{g_gath.p, g_pre.p, g_act.p, g_mean.p, g_rstd.p, g_ln.p, g_probs.p};
+      ops::MlmHeadSaved<E, float> sg{g_gath.p, g_pre.p, g_act.p, g_mean.p, g_rstd.p, g_ln.p, g_probs.p, ld};
       gpu<E>().mlm_head_loss_forward(d_hidden_in->p, d_pos->p, d_lab->p, M, wg, sg, g_loss.p, g_correct.p);
+      size_t pad_touched = 0;
       expect_close("gathered", down(g_gath), s_gath, 1e-6);
       expect_close("transform_pre", down(g_pre), s_pre, kTolOut<E>);
       expect_close("transform_act", down(g_act), s_act, kTolChain<E>);
       expect_close("ln_out", down(g_ln), s_ln, kTolChain<E>);
-      expect_close("probs", down(g_probs), probs_c, kTolDeep<E>);  // softmax of 16-bit logits, rounded again
+      expect_close("probs", unpad(down(g_probs), &pad_touched), probs_c, kTolDeep<E>);  // softmax of 16-bit logits
+      EXPECT_EQ(pad_touched, 0u) << "the forward wrote into the logits' row padding";
       const float loss_g = down(g_loss)[0];
       const int32_t correct_g = down(g_correct)[0];
       std::printf("    loss %.6g (cpu %.6g), correct %d (cpu %d)\n", loss_g, loss_c, correct_g, correct_c);
@@ -846,6 +862,8 @@ TYPED_TEST(CudaOps, MlmHeadLoss) {
           }
         }
       EXPECT_EQ(touched, 0u) << "d_hidden rows outside mlm_positions were modified";
+      (void)unpad(down(g_probs), &pad_touched);
+      EXPECT_EQ(pad_touched, 0u) << "the backward wrote into the logits' row padding";
       // Through 16-bit d_logits, dz, dpre and d_hidden.
       expect_close("d_hidden (+= at positions)", inc_g, inc_c, kTolDeep<E>);
       const char* names[6] = {"d_transform_weight", "d_transform_bias", "d_ln_gamma",
@@ -1241,15 +1259,19 @@ TYPED_TEST(CudaPerf, MlmHead) {
        emb = perf16<E>(static_cast<size_t>(V) * H, 47, -0.1f, 0.1f), ob = perf16<E>(V, 48, -0.5f, 0.5f);
   ops::MlmHeadWeights<E> w{tw->p, tb->p, lg->p, lb->p, emb->p, ob->p, H, V, 1e-12};
   DBuf<E> gath(static_cast<size_t>(M) * H), tpre(static_cast<size_t>(M) * H), tact(static_cast<size_t>(M) * H),
-      ln(static_cast<size_t>(M) * H), probs(static_cast<size_t>(M) * V), dh(static_cast<size_t>(T) * H);
+      ln(static_cast<size_t>(M) * H), probs(static_cast<size_t>(M) * (V + 8)), dh(static_cast<size_t>(T) * H);
   DBuf<float> lmean(M), lrstd(M), loss(1), g_tw(static_cast<size_t>(H) * H), g_tb(H), g_lg(H), g_lb(H),
       g_emb(static_cast<size_t>(V) * H), g_ob(V);
   DBuf<int32_t> correct(1);
   for (DBuf<float>* g : {&g_tw, &g_tb, &g_lg, &g_lb, &g_emb, &g_ob}) gpu<E>().zero_bytes(g->p, g->n * sizeof(float));
   gpu<E>().zero_bytes(dh.p, dh.n * sizeof(E));
   ops::MlmHeadSaved<E, float> saved{gath.p, tpre.p, tact.p, lmean.p, lrstd.p, ln.p, probs.p};
+  // Logits rows V apart (4-byte aligned rows: cuBLASLt's unaligned kernels) and at the backend's padded stride.
+  for (const int64_t ld : {int64_t{V}, gpu<E>().mlm_logits_row_stride(V)})
   for (const HeadVariants& hv : head_variants()) {
     VariantScope scope(hv.v);
+    saved.probs_ld = ld;
+    const std::string name = std::string(hv.name) + ", logits rows " + std::to_string(ld) + " apart";
     const auto fwd = [&] {
       gpu<E>().mlm_head_loss_forward(hidden->p, d_pos->p, d_lab->p, M, w, saved, loss.p, correct.p);
     };
@@ -1259,8 +1281,8 @@ TYPED_TEST(CudaPerf, MlmHead) {
       gpu<E>().mlm_head_loss_backward(1.0 / M, d_pos->p, d_lab->p, M, w, saved,
                                    {g_tw.p, g_tb.p, g_lg.p, g_lb.p, g_emb.p, g_ob.p}, dh.p);
     });
-    perf_line("mlm_head_fwd", hv.name, f, 0);
-    perf_line("mlm_head_bwd", std::string(hv.name) + " (fwd+bwd - fwd)", fb - f, 0);
+    perf_line("mlm_head_fwd", name, f, 0);
+    perf_line("mlm_head_bwd", name + " (fwd+bwd - fwd)", fb - f, 0);
   }
 }
 

@@ -510,6 +510,8 @@ void CpuBackend<P>::mlm_head_loss_forward(const S* hidden, const int32_t* mlm_po
                                           int32_t num_masked, const MlmHeadWeights<S>& w,
                                           const MlmHeadSaved<S, S>& saved, S* loss_sum, int32_t* num_correct) {
   const int32_t H = w.hidden, V = w.vocab_size, M = num_masked;
+  NOPAD_CHECK(saved.probs_ld == 0 || saved.probs_ld == V, "the CPU MLM head takes contiguous logits rows (probs_ld ",
+              saved.probs_ld, ", V ", V, ")");
   for (int32_t i = 0; i < M; ++i) {
     NOPAD_CHECK(mlm_positions[i] >= 0, "mlm position ", mlm_positions[i], " is negative");
     NOPAD_CHECK(mlm_labels[i] >= 0 && mlm_labels[i] < V, "mlm label ", mlm_labels[i], " outside vocab ", V);
@@ -551,6 +553,8 @@ void CpuBackend<P>::mlm_head_loss_backward(double loss_scale, const int32_t* mlm
                                            int32_t num_masked, const MlmHeadWeights<S>& w,
                                            const MlmHeadSaved<S, S>& saved, const MlmHeadGrads<S>& g, S* d_hidden) {
   const int32_t H = w.hidden, V = w.vocab_size, M = num_masked;
+  NOPAD_CHECK(saved.probs_ld == 0 || saved.probs_ld == V, "the CPU MLM head takes contiguous logits rows (probs_ld ",
+              saved.probs_ld, ", V ", V, ")");
   if (M == 0) return;
   const S scale = static_cast<S>(loss_scale);
   parallel_for(static_cast<size_t>(M), threads_, [&](size_t i) {  // d_logits = scale (softmax - onehot)

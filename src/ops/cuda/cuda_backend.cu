@@ -436,10 +436,12 @@ void CudaBackendT<P>::embed_layernorm_dropout_backward(const A* d_out, const int
 // ------------------------------------------------------------------------------------------------ dense
 
 template <class P>
-void CudaBackendT<P>::dense_forward(const A* x, const W* weight, const W* bias, int64_t rows, int32_t k, int32_t n,
-                                ops::Activation act, A* y, A* pre_act) {
+void CudaBackendT<P>::dense_forward_ld(const A* x, const W* weight, const W* bias, int64_t rows, int32_t k,
+                                       int32_t n, ops::Activation act, A* y, A* pre_act, int64_t ld_y) {
   OpScope timed(*this, "dense_fwd", k, n);
   const bool gelu = act != ops::Activation::kNone, tanh = act == ops::Activation::kGeluTanh;
+  NOPAD_CHECK(ld_y == n || (ld_y > n && !gelu), "dense_forward: output stride ", ld_y, " with n ", n,
+              gelu ? " and an activation" : "");
   A* target = gelu ? pre_act : y;
   NOPAD_CHECK(target != nullptr && y != nullptr, "dense_forward with GELU needs pre_act");
   if (rows == 0) return;
@@ -455,7 +457,7 @@ void CudaBackendT<P>::dense_forward(const A* x, const W* weight, const W* bias, 
   p.b = x;
   p.ldb = k;
   p.d = target;
-  p.ldd = n;
+  p.ldd = ld_y;
   p.bias = bias;
   if (tanh && bias && kernel_variants().gelu_forward_epilogue && n % 8 == 0) {  // y and pre_act from one product
     GemmProblem e = p;
@@ -475,11 +477,11 @@ void CudaBackendT<P>::dense_forward(const A* x, const W* weight, const W* bias, 
 }
 
 template <class P>
-void CudaBackendT<P>::column_sums_accumulate(const A* m, int64_t rows, int32_t n, G* out) {
+void CudaBackendT<P>::column_sums_accumulate(const A* m, int64_t rows, int32_t n, G* out, int64_t ld) {
   if (rows == 0 || n == 0) return;
   const int chunks = column_sum_chunks(rows);
   float* partial = static_cast<float*>(scratch(kColPartials, sizeof(float) * chunks * static_cast<size_t>(n)));
-  launch_column_sum_partial(dev(m), rows, n, chunks, partial, stream_);
+  launch_column_sum_partial(dev(m), rows, n, ld > 0 ? ld : n, chunks, partial, stream_);
   launch_column_finish(partial, chunks, n, 1, out, nullptr, nullptr, stream_);
 }
 
@@ -492,19 +494,26 @@ void CudaBackendT<P>::column_sums_accumulate(const A* m, int64_t rows, int32_t n
 //             cuBLASLt has no algorithm for that product, it runs without the epilogue and d_bias takes the
 //             one-pass column sums (or the separate pass where n % 8 != 0, as the MLM decoder's V = 30522).
 template <class P>
-void CudaBackendT<P>::dense_backward(const A* dy, const A* x, const W* weight, const A* pre_act, int64_t rows, int32_t k,
-                                 int32_t n, ops::Activation act, A* dx, bool accumulate_dx, G* d_weight, G* d_bias) {
+void CudaBackendT<P>::dense_backward_ld(const A* dy, const A* x, const W* weight, const A* pre_act, int64_t rows,
+                                        int32_t k, int32_t n, ops::Activation act, A* dx, bool accumulate_dx,
+                                        G* d_weight, G* d_bias, int64_t ld_dy) {
   OpScope timed(*this, "dense_bwd", k, n);
   if (rows == 0) return;  // dx has no rows; the parameter gradients receive += 0
   const bool gelu = act != ops::Activation::kNone, tanh = act == ops::Activation::kGeluTanh;
   NOPAD_CHECK(!gelu || pre_act != nullptr, "dense_backward with GELU needs pre_act");
+  NOPAD_CHECK(ld_dy == n || (ld_dy > n && !gelu), "dense_backward: dy stride ", ld_dy, " with n ", n,
+              gelu ? " and an activation" : "");
+  const int64_t ld_dpre = gelu ? n : ld_dy;  // the GELU paths write a contiguous dpre
   A* buf = gelu ? static_cast<A*>(scratch(kDpre, sizeof(A) * static_cast<size_t>(rows) * n)) : nullptr;
   const A* dpre = gelu ? buf : dy;
-  // The one-pass kernel needs n % 8 == 0 and 16-byte aligned rows.
-  const bool one_pass_ok = dense_grad_pass_supported(n, dy, pre_act, buf);
+  // The one-pass kernel needs n % 8 == 0 and 16-byte aligned, contiguous rows.
+  const bool one_pass_ok = ld_dy == n && dense_grad_pass_supported(n, dy, pre_act, buf);
   BiasGradPath path = kernel_variants().dense_bias_grad;
   if (path == BiasGradPath::kEpilogue && d_weight == nullptr) path = BiasGradPath::kOnePass;
-  if (path == BiasGradPath::kOnePass && !one_pass_ok) path = BiasGradPath::kSeparate;
+  // Padded rows (the MLM decoder's logits) rule the one-pass kernel out: its d_bias comes from the dW product's
+  // epilogue (measured faster than the separate column-sum pass on an H100).
+  if (path == BiasGradPath::kOnePass && !one_pass_ok)
+    path = ld_dy != n && d_weight != nullptr ? BiasGradPath::kEpilogue : BiasGradPath::kSeparate;
   bool bias_done = d_bias == nullptr;
 
   if (gelu) {
@@ -529,7 +538,7 @@ void CudaBackendT<P>::dense_backward(const A* dy, const A* x, const W* weight, c
     p.a = weight;
     p.lda = k;
     p.b = dpre;
-    p.ldb = n;
+    p.ldb = ld_dpre;
     p.d = dx;
     p.ldd = k;
     p.beta = accumulate_dx ? 1.0f : 0.0f;
@@ -545,7 +554,7 @@ void CudaBackendT<P>::dense_backward(const A* dy, const A* x, const W* weight, c
     p.a = x;
     p.lda = k;
     p.b = dpre;
-    p.ldb = n;
+    p.ldb = ld_dpre;
     p.d = d_weight;
     p.ldd = k;
     p.d_fp32 = true;
@@ -558,7 +567,8 @@ void CudaBackendT<P>::dense_backward(const A* dy, const A* x, const W* weight, c
         launch_column_finish(p.bias_grad, 1, n, 1, d_bias, nullptr, nullptr, stream_);  // d_bias += column sums
         bias_done = true;
       } else {
-        path = dense_grad_pass_supported(n, dpre, nullptr, nullptr) ? BiasGradPath::kOnePass : BiasGradPath::kSeparate;
+        path = ld_dpre == n && dense_grad_pass_supported(n, dpre, nullptr, nullptr) ? BiasGradPath::kOnePass
+                                                                                    : BiasGradPath::kSeparate;
       }
       p.bias_grad = nullptr;
     }
@@ -571,7 +581,7 @@ void CudaBackendT<P>::dense_backward(const A* dy, const A* x, const W* weight, c
       launch_dense_grad_pass<device_t<A>>(dev(dpre), nullptr, nullptr, rows, n, partial, false, stream_);
       launch_column_finish(partial, chunks, n, 1, d_bias, nullptr, nullptr, stream_);
     } else {
-      column_sums_accumulate(dpre, rows, n, d_bias);
+      column_sums_accumulate(dpre, rows, n, d_bias, ld_dpre);
       path = BiasGradPath::kSeparate;
     }
   }
@@ -865,8 +875,12 @@ void CudaBackendT<P>::mlm_head_loss_forward(const A* hidden, const int32_t* mlm_
   layernorm_plain_forward(saved.transform_act, w.ln_gamma, w.ln_beta, M, H, w.ln_eps, saved.ln_out, saved.ln_mean,
                           saved.ln_rstd);
   // Decoder with the tied word embeddings: logits [M, V] land in saved.probs and become probabilities in place.
-  dense_forward(saved.ln_out, w.word_embeddings, w.output_bias, M, H, V, ops::Activation::kNone, saved.probs, nullptr);
-  launch_softmax_ce_forward(dev(saved.probs), mlm_labels, M, V, loss_sum, num_correct,
+  // Rows of the logits are probs_ld apart (mlm_logits_row_stride: V padded to 16 bytes, so the decoder's products
+  // get cuBLASLt's aligned kernels).
+  const int64_t ld = saved.probs_ld > 0 ? saved.probs_ld : V;
+  dense_forward_ld(saved.ln_out, w.word_embeddings, w.output_bias, M, H, V, ops::Activation::kNone, saved.probs,
+                   nullptr, ld);
+  launch_softmax_ce_forward(dev(saved.probs), mlm_labels, M, V, ld, loss_sum, num_correct,
                             kernel_variants().softmax_ce_registers, stream_);
 }
 
@@ -878,12 +892,13 @@ void CudaBackendT<P>::mlm_head_loss_backward(double loss_scale, const int32_t* m
   OpScope timed(*this, "mlm_head_bwd");
   const int32_t H = w.hidden, V = w.vocab_size, M = num_masked;
   if (M == 0) return;
-  launch_ce_backward(dev(saved.probs), mlm_labels, M, V, static_cast<float>(loss_scale),
+  const int64_t ld = saved.probs_ld > 0 ? saved.probs_ld : V;
+  launch_ce_backward(dev(saved.probs), mlm_labels, M, V, ld, static_cast<float>(loss_scale),
                      kernel_variants().ce_backward_rows, stream_);
   A* d_ln_out = static_cast<A*>(scratch(kHeadA, sizeof(A) * static_cast<size_t>(M) * H));
   // d_ln_out = d_logits W_emb; d_word_embeddings += d_logits^T ln_out; d_output_bias += column sums of d_logits.
-  dense_backward(saved.probs, saved.ln_out, w.word_embeddings, nullptr, M, H, V, ops::Activation::kNone, d_ln_out,
-                 false, g.d_word_embeddings, g.d_output_bias);
+  dense_backward_ld(saved.probs, saved.ln_out, w.word_embeddings, nullptr, M, H, V, ops::Activation::kNone, d_ln_out,
+                    false, g.d_word_embeddings, g.d_output_bias, ld);
   A* d_act = static_cast<A*>(scratch(kHeadB, sizeof(A) * static_cast<size_t>(M) * H));
   layernorm_plain_backward(d_ln_out, saved.transform_act, saved.ln_mean, saved.ln_rstd, w.ln_gamma, M, H, d_act,
                            g.d_ln_gamma, g.d_ln_beta);
@@ -910,7 +925,7 @@ void CudaBackendT<P>::nsp_head_loss_forward(const A* hidden, const ops::SeqView&
   launch_tanh_forward(dev(saved.pooled), int64_t{B} * H, stream_);
   dense_forward(saved.pooled, w.classifier_weight, w.classifier_bias, B, H, 2, ops::Activation::kNone, saved.probs,
                 nullptr);
-  launch_softmax_ce_forward(dev(saved.probs), nsp_labels, B, 2, loss_sum, num_correct,
+  launch_softmax_ce_forward(dev(saved.probs), nsp_labels, B, 2, 2, loss_sum, num_correct,
                             kernel_variants().softmax_ce_registers, stream_);
 }
 
@@ -921,7 +936,7 @@ void CudaBackendT<P>::nsp_head_loss_backward(double loss_scale, const ops::SeqVi
   OpScope timed(*this, "nsp_head_bwd");
   const int32_t H = w.hidden, B = seqs.num_seqs;
   if (B == 0) return;
-  launch_ce_backward(dev(saved.probs), nsp_labels, B, 2, static_cast<float>(loss_scale),
+  launch_ce_backward(dev(saved.probs), nsp_labels, B, 2, 2, static_cast<float>(loss_scale),
                      kernel_variants().ce_backward_rows, stream_);
   A* d_pooled = static_cast<A*>(scratch(kHeadA, sizeof(A) * static_cast<size_t>(B) * H));
   dense_backward(saved.probs, saved.pooled, w.classifier_weight, nullptr, B, H, 2, ops::Activation::kNone, d_pooled,

@@ -98,9 +98,14 @@ class CudaBackendT final : public ops::Backend<P> {
                                         const St* ln_mean, const St* ln_rstd,
                                         const ops::EmbeddingGrads<G>& g) override;
   void dense_forward(const A* x, const W* weight, const W* bias, int64_t rows, int32_t k, int32_t n,
-                     ops::Activation act, A* y, A* pre_act) override;
+                     ops::Activation act, A* y, A* pre_act) override {
+    dense_forward_ld(x, weight, bias, rows, k, n, act, y, pre_act, n);
+  }
   void dense_backward(const A* dy, const A* x, const W* weight, const A* pre_act, int64_t rows, int32_t k, int32_t n,
-                      ops::Activation act, A* dx, bool accumulate_dx, G* d_weight, G* d_bias) override;
+                      ops::Activation act, A* dx, bool accumulate_dx, G* d_weight, G* d_bias) override {
+    dense_backward_ld(dy, x, weight, pre_act, rows, k, n, act, dx, accumulate_dx, d_weight, d_bias, n);
+  }
+  int64_t mlm_logits_row_stride(int32_t V) const override { return (int64_t{V} + 7) / 8 * 8; }
   void dense_backward_through_act(const A* dy, const A* x, const A* x_pre, const W* weight, int64_t rows, int32_t k,
                                   int32_t n, ops::Activation x_act, A* dx_pre, G* d_weight, G* d_x_bias) override;
   void attention_forward(const A* qkv, const ops::SeqView& seqs, int32_t num_heads, int32_t head_dim,
@@ -141,7 +146,13 @@ class CudaBackendT final : public ops::Backend<P> {
                                St* mean, St* rstd);
   void layernorm_plain_backward(const A* dy, const A* x, const St* mean, const St* rstd, const W* gamma, int64_t rows,
                                 int32_t H, A* dz, G* d_gamma, G* d_beta);
-  void column_sums_accumulate(const A* m, int64_t rows, int32_t n, G* out);
+  void column_sums_accumulate(const A* m, int64_t rows, int32_t n, G* out, int64_t ld = 0);  // ld 0: n
+  // dense_forward / dense_backward with y / dy rows ld apart (ld >= n, no activation): the MLM decoder's padded logits.
+  void dense_forward_ld(const A* x, const W* weight, const W* bias, int64_t rows, int32_t k, int32_t n,
+                        ops::Activation act, A* y, A* pre_act, int64_t ld_y);
+  void dense_backward_ld(const A* dy, const A* x, const W* weight, const A* pre_act, int64_t rows, int32_t k,
+                         int32_t n, ops::Activation act, A* dx, bool accumulate_dx, G* d_weight, G* d_bias,
+                         int64_t ld_dy);
   bool plan_attention_launches(const ops::SeqView& seqs);
 
   int device_ = 0;

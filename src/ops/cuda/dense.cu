@@ -396,14 +396,14 @@ int elementwise_blocks(int64_t count) {
 
 // partial[c][j] = sum over rows of chunk c of m[r][j]; rows in a fixed order.
 template <class T>
-__global__ void column_sum_partial_kernel(const T* __restrict__ m, int64_t rows, int32_t n, int64_t rows_per_chunk,
-                                          float* __restrict__ partial) {
+__global__ void column_sum_partial_kernel(const T* __restrict__ m, int64_t rows, int32_t n, int64_t ld,
+                                          int64_t rows_per_chunk, float* __restrict__ partial) {
   const int32_t j = blockIdx.x * blockDim.x + threadIdx.x;
   if (j >= n) return;
   const int64_t r0 = static_cast<int64_t>(blockIdx.y) * rows_per_chunk;
   const int64_t r1 = r0 + rows_per_chunk < rows ? r0 + rows_per_chunk : rows;
   float s = 0.0f;
-  for (int64_t r = r0; r < r1; ++r) s += to_f32(m[r * n + j]);
+  for (int64_t r = r0; r < r1; ++r) s += to_f32(m[r * ld + j]);
   partial[static_cast<int64_t>(blockIdx.y) * n + j] = s;
 }
 
@@ -529,12 +529,13 @@ int column_sum_chunks(int64_t rows) {
 }
 
 template <class T>
-void launch_column_sum_partial(const T* m, int64_t rows, int32_t n, int chunks, float* partial,
+void launch_column_sum_partial(const T* m, int64_t rows, int32_t n, int64_t ld, int chunks, float* partial,
                                cudaStream_t stream) {
   if (n <= 0) return;
+  NOPAD_CHECK(ld >= n, "column sums: row stride ", ld, " below the row length ", n);
   const int64_t rows_per_chunk = (rows + chunks - 1) / chunks;
   const dim3 grid(static_cast<unsigned>(ceil_div(n, kThreads)), static_cast<unsigned>(chunks));
-  column_sum_partial_kernel<T><<<grid, kThreads, 0, stream>>>(m, rows, n, rows_per_chunk, partial);
+  column_sum_partial_kernel<T><<<grid, kThreads, 0, stream>>>(m, rows, n, ld, rows_per_chunk, partial);
   NOPAD_CUDA_CHECK_LAUNCH();
 }
 
@@ -577,7 +578,7 @@ void launch_dense_grad_pass(const T* dy, const T* pre, T* dpre, int64_t rows, in
 #define NOPAD_DENSE_INSTANTIATE(T)                                                                                \
   template void launch_gelu_forward<T>(const T*, T*, int64_t, bool, bool, cudaStream_t);                          \
   template void launch_gelu_backward<T>(const T*, const T*, T*, int64_t, bool, cudaStream_t);                     \
-  template void launch_column_sum_partial<T>(const T*, int64_t, int32_t, int, float*, cudaStream_t);              \
+  template void launch_column_sum_partial<T>(const T*, int64_t, int32_t, int64_t, int, float*, cudaStream_t);     \
   template void launch_add_to_f32<T>(const T*, int32_t, float*, cudaStream_t);                                    \
   template void launch_dense_grad_pass<T>(const T*, const T*, T*, int64_t, int32_t, float*, bool, cudaStream_t);
 NOPAD_DENSE_INSTANTIATE(bf)

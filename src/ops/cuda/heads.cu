@@ -51,11 +51,12 @@ __global__ void scatter_add_rows_kernel(const T* __restrict__ src, const int32_t
 // float sum's order over rows is not fixed: loss_sum may differ in the last bits between runs).
 template <class T, int kBlock>
 __global__ void __launch_bounds__(kBlock) softmax_ce_kernel(T* __restrict__ logits, const int32_t* __restrict__ labels,
-                                                            int32_t V, float* loss_sum, int32_t* num_correct) {
+                                                            int32_t V, int64_t ld, float* loss_sum,
+                                                            int32_t* num_correct) {
   __shared__ float red_v[32];
   __shared__ int red_i[32];
   __shared__ float red_s[32];
-  T* l = logits + static_cast<int64_t>(blockIdx.x) * V;
+  T* l = logits + static_cast<int64_t>(blockIdx.x) * ld;
   const int label = labels[blockIdx.x];
   const float label_logit = to_f32(l[label]);  // read before the row is overwritten
 
@@ -126,15 +127,16 @@ constexpr int kCeBlock = 512, kCePairs = 30;
 template <class T>
 __global__ void __launch_bounds__(kCeBlock, 2) softmax_ce_regs_kernel(T* __restrict__ logits,
                                                                      const int32_t* __restrict__ labels, int32_t V,
-                                                                     float* loss_sum, int32_t* num_correct) {
+                                                                     int64_t ld, float* loss_sum,
+                                                                     int32_t* num_correct) {
   __shared__ float red_v[32];
   __shared__ int red_i[32];
   __shared__ float red_s[32];
   __shared__ float label_logit;  // read before the row is overwritten (shared: no register held through the kernel)
-  pair16_t<T>* row = reinterpret_cast<pair16_t<T>*>(logits + static_cast<int64_t>(blockIdx.x) * V);
+  pair16_t<T>* row = reinterpret_cast<pair16_t<T>*>(logits + static_cast<int64_t>(blockIdx.x) * ld);
   const int32_t pairs = V / 2;
   const int label = labels[blockIdx.x];
-  if (threadIdx.x == 0) label_logit = to_f32(logits[static_cast<int64_t>(blockIdx.x) * V + label]);
+  if (threadIdx.x == 0) label_logit = to_f32(logits[static_cast<int64_t>(blockIdx.x) * ld + label]);
   pair16_t<T> x[kCePairs];
 #pragma unroll
   for (int i = 0; i < kCePairs; ++i) {
@@ -221,8 +223,8 @@ constexpr int kCeBwdThreads = 256, kCeBwdUnroll = 4;
 template <class T>
 __global__ void __launch_bounds__(kCeBwdThreads) ce_backward_rows_kernel(T* __restrict__ probs,
                                                                         const int32_t* __restrict__ labels, int32_t V,
-                                                                        float scale) {
-  pair16_t<T>* row = reinterpret_cast<pair16_t<T>*>(probs + static_cast<int64_t>(blockIdx.x) * V);
+                                                                        int64_t ld, float scale) {
+  pair16_t<T>* row = reinterpret_cast<pair16_t<T>*>(probs + static_cast<int64_t>(blockIdx.x) * ld);
   const int32_t pairs = V / 2;
   const int label = labels[blockIdx.x];
   for (int p0 = threadIdx.x; p0 < pairs; p0 += kCeBwdThreads * kCeBwdUnroll) {
@@ -246,15 +248,16 @@ __global__ void __launch_bounds__(kCeBwdThreads) ce_backward_rows_kernel(T* __re
 // d_logits = scale * (probs - onehot(label)), in place.
 template <class T>
 __global__ void ce_backward_kernel(T* __restrict__ probs, const int32_t* __restrict__ labels, int32_t rows,
-                                   int32_t V, float scale) {
+                                   int32_t V, int64_t ld, float scale) {
   const int64_t count = static_cast<int64_t>(rows) * V;
   for (int64_t e = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; e < count;
        e += static_cast<int64_t>(gridDim.x) * blockDim.x) {
     const int64_t r = e / V;
     const int32_t v = static_cast<int32_t>(e - r * V);
-    float d = to_f32(probs[e]) * scale;
+    T* p = probs + r * ld + v;
+    float d = to_f32(*p) * scale;
     if (v == labels[r]) d -= scale;
-    probs[e] = from_f32<T>(d);
+    *p = from_f32<T>(d);
   }
 }
 
@@ -304,31 +307,33 @@ void launch_scatter_add_rows(const T* src, const int32_t* index, int32_t count, 
 }
 
 template <class T>
-void launch_softmax_ce_forward(T* logits, const int32_t* labels, int32_t rows, int32_t V, float* loss_sum,
-                               int32_t* num_correct, bool registers, cudaStream_t stream) {
+void launch_softmax_ce_forward(T* logits, const int32_t* labels, int32_t rows, int32_t V, int64_t ld,
+                               float* loss_sum, int32_t* num_correct, bool registers, cudaStream_t stream) {
   if (rows <= 0) return;
   NOPAD_CHECK(V > 0, "softmax cross-entropy over an empty vocabulary");
-  if (registers && V >= 4096 && V % 2 == 0 && V <= 2 * kCeBlock * kCePairs && aligned4(logits)) {
-    softmax_ce_regs_kernel<T><<<rows, kCeBlock, 0, stream>>>(logits, labels, V, loss_sum, num_correct);
+  NOPAD_CHECK(ld >= V, "softmax cross-entropy: row stride ", ld, " below the vocabulary ", V);
+  if (registers && V >= 4096 && V % 2 == 0 && ld % 2 == 0 && V <= 2 * kCeBlock * kCePairs && aligned4(logits)) {
+    softmax_ce_regs_kernel<T><<<rows, kCeBlock, 0, stream>>>(logits, labels, V, ld, loss_sum, num_correct);
   } else if (V >= 4096) {
-    softmax_ce_kernel<T, 1024><<<rows, 1024, 0, stream>>>(logits, labels, V, loss_sum, num_correct);
+    softmax_ce_kernel<T, 1024><<<rows, 1024, 0, stream>>>(logits, labels, V, ld, loss_sum, num_correct);
   } else {
-    softmax_ce_kernel<T, 64><<<rows, 64, 0, stream>>>(logits, labels, V, loss_sum, num_correct);
+    softmax_ce_kernel<T, 64><<<rows, 64, 0, stream>>>(logits, labels, V, ld, loss_sum, num_correct);
   }
   NOPAD_CUDA_CHECK_LAUNCH();
 }
 
 template <class T>
-void launch_ce_backward(T* probs, const int32_t* labels, int32_t rows, int32_t V, float scale, bool rows_kernel,
-                        cudaStream_t stream) {
+void launch_ce_backward(T* probs, const int32_t* labels, int32_t rows, int32_t V, int64_t ld, float scale,
+                        bool rows_kernel, cudaStream_t stream) {
   const int64_t count = static_cast<int64_t>(rows) * V;
   if (count <= 0) return;
-  if (rows_kernel && V >= 1024 && V % 2 == 0 && aligned4(probs)) {
-    ce_backward_rows_kernel<T><<<rows, kCeBwdThreads, 0, stream>>>(probs, labels, V, scale);
+  NOPAD_CHECK(ld >= V, "cross-entropy backward: row stride ", ld, " below the vocabulary ", V);
+  if (rows_kernel && V >= 1024 && V % 2 == 0 && ld % 2 == 0 && aligned4(probs)) {
+    ce_backward_rows_kernel<T><<<rows, kCeBwdThreads, 0, stream>>>(probs, labels, V, ld, scale);
     NOPAD_CUDA_CHECK_LAUNCH();
     return;
   }
-  ce_backward_kernel<T><<<flat_blocks(count), kThreads, 0, stream>>>(probs, labels, rows, V, scale);
+  ce_backward_kernel<T><<<flat_blocks(count), kThreads, 0, stream>>>(probs, labels, rows, V, ld, scale);
   NOPAD_CUDA_CHECK_LAUNCH();
 }
 
@@ -350,9 +355,9 @@ void launch_tanh_backward(T* d, const T* y, int64_t count, cudaStream_t stream) 
 #define NOPAD_HEADS_INSTANTIATE(T)                                                                                \
   template void launch_gather_rows<T>(const T*, const int32_t*, int32_t, int32_t, T*, cudaStream_t);              \
   template void launch_scatter_add_rows<T>(const T*, const int32_t*, int32_t, int32_t, T*, cudaStream_t);         \
-  template void launch_softmax_ce_forward<T>(T*, const int32_t*, int32_t, int32_t, float*, int32_t*, bool,        \
-                                             cudaStream_t);                                                       \
-  template void launch_ce_backward<T>(T*, const int32_t*, int32_t, int32_t, float, bool, cudaStream_t);           \
+  template void launch_softmax_ce_forward<T>(T*, const int32_t*, int32_t, int32_t, int64_t, float*, int32_t*,      \
+                                             bool, cudaStream_t);                                                 \
+  template void launch_ce_backward<T>(T*, const int32_t*, int32_t, int32_t, int64_t, float, bool, cudaStream_t);  \
   template void launch_tanh_forward<T>(T*, int64_t, cudaStream_t);                                                \
   template void launch_tanh_backward<T>(T*, const T*, int64_t, cudaStream_t);
 NOPAD_HEADS_INSTANTIATE(bf)

@@ -283,9 +283,10 @@ void launch_gelu_backward(const T* dy, const T* pre, T* dpre, int64_t count, boo
 template <class T>
 void launch_add_to_f32(const T* v, int32_t n, float* out, cudaStream_t stream);
 int column_sum_chunks(int64_t rows);
-// partial[c][j] = sum of m[r][j] over the rows r of chunk c (m is [rows, n]).
+// partial[c][j] = sum of m[r][j] over the rows r of chunk c (m is [rows, n], rows ld >= n elements apart).
 template <class T>
-void launch_column_sum_partial(const T* m, int64_t rows, int32_t n, int chunks, float* partial, cudaStream_t stream);
+void launch_column_sum_partial(const T* m, int64_t rows, int32_t n, int64_t ld, int chunks, float* partial,
+                               cudaStream_t stream);
 // The one-pass kernel over dy [rows, n]: with pre (and dpre) it writes dpre = dy * gelu'(pre); with partial it writes
 // partial[c][j] = sum over the rows of chunk c of dpre (or dy) [r][j], c < dense_grad_chunks(rows). Needs
 // dense_grad_pass_supported (n % 8 == 0, 16-byte aligned pointers).
@@ -302,13 +303,13 @@ template <class T>
 void launch_scatter_add_rows(const T* src, const int32_t* index, int32_t count, int32_t H, T* dst,
                              cudaStream_t stream);
 // registers / rows_kernel: KernelVariants::softmax_ce_registers / ce_backward_rows (used where V allows, else the
-// first kernels).
+// first kernels). Rows of V logits lie ld >= V elements apart; columns V .. ld-1 are neither read nor written.
 template <class T>
-void launch_softmax_ce_forward(T* logits, const int32_t* labels, int32_t rows, int32_t V, float* loss_sum,
-                               int32_t* num_correct, bool registers, cudaStream_t stream);
+void launch_softmax_ce_forward(T* logits, const int32_t* labels, int32_t rows, int32_t V, int64_t ld,
+                               float* loss_sum, int32_t* num_correct, bool registers, cudaStream_t stream);
 template <class T>
-void launch_ce_backward(T* probs, const int32_t* labels, int32_t rows, int32_t V, float scale, bool rows_kernel,
-                        cudaStream_t stream);
+void launch_ce_backward(T* probs, const int32_t* labels, int32_t rows, int32_t V, int64_t ld, float scale,
+                        bool rows_kernel, cudaStream_t stream);
 template <class T>
 void launch_tanh_forward(T* x, int64_t count, cudaStream_t stream);
 template <class T>
