@@ -30,7 +30,7 @@ with open(sys.argv[1]) as f:
     lines = [l for l in f if l.startswith('"')]
 for r in csv.DictReader(lines):
     if r.get("Metric Name") == "gpu__time_duration.sum":
-        rows.append((int(r["ID"]), r["Kernel Name"], float(r["Metric Value"]) / 1e6))  # ns -> ms
+        rows.append((int(r["ID"]), r["Kernel Name"], float(r["Metric Value"].replace(",", "")) / 1e6))  # ns -> ms
 rows.sort()
 # The timed step is the second half of the launches after the parameters' set-up: find the LAMB launches (the last
 # kernels of each step) and keep the kernels after the first step's.

@@ -253,6 +253,7 @@ void BertModel<P>::resolve_head_tensors() {
   mlm_w_.ln_beta = param("cls.predictions.transform.LayerNorm.bias");
   mlm_w_.word_embeddings = param("bert.embeddings.word_embeddings.weight");  // tied decoder
   mlm_w_.output_bias = param("cls.predictions.bias");
+  mlm_w_.padded_vocab = static_cast<int32_t>(padded_vocab_size(config_.vocab_size));  // the layout's zero rows
   mlm_w_.hidden = config_.hidden_size;
   mlm_w_.vocab_size = config_.vocab_size;
   mlm_w_.ln_eps = config_.layer_norm_eps;

@@ -35,7 +35,9 @@ ParamLayout::ParamLayout(const BertConfig& c) {
     add(prefix + ".weight", {H}, I::kOnes, true);
     add(prefix + ".bias", {H}, I::kZeros, true);
   };
+  const int64_t vocab_pad = padded_vocab_size(c.vocab_size) - c.vocab_size;  // zero rows after the vocabulary
   weight("bert.embeddings.word_embeddings.weight", {c.vocab_size, H});
+  total_ += static_cast<size_t>(vocab_pad * H);
   weight("bert.embeddings.position_embeddings.weight", {c.max_position_embeddings, H});
   weight("bert.embeddings.token_type_embeddings.weight", {c.type_vocab_size, H});
   layernorm("bert.embeddings.LayerNorm");
@@ -59,6 +61,7 @@ ParamLayout::ParamLayout(const BertConfig& c) {
   weight("bert.pooler.dense.weight", {H, H});
   bias("bert.pooler.dense.bias", H);
   bias("cls.predictions.bias", c.vocab_size);  // the decoder's output bias (decoder.bias in HF is an alias)
+  total_ += static_cast<size_t>(vocab_pad);
   weight("cls.predictions.transform.dense.weight", {H, H});
   bias("cls.predictions.transform.dense.bias", H);
   layernorm("cls.predictions.transform.LayerNorm");

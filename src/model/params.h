@@ -9,6 +9,9 @@
 //    they stay zero and nothing reads them.
 //  - Per layer, query/key/value weights are adjacent (so [3H, H] at the query weight's offset is the fused QKV
 //    weight) and the three biases are adjacent (a [3H] fused bias): only the group's start is aligned.
+//  - bert.embeddings.word_embeddings.weight and cls.predictions.bias are each followed by the rows / entries that
+//    round the vocabulary up to padded_vocab_size(V) (gap elements, zero): the MLM decoder may then run its products
+//    over padded_vocab_size(V) columns, aligned for cuBLASLt (ops.h MlmHeadWeights::padded_vocab).
 //  - The MLM decoder weight is tied to bert.embeddings.word_embeddings.weight; Hugging Face also lists
 //    cls.predictions.decoder.weight (the tied alias) and cls.predictions.decoder.bias (an alias of
 //    cls.predictions.bias) in its state dict. They are not separate tensors here; exporters write the aliases.
@@ -23,6 +26,9 @@
 namespace nopad {
 
 constexpr size_t kParamAlign = 64;  // elements
+
+// The vocabulary rounded up to a multiple of 8 (16 bytes of bf16): BERT's 30522 -> 30528.
+constexpr int64_t padded_vocab_size(int64_t vocab_size) { return (vocab_size + 7) / 8 * 8; }
 
 struct ParamTensor {
   std::string name;            // Hugging Face state-dict name

@@ -105,6 +105,11 @@ struct MlmHeadWeights {
   int32_t hidden = 0, vocab_size = 0;
   double ln_eps = 1e-12;
   Activation act = Activation::kGelu;  // of the transform (the model's hidden_act)
+  // > vocab_size: word_embeddings has padded_vocab rows and output_bias padded_vocab entries, those past vocab_size
+  // zero, and the gradients' rows / entries there may receive += 0 (the parameter layout's vocabulary padding,
+  // model/params.h). A backend may then run the decoder over padded_vocab columns (the GPU: cuBLASLt's aligned
+  // kernels need a 16-byte multiple); 0: exactly vocab_size rows.
+  int32_t padded_vocab = 0;
 };
 template <class G>
 struct MlmHeadGrads {  // all accumulated (+=)

@@ -165,6 +165,19 @@ void compare_models(const BertConfig& config, bool dropout) {
     x = static_cast<float>(x / loss_scale);  // a power of two: exact
   }
   ASSERT_EQ(nans, 0u) << "non-finite GPU gradients (loss scale " << loss_scale << ")";
+  // The layout's gap elements (alignment, and the vocabulary padding the GPU's MLM decoder runs over) stay zero.
+  {
+    std::vector<char> in_tensor(n, 0);
+    for (const ParamTensor& t : gpu.layout().tensors()) std::fill_n(in_tensor.begin() + t.offset, t.numel, 1);
+    size_t gap_nonzero = 0, gaps = 0;
+    for (size_t i = 0; i < n; ++i)
+      if (!in_tensor[i]) {
+        ++gaps;
+        gap_nonzero += gg[i] != 0.0f;
+      }
+    EXPECT_GT(gaps, 0u);
+    EXPECT_EQ(gap_nonzero, 0u) << "GPU gradients written into the layout's gaps";
+  }
 
   const double global_c = norm(gc.data(), n), global_g = norm(gg.data(), n);
   double dot = 0;

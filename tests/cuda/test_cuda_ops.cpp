@@ -27,6 +27,7 @@
 #include "core/error.h"
 #include "core/rng.h"
 #include "ops/cpu/cpu_backend.h"
+#include "model/params.h"
 #include "ops/cuda/check.h"
 #include "ops/cuda/cuda_backend.h"
 #include "ops/cuda/dense.h"  // KernelVariants: which implementation of each memory-bound op runs
@@ -796,22 +797,37 @@ TYPED_TEST(CudaOps, MlmHeadLoss) {
     auto d_hidden_in = up16<E>(hidden), d_tw = up16<E>(tw), d_tb = up16<E>(tb), d_lg = up16<E>(lg),
          d_lb = up16<E>(lb), d_emb = up16<E>(emb), d_ob = up16<E>(ob);
     auto d_pos = up(positions), d_lab = up(labels);
-    ops::MlmHeadWeights<E> wg{d_tw->p, d_tb->p, d_lg->p, d_lb->p, d_emb->p, d_ob->p, H, V, 1e-12};
+    // The model's weights carry the layout's vocabulary padding (zero rows up to padded_vocab_size(V)), which lets
+    // the GPU run the decoder over the padded columns; both forms are tested. Padding rows of the gradients start
+    // random and must come back bit for bit (they receive += 0).
+    const int32_t Vp = static_cast<int32_t>(padded_vocab_size(V));
+    Vec emb_p = emb, ob_p = ob;
+    emb_p.resize(static_cast<size_t>(Vp) * H, 0.0f);
+    ob_p.resize(static_cast<size_t>(Vp), 0.0f);
+    auto d_emb_p = up16<E>(emb_p), d_ob_p = up16<E>(ob_p);
+    Vec g0_pad[2] = {rand_vec<E>(rng, static_cast<size_t>(Vp - V) * H, -1, 1), rand_vec<E>(rng, Vp - V, -1, 1)};
+    for (const bool padded : {false, true})
     for (const HeadVariants& hv : head_variants()) {
-      SCOPED_TRACE(hv.name);
-      std::printf("   [%s]\n", hv.name);
+      SCOPED_TRACE(std::string(hv.name) + (padded ? ", padded weights" : ", unpadded weights"));
+      std::printf("   [%s%s]\n", hv.name, padded ? ", padded weights" : "");
       VariantScope variants(hv.v);
-      // The GPU's logits rows are padded to its preferred stride (V = 30522 -> 30528); the padding is poisoned
-      // and must stay untouched (checked after forward and backward), the V columns compared with the twin's.
+      ops::MlmHeadWeights<E> wg{d_tw->p, d_tb->p, d_lg->p, d_lb->p, d_emb->p, d_ob->p, H, V, 1e-12};
+      if (padded) {
+        wg.word_embeddings = d_emb_p->p;
+        wg.output_bias = d_ob_p->p;
+        wg.padded_vocab = Vp;
+      }
+      // The GPU's logits rows are padded to its preferred stride (V = 30522 -> 30528), poisoned first: without the
+      // weights' padding the columns past V are never touched; with it they hold the zero logits of the zero rows.
       const int64_t ld = gpu<E>().mlm_logits_row_stride(V);
-      ASSERT_TRUE(ld >= V && ld % 8 == 0) << ld;
-      auto unpad = [&](const Vec& padded, size_t* pad_touched) {
+      ASSERT_TRUE(ld >= Vp && ld % 8 == 0) << ld;
+      auto unpad = [&](const Vec& rows, size_t* pad_wrong) {
         Vec out(static_cast<size_t>(M) * V);
         for (int32_t i = 0; i < M; ++i)
           for (int64_t j = 0; j < ld; ++j) {
-            const float x = padded[static_cast<size_t>(i * ld + j)];
+            const float x = rows[static_cast<size_t>(i * ld + j)];
             if (j < V) out[static_cast<size_t>(i) * V + static_cast<size_t>(j)] = x;
-            else *pad_touched += !std::isnan(x);
+            else *pad_wrong += (padded && j < Vp) ? x != 0.0f : !std::isnan(x);
           }
         return out;
       };
@@ -841,7 +857,11 @@ TYPED_TEST(CudaOps, MlmHeadLoss) {
           << "num_correct: " << near_ties << " rows are near-ties whose argmax may flip";
 
       std::unique_ptr<DBuf<float>> gg[6];
-      for (int i = 0; i < 6; ++i) gg[i] = up(g0[i]);
+      for (int i = 0; i < 6; ++i) {
+        Vec g = g0[i];
+        if (padded && i >= 4) g.insert(g.end(), g0_pad[i - 4].begin(), g0_pad[i - 4].end());
+        gg[i] = up(g);
+      }
       auto d_dh = up16<E>(dh0);
       gpu<E>().mlm_head_loss_backward(scale, d_pos->p, d_lab->p, M, wg, sg,
                                    {gg[0]->p, gg[1]->p, gg[2]->p, gg[3]->p, gg[4]->p, gg[5]->p}, d_dh->p);
@@ -868,8 +888,15 @@ TYPED_TEST(CudaOps, MlmHeadLoss) {
       expect_close("d_hidden (+= at positions)", inc_g, inc_c, kTolDeep<E>);
       const char* names[6] = {"d_transform_weight", "d_transform_bias", "d_ln_gamma",
                               "d_ln_beta",          "d_word_embeddings", "d_output_bias"};
-      for (int i = 0; i < 6; ++i)
-        expect_close(std::string(names[i]) + " (+=)", minus(down(*gg[i]), g0[i]), minus(gc[i], g0[i]), kTolChain<E>);
+      for (int i = 0; i < 6; ++i) {
+        Vec got = down(*gg[i]);
+        if (padded && i >= 4) {  // the padding rows: += 0, bit for bit
+          const Vec tail(got.begin() + static_cast<ptrdiff_t>(g0[i].size()), got.end());
+          EXPECT_EQ(0, std::memcmp(tail.data(), g0_pad[i - 4].data(), tail.size() * sizeof(float))) << names[i];
+          got.resize(g0[i].size());
+        }
+        expect_close(std::string(names[i]) + " (+=)", minus(got, g0[i]), minus(gc[i], g0[i]), kTolChain<E>);
+      }
     }
   }
 }
@@ -1256,22 +1283,26 @@ TYPED_TEST(CudaPerf, MlmHead) {
   auto hidden = perf16<E>(static_cast<size_t>(T) * H, 42, -1, 1),
        tw = perf16<E>(static_cast<size_t>(H) * H, 43, -0.06f, 0.06f),
        tb = perf16<E>(H, 44, -0.5f, 0.5f), lg = perf16<E>(H, 45, 0.5f, 1.5f), lb = perf16<E>(H, 46, -0.5f, 0.5f),
-       emb = perf16<E>(static_cast<size_t>(V) * H, 47, -0.1f, 0.1f), ob = perf16<E>(V, 48, -0.5f, 0.5f);
+       emb = perf16<E>(static_cast<size_t>(V + 8) * H, 47, -0.1f, 0.1f), ob = perf16<E>(V + 8, 48, -0.5f, 0.5f);
   ops::MlmHeadWeights<E> w{tw->p, tb->p, lg->p, lb->p, emb->p, ob->p, H, V, 1e-12};
   DBuf<E> gath(static_cast<size_t>(M) * H), tpre(static_cast<size_t>(M) * H), tact(static_cast<size_t>(M) * H),
       ln(static_cast<size_t>(M) * H), probs(static_cast<size_t>(M) * (V + 8)), dh(static_cast<size_t>(T) * H);
   DBuf<float> lmean(M), lrstd(M), loss(1), g_tw(static_cast<size_t>(H) * H), g_tb(H), g_lg(H), g_lb(H),
-      g_emb(static_cast<size_t>(V) * H), g_ob(V);
+      g_emb(static_cast<size_t>(V + 8) * H), g_ob(V + 8);
   DBuf<int32_t> correct(1);
   for (DBuf<float>* g : {&g_tw, &g_tb, &g_lg, &g_lb, &g_emb, &g_ob}) gpu<E>().zero_bytes(g->p, g->n * sizeof(float));
   gpu<E>().zero_bytes(dh.p, dh.n * sizeof(E));
   ops::MlmHeadSaved<E, float> saved{gath.p, tpre.p, tact.p, lmean.p, lrstd.p, ln.p, probs.p};
-  // Logits rows V apart (4-byte aligned rows: cuBLASLt's unaligned kernels) and at the backend's padded stride.
-  for (const int64_t ld : {int64_t{V}, gpu<E>().mlm_logits_row_stride(V)})
+  // Logits rows V apart (4-byte aligned rows: cuBLASLt's unaligned kernels), at the backend's padded stride, and
+  // with the products over the padded vocabulary too (the model's weights carry the zero rows for it).
+  const int64_t Vp = gpu<E>().mlm_logits_row_stride(V);
+  for (const auto& [ld, pv] : {std::pair<int64_t, int32_t>{V, 0}, {Vp, 0}, {Vp, static_cast<int32_t>(Vp)}})
   for (const HeadVariants& hv : head_variants()) {
     VariantScope scope(hv.v);
     saved.probs_ld = ld;
-    const std::string name = std::string(hv.name) + ", logits rows " + std::to_string(ld) + " apart";
+    w.padded_vocab = pv;
+    const std::string name = std::string(hv.name) + ", logits rows " + std::to_string(ld) + " apart" +
+                             (pv > 0 ? ", products over " + std::to_string(pv) + " columns" : "");
     const auto fwd = [&] {
       gpu<E>().mlm_head_loss_forward(hidden->p, d_pos->p, d_lab->p, M, w, saved, loss.p, correct.p);
     };

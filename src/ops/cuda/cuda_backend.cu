@@ -875,10 +875,12 @@ void CudaBackendT<P>::mlm_head_loss_forward(const A* hidden, const int32_t* mlm_
   layernorm_plain_forward(saved.transform_act, w.ln_gamma, w.ln_beta, M, H, w.ln_eps, saved.ln_out, saved.ln_mean,
                           saved.ln_rstd);
   // Decoder with the tied word embeddings: logits [M, V] land in saved.probs and become probabilities in place.
-  // Rows of the logits are probs_ld apart (mlm_logits_row_stride: V padded to 16 bytes, so the decoder's products
-  // get cuBLASLt's aligned kernels).
+  // Rows of the logits are probs_ld apart (mlm_logits_row_stride: V padded to 16 bytes). With the weights' zero
+  // padding rows (w.padded_vocab) the decoder's products run over all padded columns, whose logits come out 0 and
+  // are never read: cuBLASLt picks its aligned Hopper kernels only when that dimension is a multiple of 8 too.
   const int64_t ld = saved.probs_ld > 0 ? saved.probs_ld : V;
-  dense_forward_ld(saved.ln_out, w.word_embeddings, w.output_bias, M, H, V, ops::Activation::kNone, saved.probs,
+  const int32_t Vg = decoder_columns(w, ld);
+  dense_forward_ld(saved.ln_out, w.word_embeddings, w.output_bias, M, H, Vg, ops::Activation::kNone, saved.probs,
                    nullptr, ld);
   launch_softmax_ce_forward(dev(saved.probs), mlm_labels, M, V, ld, loss_sum, num_correct,
                             kernel_variants().softmax_ce_registers, stream_);
@@ -897,8 +899,10 @@ void CudaBackendT<P>::mlm_head_loss_backward(double loss_scale, const int32_t* m
                      kernel_variants().ce_backward_rows, stream_);
   A* d_ln_out = static_cast<A*>(scratch(kHeadA, sizeof(A) * static_cast<size_t>(M) * H));
   // d_ln_out = d_logits W_emb; d_word_embeddings += d_logits^T ln_out; d_output_bias += column sums of d_logits.
-  dense_backward_ld(saved.probs, saved.ln_out, w.word_embeddings, nullptr, M, H, V, ops::Activation::kNone, d_ln_out,
-                    false, g.d_word_embeddings, g.d_output_bias, ld);
+  // Over the padded columns too (decoder_columns): their d_logits are the forward's zeros, untouched by the CE
+  // gradient, so the padding rows of d_word_embeddings and d_output_bias receive += 0.
+  dense_backward_ld(saved.probs, saved.ln_out, w.word_embeddings, nullptr, M, H, decoder_columns(w, ld),
+                    ops::Activation::kNone, d_ln_out, false, g.d_word_embeddings, g.d_output_bias, ld);
   A* d_act = static_cast<A*>(scratch(kHeadB, sizeof(A) * static_cast<size_t>(M) * H));
   layernorm_plain_backward(d_ln_out, saved.transform_act, saved.ln_mean, saved.ln_rstd, w.ln_gamma, M, H, d_act,
                            g.d_ln_gamma, g.d_ln_beta);

@@ -106,6 +106,10 @@ class CudaBackendT final : public ops::Backend<P> {
     dense_backward_ld(dy, x, weight, pre_act, rows, k, n, act, dx, accumulate_dx, d_weight, d_bias, n);
   }
   int64_t mlm_logits_row_stride(int32_t V) const override { return (int64_t{V} + 7) / 8 * 8; }
+  // Columns the MLM decoder's products run over: the weights' padded vocabulary when the logits rows have room.
+  static int32_t decoder_columns(const ops::MlmHeadWeights<W>& w, int64_t ld) {
+    return w.padded_vocab > w.vocab_size && w.padded_vocab <= ld ? w.padded_vocab : w.vocab_size;
+  }
   void dense_backward_through_act(const A* dy, const A* x, const A* x_pre, const W* weight, int64_t rows, int32_t k,
                                   int32_t n, ops::Activation x_act, A* dx_pre, G* d_weight, G* d_x_bias) override;
   void attention_forward(const A* qkv, const ops::SeqView& seqs, int32_t num_heads, int32_t head_dim,

@@ -89,14 +89,16 @@ enum class BiasGradPath {
 // dropout 0.1; docs/performance.md): LayerNorm forward warp-per-row 0.061 ms vs row-group 0.077-0.091; backward
 // row-group v1 0.104 ms vs warp-per-row 0.191 (embedding backward 0.187 vs 0.588); wide GELU 0.116 vs 0.141; FFN-in
 // backward with d_bias one-pass 0.815 ms vs separate 0.856 vs epilogue 0.881 (QKV: 0.477 / 0.470 / 0.527); softmax
-// CE from registers (MLM forward 1.15 vs 1.23 ms); CE backward flat grid (MLM backward 2.39 vs 7.71 ms per row).
+// CE from registers (MLM forward 1.15 vs 1.23 ms); CE backward a block per row (H100, 2026-11-24, with the padded
+// decoder: the flat grid's per-element division made it 0.89 ms of the MLM backward at M = 7,400 rows; the earlier
+// 7.71 ms "per row" figure was the unaligned decoder's bias-gradient epilogue measured in the same variant set).
 struct KernelVariants {
   LnVariant ln_forward{false, 0, 0};
   LnVariant ln_backward{true, 1, 0};
   bool gelu_forward_wide = true;  // GELU forward: 4 vectors per thread, all loads issued first (false: 1 vector)
   BiasGradPath dense_bias_grad = BiasGradPath::kOnePass;
   bool softmax_ce_registers = true;  // softmax CE: one read of the logits row into registers (false: three passes)
-  bool ce_backward_rows = false;     // CE backward: a block per row, 4-byte vectors (false: flat grid, scalar)
+  bool ce_backward_rows = true;      // CE backward: a block per row, 4-byte vectors (false: flat grid, scalar)
   // kGeluTanh forward: cuBLASLt's GELU_AUX_BIAS epilogue where it has an algorithm (false: the BIAS epilogue and the
   // wide tanh-GELU kernel). H200, T = 24,657, k=1024 n=4096: 0.376 ms vs 0.388 (erf: 0.400).
   bool gelu_forward_epilogue = true;
