@@ -77,7 +77,15 @@ __global__ void __launch_bounds__(kThreads) grad_sumsq_kernel(const Chunk* __res
   const Chunk c = chunks[blockIdx.x];
   const float* gp = g + c.start;
   float s = 0.0f;
-  for (int i = threadIdx.x; i < c.length; i += kThreads) s = __fadd_rn(s, __fmul_rn(gp[i], gp[i]));
+  const int vec = c.start % 4 == 0 ? c.length / 4 : 0;  // 16-byte vectors (chunks of 4-aligned tensors), then a tail
+  for (int i = threadIdx.x; i < vec; i += kThreads) {
+    const float4 x = reinterpret_cast<const float4*>(gp)[i];
+    s = __fadd_rn(s, __fmul_rn(x.x, x.x));
+    s = __fadd_rn(s, __fmul_rn(x.y, x.y));
+    s = __fadd_rn(s, __fmul_rn(x.z, x.z));
+    s = __fadd_rn(s, __fmul_rn(x.w, x.w));
+  }
+  for (int i = 4 * vec + threadIdx.x; i < c.length; i += kThreads) s = __fadd_rn(s, __fmul_rn(gp[i], gp[i]));
   s = block_sum<kThreads>(s);
   if (threadIdx.x == 0) partial_g[blockIdx.x] = s;
 }
@@ -128,17 +136,34 @@ __global__ void __launch_bounds__(kThreads) moments_kernel(const Chunk* __restri
   const float wd = tensors[c.tensor].wd;
   const float g_mul = st->g_mul, c1 = st->c1, c2 = st->c2;
   float w_sq = 0.0f, u_sq = 0.0f;
-  for (int i = threadIdx.x; i < c.length; i += kThreads) {
-    const int64_t j = c.start + i;
-    const float gj = __fmul_rn(g[j], g_mul);
-    const float mj = __fadd_rn(__fmul_rn(h.b1, m[j]), __fmul_rn(h.one_minus_b1, gj));
-    const float vj = __fadd_rn(__fmul_rn(h.b2, v[j]), __fmul_rn(__fmul_rn(h.one_minus_b2, gj), gj));
-    m[j] = mj;
-    v[j] = vj;
-    const float wj = w[j];
-    const float u = lamb_update(mj, vj, wj, c1, c2, h.eps, wd);
+  // One element: the twin's arithmetic; m and v updated in place, the sums of w^2 and u^2 accumulated.
+  auto one = [&](float gr, float& mr, float& vr, float wj) {
+    const float gj = __fmul_rn(gr, g_mul);
+    mr = __fadd_rn(__fmul_rn(h.b1, mr), __fmul_rn(h.one_minus_b1, gj));
+    vr = __fadd_rn(__fmul_rn(h.b2, vr), __fmul_rn(__fmul_rn(h.one_minus_b2, gj), gj));
+    const float u = lamb_update(mr, vr, wj, c1, c2, h.eps, wd);
     w_sq = __fadd_rn(w_sq, __fmul_rn(wj, wj));
     u_sq = __fadd_rn(u_sq, __fmul_rn(u, u));
+  };
+  // 16-byte vectors where the chunk starts 4-aligned (every tensor of a BERT layout), then the tail element-wise.
+  const int vec = c.start % 4 == 0 ? c.length / 4 : 0;
+  for (int i = threadIdx.x; i < vec; i += kThreads) {
+    const int64_t j = c.start + 4 * int64_t{i};
+    const float4 g4 = *reinterpret_cast<const float4*>(g + j), w4 = *reinterpret_cast<const float4*>(w + j);
+    float4 m4 = *reinterpret_cast<const float4*>(m + j), v4 = *reinterpret_cast<const float4*>(v + j);
+    one(g4.x, m4.x, v4.x, w4.x);
+    one(g4.y, m4.y, v4.y, w4.y);
+    one(g4.z, m4.z, v4.z, w4.z);
+    one(g4.w, m4.w, v4.w, w4.w);
+    *reinterpret_cast<float4*>(m + j) = m4;
+    *reinterpret_cast<float4*>(v + j) = v4;
+  }
+  for (int i = 4 * vec + threadIdx.x; i < c.length; i += kThreads) {
+    const int64_t j = c.start + i;
+    float mj = m[j], vj = v[j];
+    one(g[j], mj, vj, w[j]);
+    m[j] = mj;
+    v[j] = vj;
   }
   w_sq = block_sum<kThreads>(w_sq);
   u_sq = block_sum<kThreads>(u_sq);
@@ -183,11 +208,30 @@ __global__ void __launch_bounds__(kThreads) apply_kernel(const Chunk* __restrict
   const float ratio = t.use_ratio ? ratio_s : 1.0f;
   const float step = __fmul_rn(lr, ratio);
   const float c1 = st->c1, c2 = st->c2;
-  for (int i = threadIdx.x; i < c.length; i += kThreads) {
+  auto updated = [&](float mj, float vj, float wj) {
+    return __fsub_rn(wj, __fmul_rn(step, lamb_update(mj, vj, wj, c1, c2, h.eps, t.wd)));
+  };
+  // 16-byte vectors of m, v, w (8 bytes of the 16-bit copy) where the chunk starts 4-aligned, then the tail.
+  const int vec = c.start % 4 == 0 ? c.length / 4 : 0;
+  for (int i = threadIdx.x; i < vec; i += kThreads) {
+    const int64_t j = c.start + 4 * int64_t{i};
+    const float4 m4 = *reinterpret_cast<const float4*>(m + j), v4 = *reinterpret_cast<const float4*>(v + j);
+    float4 w4 = *reinterpret_cast<const float4*>(w + j);
+    w4.x = updated(m4.x, v4.x, w4.x);
+    w4.y = updated(m4.y, v4.y, w4.y);
+    w4.z = updated(m4.z, v4.z, w4.z);
+    w4.w = updated(m4.w, v4.w, w4.w);
+    *reinterpret_cast<float4*>(w + j) = w4;
+    alignas(8) T q[4];
+    round_to(w4.x, &q[0]);
+    round_to(w4.y, &q[1]);
+    round_to(w4.z, &q[2]);
+    round_to(w4.w, &q[3]);
+    *reinterpret_cast<uint2*>(w16 + j) = *reinterpret_cast<const uint2*>(q);
+  }
+  for (int i = 4 * vec + threadIdx.x; i < c.length; i += kThreads) {
     const int64_t j = c.start + i;
-    const float wj = w[j];
-    const float u = lamb_update(m[j], v[j], wj, c1, c2, h.eps, t.wd);
-    const float nw = __fsub_rn(wj, __fmul_rn(step, u));
+    const float nw = updated(m[j], v[j], w[j]);
     w[j] = nw;
     round_to(nw, &w16[j]);
   }
