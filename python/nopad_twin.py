@@ -22,13 +22,13 @@ import numpy as np
 
 # key -> default, as train_config_schema() (types follow the defaults: str, int, float, bool).
 TRAIN_DEFAULTS = {
-    "run_dir": "", "init_from": "", "model.config": "", "data.train": "", "data.eval": "",
+    "run_dir": "", "init_from": "", "model.config": "", "data.train": "", "data.eval": "", "data.placement": "shared",
     "train.global_batch": 32, "train.grad_accumulation": 1, "train.max_steps": 1000, "train.max_samples": 0,
     "train.seed": 12345, "train.target_mlm_accuracy": 0.0, "train.threads": 0, "train.device": "auto",
     "train.precision": "auto", "train.loss_scale": "auto", "train.loss_scale_init": 65536.0,
     "train.loss_scale_window": 2000,
     "dist.balance": "cost", "dist.cost_per_token": 1.0, "dist.cost_per_token_sq": 0.0, "dist.overlap": True,
-    "dist.nccl_max_ctas": 0, "dist.clip": "global", "dist.timeout_s": 600.0,
+    "dist.nccl_max_ctas": 0, "dist.clip": "global", "dist.reduce": "fp32", "dist.timeout_s": 600.0,
     "mllog.submission_org": "nopad", "mllog.submission_platform": "", "mllog.submission_division": "closed",
     "mllog.cache_clear": False, "mllog.stdout": False,
     "optim.name": "lamb", "optim.lr": 1e-3, "optim.beta1": 0.9, "optim.beta2": 0.999, "optim.eps": 1e-6,

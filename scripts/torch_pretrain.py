@@ -449,6 +449,9 @@ def main(argv=None):
         init_nopad_law(model, layout, mc["initializer_range"], seed)
     model.to(device).train()
     params = dict(model.named_parameters())
+    if cfg["data.placement"] != "shared":
+        sys.exit(f"error: data.placement = {cfg['data.placement']} is for several ranks; the twin is one process "
+                 "reading data.train whole: use data.placement = shared")
     if cfg["dist.clip"] != "global":
         sys.exit(f"error: dist.clip = {cfg['dist.clip']} is not implemented by the twin (it clips the global norm, "
                  "as LAMB does); use dist.clip = global")

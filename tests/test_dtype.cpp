@@ -218,7 +218,9 @@ TEST(Dtype, RoundToBf16InPlace) {
   std::memcpy(again, x, sizeof x);
   round_to_bf16(again, std::size(again));
   for (size_t i = 0; i + 1 < std::size(x); ++i)
-    if (!std::isnan(x[i])) EXPECT_EQ(again[i], x[i]) << i;
+    if (!std::isnan(x[i])) {
+      EXPECT_EQ(again[i], x[i]) << i;
+    }
 }
 
 }  // namespace

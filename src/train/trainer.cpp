@@ -15,6 +15,7 @@
 #include "dist/balance.h"
 #include "dist/watchdog.h"
 #include "dist/comm.h"
+#include "dist/partitioned.h"
 #include "dist/launch.h"
 #include "optim/optimizer.h"
 #include "optim/schedule.h"
@@ -33,6 +34,10 @@ ConfigSchema train_config_schema() {
   s.add("model.config", "", "Hugging Face config.json of the BERT architecture (required)");
   s.add("data.train", "", "folder of .nopad training shards (required)");
   s.add("data.eval", "", "folder of .nopad evaluation shards, read in order ('' = no evaluation)");
+  s.add("data.placement", "shared", "data parallelism: shared (every rank reads data.train whole: one file system) or "
+        "partitioned (rank r holds only the shards i with i % ranks == r, plus dataset.json, in data.train, where "
+        "{rank} stands for r; each global batch is assembled by exchanging samples between the ranks; "
+        "docs/distributed.md)");
   s.add("train.global_batch", 32, "sequences per optimizer step");
   s.add("train.grad_accumulation", 1, "micro-batches per step (must divide train.global_batch)");
   s.add("train.max_steps", 1000, "stop after this many optimizer steps");
@@ -267,6 +272,9 @@ struct Trainer::Impl {
 
   BertConfig model_config;
   std::unique_ptr<Dataset> train_data, eval_data;
+  std::unique_ptr<dist::PartitionedData> train_part;  // data.placement = partitioned: this rank's shards (else null)
+  uint64_t train_size() const { return train_part ? train_part->size() : train_data->size(); }
+  uint32_t train_max_len() const { return train_part ? train_part->max_seq_length() : train_data->max_seq_length(); }
   std::unique_ptr<TrainEngine> engine;
   LrSchedule schedule;
   TrainerState state;
@@ -415,11 +423,33 @@ void Trainer::Impl::setup() {
   }
 
   // 3. Data: readable, and covered by the model's vocabulary and positions.
-  train_data = open_data("data.train", train_path);
-  NOPAD_CHECK(train_data->size() >= static_cast<uint64_t>(global_batch), "data.train ", train_path, " has ",
-              train_data->size(), " samples, fewer than train.global_batch (", global_batch, ")");
-  if (!eval_path.empty()) eval_data = open_data("data.eval", eval_path);
+  const std::string placement = cfg.get_string("data.placement");
+  NOPAD_CHECK(placement == "shared" || placement == "partitioned", "data.placement must be shared or partitioned, got "
+              "\"", placement, "\"");
   uint32_t max_len = 0, max_masked = 0;
+  if (placement == "partitioned") {  // collective: the ranks learn each other's shard sizes
+    // "{rank}" in data.train stands for this rank's number (node-local folders: /scratch/shards-{rank}).
+    std::string local_path = train_path;
+    for (size_t at; (at = local_path.find("{rank}")) != std::string::npos;)
+      local_path.replace(at, 6, std::to_string(comm->rank()));
+    try {
+      train_part = std::make_unique<dist::PartitionedData>(local_path, *comm);
+    } catch (const Error& e) {
+      fail("data.train (data.placement = partitioned): ", e.what());
+    }
+    NOPAD_CHECK(static_cast<uint64_t>(model_config.vocab_size) >= train_part->vocab_size() &&
+                    static_cast<uint64_t>(model_config.max_position_embeddings) >= train_part->max_seq_length(),
+                "model.config ", model_config_path, ": vocab_size ", model_config.vocab_size,
+                " / max_position_embeddings ", model_config.max_position_embeddings, " smaller than data.train's ",
+                train_part->vocab_size(), " tokens / ", train_part->max_seq_length(), "-token sequences");
+    max_len = train_part->max_seq_length();
+    max_masked = train_part->max_masked();
+  } else {
+    train_data = open_data("data.train", train_path);
+  }
+  NOPAD_CHECK(train_size() >= static_cast<uint64_t>(global_batch), "data.train ", train_path, " has ", train_size(),
+              " samples, fewer than train.global_batch (", global_batch, ")");
+  if (!eval_path.empty()) eval_data = open_data("data.eval", eval_path);
   for (const auto& [key, path, data] : {std::tuple{"data.train", train_path, train_data.get()},
                                         std::tuple{"data.eval", eval_path, eval_data.get()}}) {
     if (!data) continue;
@@ -466,6 +496,10 @@ void Trainer::Impl::setup() {
   if (rank_info.distributed()) {
     dist::check_same_on_all_ranks(*comm, dist::hash_string(cfg.dump()), "the config (with its --set overrides)");
     uint64_t h = dist::hash_string("data");
+    if (train_part) {  // its global shape (every rank computed it from the same all-reduce)
+      const uint64_t fields[3] = {train_part->size(), train_part->vocab_checksum(), train_part->num_shards()};
+      h = dist::hash_bytes(std::span<const uint8_t>(reinterpret_cast<const uint8_t*>(fields), sizeof fields), h);
+    }
     for (const Dataset* d : {train_data.get(), eval_data.get()}) {
       if (d == nullptr) continue;
       const uint64_t fields[3] = {d->size(), d->vocab_checksum(), d->num_shards()};
@@ -594,7 +628,7 @@ void Trainer::Impl::setup() {
   mllog.point("seed", seed);
   mllog.point("global_batch_size", global_batch);
   mllog.point("gradient_accumulation_steps", grad_accumulation);
-  mllog.point("max_sequence_length", train_data->max_seq_length());
+  mllog.point("max_sequence_length", train_max_len());
   mllog.point("opt_base_learning_rate", schedule.base_lr);
   mllog.point("opt_lamb_epsilon", cfg.get_double("optim.eps"));
   mllog.point("opt_lamb_beta_1", cfg.get_double("optim.beta1"));
@@ -605,7 +639,7 @@ void Trainer::Impl::setup() {
   mllog.point("num_warmup_steps", schedule.warmup_steps);
   mllog.point("start_warmup_step", schedule.start_warmup_step);
   mllog.point("opt_learning_rate_decay_poly_power", schedule.power);
-  mllog.point("train_samples", train_data->size());
+  mllog.point("train_samples", train_size());
   mllog.point("eval_samples", eval_data ? (eval_max_samples > 0 ? std::min<uint64_t>(eval_max_samples, eval_data->size())
                                                                  : eval_data->size())
                                         : 0);
@@ -711,9 +745,19 @@ TrainSummary Trainer::run() {
   lo.start = m.state.cursor;
   lo.rank = m.comm->rank();
   lo.world_size = m.comm->size();
-  // Every rank draws the same global batch (same seed and cursor) and plans the same split; it builds only its share.
-  Loader loader(*m.train_data, lo,
-                std::make_shared<dist::BalancedAssigner>(m.balance, m.cost, static_cast<int>(m.rank_batch)));
+  // Every rank draws the same global batch (same seed and cursor) and plans the same split; it builds only its share:
+  // from the whole dataset (shared), or by exchanging the samples each rank holds (partitioned: collective, so it
+  // runs here on the main thread, while the device works on the step enqueued before).
+  std::unique_ptr<Loader> shared_loader;
+  std::unique_ptr<dist::PartitionedLoader> part_loader;
+  if (m.train_part)
+    part_loader = std::make_unique<dist::PartitionedLoader>(*m.train_part, *m.comm, lo, m.balance, m.cost,
+                                                            static_cast<int>(m.rank_batch));
+  else
+    shared_loader = std::make_unique<Loader>(*m.train_data, lo, std::make_shared<dist::BalancedAssigner>(
+                                                                    m.balance, m.cost, static_cast<int>(m.rank_batch)));
+  auto next_batch = [&]() -> const HostBatch& { return part_loader ? part_loader->next() : shared_loader->next(); };
+  auto loader_cursor = [&] { return part_loader ? part_loader->cursor() : shared_loader->cursor(); };
   const bool lead = m.lead();
 
   // m.state describes the steps ENQUEUED on the engine. The host reads a step's results one step late (it enqueues
@@ -877,7 +921,7 @@ TrainSummary Trainer::run() {
     const auto enqueue_start = Clock::now();
     // This rank's share of the global batch (the whole batch in a single process); the loss denominators are the
     // global batch's counts, so the ranks' gradients add up to the global batch's.
-    const HostBatch& mine = loader.next();
+    const HostBatch& mine = next_batch();
     std::array<int64_t, 3> global_counts = {mine.num_masked(), mine.num_seqs(), mine.num_tokens()};
     if (m.rank_info.distributed()) m.comm->all_reduce_sum(std::span<int64_t>(global_counts));
     const auto [global_masked, global_seqs, global_tokens] = global_counts;
@@ -899,7 +943,7 @@ TrainSummary Trainer::run() {
     m.engine->optimizer_step(lr, 1.0 / loss_scale);
     m.state.step = step_index + 1;
     m.state.samples += static_cast<uint64_t>(global_seqs);
-    m.state.cursor = loader.cursor();
+    m.state.cursor = loader_cursor();
     m.state.lr = lr;
     Enqueued& e = queue[static_cast<size_t>((q_first + q_count) % TrainEngine::kMaxStepsInFlight)];
     e = Enqueued{m.state.step, m.state.samples, lr, global_seqs, global_tokens, done(), loss_scale,

@@ -7,7 +7,11 @@
 // A failure on any rank makes mpirun exit non-zero; only rank 0 prints GoogleTest's report.
 #include <gtest/gtest.h>
 
+#include <unistd.h>
+
 #include <algorithm>
+#include <filesystem>
+#include <random>
 #include <cmath>
 #include <cstdio>
 #include <cstring>
@@ -17,8 +21,14 @@
 #include <vector>
 
 #include "core/error.h"
+#include "core/io.h"
+#include "data/dataset.h"
+#include "data/instance.h"
+#include "data/loader.h"
+#include "data/shard.h"
 #include "dist/balance.h"
 #include "dist/comm.h"
+#include "dist/partitioned.h"
 #include "model/bert.h"
 #include "ops/cpu/cpu_backend.h"
 #include "train/engine.h"
@@ -257,6 +267,126 @@ TEST(Mpi, Bf16GradientReductionRoundsAndKeepsRanksIdentical) {
   }
   EXPECT_GT(max_diff, 0.0) << "the update did not see the rounding";
   EXPECT_LT(max_diff, 1e-2 * max_w);
+}
+
+// data.placement = partitioned: a dataset of 7 shards of random samples (rank 0 writes it), every rank then opens a
+// folder holding only its shards (shard i on rank i % ranks) plus the manifest. PartitionedLoader must build exactly
+// the batches Loader + BalancedAssigner build from the whole dataset on one disk, in every balancing mode, across an
+// epoch boundary; the sample counts add up; a rank whose folder lacks one of its shards is refused by name.
+TEST(Mpi, PartitionedDataBuildsTheBatchesOfTheSharedDataset) {
+  Communicator& c = *g_comm;
+  const int rank = c.rank(), world = c.size();
+  // A folder every rank agrees on: rank 0's name, broadcast.
+  std::string root(256, '\0');
+  if (rank == 0) {
+    const std::string name = (std::filesystem::temp_directory_path() /
+                              ("nopad-mpi-partitioned-" + std::to_string(::getpid()))).string();
+    std::copy(name.begin(), name.end(), root.begin());
+  }
+  c.broadcast(std::span<uint8_t>(reinterpret_cast<uint8_t*>(root.data()), root.size()), 0);
+  root.resize(root.find('\0'));
+  const std::filesystem::path full = std::filesystem::path(root) / "full";
+  constexpr int kShards = 7, kVocab = 50;
+  if (rank == 0) {
+    std::filesystem::create_directories(full);
+    std::mt19937 rng(9);
+    for (int s = 0; s < kShards; ++s) {
+      char name[32];
+      std::snprintf(name, sizeof name, "shard_%05d.nopad", s);
+      ShardWriter w(full / name, kVocab, 1234);
+      for (int k = 0; k < 5 + 3 * s; ++k) {  // uneven shard sizes
+        Instance in;
+        const int n = 2 + static_cast<int>(rng() % 40);
+        for (int i = 0; i < n; ++i) in.tokens.push_back(static_cast<int32_t>(rng() % kVocab));
+        in.a_length = 2 + static_cast<int32_t>(rng() % static_cast<unsigned>(n - 1));
+        for (int i = 0; i < n; i += 1 + static_cast<int>(rng() % 5)) {
+          in.mlm_positions.push_back(i);
+          in.mlm_labels.push_back(static_cast<int32_t>(rng() % kVocab));
+        }
+        in.nsp_label = static_cast<int32_t>(rng() % 2);
+        w.add(in);
+      }
+      w.finish();
+    }
+    write_file_atomic(full / "dataset.json", "{\"format\": \"nopad-shards\", \"num_shards\": " + std::to_string(kShards) +
+                                          "}\n");
+    for (int r = 0; r < world; ++r) {  // rank r's disk: its shards and the manifest
+      const std::filesystem::path mine = std::filesystem::path(root) / ("rank" + std::to_string(r));
+      std::filesystem::create_directories(mine);
+      std::filesystem::copy_file(full / "dataset.json", mine / "dataset.json");
+      for (int s = r; s < kShards; s += world) {
+        char name[32];
+        std::snprintf(name, sizeof name, "shard_%05d.nopad", s);
+        std::filesystem::copy_file(full / name, mine / name);
+      }
+    }
+    std::filesystem::create_directories(std::filesystem::path(root) / "manifest-only");
+    std::filesystem::copy_file(full / "dataset.json", std::filesystem::path(root) / "manifest-only" / "dataset.json");
+  }
+  c.barrier();
+
+  const Dataset shared(full);
+  const PartitionedData part(std::filesystem::path(root) / ("rank" + std::to_string(rank)), c);
+  EXPECT_EQ(part.size(), shared.size());
+  EXPECT_EQ(part.num_shards(), static_cast<size_t>(kShards));
+  EXPECT_EQ(part.vocab_size(), static_cast<uint32_t>(kVocab));
+  EXPECT_EQ(part.max_seq_length(), shared.max_seq_length());
+  uint32_t most_masked = 0;
+  for (uint64_t i = 0; i < shared.size(); ++i) most_masked = std::max(most_masked, shared.num_masked(i));
+  EXPECT_EQ(part.max_masked(), most_masked);
+  std::vector<int64_t> local = {static_cast<int64_t>(part.local_samples())};
+  c.all_reduce_sum(std::span<int64_t>(local));
+  EXPECT_EQ(local[0], static_cast<int64_t>(shared.size())) << "every sample held by exactly one rank";
+
+  for (const BalanceMode mode : {BalanceMode::kNone, BalanceMode::kStratified, BalanceMode::kCost}) {
+    LoaderOptions lo;
+    lo.global_batch = 12;
+    lo.seed = 5;
+    lo.background = false;
+    lo.rank = rank;
+    lo.world_size = world;
+    const int per_rank = (12 + world - 1) / world;
+    Loader reference(shared, lo, std::make_shared<BalancedAssigner>(mode, CostModel{1.0, 0.01}, per_rank));
+    PartitionedLoader loader(part, c, lo, mode, CostModel{1.0, 0.01}, per_rank);
+    for (int step = 0; step < 20; ++step) {  // 20 x 12 > the 84 samples: crosses epochs
+      const HostBatch& want = reference.next();
+      const HostBatch& got = loader.next();
+      SCOPED_TRACE(std::string(balance_mode_name(mode)) + ", rank " + std::to_string(rank) + ", step " +
+                   std::to_string(step));
+      EXPECT_EQ(got.sample_ids, want.sample_ids);
+      EXPECT_EQ(got.tokens, want.tokens);
+      EXPECT_EQ(got.positions, want.positions);
+      EXPECT_EQ(got.segments, want.segments);
+      EXPECT_EQ(got.cu_seqlens, want.cu_seqlens);
+      EXPECT_EQ(got.max_seqlen, want.max_seqlen);
+      EXPECT_EQ(got.mlm_positions, want.mlm_positions);
+      EXPECT_EQ(got.mlm_labels, want.mlm_labels);
+      EXPECT_EQ(got.nsp_labels, want.nsp_labels);
+      EXPECT_EQ(loader.cursor(), reference.cursor());
+    }
+  }
+
+  // Every rank's folder without its shards: refused before any collective, naming the shard.
+  try {
+    PartitionedData none(std::filesystem::path(root) / "manifest-only", c);
+    ADD_FAILURE() << "a folder without this rank's shards was accepted";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("shard " + std::to_string(rank) + " of 7"), std::string::npos) << e.what();
+  }
+  // Only the ranks above 0 lack their shards: rank 0 must not wait for them; it stops naming them.
+  if (world > 1) {
+    const std::filesystem::path dir =
+        rank == 0 ? std::filesystem::path(root) / "rank0" : std::filesystem::path(root) / "manifest-only";
+    try {
+      PartitionedData some(dir, c);
+      ADD_FAILURE() << "rank " << rank << ": a job with ranks missing their shards was accepted";
+    } catch (const Error& e) {
+      const std::string want = rank == 0 ? "could not open their shards" : "is missing from";
+      EXPECT_NE(std::string(e.what()).find(want), std::string::npos) << e.what();
+    }
+  }
+  c.barrier();
+  if (rank == 0) std::filesystem::remove_all(root);
 }
 
 }  // namespace

@@ -161,7 +161,44 @@ def main():
                   f"bf16 reduction: losses {got} vs one process {ref_loss}")
             check(any(a != b for a, b in zip(ref_loss[1:], got[1:])), f"bf16 reduction changed nothing: {got}")
             print(f"  dist.reduce=bf16, 2 ranks: losses {['%.5f' % x for x in got]}")
+        # data.placement = partitioned: the same data cut into 4 shards, each rank's folder holding only its shards
+        # (i % 2 == rank) and the manifest; data.train names them with {rank}. 2 ranks exchanging samples must
+        # train as one process on the whole dataset (loss for loss), and a rank missing a shard is refused by name.
+        multi = os.path.join(tmp, "multi")
+        r = subprocess.run([NOPAD, "prepare", "--input", os.path.join(SRC, "data/wiki-sample/wiki_00"), "--vocab",
+                            os.path.join(SRC, "data/vocab/bert-uncased-vocab.txt"), "--output", multi,
+                            "--max-seq-length", "64", "--max-predictions", "10", "--dupe-factor", "1",
+                            "--seqs-per-shard", "1000", "--quiet"], capture_output=True, text=True)
+        check(r.returncode == 0, f"prepare (4 shards): {r.stderr}")
+        shards = sorted(f for f in os.listdir(multi) if f.endswith(".nopad"))
+        check(len(shards) == 4, f"4 shards, got {shards}")
+        for rank in (0, 1):
+            d = os.path.join(tmp, "part", f"rank{rank}")
+            os.makedirs(d)
+            shutil.copy(os.path.join(multi, "dataset.json"), d)
+            for i, f in enumerate(shards):
+                if i % 2 == rank:
+                    shutil.copy(os.path.join(multi, f), d)
+        ref_dir = os.path.join(tmp, "multi-one")
+        r = train(1, ref_dir, multi)
+        check(r.returncode == 0, f"one process on the 4-shard data: {r.stderr[-300:]}")
+        run_dir = os.path.join(tmp, "np2-partitioned")
+        r = train(2, run_dir, os.path.join(tmp, "part", "rank{rank}"), ("--set", "data.placement=partitioned"))
+        check(r.returncode == 0, f"data.placement=partitioned, 2 ranks: exit {r.returncode}: {r.stderr[-500:]}")
+        if r.returncode == 0 and os.path.exists(os.path.join(ref_dir, "metrics.jsonl")):
+            want, got = losses(ref_dir), losses(run_dir)
+            check(len(got) == len(want) == 6 and all(abs(a - b) <= 1e-4 * abs(a) for a, b in zip(want, got)),
+                  f"partitioned: losses {got} vs one process on all shards {want}")
+            print(f"  data.placement=partitioned, 2 ranks: losses {['%.5f' % x for x in got]} (one process: "
+                  f"{['%.5f' % x for x in want]})")
+        os.remove(os.path.join(tmp, "part", "rank1", shards[3]))
+        r = train(2, os.path.join(tmp, "np2-missing"), os.path.join(tmp, "part", "rank{rank}"),
+                  ("--set", "data.placement=partitioned"), check_rc=False)
+        check(r.returncode != 0 and "shard 3 of 4" in r.stderr and "is missing from" in r.stderr,
+              f"a rank missing its shard is refused by name: {r.stderr[-600:]!r}")
+
         for extra, msg in ((("--set", "dist.reduce=fp16"), "dist.reduce must be fp32 or bf16"),
+                           (("--set", "data.placement=local"), "data.placement must be shared or partitioned"),
                            (("--set", "dist.clip=layer"), "dist.clip must be global or bucket"),
                            (("--set", "dist.clip=bucket", "--set", "optim.max_grad_norm=0"),
                             "dist.clip = bucket clips to optim.max_grad_norm")):

@@ -1,0 +1,261 @@
+// PartitionedData and PartitionedLoader: see partitioned.h.
+#include "dist/partitioned.h"
+
+#include <algorithm>
+#include <cctype>
+#include <cstdint>
+#include <cstring>
+#include <span>
+#include <string>
+
+#include <nlohmann/json.hpp>
+
+#include "core/error.h"
+#include "core/io.h"
+
+namespace nopad::dist {
+namespace {
+
+// The shard index of a file named shard_<digits>.nopad; -1 for any other name.
+int64_t shard_index(const std::filesystem::path& p) {
+  const std::string name = p.filename().string(), prefix = "shard_", ext = kShardExtension;
+  if (name.size() <= prefix.size() + ext.size() || !name.starts_with(prefix) || !name.ends_with(ext)) return -1;
+  const std::string digits = name.substr(prefix.size(), name.size() - prefix.size() - ext.size());
+  if (digits.empty() || digits.size() > 12 || !std::all_of(digits.begin(), digits.end(), ::isdigit)) return -1;
+  return std::stoll(digits);
+}
+
+// A sample on the wire: length, a_length, nsp_label, num_masked (u32 each), tokens (i32 x length), mlm positions
+// (u32 x num_masked), mlm labels (i32 x num_masked).
+void append_sample(const SampleRef& s, std::vector<uint8_t>& out) {
+  const uint32_t head[4] = {s.length, s.a_length, s.nsp_label, s.num_masked};
+  const size_t at = out.size();
+  out.resize(at + sizeof head + 4 * (size_t{s.length} + 2 * size_t{s.num_masked}));
+  uint8_t* p = out.data() + at;
+  std::memcpy(p, head, sizeof head);
+  auto* w = reinterpret_cast<int32_t*>(p + sizeof head);  // 4-byte fields; memcpy below keeps it alignment-safe
+  for (uint32_t i = 0; i < s.length; ++i) {
+    const int32_t t = s.token(i);
+    std::memcpy(w++, &t, 4);
+  }
+  for (uint32_t k = 0; k < s.num_masked; ++k) {
+    const int32_t pos = s.mlm_positions[k];
+    std::memcpy(w++, &pos, 4);
+  }
+  for (uint32_t k = 0; k < s.num_masked; ++k) {
+    const int32_t l = s.mlm_label(k);
+    std::memcpy(w++, &l, 4);
+  }
+}
+
+// Appends a sample received as append_sample wrote it to `out`, as build_batch would (data/loader.cpp).
+void add_to_batch(const uint8_t* p, size_t bytes, uint64_t id, HostBatch& out) {
+  uint32_t head[4];
+  NOPAD_CHECK(bytes >= sizeof head, "partitioned data: sample ", id, " arrived truncated (", bytes, " bytes)");
+  std::memcpy(head, p, sizeof head);
+  const auto [length, a_length, nsp, masked] = head;
+  NOPAD_CHECK(bytes == sizeof head + 4 * (size_t{length} + 2 * size_t{masked}) && length >= 1 && a_length <= length,
+              "partitioned data: sample ", id, " arrived malformed (", bytes, " bytes, length ", length, ", ", masked,
+              " masked)");
+  const auto row0 = static_cast<int32_t>(out.tokens.size());
+  const uint8_t* q = p + sizeof head;
+  auto next = [&] {
+    int32_t v;
+    std::memcpy(&v, q, 4);
+    q += 4;
+    return v;
+  };
+  for (uint32_t i = 0; i < length; ++i) {
+    out.tokens.push_back(next());
+    out.positions.push_back(static_cast<int32_t>(i));
+    out.segments.push_back(i < a_length ? 0 : 1);
+  }
+  const size_t m0 = out.mlm_positions.size();
+  for (uint32_t k = 0; k < masked; ++k) out.mlm_positions.push_back(row0 + next());
+  for (uint32_t k = 0; k < masked; ++k) out.mlm_labels.push_back(next());
+  for (size_t k = m0; k < out.mlm_positions.size(); ++k)
+    NOPAD_CHECK(out.mlm_positions[k] >= row0 && out.mlm_positions[k] < row0 + static_cast<int32_t>(length),
+                "partitioned data: sample ", id, " has a masked position outside it");
+  out.cu_seqlens.push_back(row0 + static_cast<int32_t>(length));
+  out.max_seqlen = std::max(out.max_seqlen, static_cast<int32_t>(length));
+  out.nsp_labels.push_back(static_cast<int32_t>(nsp));
+  out.sample_ids.push_back(id);
+}
+
+}  // namespace
+
+PartitionedData::PartitionedData(const std::filesystem::path& dir, Communicator& comm,
+                                 const ShardReader::Options& options) {
+  const int rank = comm.rank(), world = comm.size();
+  // This rank's part, which may fail on one rank alone (a missing shard, a bad manifest): its outcome is gathered
+  // before any other collective, so every rank stops with a message instead of waiting for the one that failed.
+  size_t num_shards = 0;
+  std::vector<int64_t> counts;
+  std::string error;
+  try {
+    const std::filesystem::path manifest = dir / "dataset.json";
+    NOPAD_CHECK(std::filesystem::is_regular_file(manifest), "rank ", rank, ": data.placement = partitioned needs ",
+                manifest.string(), " on every rank (copy the dataset's manifest next to this rank's shards)");
+    nlohmann::json j;
+    try {
+      j = nlohmann::json::parse(read_file(manifest));
+    } catch (const nlohmann::json::exception& e) {
+      fail("rank ", rank, ": ", manifest.string(), " is not valid JSON: ", e.what());
+    }
+    NOPAD_CHECK(j.contains("num_shards") && j["num_shards"].is_number_unsigned() &&
+                    j["num_shards"].get<uint64_t>() > 0,
+                "rank ", rank, ": ", manifest.string(), " has no num_shards");
+    num_shards = j["num_shards"].get<size_t>();
+    // This rank's shards: i % world == rank. Other shards in the folder are not this rank's to read.
+    std::map<size_t, std::filesystem::path> files;
+    for (const auto& e : std::filesystem::directory_iterator(dir)) {
+      const int64_t i = e.is_regular_file() ? shard_index(e.path()) : -1;
+      if (i >= 0 && static_cast<size_t>(i) < num_shards && static_cast<int>(i % world) == rank) files[i] = e.path();
+    }
+    for (size_t i = static_cast<size_t>(rank); i < num_shards; i += static_cast<size_t>(world))
+      NOPAD_CHECK(files.count(i), "rank ", rank, " of ", world, ": shard ", i, " of ", num_shards, " (shard i goes "
+                  "to rank i % ranks) is missing from ", dir.string(), "; copy it there or use data.placement = shared");
+    // Sample counts of every shard (zero where another rank holds it), summed below: every rank learns them all.
+    counts.assign(num_shards, 0);
+    for (const auto& [i, path] : files) {
+      const ShardReader& r = held_.emplace(i, ShardReader(path, options)).first->second;
+      counts[i] = static_cast<int64_t>(r.num_seqs());
+      max_seq_length_ = std::max(max_seq_length_, r.header().max_seq_length);
+      for (uint64_t k = 0; k < r.num_seqs(); ++k) max_masked_ = std::max(max_masked_, r.num_masked(k));
+      NOPAD_CHECK(vocab_size_ == 0 || (r.header().vocab_size == vocab_size_ && r.header().vocab_checksum ==
+                  vocab_checksum_), "shard ", path.string(), " was built with another vocabulary than this rank's "
+                  "other shards");
+      vocab_size_ = r.header().vocab_size;
+      vocab_checksum_ = r.header().vocab_checksum;
+    }
+  } catch (const Error& e) {
+    error = e.what();
+  } catch (const std::filesystem::filesystem_error& e) {
+    error = str_cat("rank ", rank, ": cannot list ", dir.string(), ": ", e.what());
+  }
+  // Every rank's shard count (0: it failed); all must agree.
+  const uint64_t mine = error.empty() ? num_shards : 0;
+  std::vector<uint8_t> all_n(8 * static_cast<size_t>(world));
+  comm.all_gather(std::span<const uint8_t>(reinterpret_cast<const uint8_t*>(&mine), 8), all_n);
+  std::string failed, differ;
+  for (int r = 0; r < world; ++r) {
+    uint64_t n = 0;
+    std::memcpy(&n, all_n.data() + 8 * static_cast<size_t>(r), 8);
+    if (n == 0) failed += (failed.empty() ? "" : ", ") + std::to_string(r);
+    else if (error.empty() && n != num_shards) differ += (differ.empty() ? "" : ", ") + std::to_string(r);
+  }
+  if (!error.empty()) fail(error);
+  NOPAD_CHECK(failed.empty(), "rank ", rank, ": rank(s) ", failed, " could not open their shards of the partitioned "
+              "data.train (their messages say why); the job stops");
+  NOPAD_CHECK(differ.empty(), "rank ", rank, ": the dataset.json of rank(s) ", differ, " lists another number of "
+              "shards than this rank's (", num_shards, "): every rank needs the same manifest");
+  comm.all_reduce_sum(std::span<int64_t>(counts));
+  for (size_t i = 0; i < num_shards; ++i) offsets_.push_back(offsets_.back() + static_cast<uint64_t>(counts[i]));
+  std::vector<double> mx = {static_cast<double>(max_seq_length_), static_cast<double>(max_masked_)};
+  comm.all_reduce_max(std::span<double>(mx));
+  max_seq_length_ = static_cast<uint32_t>(mx[0]);
+  max_masked_ = static_cast<uint32_t>(mx[1]);
+  // One vocabulary on every rank: all-gather (checksum, size) of the ranks holding shards (0: none, when there are
+  // more ranks than shards; those take the others').
+  const uint64_t sig = held_.empty() ? 0 : (uint64_t{vocab_checksum_} << 32) | vocab_size_;
+  std::vector<uint8_t> all(8 * static_cast<size_t>(world));
+  comm.all_gather(std::span<const uint8_t>(reinterpret_cast<const uint8_t*>(&sig), 8), all);
+  uint64_t first = 0;
+  for (int r = 0; r < world; ++r) {
+    uint64_t other = 0;
+    std::memcpy(&other, all.data() + 8 * static_cast<size_t>(r), 8);
+    if (other == 0) continue;
+    if (first == 0) first = other;
+    NOPAD_CHECK(other == first, "data.placement = partitioned: rank ", r, "'s shards of ", dir.string(),
+                " were built with another vocabulary than the lower ranks': a dataset must use one vocabulary");
+  }
+  vocab_checksum_ = static_cast<uint32_t>(first >> 32);
+  vocab_size_ = static_cast<uint32_t>(first & 0xffffffffu);
+}
+
+uint64_t PartitionedData::local_samples() const {
+  uint64_t n = 0;
+  for (const auto& [i, r] : held_) n += r.num_seqs();
+  return n;
+}
+
+std::pair<size_t, uint64_t> PartitionedData::locate(uint64_t id) const {
+  NOPAD_CHECK(id < size(), "sample ", id, " outside the dataset (", size(), " samples)");
+  const auto it = std::upper_bound(offsets_.begin(), offsets_.end(), id);
+  const size_t s = static_cast<size_t>(it - offsets_.begin()) - 1;
+  return {s, id - offsets_[s]};
+}
+
+bool PartitionedData::holds(uint64_t id) const { return held_.count(locate(id).first) > 0; }
+
+SampleRef PartitionedData::sample(uint64_t id) const {
+  const auto [s, j] = locate(id);
+  const auto it = held_.find(s);
+  NOPAD_CHECK(it != held_.end(), "sample ", id, " is in shard ", s, ", which this rank does not hold");
+  return it->second.sample(j);
+}
+
+PartitionedLoader::PartitionedLoader(const PartitionedData& data, Communicator& comm, const LoaderOptions& options,
+                                     BalanceMode mode, CostModel cost, int max_seqs_per_rank)
+    : data_(data),
+      comm_(comm),
+      options_(options),
+      mode_(mode),
+      cost_(cost),
+      max_seqs_per_rank_(max_seqs_per_rank),
+      sampler_(data.size(), options.seed, options.shuffle),
+      cursor_(options.start) {
+  NOPAD_CHECK(options.rank == comm.rank() && options.world_size == comm.size(), "PartitionedLoader: rank ",
+              options.rank, " of ", options.world_size, " is not the communicator's ", comm.rank(), " of ",
+              comm.size());
+  NOPAD_CHECK(options.global_batch >= static_cast<uint64_t>(comm.size()) && options.global_batch <= data.size(),
+              "global batch ", options.global_batch, " must be between the ", comm.size(), " ranks and the ",
+              data.size(), " samples of the dataset");
+}
+
+const HostBatch& PartitionedLoader::next() {
+  sampler_.next_global_batch(cursor_, options_.global_batch, ids_);
+  const size_t n = ids_.size();
+  // Lengths of the global batch: each rank fills those it holds, the sum gives every rank all of them.
+  lengths64_.assign(n, 0);
+  for (size_t i = 0; i < n; ++i)
+    if (data_.holds(ids_[i])) lengths64_[i] = data_.sample(ids_[i]).length;
+  comm_.all_reduce_sum(std::span<int64_t>(lengths64_));
+  lengths_.resize(n);
+  for (size_t i = 0; i < n; ++i) {
+    NOPAD_CHECK(lengths64_[i] >= 1 && lengths64_[i] <= INT32_MAX, "partitioned data: sample ", ids_[i],
+                " has length ", lengths64_[i], " summed over the ranks (held by none, or by several?)");
+    lengths_[i] = static_cast<int32_t>(lengths64_[i]);
+  }
+  plan_balance(lengths_, comm_.size(), mode_, cost_, max_seqs_per_rank_, plan_);
+  // Send what this rank holds to where the plan puts it (itself included).
+  std::vector<uint64_t> send_ids;
+  std::vector<int32_t> dest;
+  std::vector<uint8_t> payload;
+  std::vector<size_t> offsets{0};
+  for (size_t i = 0; i < n; ++i) {
+    if (!data_.holds(ids_[i])) continue;
+    send_ids.push_back(ids_[i]);
+    dest.push_back(plan_.rank_of[i]);
+    append_sample(data_.sample(ids_[i]), payload);
+    offsets.push_back(payload.size());
+  }
+  const SampleExchange got = exchange_samples(comm_, send_ids, dest, payload, offsets);
+  // This rank's samples in global-batch order (got.ids is sorted by id).
+  batch_.clear();
+  size_t received = 0;
+  for (size_t i = 0; i < n; ++i) {
+    if (plan_.rank_of[i] != comm_.rank()) continue;
+    const auto it = std::lower_bound(got.ids.begin(), got.ids.end(), ids_[i]);
+    NOPAD_CHECK(it != got.ids.end() && *it == ids_[i], "partitioned data: rank ", comm_.rank(), " did not receive "
+                "sample ", ids_[i], " of its share");
+    const size_t k = static_cast<size_t>(it - got.ids.begin());
+    add_to_batch(got.payload.data() + got.offsets[k], got.offsets[k + 1] - got.offsets[k], ids_[i], batch_);
+    ++received;
+  }
+  NOPAD_CHECK(received == got.ids.size(), "partitioned data: rank ", comm_.rank(), " received ", got.ids.size(),
+              " samples, ", received, " of them its own");
+  return batch_;
+}
+
+}  // namespace nopad::dist
