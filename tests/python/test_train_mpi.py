@@ -172,13 +172,17 @@ def main():
         check(r.returncode == 0, f"prepare (4 shards): {r.stderr}")
         shards = sorted(f for f in os.listdir(multi) if f.endswith(".nopad"))
         check(len(shards) == 4, f"4 shards, got {shards}")
+        r = subprocess.run(["bash", os.path.join(SRC, "scripts/partition-shards.sh"), multi,
+                            os.path.join(tmp, "part"), "2"], capture_output=True, text=True)
+        check(r.returncode == 0, f"partition-shards.sh: {r.stderr}")
         for rank in (0, 1):
-            d = os.path.join(tmp, "part", f"rank{rank}")
-            os.makedirs(d)
-            shutil.copy(os.path.join(multi, "dataset.json"), d)
-            for i, f in enumerate(shards):
-                if i % 2 == rank:
-                    shutil.copy(os.path.join(multi, f), d)
+            got_files = sorted(os.listdir(os.path.join(tmp, "part", f"rank{rank}")))
+            want_files = sorted(["dataset.json"] + [f for i, f in enumerate(shards) if i % 2 == rank])
+            check(got_files == want_files, f"partition-shards.sh: rank{rank} holds {got_files}, want {want_files}")
+        r = subprocess.run(["bash", os.path.join(SRC, "scripts/partition-shards.sh"), multi,
+                            os.path.join(tmp, "part"), "2"], capture_output=True, text=True)
+        check(r.returncode != 0 and "is not empty" in r.stderr, f"partition-shards.sh refuses a used OUT_DIR: "
+              f"{r.stderr!r}")
         ref_dir = os.path.join(tmp, "multi-one")
         r = train(1, ref_dir, multi)
         check(r.returncode == 0, f"one process on the 4-shard data: {r.stderr[-300:]}")
