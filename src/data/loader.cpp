@@ -47,36 +47,37 @@ void ContiguousAssigner::assign(std::span<const uint64_t> global_ids, const Data
 
 void build_batch(const Dataset& dataset, std::span<const uint64_t> ids, HostBatch& out) {
   out.clear();
-  for (const uint64_t id : ids) {
-    const SampleRef s = dataset.sample(id);
-    const auto row0 = static_cast<int32_t>(out.tokens.size());
-    const size_t old = out.tokens.size();
-    out.tokens.resize(old + s.length);
-    out.positions.resize(old + s.length);
-    out.segments.resize(old + s.length);
-    int32_t* tok = out.tokens.data() + old;
-    int32_t* pos = out.positions.data() + old;
-    int32_t* seg = out.segments.data() + old;
-    if (s.token_bytes == 2) {
-      const auto* src = static_cast<const uint16_t*>(s.tokens);
-      for (uint32_t i = 0; i < s.length; ++i) tok[i] = src[i];
-    } else {
-      const auto* src = static_cast<const int32_t*>(s.tokens);
-      std::copy(src, src + s.length, tok);
-    }
-    for (uint32_t i = 0; i < s.length; ++i) {
-      pos[i] = static_cast<int32_t>(i);
-      seg[i] = i < s.a_length ? 0 : 1;
-    }
-    for (uint32_t k = 0; k < s.num_masked; ++k) {
-      out.mlm_positions.push_back(row0 + s.mlm_positions[k]);
-      out.mlm_labels.push_back(s.mlm_label(k));
-    }
-    out.cu_seqlens.push_back(row0 + static_cast<int32_t>(s.length));
-    out.max_seqlen = std::max(out.max_seqlen, static_cast<int32_t>(s.length));
-    out.nsp_labels.push_back(static_cast<int32_t>(s.nsp_label));
-    out.sample_ids.push_back(id);
+  for (const uint64_t id : ids) append_sample(dataset.sample(id), id, out);
+}
+
+void append_sample(const SampleRef& s, uint64_t id, HostBatch& out) {
+  const auto row0 = static_cast<int32_t>(out.tokens.size());
+  const size_t old = out.tokens.size();
+  out.tokens.resize(old + s.length);
+  out.positions.resize(old + s.length);
+  out.segments.resize(old + s.length);
+  int32_t* tok = out.tokens.data() + old;
+  int32_t* pos = out.positions.data() + old;
+  int32_t* seg = out.segments.data() + old;
+  if (s.token_bytes == 2) {
+    const auto* src = static_cast<const uint16_t*>(s.tokens);
+    for (uint32_t i = 0; i < s.length; ++i) tok[i] = src[i];
+  } else {
+    const auto* src = static_cast<const int32_t*>(s.tokens);
+    std::copy(src, src + s.length, tok);
   }
+  for (uint32_t i = 0; i < s.length; ++i) {
+    pos[i] = static_cast<int32_t>(i);
+    seg[i] = i < s.a_length ? 0 : 1;
+  }
+  for (uint32_t k = 0; k < s.num_masked; ++k) {
+    out.mlm_positions.push_back(row0 + s.mlm_positions[k]);
+    out.mlm_labels.push_back(s.mlm_label(k));
+  }
+  out.cu_seqlens.push_back(row0 + static_cast<int32_t>(s.length));
+  out.max_seqlen = std::max(out.max_seqlen, static_cast<int32_t>(s.length));
+  out.nsp_labels.push_back(static_cast<int32_t>(s.nsp_label));
+  out.sample_ids.push_back(id);
 }
 
 Loader::Loader(const Dataset& dataset, const LoaderOptions& options, std::shared_ptr<RankAssigner> assigner)

@@ -58,6 +58,8 @@ class ContiguousAssigner final : public RankAssigner {
 
 // Appends nothing: fills `out` (cleared first) with the unpadded batch of the given samples, in the given order.
 void build_batch(const Dataset& dataset, std::span<const uint64_t> ids, HostBatch& out);
+// Appends one sample (global id `id`) to the end of `out`: what build_batch does for each of its samples.
+void append_sample(const SampleRef& s, uint64_t id, HostBatch& out);
 
 struct LoaderOptions {
   uint64_t global_batch = 32;

@@ -25,61 +25,40 @@ int64_t shard_index(const std::filesystem::path& p) {
   return std::stoll(digits);
 }
 
-// A sample on the wire: length, a_length, nsp_label, num_masked (u32 each), tokens (i32 x length), mlm positions
-// (u32 x num_masked), mlm labels (i32 x num_masked).
-void append_sample(const SampleRef& s, std::vector<uint8_t>& out) {
+// A sample on the wire, laid out so that a SampleRef can view it in place: length, a_length, nsp_label,
+// num_masked (u32 each), tokens (i32 x length), mlm labels (i32 x num_masked), mlm positions (u16 x num_masked),
+// zero padding to a multiple of 4 bytes (exchange_samples then keeps every payload 4-byte aligned).
+void append_wire(const SampleRef& s, std::vector<uint8_t>& out) {
   const uint32_t head[4] = {s.length, s.a_length, s.nsp_label, s.num_masked};
+  const size_t bytes = sizeof head + 4 * (size_t{s.length} + size_t{s.num_masked}) + 2 * size_t{s.num_masked};
   const size_t at = out.size();
-  out.resize(at + sizeof head + 4 * (size_t{s.length} + 2 * size_t{s.num_masked}));
+  out.resize(at + (bytes + 3) / 4 * 4, 0);
   uint8_t* p = out.data() + at;
   std::memcpy(p, head, sizeof head);
-  auto* w = reinterpret_cast<int32_t*>(p + sizeof head);  // 4-byte fields; memcpy below keeps it alignment-safe
-  for (uint32_t i = 0; i < s.length; ++i) {
-    const int32_t t = s.token(i);
-    std::memcpy(w++, &t, 4);
-  }
-  for (uint32_t k = 0; k < s.num_masked; ++k) {
-    const int32_t pos = s.mlm_positions[k];
-    std::memcpy(w++, &pos, 4);
-  }
-  for (uint32_t k = 0; k < s.num_masked; ++k) {
-    const int32_t l = s.mlm_label(k);
-    std::memcpy(w++, &l, 4);
-  }
+  p += sizeof head;
+  auto put32 = [&](int32_t v) {
+    std::memcpy(p, &v, 4);
+    p += 4;
+  };
+  for (uint32_t i = 0; i < s.length; ++i) put32(s.token(i));
+  for (uint32_t k = 0; k < s.num_masked; ++k) put32(s.mlm_label(k));
+  std::memcpy(p, s.mlm_positions, 2 * size_t{s.num_masked});
 }
 
-// Appends a sample received as append_sample wrote it to `out`, as build_batch would (data/loader.cpp).
-void add_to_batch(const uint8_t* p, size_t bytes, uint64_t id, HostBatch& out) {
+// The SampleRef of a received payload (append_wire's layout), checked against its size.
+SampleRef view_wire(const uint8_t* p, size_t bytes, uint64_t id) {
   uint32_t head[4];
-  NOPAD_CHECK(bytes >= sizeof head, "partitioned data: sample ", id, " arrived truncated (", bytes, " bytes)");
+  NOPAD_CHECK(bytes >= sizeof head && reinterpret_cast<uintptr_t>(p) % 4 == 0, "partitioned data: sample ", id,
+              " arrived truncated or misaligned (", bytes, " bytes)");
   std::memcpy(head, p, sizeof head);
   const auto [length, a_length, nsp, masked] = head;
-  NOPAD_CHECK(bytes == sizeof head + 4 * (size_t{length} + 2 * size_t{masked}) && length >= 1 && a_length <= length,
-              "partitioned data: sample ", id, " arrived malformed (", bytes, " bytes, length ", length, ", ", masked,
-              " masked)");
-  const auto row0 = static_cast<int32_t>(out.tokens.size());
-  const uint8_t* q = p + sizeof head;
-  auto next = [&] {
-    int32_t v;
-    std::memcpy(&v, q, 4);
-    q += 4;
-    return v;
-  };
-  for (uint32_t i = 0; i < length; ++i) {
-    out.tokens.push_back(next());
-    out.positions.push_back(static_cast<int32_t>(i));
-    out.segments.push_back(i < a_length ? 0 : 1);
-  }
-  const size_t m0 = out.mlm_positions.size();
-  for (uint32_t k = 0; k < masked; ++k) out.mlm_positions.push_back(row0 + next());
-  for (uint32_t k = 0; k < masked; ++k) out.mlm_labels.push_back(next());
-  for (size_t k = m0; k < out.mlm_positions.size(); ++k)
-    NOPAD_CHECK(out.mlm_positions[k] >= row0 && out.mlm_positions[k] < row0 + static_cast<int32_t>(length),
-                "partitioned data: sample ", id, " has a masked position outside it");
-  out.cu_seqlens.push_back(row0 + static_cast<int32_t>(length));
-  out.max_seqlen = std::max(out.max_seqlen, static_cast<int32_t>(length));
-  out.nsp_labels.push_back(static_cast<int32_t>(nsp));
-  out.sample_ids.push_back(id);
+  const size_t want = sizeof head + 4 * (size_t{length} + size_t{masked}) + 2 * size_t{masked};
+  NOPAD_CHECK(bytes == (want + 3) / 4 * 4 && length >= 1 && a_length <= length, "partitioned data: sample ", id,
+              " arrived malformed (", bytes, " bytes, length ", length, ", ", masked, " masked)");
+  const uint8_t* tokens = p + sizeof head;
+  const uint8_t* labels = tokens + 4 * size_t{length};
+  return SampleRef{tokens, 4, length, a_length, nsp, reinterpret_cast<const uint16_t*>(labels + 4 * size_t{masked}),
+                   labels, masked};
 }
 
 }  // namespace
@@ -186,12 +165,10 @@ std::pair<size_t, uint64_t> PartitionedData::locate(uint64_t id) const {
   return {s, id - offsets_[s]};
 }
 
-bool PartitionedData::holds(uint64_t id) const { return held_.count(locate(id).first) > 0; }
-
-SampleRef PartitionedData::sample(uint64_t id) const {
+std::optional<SampleRef> PartitionedData::find(uint64_t id) const {
   const auto [s, j] = locate(id);
   const auto it = held_.find(s);
-  NOPAD_CHECK(it != held_.end(), "sample ", id, " is in shard ", s, ", which this rank does not hold");
+  if (it == held_.end()) return std::nullopt;
   return it->second.sample(j);
 }
 
@@ -217,9 +194,12 @@ const HostBatch& PartitionedLoader::next() {
   sampler_.next_global_batch(cursor_, options_.global_batch, ids_);
   const size_t n = ids_.size();
   // Lengths of the global batch: each rank fills those it holds, the sum gives every rank all of them.
+  held_.resize(n);
   lengths64_.assign(n, 0);
-  for (size_t i = 0; i < n; ++i)
-    if (data_.holds(ids_[i])) lengths64_[i] = data_.sample(ids_[i]).length;
+  for (size_t i = 0; i < n; ++i) {
+    held_[i] = data_.find(ids_[i]);
+    if (held_[i]) lengths64_[i] = held_[i]->length;
+  }
   comm_.all_reduce_sum(std::span<int64_t>(lengths64_));
   lengths_.resize(n);
   for (size_t i = 0; i < n; ++i) {
@@ -229,18 +209,18 @@ const HostBatch& PartitionedLoader::next() {
   }
   plan_balance(lengths_, comm_.size(), mode_, cost_, max_seqs_per_rank_, plan_);
   // Send what this rank holds to where the plan puts it (itself included).
-  std::vector<uint64_t> send_ids;
-  std::vector<int32_t> dest;
-  std::vector<uint8_t> payload;
-  std::vector<size_t> offsets{0};
+  send_ids_.clear();
+  dest_.clear();
+  payload_.clear();
+  offsets_.assign(1, 0);
   for (size_t i = 0; i < n; ++i) {
-    if (!data_.holds(ids_[i])) continue;
-    send_ids.push_back(ids_[i]);
-    dest.push_back(plan_.rank_of[i]);
-    append_sample(data_.sample(ids_[i]), payload);
-    offsets.push_back(payload.size());
+    if (!held_[i]) continue;
+    send_ids_.push_back(ids_[i]);
+    dest_.push_back(plan_.rank_of[i]);
+    append_wire(*held_[i], payload_);
+    offsets_.push_back(payload_.size());
   }
-  const SampleExchange got = exchange_samples(comm_, send_ids, dest, payload, offsets);
+  const SampleExchange got = exchange_samples(comm_, send_ids_, dest_, payload_, offsets_);
   // This rank's samples in global-batch order (got.ids is sorted by id).
   batch_.clear();
   size_t received = 0;
@@ -250,7 +230,8 @@ const HostBatch& PartitionedLoader::next() {
     NOPAD_CHECK(it != got.ids.end() && *it == ids_[i], "partitioned data: rank ", comm_.rank(), " did not receive "
                 "sample ", ids_[i], " of its share");
     const size_t k = static_cast<size_t>(it - got.ids.begin());
-    add_to_batch(got.payload.data() + got.offsets[k], got.offsets[k + 1] - got.offsets[k], ids_[i], batch_);
+    append_sample(view_wire(got.payload.data() + got.offsets[k], got.offsets[k + 1] - got.offsets[k], ids_[i]),
+                  ids_[i], batch_);
     ++received;
   }
   NOPAD_CHECK(received == got.ids.size(), "partitioned data: rank ", comm_.rank(), " received ", got.ids.size(),

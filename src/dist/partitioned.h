@@ -20,6 +20,7 @@
 #include <filesystem>
 #include <map>
 #include <memory>
+#include <optional>
 #include <vector>
 
 #include "data/batch.h"
@@ -37,8 +38,7 @@ class PartitionedData {
   uint64_t size() const { return offsets_.back(); }  // samples of the whole dataset (every rank's shards)
   size_t num_shards() const { return offsets_.size() - 1; }
   uint64_t local_samples() const;                    // samples in this rank's shards
-  bool holds(uint64_t id) const;                     // the sample is in one of this rank's shards
-  SampleRef sample(uint64_t id) const;               // a held sample (throws otherwise)
+  std::optional<SampleRef> find(uint64_t id) const;  // the sample, when one of this rank's shards holds it
   uint32_t max_seq_length() const { return max_seq_length_; }  // over all ranks' shards
   uint32_t max_masked() const { return max_masked_; }          // most masked positions of a sample, all ranks
   uint32_t vocab_size() const { return vocab_size_; }
@@ -69,9 +69,13 @@ class PartitionedLoader {
   int max_seqs_per_rank_;
   EpochSampler sampler_;
   Cursor cursor_;
-  std::vector<uint64_t> ids_;
+  // Per-batch working memory, kept so that a step reuses its capacity.
+  std::vector<uint64_t> ids_, send_ids_;
+  std::vector<std::optional<SampleRef>> held_;
   std::vector<int64_t> lengths64_;
-  std::vector<int32_t> lengths_;
+  std::vector<int32_t> lengths_, dest_;
+  std::vector<uint8_t> payload_;
+  std::vector<size_t> offsets_;
   BalancePlan plan_;
   HostBatch batch_;
 };
