@@ -510,10 +510,7 @@ void CudaBackendT<P>::dense_backward_ld(const A* dy, const A* x, const W* weight
   const bool one_pass_ok = ld_dy == n && dense_grad_pass_supported(n, dy, pre_act, buf);
   BiasGradPath path = kernel_variants().dense_bias_grad;
   if (path == BiasGradPath::kEpilogue && d_weight == nullptr) path = BiasGradPath::kOnePass;
-  // Padded rows (the MLM decoder's logits) rule the one-pass kernel out: its d_bias comes from the dW product's
-  // epilogue (measured faster than the separate column-sum pass on an H100).
-  if (path == BiasGradPath::kOnePass && !one_pass_ok)
-    path = ld_dy != n && d_weight != nullptr ? BiasGradPath::kEpilogue : BiasGradPath::kSeparate;
+  if (path == BiasGradPath::kOnePass && !one_pass_ok) path = BiasGradPath::kSeparate;
   bool bias_done = d_bias == nullptr;
 
   if (gelu) {
