@@ -151,13 +151,36 @@ TEST(Mpi, ExchangeDeliversEverySampleOnceToItsRank) {
 // One global batch of 12 sequences; each rank runs the sequences the balancing plan gives it (lengths are the same on
 // every rank, so the plan is), with the global denominators; gradients all-reduced. Every rank also runs the whole
 // batch alone: the two must agree to float summation-order rounding.
+// A global batch of 12 sequences (ids from first_id, contents from seed) and this rank's share of it under the
+// balancing plan (lengths are the same on every rank, so the plan is), with the global loss denominators.
+struct Share {
+  HostBatch full, part;
+  bool empty = true;
+  LossDenominators denoms;
+};
+Share my_share(const Communicator& c, const BertConfig& cfg, BalanceMode mode, uint64_t first_id, uint64_t seed) {
+  const std::vector<int> lengths = {9, 3, 12, 5, 1, 7, 11, 2, 8, 6, 10, 4};
+  std::vector<uint64_t> ids(lengths.size());
+  std::iota(ids.begin(), ids.end(), first_id);
+  Share s;
+  s.full = test_support::make_batch(lengths, ids, cfg.vocab_size, seed);
+  std::vector<int32_t> lens32(lengths.begin(), lengths.end());
+  BalancePlan plan;
+  plan_balance(lens32, c.size(), mode, CostModel{}, 0, plan);
+  std::vector<int> mine;
+  for (size_t i = 0; i < lengths.size(); ++i)
+    if (plan.rank_of[i] == c.rank()) mine.push_back(static_cast<int>(i));
+  s.part = test_support::select_batch(s.full, mine);
+  s.empty = mine.empty();
+  s.denoms = {static_cast<double>(s.full.num_masked()), static_cast<double>(s.full.num_seqs())};
+  return s;
+}
+
 void expect_data_parallel_equals_one_process(BalanceMode mode) {
   Communicator& c = *g_comm;
   const BertConfig cfg = test_support::small_config();
-  const std::vector<int> lengths = {9, 3, 12, 5, 1, 7, 11, 2, 8, 6, 10, 4};
-  std::vector<uint64_t> ids(lengths.size());
-  std::iota(ids.begin(), ids.end(), 1000);
-  const HostBatch full = test_support::make_batch(lengths, ids, cfg.vocab_size, 77);
+  const Share share = my_share(c, cfg, mode, 1000, 77);
+  const HostBatch& full = share.full;
   ops::CpuBackend<ops::CpuF32> backend(1);
   BertModel<ops::CpuF32> model(cfg, backend, 128, 12, 64);
   model.init_params(5);
@@ -169,17 +192,9 @@ void expect_data_parallel_equals_one_process(BalanceMode mode) {
   std::vector<float> g_whole(np), g_dp(np);
   model.get_grads(g_whole.data());
 
-  std::vector<int32_t> lens32(lengths.begin(), lengths.end());
-  BalancePlan plan;
-  plan_balance(lens32, c.size(), mode, CostModel{}, 0, plan);
-  std::vector<int> mine;
-  for (size_t i = 0; i < lengths.size(); ++i)
-    if (plan.rank_of[i] == c.rank()) mine.push_back(static_cast<int>(i));
-  const HostBatch part = test_support::select_batch(full, mine);
   model.zero_grad();
-  const LossDenominators denoms{static_cast<double>(full.num_masked()), static_cast<double>(full.num_seqs())};
-  StepResult r = mine.empty() ? StepResult{} : model.forward(part, true, 3, 41, denoms);
-  if (!mine.empty()) model.backward();
+  StepResult r = share.empty ? StepResult{} : model.forward(share.part, true, 3, 41, share.denoms);
+  if (!share.empty) model.backward();
   model.get_grads(g_dp.data());
   c.all_reduce_sum(g_dp);
   std::vector<double> loss = {r.loss};
@@ -211,18 +226,7 @@ TEST(Mpi, DataParallelEqualsOneProcessCostBalanced) { expect_data_parallel_equal
 TEST(Mpi, Bf16GradientReductionRoundsAndKeepsRanksIdentical) {
   Communicator& c = *g_comm;
   const BertConfig cfg = test_support::small_config();
-  const std::vector<int> lengths = {9, 3, 12, 5, 1, 7, 11, 2, 8, 6, 10, 4};
-  std::vector<uint64_t> ids(lengths.size());
-  std::iota(ids.begin(), ids.end(), 2000);
-  const HostBatch full = test_support::make_batch(lengths, ids, cfg.vocab_size, 78);
-  std::vector<int32_t> lens32(lengths.begin(), lengths.end());
-  BalancePlan plan;
-  plan_balance(lens32, c.size(), BalanceMode::kCost, CostModel{}, 0, plan);
-  std::vector<int> mine;
-  for (size_t i = 0; i < lengths.size(); ++i)
-    if (plan.rank_of[i] == c.rank()) mine.push_back(static_cast<int>(i));
-  const HostBatch part = test_support::select_batch(full, mine);
-  const LossDenominators denoms{static_cast<double>(full.num_masked()), static_cast<double>(full.num_seqs())};
+  const Share share = my_share(c, cfg, BalanceMode::kCost, 2000, 78);
 
   auto run = [&](bool bf16, std::vector<float>& weights) {
     EngineOptions o;
@@ -237,7 +241,7 @@ TEST(Mpi, Bf16GradientReductionRoundsAndKeepsRanksIdentical) {
     e->init_params(5);
     e->connect(c);
     e->zero_grad();
-    if (!mine.empty()) e->micro_step(part, 3, 0, denoms);
+    if (!share.empty) e->micro_step(share.part, 3, 0, share.denoms);
     e->reduce_gradients(c);
     e->optimizer_step(1e-2, 1.0);
     const StepOutcome out = e->finish_step();

@@ -11,8 +11,8 @@ import subprocess
 import sys
 import tempfile
 
-NOPAD = os.environ["NOPAD_BINARY"]
-SRC = os.environ["NOPAD_SOURCE_DIR"]
+from nopad_test_support import NOPAD, SRC, mpiexec, prepare_sample
+
 failures = []
 
 
@@ -22,18 +22,11 @@ def check(cond, what):
         print("FAIL:", what)
 
 
-def mpiexec():
-    exe = shutil.which("mpiexec") or shutil.which("mpirun")
-    if exe is None:
-        sys.exit("test_bench_ranks: no mpiexec on PATH: install Open MPI (Debian: openmpi-bin libopenmpi-dev)")
-    return [exe, "--oversubscribe", "--allow-run-as-root"]
-
-
 def bench(data, ranks, batch, extra=()):
     cmd = [NOPAD, "bench", "model", "--model", os.path.join(SRC, "data/configs/bert-tiny.json"), "--data", data,
            "--batch", str(batch), "--steps", "5", "--warmup", "2", "--device", "cpu", "--threads", "1", *extra]
     if ranks > 1:
-        cmd = mpiexec() + ["-np", str(ranks)] + cmd
+        cmd = mpiexec("test_bench_ranks") + ["-np", str(ranks)] + cmd
     return subprocess.run(cmd, capture_output=True, text=True, timeout=300)
 
 
@@ -41,10 +34,7 @@ def main():
     tmp = tempfile.mkdtemp(prefix="nopad-bench-ranks-")
     try:
         data = os.path.join(tmp, "data")
-        r = subprocess.run([NOPAD, "prepare", "--input", os.path.join(SRC, "data/wiki-sample/wiki_00"), "--vocab",
-                            os.path.join(SRC, "data/vocab/bert-uncased-vocab.txt"), "--output", data,
-                            "--max-seq-length", "64", "--max-predictions", "10", "--dupe-factor", "1", "--quiet"],
-                           capture_output=True, text=True)
+        r = prepare_sample(data)
         check(r.returncode == 0, f"prepare: {r.stderr}")
 
         r = bench(data, 1, 16)

@@ -13,8 +13,7 @@ import tempfile
 
 import numpy as np
 
-NOPAD = os.environ["NOPAD_BINARY"]
-SRC = os.environ["NOPAD_SOURCE_DIR"]
+from nopad_test_support import NOPAD, SRC, mpiexec, prepare_sample
 failures = []
 
 
@@ -22,14 +21,6 @@ def check(cond, what):
     if not cond:
         failures.append(what)
         print("FAIL:", what)
-
-
-def mpiexec():
-    exe = shutil.which("mpiexec") or shutil.which("mpirun")
-    if exe is None:
-        sys.exit("test_train_mpi: no mpiexec on PATH: install Open MPI (Debian: openmpi-bin libopenmpi-dev; "
-                 "scripts/setup.sh does)")
-    return [exe, "--oversubscribe", "--allow-run-as-root"]
 
 
 def read_safetensors(path):
@@ -54,7 +45,7 @@ def train(ranks, run_dir, data, extra=(), check_rc=True):
            "--set", "train.grad_accumulation=2", "--set", "train.max_steps=6", "--set", "log.interval_steps=1",
            "--set", "checkpoint.interval_steps=0", *extra]
     if ranks > 1:
-        cmd = mpiexec() + ["-np", str(ranks)] + cmd
+        cmd = mpiexec("test_train_mpi") + ["-np", str(ranks)] + cmd
     r = subprocess.run(cmd, capture_output=True, text=True, cwd=SRC)
     if check_rc and r.returncode != 0:
         print(r.stdout, r.stderr)
@@ -75,9 +66,7 @@ def main():
     tmp = tempfile.mkdtemp(prefix="nopad-mpi-train-")
     try:
         data = os.path.join(tmp, "data")
-        r = subprocess.run([NOPAD, "prepare", "--input", os.path.join(SRC, "data/wiki-sample/wiki_00"), "--vocab",
-                            os.path.join(SRC, "data/vocab/bert-uncased-vocab.txt"), "--output", data,
-                            "--max-seq-length", "64", "--max-predictions", "10", "--dupe-factor", "1", "--quiet"], capture_output=True, text=True)
+        r = prepare_sample(data)
         check(r.returncode == 0, f"prepare: {r.stderr}")
         info = subprocess.run([NOPAD, "info"], capture_output=True, text=True).stdout
         if "mpi: built" not in info:
@@ -165,10 +154,7 @@ def main():
         # (i % 2 == rank) and the manifest; data.train names them with {rank}. 2 ranks exchanging samples must
         # train as one process on the whole dataset (loss for loss), and a rank missing a shard is refused by name.
         multi = os.path.join(tmp, "multi")
-        r = subprocess.run([NOPAD, "prepare", "--input", os.path.join(SRC, "data/wiki-sample/wiki_00"), "--vocab",
-                            os.path.join(SRC, "data/vocab/bert-uncased-vocab.txt"), "--output", multi,
-                            "--max-seq-length", "64", "--max-predictions", "10", "--dupe-factor", "1",
-                            "--seqs-per-shard", "1000", "--quiet"], capture_output=True, text=True)
+        r = prepare_sample(multi, "--seqs-per-shard", "1000")
         check(r.returncode == 0, f"prepare (4 shards): {r.stderr}")
         shards = sorted(f for f in os.listdir(multi) if f.endswith(".nopad"))
         check(len(shards) == 4, f"4 shards, got {shards}")
@@ -211,7 +197,7 @@ def main():
 
         # Ranks that disagree on the config refuse to start, naming the rank; nothing is trained.
         bad = os.path.join(tmp, "mismatch")
-        cmd = mpiexec() + [
+        cmd = mpiexec("test_train_mpi") + [
             "-np", "1", NOPAD, "train", "--config", os.path.join(SRC, "configs/bert-tiny-sample.toml"), "--overwrite",
             "--set", f"run_dir={bad}", "--set", f"data.train={data}", "--set", "data.eval=\"\"", "--set",
             "train.device=cpu", "--set", "train.global_batch=8", "--set", "optim.lr=0.05", ":",

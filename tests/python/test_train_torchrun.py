@@ -13,8 +13,7 @@ import subprocess
 import sys
 import tempfile
 
-NOPAD = os.environ["NOPAD_BINARY"]
-SRC = os.environ["NOPAD_SOURCE_DIR"]
+from nopad_test_support import NOPAD, SRC, prepare_sample
 failures = []
 
 
@@ -73,10 +72,7 @@ def losses(run_dir):
 def main():
     tmp = tempfile.mkdtemp(prefix="nopad-torchrun-")
     data = os.path.join(tmp, "data")
-    r = subprocess.run([NOPAD, "prepare", "--input", os.path.join(SRC, "data/wiki-sample/wiki_00"), "--vocab",
-                        os.path.join(SRC, "data/vocab/bert-uncased-vocab.txt"), "--output", data,
-                        "--max-seq-length", "64", "--max-predictions", "10", "--dupe-factor", "1", "--quiet"],
-                       capture_output=True, text=True)
+    r = prepare_sample(data)
     check(r.returncode == 0, f"prepare: {r.stderr}")
     one = os.path.join(tmp, "one")
     r = subprocess.run(cmd(one, data), capture_output=True, text=True, cwd=SRC)
@@ -98,10 +94,7 @@ def main():
     # data.placement = partitioned over tcp: 4 shards split by scripts/partition-shards.sh, {rank} in data.train;
     # the 2 ranks exchange samples and must train as one process on the whole (4-shard) dataset.
     multi = os.path.join(tmp, "multi")
-    r = subprocess.run([NOPAD, "prepare", "--input", os.path.join(SRC, "data/wiki-sample/wiki_00"), "--vocab",
-                        os.path.join(SRC, "data/vocab/bert-uncased-vocab.txt"), "--output", multi,
-                        "--max-seq-length", "64", "--max-predictions", "10", "--dupe-factor", "1",
-                        "--seqs-per-shard", "1000", "--quiet"], capture_output=True, text=True)
+    r = prepare_sample(multi, "--seqs-per-shard", "1000")
     check(r.returncode == 0, f"prepare (4 shards): {r.stderr}")
     r = subprocess.run(["bash", os.path.join(SRC, "scripts/partition-shards.sh"), multi, os.path.join(tmp, "part"),
                         "2"], capture_output=True, text=True)
