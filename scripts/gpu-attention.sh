@@ -6,6 +6,8 @@
 #   STAGES="build tests bench peer standin model ncu sanitize"   what to run (default: build tests bench peer model)
 #   BATCH=128 BATCHES=2           attention batches (sequences per batch, how many)
 #   MODEL_BATCH=128               BERT-large batch of the model ablation; MODEL_SCHEDULES="single grouped"
+#   BWD_VARIANTS="3 5"            backward kernel variants to compare in the bench and model stages (indices of
+#                                 docs/fmha.md's list, run as NOPAD_FMHA_BWD_VARIANT); default: the built-in choice
 #   CUDA_TEST_FILTER='Fmha.*'     GoogleTest filter of the tests stage
 #   NOPAD_CMAKE_EXTRA             extra CMake arguments (e.g. -DCMAKE_CUDA_ARCHITECTURES=90a-real)
 # Needs .carry/enwiki-20150515-AA.txt.xz and .carry/peers/ (copies of ../shared/data/enwiki and ../shared/peers).
@@ -49,12 +51,21 @@ if has bench || has model || has ncu || has peer || has standin; then
   fi
 fi
 
+# Runs "$@" with NOPAD_FMHA_BWD_VARIANT=$1 unless $1 is "default".
+with_bwd() {
+  local v=$1
+  shift
+  if [ "$v" = default ]; then "$@"; else NOPAD_FMHA_BWD_VARIANT=$v "$@"; fi
+}
+
 if has bench; then
-  say "nopad bench attention (batch $BATCH x $BATCHES, real lengths)"
-  "$NOPAD" bench attention --data "$SHARDS" --batch "$BATCH" --batches "$BATCHES" --streams 1,2,4 --buckets 64,128 \
-    ${VARIANTS:+--variants} --workload "$OUT/attn-workload.txt" >"$OUT/attention.jsonl" 2>"$OUT/attention.txt" ||
-    { status=1; tail -5 "$OUT/attention.txt"; }
-  grep -v "group " "$OUT/attention.txt" | tee -a "$OUT/summary.txt"
+  for V in ${BWD_VARIANTS:-default}; do
+    say "nopad bench attention (batch $BATCH x $BATCHES, real lengths), backward variant $V"
+    with_bwd "$V" "$NOPAD" bench attention --data "$SHARDS" --batch "$BATCH" --batches "$BATCHES" --streams 1,2,4 \
+      --buckets 64,128 ${VARIANTS:+--variants} --workload "$OUT/attn-workload.txt" \
+      >"$OUT/attention-bwd$V.jsonl" 2>"$OUT/attention-bwd$V.txt" || { status=1; tail -5 "$OUT/attention-bwd$V.txt"; }
+    grep -v "group " "$OUT/attention-bwd$V.txt" | tee -a "$OUT/summary.txt"
+  done
 fi
 
 if has peer; then
@@ -70,35 +81,55 @@ if has standin; then
 from common import load_workload
 for batch in load_workload(None, $BATCH, $BATCHES):
     for n, m in batch: print(n, m)") >"$OUT/standin-lengths.txt"
-  say "nopad bench attention on the Gaussian stand-in lengths (mean ~256)"
-  "$NOPAD" bench attention --lengths "$OUT/standin-lengths.txt" --batch "$BATCH" --batches "$BATCHES" --streams 1,4 \
-    --buckets 64,128 >"$OUT/attention-standin.jsonl" 2>"$OUT/attention-standin.txt" || status=1
-  tee -a "$OUT/summary.txt" <"$OUT/attention-standin.txt"
+  for V in ${BWD_VARIANTS:-default}; do
+    say "nopad bench attention on the Gaussian stand-in lengths (mean ~256), backward variant $V"
+    with_bwd "$V" "$NOPAD" bench attention --lengths "$OUT/standin-lengths.txt" --batch "$BATCH" --batches "$BATCHES" \
+      --streams 1,4 --buckets 64,128 >"$OUT/attention-standin-bwd$V.jsonl" 2>"$OUT/attention-standin-bwd$V.txt" ||
+      status=1
+    tee -a "$OUT/summary.txt" <"$OUT/attention-standin-bwd$V.txt"
+  done
   (cd .carry/peers && python3 peer_attention.py --batch "$BATCH" --batches "$BATCHES" --lengths "$OUT/standin-lengths.txt") \
     2>&1 | grep '^{' | tee -a "$OUT/summary.txt" || status=1
 fi
 
 if has model; then
-  for S in ${MODEL_SCHEDULES:-single grouped}; do
-    say "BERT-large batch $MODEL_BATCH, attention schedule $S"
-    NOPAD_FMHA_SCHEDULE=$S "$NOPAD" bench model --model data/configs/bert-large-mlperf.json --data "$SHARDS" \
-      --batch "$MODEL_BATCH" --steps 20 --warmup 5 ${BREAKDOWN:+--breakdown} 2>"$OUT/model-$S.txt" |
-      sed "s/^{/{\"attention_schedule\": \"$S\", /" | tee -a "$OUT/model.jsonl" | tee -a "$OUT/summary.txt" || status=1
+  for V in ${BWD_VARIANTS:-default}; do
+    for S in ${MODEL_SCHEDULES:-single grouped}; do
+      say "BERT-large batch $MODEL_BATCH, attention schedule $S, backward variant $V"
+      with_bwd "$V" env NOPAD_FMHA_SCHEDULE=$S "$NOPAD" bench model --model data/configs/bert-large-mlperf.json \
+        --data "$SHARDS" --batch "$MODEL_BATCH" --steps 20 --warmup 5 ${BREAKDOWN:+--breakdown} \
+        2>"$OUT/model-$S-bwd$V.txt" |
+        sed "s/^{/{\"attention_schedule\": \"$S\", \"bwd_variant\": \"$V\", /" | tee -a "$OUT/model.jsonl" |
+        tee -a "$OUT/summary.txt" || status=1
+    done
   done
 fi
 
 if has ncu; then
-  # One launch of each main kernel (a single-launch forward and backward at dropout 0.1): where the time goes.
-  for K in fmha_fwd_wgmma fmha_bwd_wgmma; do
-    say "ncu: $K"
-    ncu --clock-control none -k regex:$K --launch-count 1 --section SpeedOfLight --section Occupancy \
-      --section WarpStateStats --section SchedulerStats --section ComputeWorkloadAnalysis \
-      --section MemoryWorkloadAnalysis --section LaunchStats --metrics lts__t_sectors_op_red.sum,\
-sm__inst_executed_pipe_tensor_op_gmma.avg.pct_of_peak_sustained_active \
-      "$NOPAD" bench attention --data "$SHARDS" --batch "$BATCH" --batches 1 --schedules single --dropout 0.1 \
-      --reps 1 --warmup 0 >"$OUT/ncu-$K.txt" 2>&1 || status=1
-    grep -E "Duration|Throughput|Registers Per|Achieved Occupancy|Eligible Warps|Issue Slots|Spilling Requests  |op_red|gmma" \
-      "$OUT/ncu-$K.txt" | head -30
+  # One launch of each main kernel (a single-launch forward or backward at dropout NCU_DROPOUT, default 0.1) under
+  # ncu: where the time goes, incl. the warp stall reasons. NCU_KERNELS="fmha_fwd_wgmma fmha_bwd_wgmma" (regexes).
+  for V in ${BWD_VARIANTS:-default}; do
+    for K in ${NCU_KERNELS:-fmha_fwd_wgmma fmha_bwd_wgmma}; do
+      say "ncu: $K, backward variant $V, dropout ${NCU_DROPOUT:-0.1}"
+      with_bwd "$V" ncu --clock-control none -k regex:$K --launch-count 1 --section SpeedOfLight \
+        --section Occupancy --section WarpStateStats --section SchedulerStats --section ComputeWorkloadAnalysis \
+        --section MemoryWorkloadAnalysis --section LaunchStats --metrics lts__t_sectors_op_red.sum,\
+sm__inst_executed_pipe_tensor_op_gmma.avg.pct_of_peak_sustained_active,\
+l1tex__data_pipe_lsu_wavefronts_mem_shared.sum,smsp__inst_executed.sum,\
+smsp__average_warp_latency_issue_stalled_barrier.ratio,smsp__average_warp_latency_issue_stalled_long_scoreboard.ratio,\
+smsp__average_warp_latency_issue_stalled_wait.ratio,smsp__average_warp_latency_issue_stalled_math_pipe_throttle.ratio,\
+smsp__average_warp_latency_issue_stalled_mio_throttle.ratio,smsp__average_warp_latency_issue_stalled_short_scoreboard.ratio,\
+smsp__average_warp_latency_issue_stalled_lg_throttle.ratio,smsp__average_warp_latency_issue_stalled_membar.ratio,\
+smsp__average_warp_latency_issue_stalled_dispatch_stall.ratio,smsp__average_warp_latency_issue_stalled_sleeping.ratio,\
+smsp__average_warp_latency_issue_stalled_misc.ratio,smsp__average_warp_latency_issue_stalled_branch_resolving.ratio,\
+smsp__average_warp_latency_issue_stalled_not_selected.ratio,smsp__average_warp_latency_issue_stalled_selected.ratio,\
+smsp__average_warp_latency_issue_stalled_no_instruction.ratio,smsp__average_warp_latency_issue_stalled_drain.ratio,\
+smsp__average_warp_latency_issue_stalled_imc_miss.ratio,smsp__average_warp_latency_issue_stalled_tex_throttle.ratio \
+        "$NOPAD" bench attention --data "$SHARDS" --batch "$BATCH" --batches 1 --schedules single \
+        --dropout "${NCU_DROPOUT:-0.1}" --reps 1 --warmup 0 >"$OUT/ncu-$K-bwd$V.txt" 2>&1 || status=1
+      grep -E "Duration|Throughput|Registers Per|Achieved Occupancy|Eligible Warps|Issue Slots|Spilling Requests  |op_red|gmma|wavefronts|inst_executed.sum|stalled|Warp Cycles Per|Active Warps|No Eligible" \
+        "$OUT/ncu-$K-bwd$V.txt" | head -60
+    done
   done
 fi
 

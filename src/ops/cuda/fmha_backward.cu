@@ -23,8 +23,8 @@ inline size_t dq_accum_offset(int32_t num_tokens, int32_t num_heads) {
 
 constexpr int kPreRows = 8;  // rows per CTA of the pre/post kernels (one warp each)
 
-// D[h, t] = sum_d dO[t, h*hd + d] * O[t, h*hd + d]; dq_accum[t, :] = 0. One warp per token row; lanes take 16-byte
-// chunks, the hd/8 lanes of one head reduce with shuffles.
+// D[h, t] = sum_d dO[t, h*hd + d] * O[t, h*hd + d]; dq_accum[t, :] = 0 (when dq_acc is not null). One warp per token
+// row; lanes take 16-byte chunks, the hd/8 lanes of one head reduce with shuffles.
 template <bool kFp16>
 __global__ void __launch_bounds__(32 * kPreRows) fmha_bwd_pre_kernel(const KernelArgs args, float* D, float* dq_acc) {
   const FmhaParams& p = args.p;
@@ -52,6 +52,7 @@ __global__ void __launch_bounds__(32 * kPreRows) fmha_bwd_pre_kernel(const Kerne
     for (int off = per_head / 2; off >= 1; off >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, off);
     if (c < chunks && c % per_head == 0) D[int64_t{c / per_head} * p.num_tokens + tok] = sum;
   }
+  if (dq_acc == nullptr) return;  // the cluster kernel reduces dQ on chip: no accumulator rows to zero
   float4* dq = reinterpret_cast<float4*>(dq_acc + tok * H);
   for (int c = lane; c < H / 4; c += 32) dq[c] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
 }
@@ -394,9 +395,72 @@ struct BwdWgShape {
   static constexpr int kThreads = 128;
   // K, V, Q x2, dO x2, dS^T (7 tiles), lse x2 and D x2 (fp32), alignment slack.
   static constexpr int kSmemBytes = 7 * kTileBytes + 4 * kTile * 4 + kSmemAlign;
+  // The cluster kernel adds this CTA's fp32 dQ partial of the current query tile (64 queries x 64 head dims).
+  static constexpr int kDqPartialBytes = kTile * 64 * 4;
+  static constexpr int kMaxCluster = 8;  // portable cluster size: key tiles of a sequence, so L <= 512
 };
 
-template <int kMinCtas, bool kFp16, bool kDrop>
+// ---- dQ through the cluster (fmha_bwd_wgmma_kernel<..., kCluster = true>)
+// The CTAs of one (sequence, head) form a cluster, one per 64-key tile. For each query tile every CTA leaves its
+// partial dQ = dS K (fp32, 64 x 64) in its own shared memory; after a cluster barrier CTA r sums rows
+// [r R, r R + R) (R = ceil(64 / live CTAs)) over the live CTAs' partials in rank order through distributed shared
+// memory, scales and rounds them and writes d_qkv's q block. No dq accumulator, no atomics, no zeroing or conversion
+// pass, and dQ is deterministic. The partial is stored in 16-byte chunks (4 consecutive head dims of one query), the
+// chunk index XORed with row & 7: the warp's stores and the reducers' row-wise loads are both conflict-free.
+__device__ __forceinline__ int dq_partial_offset(int row, int chunk) { return row * 64 + ((chunk ^ (row & 7)) << 2); }
+
+// This warp's dQ accumulators (queries wrow + g, + 8; m16n8 C fragments over the head dims) into the partial tile:
+// lanes t and t^1 swap half their values (as add_dq does) so each lane stores 4 consecutive columns of one row.
+__device__ __forceinline__ void store_dq_partial(float* sdQ, const float (&dq)[8][4], int wrow, int g, int t) {
+  const bool odd = (t & 1) != 0;
+  const int row = wrow + g + (odd ? 8 : 0);
+#pragma unroll
+  for (int n = 0; n < 8; ++n) {
+    const float r0 = __shfl_xor_sync(0xffffffffu, odd ? dq[n][0] : dq[n][2], 1);
+    const float r1 = __shfl_xor_sync(0xffffffffu, odd ? dq[n][1] : dq[n][3], 1);
+    const float4 v = odd ? make_float4(r0, r1, dq[n][2], dq[n][3]) : make_float4(dq[n][0], dq[n][1], r0, r1);
+    *reinterpret_cast<float4*>(sdQ + dq_partial_offset(row, 2 * n + (t >> 1))) = v;
+  }
+}
+
+// CTA `rank` of `live` sums its rows of the query tile at qs over the partials of ranks 0 .. live - 1 (in that order)
+// and writes them, scaled and rounded, into d_qkv's q block (rows past the sequence end are skipped).
+template <bool kFp16>
+__device__ __forceinline__ void reduce_dq_rows(const FmhaParams& p, const float* sdQ, int rank, int live, int s0,
+                                               int qs, int L, int head, int tid) {
+  const int per = (kTile + live - 1) / live;
+  const int r0 = rank * per, r1 = min(min(kTile, r0 + per), L - qs);
+  uint32_t src[BwdWgShape::kMaxCluster];
+  const uint32_t base = smem_u32(sdQ);
+#pragma unroll
+  for (int c = 0; c < BwdWgShape::kMaxCluster; ++c) src[c] = c < live ? cluster_map(base, c) : 0u;
+  const int H = p.num_heads * 64;
+  uint16_t* dq_out = static_cast<uint16_t*>(p.d_qkv) + int64_t{s0 + qs} * 3 * H + head * 64;
+  for (int i = r0 * 16 + tid; i < r1 * 16; i += BwdWgShape::kThreads) {
+    const int row = i >> 4, chunk = i & 15;
+    const uint32_t off = static_cast<uint32_t>(dq_partial_offset(row, chunk)) * 4u;
+    float4 part[BwdWgShape::kMaxCluster];
+#pragma unroll
+    for (int c = 0; c < BwdWgShape::kMaxCluster; ++c)
+      if (c < live) part[c] = ld_cluster_f4(src[c] + off);
+    float4 sum = part[0];
+#pragma unroll
+    for (int c = 1; c < BwdWgShape::kMaxCluster; ++c) {
+      if (c < live) {
+        sum.x += part[c].x;
+        sum.y += part[c].y;
+        sum.z += part[c].z;
+        sum.w += part[c].w;
+      }
+    }
+    *reinterpret_cast<uint2*>(dq_out + int64_t{row} * 3 * H + chunk * 4) =
+        make_uint2(pack2<kFp16>(sum.x * p.scale, sum.y * p.scale), pack2<kFp16>(sum.z * p.scale, sum.w * p.scale));
+  }
+}
+
+// kCluster: launched as clusters of ceil(max_seqlen / 64) CTAs along x (<= 8), dQ reduced through the cluster (see
+// reduce_dq_rows; dq_acc unused); otherwise dQ is added into dq_acc with atomics.
+template <int kMinCtas, bool kFp16, bool kDrop, bool kCluster>
 __global__ void __launch_bounds__(128, kMinCtas)
     fmha_bwd_wgmma_kernel(const __grid_constant__ KernelArgs args, const float* D, float* dq_acc) {
 #if NOPAD_FMHA_WGMMA
@@ -427,6 +491,9 @@ __global__ void __launch_bounds__(128, kMinCtas)
   uint16_t* sdS = sdO + 2 * kTile * HD;                               // [64 keys][64 queries]
   float* sLse = reinterpret_cast<float*>(sdS + Sh::kBlockN * kTile);  // [2][64], log2 domain; +inf past the end
   float* sD = sLse + 2 * kTile;                                       // [2][64]
+  float* sdQ = sD + 2 * kTile;  // kCluster: [64 queries][64 head dims] fp32 partial (dq_partial_offset)
+  // kCluster: this CTA's rank is its key tile; the live CTAs (key tiles < L) hold partials, the others have exited.
+  const int rank = static_cast<int>(blockIdx.x), live = (L + Sh::kBlockN - 1) / Sh::kBlockN;
 
   const int tid = static_cast<int>(threadIdx.x);
   const TileCopy<HD, kTile, Sh::kThreads> q_copy(ld), do_copy(H);
@@ -538,11 +605,21 @@ __global__ void __launch_bounds__(128, kMinCtas)
     fence_regs(pa);
     fence_regs(da);
 
-    add_dq<kDTiles>(p, dq_acc, dq, s0, qs + wrow + g, L, head * HD, t);
+    if constexpr (kCluster) {
+      if (i > 0) cluster_wait();  // every CTA is done reading the partials of tile i - 1
+      store_dq_partial(sdQ, dq, wrow, g, t);
+      cluster_arrive();
+      cluster_wait();  // every live CTA's partial of tile i is in place
+      reduce_dq_rows<kFp16>(p, sdQ, rank, live, s0, qs, L, head, tid);
+      cluster_arrive();  // this CTA's reads of tile i are done
+    } else {
+      add_dq<kDTiles>(p, dq_acc, dq, s0, qs + wrow + g, L, head * HD, t);
+    }
   }
 
   // dK (scaled) and dV into d_qkv's k and v blocks, rows of keys that exist.
   store_dk_dv<HD, kFp16>(p, dk, dv, s0, k0 + wrow + g, L, head, t);
+  if constexpr (kCluster) cluster_wait();  // no CTA leaves while another may still read its partial
 #else
   __trap();  // never launched: the host selects this kernel only where fmha_wgmma_available()
 #endif
@@ -554,14 +631,16 @@ __global__ void __launch_bounds__(128, kMinCtas)
 struct BwdVariant {
   const char* name;
   int warps, min_ctas;
-  bool wgmma;  // the wgmma kernel (head_dim 64 on sm_90a)
+  bool wgmma;    // the wgmma kernel (head_dim 64 on sm_90a)
+  bool cluster;  // dQ reduced through a thread-block cluster (launches with max_seqlen <= 512; wg64 beyond)
 };
 constexpr BwdVariant kBwdVariants[] = {
-    {"n64w4", 4, 3, false},   // 0: 64 keys, 4 warps x 16 keys, 12 warps per SM (the design before variants)
-    {"n64w4r", 4, 2, false},  // 1: the same without the register cap: 8 warps per SM, no spills
-    {"n128w8", 8, 1, false},  // 2: 128 keys, 8 warps: half the Q/dO tile loads and half the dQ atomics per key
-    {"wg64", 4, 3, true},     // 3: wgmma, one warpgroup x 64 keys, 3 CTAs per SM (168 registers)
-    {"wg64r", 4, 2, true},    // 4: the same with 2 CTAs per SM and no register cap
+    {"n64w4", 4, 3, false, false},   // 0: 64 keys, 4 warps x 16 keys, 12 warps per SM (the design before variants)
+    {"n64w4r", 4, 2, false, false},  // 1: the same without the register cap: 8 warps per SM, no spills
+    {"n128w8", 8, 1, false, false},  // 2: 128 keys, 8 warps: half the Q/dO tile loads and dQ atomics per key
+    {"wg64", 4, 3, true, false},     // 3: wgmma, one warpgroup x 64 keys, 3 CTAs per SM (168 registers)
+    {"wg64r", 4, 2, true, false},    // 4: the same with 2 CTAs per SM and no register cap
+    {"wg64c", 4, 3, true, true},     // 5: wg64 with dQ summed across the sequence's key tiles in a cluster
 };
 constexpr int kNumBwdVariants = static_cast<int>(sizeof(kBwdVariants) / sizeof(kBwdVariants[0]));
 constexpr int kDefaultBwdVariant = 0;    // where the wgmma kernel cannot run
@@ -589,15 +668,47 @@ void launch_backward_wgmma(const KernelArgs& args, const float* D, float* dq_acc
   using Sh = BwdWgShape;
   const dim3 grid((args.p.max_seqlen + Sh::kBlockN - 1) / Sh::kBlockN, args.p.num_heads, n);
   if (args.dropout) {
-    constexpr auto kernel = fmha_bwd_wgmma_kernel<kMinCtas, kFp16, true>;
+    constexpr auto kernel = fmha_bwd_wgmma_kernel<kMinCtas, kFp16, true, false>;
     ensure_smem<kernel>(Sh::kSmemBytes);
     kernel<<<grid, Sh::kThreads, Sh::kSmemBytes, stream>>>(args, D, dq_acc);
   } else {
-    constexpr auto kernel = fmha_bwd_wgmma_kernel<kMinCtas, kFp16, false>;
+    constexpr auto kernel = fmha_bwd_wgmma_kernel<kMinCtas, kFp16, false, false>;
     ensure_smem<kernel>(Sh::kSmemBytes);
     kernel<<<grid, Sh::kThreads, Sh::kSmemBytes, stream>>>(args, D, dq_acc);
   }
   NOPAD_CUDA_CHECK_LAUNCH();
+}
+
+// The cluster kernel: grid (key tiles of the longest sequence, heads, sequences), one cluster per (sequence, head)
+// spanning all of x. Needs max_seqlen <= 64 * kMaxCluster.
+template <bool kFp16>
+void launch_backward_cluster(const KernelArgs& args, const float* D, int32_t n, cudaStream_t stream) {
+  using Sh = BwdWgShape;
+  constexpr int kBytes = Sh::kSmemBytes + Sh::kDqPartialBytes;
+  const unsigned tiles = static_cast<unsigned>((args.p.max_seqlen + Sh::kBlockN - 1) / Sh::kBlockN);
+  NOPAD_CHECK(tiles >= 1 && tiles <= Sh::kMaxCluster, "fmha_backward: cluster kernel for ", tiles, " key tiles");
+  cudaLaunchConfig_t cfg{};
+  cfg.gridDim = dim3(tiles, static_cast<unsigned>(args.p.num_heads), static_cast<unsigned>(n));
+  cfg.blockDim = dim3(Sh::kThreads);
+  cfg.dynamicSmemBytes = kBytes;
+  cfg.stream = stream;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeClusterDimension;
+  attr[0].val.clusterDim.x = tiles;
+  attr[0].val.clusterDim.y = 1;
+  attr[0].val.clusterDim.z = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = 1;
+  float* no_acc = nullptr;
+  if (args.dropout) {
+    constexpr auto kernel = fmha_bwd_wgmma_kernel<3, kFp16, true, true>;
+    ensure_smem<kernel>(kBytes);
+    NOPAD_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, args, D, no_acc));
+  } else {
+    constexpr auto kernel = fmha_bwd_wgmma_kernel<3, kFp16, false, true>;
+    ensure_smem<kernel>(kBytes);
+    NOPAD_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, args, D, no_acc));
+  }
 }
 
 template <int HD, bool kFp16>
@@ -607,12 +718,20 @@ void launch_backward(const KernelArgs& args, int variant, int32_t n, cudaStream_
   float* dq_acc =
       reinterpret_cast<float*>(static_cast<char*>(p.workspace) + dq_accum_offset(p.num_tokens, p.num_heads));
   const dim3 row_grid((p.max_seqlen + kPreRows - 1) / kPreRows, n);
-  fmha_bwd_pre_kernel<kFp16><<<row_grid, 32 * kPreRows, 0, stream>>>(args, D, dq_acc);
-  NOPAD_CUDA_CHECK_LAUNCH();
   // At HD = 128 the register cap makes no difference (never capped there), so variant 1 runs variant 0's kernel.
   if (HD > 64 && variant == 1) variant = 0;
   // The wgmma kernel exists for head_dim 64 on sm_90a; elsewhere its variant runs the default mma.sync kernel.
   if (kBwdVariants[variant].wgmma && (HD != 64 || !fmha_wgmma_available())) variant = kDefaultBwdVariant;
+  // The cluster kernel covers sequences of up to 8 key tiles; longer launches run wg64.
+  if (kBwdVariants[variant].cluster && p.max_seqlen > BwdWgShape::kBlockN * BwdWgShape::kMaxCluster) variant = 3;
+  if (kBwdVariants[variant].cluster) {
+    fmha_bwd_pre_kernel<kFp16><<<row_grid, 32 * kPreRows, 0, stream>>>(args, D, nullptr);
+    NOPAD_CUDA_CHECK_LAUNCH();
+    if constexpr (HD == 64) launch_backward_cluster<kFp16>(args, D, n, stream);
+    return;  // dQ is already in d_qkv
+  }
+  fmha_bwd_pre_kernel<kFp16><<<row_grid, 32 * kPreRows, 0, stream>>>(args, D, dq_acc);
+  NOPAD_CUDA_CHECK_LAUNCH();
   switch (variant) {
     case 0: launch_backward_main<HD, 4, 3, kFp16>(args, D, dq_acc, n, stream); break;
     case 1:
@@ -630,7 +749,7 @@ void launch_backward(const KernelArgs& args, int variant, int32_t n, cudaStream_
   fmha_bwd_dq_kernel<kFp16><<<row_grid, 32 * kPreRows, 0, stream>>>(args, dq_acc);
   NOPAD_CUDA_CHECK_LAUNCH();
 }
-static_assert(kNumBwdVariants == 5, "launch_backward dispatches every variant");
+static_assert(kNumBwdVariants == 6, "launch_backward dispatches every variant (5: the cluster branch above)");
 
 template <int HD>
 void launch_backward_hd(const KernelArgs& args, int variant, int32_t n, cudaStream_t stream) {

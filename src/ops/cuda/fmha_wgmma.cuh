@@ -77,6 +77,42 @@ __device__ __forceinline__ void fence_proxy_async() {
 #endif
 }
 
+// ---- thread-block clusters (sm_90): the backward's dQ reduction across the key-tile CTAs of one sequence and head.
+// barrier.cluster.arrive has release and .wait acquire semantics by default; wait returns once every non-exited
+// thread of the cluster has arrived (CTAs that exit early do not hold the others).
+__device__ __forceinline__ void cluster_arrive() {
+#if NOPAD_FMHA_WGMMA
+  asm volatile("barrier.cluster.arrive.aligned;\n" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void cluster_wait() {
+#if NOPAD_FMHA_WGMMA
+  asm volatile("barrier.cluster.wait.aligned;\n" ::: "memory");
+#endif
+}
+// The shared::cluster address of the shared::cta address `cta_addr` in the CTA of cluster rank `rank`.
+__device__ __forceinline__ uint32_t cluster_map(uint32_t cta_addr, uint32_t rank) {
+  uint32_t r = cta_addr;
+#if NOPAD_FMHA_WGMMA
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(r) : "r"(cta_addr), "r"(rank));
+#else
+  (void)rank;
+#endif
+  return r;
+}
+__device__ __forceinline__ float4 ld_cluster_f4(uint32_t addr) {
+  float4 v = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+#if NOPAD_FMHA_WGMMA
+  asm volatile("ld.shared::cluster.v4.f32 {%0, %1, %2, %3}, [%4];\n"
+               : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w)
+               : "r"(addr)
+               : "memory");
+#else
+  (void)addr;
+#endif
+  return v;
+}
+
 // Keeps the compiler from moving reads or writes of registers that an in-flight wgmma owns across the wait (or the
 // issue): an empty volatile asm that "modifies" them.
 template <int N>
