@@ -406,8 +406,8 @@ TEST(Fmha, Bf16Hd64Heads16MixedLengths) { run_case(kMixedLens, 16, 64, 0.0f, fal
 TEST(Fmha, Bf16Hd64Heads2MixedLengths) { run_case(kMixedLens, 2, 64, 0.0f, false, "bf16 hd64 h2"); }
 TEST(Fmha, Bf16Hd64Heads16Dropout) { run_case(kMixedLens, 16, 64, 0.1f, false, "bf16 hd64 h16 p0.1"); }
 TEST(Fmha, Fp16Hd64Heads2Dropout) { run_case(kMixedLens, 2, 64, 0.1f, true, "fp16 hd64 h2 p0.1"); }
-// The same lengths without the 700: launches whose longest sequence fits a cluster of 8 key tiles, where the cluster
-// backward (wg64c) runs rather than falling back to wg64; the short sequences' surplus CTAs exit at once.
+// The same lengths without the 700: a launch whose longest sequence is exactly 8 tiles of 64 (the BERT maximum), so
+// the longest sequence ends on a tile edge and every shorter one leaves surplus CTAs that exit at once.
 const std::vector<int32_t> kLensTo512 = {1, 2, 17, 63, 64, 65, 127, 128, 129, 255, 320, 449, 511, 512};
 TEST(Fmha, Bf16Hd64Heads16LengthsTo512) { run_case(kLensTo512, 16, 64, 0.0f, false, "bf16 hd64 h16 L<=512"); }
 TEST(Fmha, Bf16Hd64Heads16DropoutLengthsTo512) {
@@ -514,15 +514,12 @@ TEST(Fmha, SeqIndexSubsetsMatchOneLaunch) {
 // exactly what one plain launch computes (ctx, lse, dk, dv bitwise; dq up to its atomics' order), writes every
 // element (outputs and workspace poisoned first), and leaves nothing running past the join (the outputs are read
 // after synchronising only the caller's stream). A sequence of length 0 and lengths at every tile edge are included.
-// Run with the default backward and with the cluster backward (wg64c): the length groups of 64-token buckets launch it
-// with every cluster size from 1 to 8 key tiles; the 700-token group falls back to wg64.
-void planned_launches_match_one_launch(int bwd_variant) {
+TEST(Fmha, PlannedLaunchesMatchOneLaunch) {
+  ASSERT_TRUE(have_gpu()) << "no CUDA device: nopad_cuda_tests runs on a GPU machine (scripts/gpu-tests.sh)";
   const std::vector<int32_t> lens = {129, 1, 700, 0, 2, 63, 512, 64, 65, 127, 128, 511, 300, 17, 384, 385, 256, 90};
   const Problem pr = make_problem(lens, 16, 64, 0.1f, false, 11);
   GpuRun g(pr);
   upload(g, pr);
-  g.p.bwd_variant = bwd_variant;
-  SCOPED_TRACE(std::string("backward ") + fmha_backward_variant_name(fmha_backward_variant(g.p)));
   std::vector<int32_t> order(lens.size());
   ops::order_by_length(pr.cu.data(), static_cast<int32_t>(lens.size()), order.data());
   CK(cudaMemcpy(g.idx.ptr, order.data(), order.size() * sizeof(int32_t), cudaMemcpyHostToDevice));
@@ -579,50 +576,9 @@ void planned_launches_match_one_launch(int bwd_variant) {
       }
     EXPECT_EQ(bad_kv, 0u) << "dk/dv differ from one plain launch";
     EXPECT_EQ(bad_q, 0u) << "dq differs from one plain launch by more than one bf16 ulp";
-    std::printf("  planned launches OK (backward %s): %s\n", fmha_backward_variant_name(fmha_backward_variant(g.p)),
-                label.c_str());
+    std::printf("  planned launches OK: %s\n", label.c_str());
   }
   CK(cudaStreamDestroy(stream));
-}
-
-int cluster_bwd_variant() {
-  for (int v = 0; v < fmha_backward_variant_count(); ++v)
-    if (std::strcmp(fmha_backward_variant_name(v), "wg64c") == 0) return v;
-  return -1;
-}
-
-TEST(Fmha, PlannedLaunchesMatchOneLaunch) {
-  ASSERT_TRUE(have_gpu()) << "no CUDA device: nopad_cuda_tests runs on a GPU machine (scripts/gpu-tests.sh)";
-  planned_launches_match_one_launch(-1);
-  const int wg64c = cluster_bwd_variant();
-  ASSERT_GE(wg64c, 0) << "no wg64c backward variant";
-  planned_launches_match_one_launch(wg64c);
-}
-
-// The cluster backward sums dQ's partials in a fixed order: two runs give bitwise the same d_qkv (dQ included, which
-// the atomic variants only reproduce to their atomics' order), and every element is written.
-TEST(Fmha, ClusterBackwardIsDeterministic) {
-  ASSERT_TRUE(have_gpu()) << "no CUDA device: nopad_cuda_tests runs on a GPU machine (scripts/gpu-tests.sh)";
-  const Problem pr = make_problem(kLensTo512, 16, 64, 0.1f, false, 5);
-  GpuRun g(pr);
-  upload(g, pr);
-  g.p.bwd_variant = cluster_bwd_variant();
-  ASSERT_GE(g.p.bwd_variant, 0) << "no wg64c backward variant";
-  poison(g);
-  fmha_forward(g.p, nullptr);
-  fmha_backward(g.p, nullptr);
-  CK(cudaDeviceSynchronize());
-  const Out first = download(g, pr);
-  ASSERT_EQ(count_nonfinite(first.dqkv), 0u) << "elements of d_qkv left unwritten";
-  for (int rep = 0; rep < 3; ++rep) {
-    poison(g);
-    fmha_forward(g.p, nullptr);
-    fmha_backward(g.p, nullptr);
-    CK(cudaDeviceSynchronize());
-    const Out again = download(g, pr);
-    EXPECT_EQ(0, std::memcmp(first.dqkv.data(), again.dqkv.data(), first.dqkv.size() * sizeof(float)))
-        << "d_qkv differs between runs of the cluster backward (repetition " << rep << ")";
-  }
 }
 
 TEST(Fmha, RejectsBadParams) {

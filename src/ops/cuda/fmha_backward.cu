@@ -1,10 +1,11 @@
-// FMHA backward (FlashAttention-2 style) on mma.sync tensor cores:
+// FMHA backward (FlashAttention-2 style):
 //   1. fmha_bwd_pre_kernel: D = rowsum(dO * O) per (head, token) into the workspace; zeroes the launch's dq_accum rows.
-//   2. fmha_bwd_kernel:     one CTA per (key tile of 16 x warps, head, sequence), warps x 16 keys; loops over the query
-//                           tiles of 64 (Q, dO, lse, D double-buffered with cp.async), recomputes P, regenerates the
-//                           dropout mask (one Philox block per 8 keys of a query, bits exchanged over 8 lanes),
-//                           accumulates dK, dV in registers and adds dQ into fp32 dq_accum with atomicAdd. The tile
-//                           shapes of kBwdVariants are instantiated and chosen per call (fmha.h).
+//   2. main kernel, one CTA per (key tile, head, sequence), looping over the query tiles of 64 (Q, dO double-buffered
+//      with cp.async), recomputing P, regenerating the dropout mask (one Philox block per 8 keys of a query, bits
+//      exchanged over 8 lanes), accumulating dK, dV in registers and adding dQ into fp32 dq_accum:
+//      fmha_bwd_kernel (mma.sync, any GPU; tile shapes per variant) or fmha_bwd_wgmma_kernel (head_dim 64 on sm_90a;
+//      lse and D staged by cp.async; dQ by float4 atomics, or by one bulk reduction per query row from shared memory).
+//      The variants of kBwdVariants are instantiated and chosen per call (fmha.h).
 //   3. fmha_bwd_dq_kernel:  dq_accum -> d_qkv's q block (bf16/fp16).
 // Workspace: D [heads, T] fp32, then (256-byte aligned) dq_accum [T, H] fp32. Design: docs/fmha.md.
 #include <cmath>
@@ -23,8 +24,8 @@ inline size_t dq_accum_offset(int32_t num_tokens, int32_t num_heads) {
 
 constexpr int kPreRows = 8;  // rows per CTA of the pre/post kernels (one warp each)
 
-// D[h, t] = sum_d dO[t, h*hd + d] * O[t, h*hd + d]; dq_accum[t, :] = 0 (when dq_acc is not null). One warp per token
-// row; lanes take 16-byte chunks, the hd/8 lanes of one head reduce with shuffles.
+// D[h, t] = sum_d dO[t, h*hd + d] * O[t, h*hd + d]; dq_accum[t, :] = 0. One warp per token row; lanes take 16-byte
+// chunks, the hd/8 lanes of one head reduce with shuffles.
 template <bool kFp16>
 __global__ void __launch_bounds__(32 * kPreRows) fmha_bwd_pre_kernel(const KernelArgs args, float* D, float* dq_acc) {
   const FmhaParams& p = args.p;
@@ -52,7 +53,6 @@ __global__ void __launch_bounds__(32 * kPreRows) fmha_bwd_pre_kernel(const Kerne
     for (int off = per_head / 2; off >= 1; off >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, off);
     if (c < chunks && c % per_head == 0) D[int64_t{c / per_head} * p.num_tokens + tok] = sum;
   }
-  if (dq_acc == nullptr) return;  // the cluster kernel reduces dQ on chip: no accumulator rows to zero
   float4* dq = reinterpret_cast<float4*>(dq_acc + tok * H);
   for (int c = lane; c < H / 4; c += 32) dq[c] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
 }
@@ -82,22 +82,31 @@ __global__ void __launch_bounds__(32 * kPreRows) fmha_bwd_dq_kernel(const Kernel
 // transposed orientation (rows = keys g, g + 8; columns = queries 8 nt + 2t + {0, 1}; g = lane / 4, t = lane % 4).
 
 // In place: s (S^T) becomes P'^T = P^T m keep_scale, dp (dP^T) becomes dS^T = P^T (dP^T m keep_scale - D), with
-// P^T = exp2(S^T scale log2e - lse log2e). Keys past the end (key_ok) give 0, and so do queries past it (their lse2 is
-// +inf). The one keep mask (bit fmha_dropout::bwd_bit(nt, e)) serves both P' (for dV) and dP' (for dS).
-template <bool kDrop>
+// P^T = exp2(S^T scale log2e - lse log2e), lse log2e = lse_tile[qc] * kLseScale (the mma.sync kernel stages lse log2e
+// and kLseScale = 1; the wgmma kernel copies lse as it is and kLseScale = log2e). Keys past the end (key_ok) give 0.
+// Queries past the end contribute nothing: their dO rows and D are zero (and the mma.sync kernel's staged lse is
+// +inf there, so their P is 0 too). The one keep mask (bit fmha_dropout::bwd_bit(nt, e)) serves both P' (for dV)
+// and dP' (for dS).
+template <bool kDrop, bool kRawLse = false>
 __device__ __forceinline__ void p_and_ds(const KernelArgs& args, float (&s)[kTile / 8][4], float (&dp)[kTile / 8][4],
-                                         uint32_t keep, bool key_ok0, bool key_ok1, const float* lse2, const float* Dq,
-                                         int t) {
+                                         uint32_t keep, bool key_ok0, bool key_ok1, const float* lse_tile,
+                                         const float* Dq, int t) {
+  constexpr float kLseScale = kRawLse ? kLog2e : 1.0f;
 #pragma unroll
   for (int nt = 0; nt < kTile / 8; ++nt) {
+    // This thread's two query columns 8 nt + 2t, + 1: one 8-byte shared load each for lse and D (the tiles are
+    // 8-byte aligned).
+    const float2 lse_pair = *reinterpret_cast<const float2*>(lse_tile + nt * 8 + 2 * t);
+    const float2 d_pair = *reinterpret_cast<const float2*>(Dq + nt * 8 + 2 * t);
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
-      const int qc = nt * 8 + 2 * t + (e & 1);
       const bool ok = (e < 2) ? key_ok0 : key_ok1;
-      const float pr = ok ? exp2_ftz(fmaf(s[nt][e], args.scale_log2, -lse2[qc])) : 0.0f;
+      const float lse2 = ((e & 1) ? lse_pair.y : lse_pair.x) * kLseScale;
+      const float d = (e & 1) ? d_pair.y : d_pair.x;
+      const float pr = ok ? exp2_ftz(fmaf(s[nt][e], args.scale_log2, -lse2)) : 0.0f;
       const float kf = kDrop ? (((keep >> fmha_dropout::bwd_bit(nt, e)) & 1u) ? args.keep_scale : 0.0f) : 1.0f;
-      s[nt][e] = pr * kf;                         // P' (for dV)
-      dp[nt][e] = pr * (dp[nt][e] * kf - Dq[qc]);  // dS (unscaled)
+      s[nt][e] = pr * kf;                  // P' (for dV)
+      dp[nt][e] = pr * (dp[nt][e] * kf - d);  // dS (unscaled)
     }
   }
 }
@@ -395,72 +404,31 @@ struct BwdWgShape {
   static constexpr int kThreads = 128;
   // K, V, Q x2, dO x2, dS^T (7 tiles), lse x2 and D x2 (fp32), alignment slack.
   static constexpr int kSmemBytes = 7 * kTileBytes + 4 * kTile * 4 + kSmemAlign;
-  // The cluster kernel adds this CTA's fp32 dQ partial of the current query tile (64 queries x 64 head dims).
-  static constexpr int kDqPartialBytes = kTile * 64 * 4;
-  static constexpr int kMaxCluster = 8;  // portable cluster size: key tiles of a sequence, so L <= 512
+  // kBulkDq: the scaled fp32 dQ of the last query tile, 64 rows of 64 floats 272 bytes apart (the 16-byte pad puts
+  // the float4 stores of a warp into 4 wavefronts; each row is one 256-byte bulk reduction). With it a CTA needs 75 KB:
+  // 3 CTAs use all 228 KB of an H100 SM.
+  static constexpr int kDqStageLd = 68;
+  static constexpr int kDqStageBytes = kTile * kDqStageLd * 4;
 };
 
-// ---- dQ through the cluster (fmha_bwd_wgmma_kernel<..., kCluster = true>)
-// The CTAs of one (sequence, head) form a cluster, one per 64-key tile. For each query tile every CTA leaves its
-// partial dQ = dS K (fp32, 64 x 64) in its own shared memory; after a cluster barrier CTA r sums rows
-// [r R, r R + R) (R = ceil(64 / live CTAs)) over the live CTAs' partials in rank order through distributed shared
-// memory, scales and rounds them and writes d_qkv's q block. No dq accumulator, no atomics, no zeroing or conversion
-// pass, and dQ is deterministic. The partial is stored in 16-byte chunks (4 consecutive head dims of one query), the
-// chunk index XORed with row & 7: the warp's stores and the reducers' row-wise loads are both conflict-free.
-__device__ __forceinline__ int dq_partial_offset(int row, int chunk) { return row * 64 + ((chunk ^ (row & 7)) << 2); }
-
-// This warp's dQ accumulators (queries wrow + g, + 8; m16n8 C fragments over the head dims) into the partial tile:
-// lanes t and t^1 swap half their values (as add_dq does) so each lane stores 4 consecutive columns of one row.
-__device__ __forceinline__ void store_dq_partial(float* sdQ, const float (&dq)[8][4], int wrow, int g, int t) {
+// This warp's dQ accumulators (queries wrow + g, + 8; m16n8 C fragments over the 64 head dims), scaled, into the dQ
+// stage: lanes t and t^1 swap half their values (as add_dq does) so each lane stores 4 consecutive columns of one row.
+__device__ __forceinline__ void stage_dq(float* sdQ, const float (&dq)[8][4], float scale, int wrow, int g, int t) {
   const bool odd = (t & 1) != 0;
-  const int row = wrow + g + (odd ? 8 : 0);
+  float* dst = sdQ + (wrow + g + (odd ? 8 : 0)) * BwdWgShape::kDqStageLd + 4 * (t >> 1);
 #pragma unroll
   for (int n = 0; n < 8; ++n) {
     const float r0 = __shfl_xor_sync(0xffffffffu, odd ? dq[n][0] : dq[n][2], 1);
     const float r1 = __shfl_xor_sync(0xffffffffu, odd ? dq[n][1] : dq[n][3], 1);
-    const float4 v = odd ? make_float4(r0, r1, dq[n][2], dq[n][3]) : make_float4(dq[n][0], dq[n][1], r0, r1);
-    *reinterpret_cast<float4*>(sdQ + dq_partial_offset(row, 2 * n + (t >> 1))) = v;
+    const float4 v = odd ? make_float4(r0 * scale, r1 * scale, dq[n][2] * scale, dq[n][3] * scale)
+                         : make_float4(dq[n][0] * scale, dq[n][1] * scale, r0 * scale, r1 * scale);
+    *reinterpret_cast<float4*>(dst + n * 8) = v;
   }
 }
 
-// CTA `rank` of `live` sums its rows of the query tile at qs over the partials of ranks 0 .. live - 1 (in that order)
-// and writes them, scaled and rounded, into d_qkv's q block (rows past the sequence end are skipped).
-template <bool kFp16>
-__device__ __forceinline__ void reduce_dq_rows(const FmhaParams& p, const float* sdQ, int rank, int live, int s0,
-                                               int qs, int L, int head, int tid) {
-  const int per = (kTile + live - 1) / live;
-  const int r0 = rank * per, r1 = min(min(kTile, r0 + per), L - qs);
-  uint32_t src[BwdWgShape::kMaxCluster];
-  const uint32_t base = smem_u32(sdQ);
-#pragma unroll
-  for (int c = 0; c < BwdWgShape::kMaxCluster; ++c) src[c] = c < live ? cluster_map(base, c) : 0u;
-  const int H = p.num_heads * 64;
-  uint16_t* dq_out = static_cast<uint16_t*>(p.d_qkv) + int64_t{s0 + qs} * 3 * H + head * 64;
-  for (int i = r0 * 16 + tid; i < r1 * 16; i += BwdWgShape::kThreads) {
-    const int row = i >> 4, chunk = i & 15;
-    const uint32_t off = static_cast<uint32_t>(dq_partial_offset(row, chunk)) * 4u;
-    float4 part[BwdWgShape::kMaxCluster];
-#pragma unroll
-    for (int c = 0; c < BwdWgShape::kMaxCluster; ++c)
-      if (c < live) part[c] = ld_cluster_f4(src[c] + off);
-    float4 sum = part[0];
-#pragma unroll
-    for (int c = 1; c < BwdWgShape::kMaxCluster; ++c) {
-      if (c < live) {
-        sum.x += part[c].x;
-        sum.y += part[c].y;
-        sum.z += part[c].z;
-        sum.w += part[c].w;
-      }
-    }
-    *reinterpret_cast<uint2*>(dq_out + int64_t{row} * 3 * H + chunk * 4) =
-        make_uint2(pack2<kFp16>(sum.x * p.scale, sum.y * p.scale), pack2<kFp16>(sum.z * p.scale, sum.w * p.scale));
-  }
-}
-
-// kCluster: launched as clusters of ceil(max_seqlen / 64) CTAs along x (<= 8), dQ reduced through the cluster (see
-// reduce_dq_rows; dq_acc unused); otherwise dQ is added into dq_acc with atomics.
-template <int kMinCtas, bool kFp16, bool kDrop, bool kCluster>
+// kBulkDq: dQ leaves through the stage in shared memory as one bulk reduction per query row (issued by threads 0..63
+// after the next barrier), instead of per-thread float4 atomics.
+template <int kMinCtas, bool kFp16, bool kDrop, bool kBulkDq>
 __global__ void __launch_bounds__(128, kMinCtas)
     fmha_bwd_wgmma_kernel(const __grid_constant__ KernelArgs args, const float* D, float* dq_acc) {
 #if NOPAD_FMHA_WGMMA
@@ -489,22 +457,31 @@ __global__ void __launch_bounds__(128, kMinCtas)
   uint16_t* sQ = sV + Sh::kBlockN * HD;                               // [2][64][HD]
   uint16_t* sdO = sQ + 2 * kTile * HD;                                // [2][64][HD]
   uint16_t* sdS = sdO + 2 * kTile * HD;                               // [64 keys][64 queries]
-  float* sLse = reinterpret_cast<float*>(sdS + Sh::kBlockN * kTile);  // [2][64], log2 domain; +inf past the end
+  float* sLse = reinterpret_cast<float*>(sdS + Sh::kBlockN * kTile);  // [2][64], natural log; 0 past the end
   float* sD = sLse + 2 * kTile;                                       // [2][64]
-  float* sdQ = sD + 2 * kTile;  // kCluster: [64 queries][64 head dims] fp32 partial (dq_partial_offset)
-  // kCluster: this CTA's rank is its key tile; the live CTAs (key tiles < L) hold partials, the others have exited.
-  const int rank = static_cast<int>(blockIdx.x), live = (L + Sh::kBlockN - 1) / Sh::kBlockN;
+  float* sdQ = sD + 2 * kTile;  // kBulkDq: [64][kDqStageLd] fp32
 
   const int tid = static_cast<int>(threadIdx.x);
+  // kBulkDq: thread tid < 64 sends row tid of the staged tile that starts at query qs_staged.
+  const auto send_dq_row = [&](int qs_staged) {
+    if (tid < kTile && qs_staged + tid < L) {
+      bulk_reduce_add_f32(dq_acc + int64_t{s0 + qs_staged + tid} * H + head * HD, sdQ + tid * Sh::kDqStageLd,
+                          HD * sizeof(float));
+      bulk_commit();
+    }
+  };
   const TileCopy<HD, kTile, Sh::kThreads> q_copy(ld), do_copy(H);
+  // lse and D of the tile's queries go by cp.async like the tiles (a plain load here would stall the loading warps on
+  // its latency every tile, and the others at the next barrier): lse as it is (scaled by log2e where it is used),
+  // zero past the sequence end, where the zero-filled dO rows and D make the queries contribute nothing.
   const auto load_q_tile = [&](int i, int buf) {
     const int qs = i * kTile;
     q_copy.load(sQ + buf * kTile * HD, gQ, L - qs);
     do_copy.load(sdO + buf * kTile * HD, gdO, L - qs);
     if (tid < kTile) {
       const bool ok = qs + tid < L;
-      sLse[buf * kTile + tid] = ok ? gLse[qs + tid] * kLog2e : INFINITY;
-      sD[buf * kTile + tid] = ok ? gD[qs + tid] : 0.0f;
+      cp_async4(sLse + buf * kTile + tid, gLse + (ok ? qs + tid : 0), ok);
+      cp_async4(sD + buf * kTile + tid, gD + (ok ? qs + tid : 0), ok);
     }
   };
   {
@@ -540,7 +517,7 @@ __global__ void __launch_bounds__(128, kMinCtas)
   for (int i = 0; i < num_qt; ++i) {
     const int buf = i & 1, qs = i * kTile;
     cp_async_wait<0>();
-    fence_proxy_async();  // this thread's cp.async writes, visible to the tensor cores after the barrier
+    fence_proxy_async();  // this thread's cp.async writes (and dQ stage stores), visible to the async proxy
     __syncthreads();      // tile i visible; every warp done with tile i-1's buffers and with sdS
     if (i + 1 < num_qt) {
       gQ += kTile * ld;
@@ -548,8 +525,11 @@ __global__ void __launch_bounds__(128, kMinCtas)
       load_q_tile(i + 1, buf ^ 1);
     }
     cp_async_commit();
+    if constexpr (kBulkDq) {
+      if (i > 0) send_dq_row(qs - kTile);  // tile i-1's dQ, staged before the barrier above
+    }
     const uint64_t desc_q = wgmma_desc(sQ + buf * kTile * HD), desc_do = wgmma_desc(sdO + buf * kTile * HD);
-    const float* lse2 = sLse + buf * kTile;
+    const float* lse = sLse + buf * kTile;
     const float* Dq = sD + buf * kTile;
 
     // S^T = K Q^T, dP^T = V dO^T (64 keys x 64 queries; this warp's 16 keys in registers).
@@ -573,7 +553,7 @@ __global__ void __launch_bounds__(128, kMinCtas)
     fence_regs(s);
     fence_regs(dp);
 
-    p_and_ds<kDrop>(args, s, dp, keep, key_ok0, key_ok1, lse2, Dq, t);
+    p_and_ds<kDrop, true>(args, s, dp, keep, key_ok0, key_ok1, lse, Dq, t);
     uint32_t pa[kTile / 16][4], da[kTile / 16][4];
 #pragma unroll
     for (int kk = 0; kk < kTile / 16; ++kk) {
@@ -589,6 +569,9 @@ __global__ void __launch_bounds__(128, kMinCtas)
     for (int kk = 0; kk < kTile / 16; ++kk) wgmma_rs<kFp16, 1>(dk, da[kk], desc_q + kk * kDescStepMN);
     wgmma_commit();
     fence_proxy_async();  // this thread's dS^T stores, visible to the tensor cores after the barrier
+    if constexpr (kBulkDq) {
+      if (tid < kTile) bulk_wait_read<0>();  // the dQ stage is free again after the barrier
+    }
     __syncthreads();      // all of dS^T written
 
     // dQ (64 queries x 64 head dims) = dS K; this warp holds queries 16 warp .. +15.
@@ -605,21 +588,23 @@ __global__ void __launch_bounds__(128, kMinCtas)
     fence_regs(pa);
     fence_regs(da);
 
-    if constexpr (kCluster) {
-      if (i > 0) cluster_wait();  // every CTA is done reading the partials of tile i - 1
-      store_dq_partial(sdQ, dq, wrow, g, t);
-      cluster_arrive();
-      cluster_wait();  // every live CTA's partial of tile i is in place
-      reduce_dq_rows<kFp16>(p, sdQ, rank, live, s0, qs, L, head, tid);
-      cluster_arrive();  // this CTA's reads of tile i are done
+    if constexpr (kBulkDq) {
+      stage_dq(sdQ, dq, p.scale, wrow, g, t);
     } else {
       add_dq<kDTiles>(p, dq_acc, dq, s0, qs + wrow + g, L, head * HD, t);
     }
   }
+  if constexpr (kBulkDq) {  // the last tile's dQ
+    fence_proxy_async();
+    __syncthreads();
+    send_dq_row((num_qt - 1) * kTile);
+  }
 
   // dK (scaled) and dV into d_qkv's k and v blocks, rows of keys that exist.
   store_dk_dv<HD, kFp16>(p, dk, dv, s0, k0 + wrow + g, L, head, t);
-  if constexpr (kCluster) cluster_wait();  // no CTA leaves while another may still read its partial
+  if constexpr (kBulkDq) {
+    if (tid < kTile) bulk_wait_read<0>();  // the stage stays valid until the copy engine has read it
+  }
 #else
   __trap();  // never launched: the host selects this kernel only where fmha_wgmma_available()
 #endif
@@ -631,20 +616,20 @@ __global__ void __launch_bounds__(128, kMinCtas)
 struct BwdVariant {
   const char* name;
   int warps, min_ctas;
-  bool wgmma;    // the wgmma kernel (head_dim 64 on sm_90a)
-  bool cluster;  // dQ reduced through a thread-block cluster (launches with max_seqlen <= 512; wg64 beyond)
+  bool wgmma;  // the wgmma kernel (head_dim 64 on sm_90a)
 };
 constexpr BwdVariant kBwdVariants[] = {
-    {"n64w4", 4, 3, false, false},   // 0: 64 keys, 4 warps x 16 keys, 12 warps per SM (the design before variants)
-    {"n64w4r", 4, 2, false, false},  // 1: the same without the register cap: 8 warps per SM, no spills
-    {"n128w8", 8, 1, false, false},  // 2: 128 keys, 8 warps: half the Q/dO tile loads and dQ atomics per key
-    {"wg64", 4, 3, true, false},     // 3: wgmma, one warpgroup x 64 keys, 3 CTAs per SM (168 registers)
-    {"wg64r", 4, 2, true, false},    // 4: the same with 2 CTAs per SM and no register cap
-    {"wg64c", 4, 3, true, true},     // 5: wg64 with dQ summed across the sequence's key tiles in a cluster
+    {"n64w4", 4, 3, false},   // 0: 64 keys, 4 warps x 16 keys, 12 warps per SM (the design before variants)
+    {"n64w4r", 4, 2, false},  // 1: the same without the register cap: 8 warps per SM, no spills
+    {"n128w8", 8, 1, false},  // 2: 128 keys, 8 warps: half the Q/dO tile loads and half the dQ atomics per key
+    {"wg64", 4, 3, true},     // 3: wgmma, one warpgroup x 64 keys, 3 CTAs per SM (168 registers)
+    {"wg64r", 4, 2, true},    // 4: the same with 2 CTAs per SM and no register cap
+    {"wg64b", 4, 3, true},    // 5: wg64 with dQ sent as bulk reductions of whole rows from shared memory
 };
 constexpr int kNumBwdVariants = static_cast<int>(sizeof(kBwdVariants) / sizeof(kBwdVariants[0]));
 constexpr int kDefaultBwdVariant = 0;    // where the wgmma kernel cannot run
-constexpr int kDefaultBwdVariantWg = 3;  // head_dim 64 on sm_90a
+constexpr int kDefaultBwdVariantWg = 3;      // head_dim 64 on sm_90a, with dropout
+constexpr int kDefaultBwdVariantWgNoDrop = 5;  // head_dim 64 on sm_90a, dropout 0
 
 template <int HD, int kWarps, int kMinCtas, bool kFp16>
 void launch_backward_main(const KernelArgs& args, const float* D, float* dq_acc, int32_t n, cudaStream_t stream) {
@@ -663,52 +648,21 @@ void launch_backward_main(const KernelArgs& args, const float* D, float* dq_acc,
   NOPAD_CUDA_CHECK_LAUNCH();
 }
 
-template <int kMinCtas, bool kFp16>
+template <int kMinCtas, bool kFp16, bool kBulkDq>
 void launch_backward_wgmma(const KernelArgs& args, const float* D, float* dq_acc, int32_t n, cudaStream_t stream) {
   using Sh = BwdWgShape;
+  constexpr int kBytes = Sh::kSmemBytes + (kBulkDq ? Sh::kDqStageBytes : 0);
   const dim3 grid((args.p.max_seqlen + Sh::kBlockN - 1) / Sh::kBlockN, args.p.num_heads, n);
   if (args.dropout) {
-    constexpr auto kernel = fmha_bwd_wgmma_kernel<kMinCtas, kFp16, true, false>;
-    ensure_smem<kernel>(Sh::kSmemBytes);
-    kernel<<<grid, Sh::kThreads, Sh::kSmemBytes, stream>>>(args, D, dq_acc);
+    constexpr auto kernel = fmha_bwd_wgmma_kernel<kMinCtas, kFp16, true, kBulkDq>;
+    ensure_smem<kernel>(kBytes);
+    kernel<<<grid, Sh::kThreads, kBytes, stream>>>(args, D, dq_acc);
   } else {
-    constexpr auto kernel = fmha_bwd_wgmma_kernel<kMinCtas, kFp16, false, false>;
-    ensure_smem<kernel>(Sh::kSmemBytes);
-    kernel<<<grid, Sh::kThreads, Sh::kSmemBytes, stream>>>(args, D, dq_acc);
+    constexpr auto kernel = fmha_bwd_wgmma_kernel<kMinCtas, kFp16, false, kBulkDq>;
+    ensure_smem<kernel>(kBytes);
+    kernel<<<grid, Sh::kThreads, kBytes, stream>>>(args, D, dq_acc);
   }
   NOPAD_CUDA_CHECK_LAUNCH();
-}
-
-// The cluster kernel: grid (key tiles of the longest sequence, heads, sequences), one cluster per (sequence, head)
-// spanning all of x. Needs max_seqlen <= 64 * kMaxCluster.
-template <bool kFp16>
-void launch_backward_cluster(const KernelArgs& args, const float* D, int32_t n, cudaStream_t stream) {
-  using Sh = BwdWgShape;
-  constexpr int kBytes = Sh::kSmemBytes + Sh::kDqPartialBytes;
-  const unsigned tiles = static_cast<unsigned>((args.p.max_seqlen + Sh::kBlockN - 1) / Sh::kBlockN);
-  NOPAD_CHECK(tiles >= 1 && tiles <= Sh::kMaxCluster, "fmha_backward: cluster kernel for ", tiles, " key tiles");
-  cudaLaunchConfig_t cfg{};
-  cfg.gridDim = dim3(tiles, static_cast<unsigned>(args.p.num_heads), static_cast<unsigned>(n));
-  cfg.blockDim = dim3(Sh::kThreads);
-  cfg.dynamicSmemBytes = kBytes;
-  cfg.stream = stream;
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeClusterDimension;
-  attr[0].val.clusterDim.x = tiles;
-  attr[0].val.clusterDim.y = 1;
-  attr[0].val.clusterDim.z = 1;
-  cfg.attrs = attr;
-  cfg.numAttrs = 1;
-  float* no_acc = nullptr;
-  if (args.dropout) {
-    constexpr auto kernel = fmha_bwd_wgmma_kernel<3, kFp16, true, true>;
-    ensure_smem<kernel>(kBytes);
-    NOPAD_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, args, D, no_acc));
-  } else {
-    constexpr auto kernel = fmha_bwd_wgmma_kernel<3, kFp16, false, true>;
-    ensure_smem<kernel>(kBytes);
-    NOPAD_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, args, D, no_acc));
-  }
 }
 
 template <int HD, bool kFp16>
@@ -718,20 +672,12 @@ void launch_backward(const KernelArgs& args, int variant, int32_t n, cudaStream_
   float* dq_acc =
       reinterpret_cast<float*>(static_cast<char*>(p.workspace) + dq_accum_offset(p.num_tokens, p.num_heads));
   const dim3 row_grid((p.max_seqlen + kPreRows - 1) / kPreRows, n);
+  fmha_bwd_pre_kernel<kFp16><<<row_grid, 32 * kPreRows, 0, stream>>>(args, D, dq_acc);
+  NOPAD_CUDA_CHECK_LAUNCH();
   // At HD = 128 the register cap makes no difference (never capped there), so variant 1 runs variant 0's kernel.
   if (HD > 64 && variant == 1) variant = 0;
   // The wgmma kernel exists for head_dim 64 on sm_90a; elsewhere its variant runs the default mma.sync kernel.
   if (kBwdVariants[variant].wgmma && (HD != 64 || !fmha_wgmma_available())) variant = kDefaultBwdVariant;
-  // The cluster kernel covers sequences of up to 8 key tiles; longer launches run wg64.
-  if (kBwdVariants[variant].cluster && p.max_seqlen > BwdWgShape::kBlockN * BwdWgShape::kMaxCluster) variant = 3;
-  if (kBwdVariants[variant].cluster) {
-    fmha_bwd_pre_kernel<kFp16><<<row_grid, 32 * kPreRows, 0, stream>>>(args, D, nullptr);
-    NOPAD_CUDA_CHECK_LAUNCH();
-    if constexpr (HD == 64) launch_backward_cluster<kFp16>(args, D, n, stream);
-    return;  // dQ is already in d_qkv
-  }
-  fmha_bwd_pre_kernel<kFp16><<<row_grid, 32 * kPreRows, 0, stream>>>(args, D, dq_acc);
-  NOPAD_CUDA_CHECK_LAUNCH();
   switch (variant) {
     case 0: launch_backward_main<HD, 4, 3, kFp16>(args, D, dq_acc, n, stream); break;
     case 1:
@@ -739,17 +685,20 @@ void launch_backward(const KernelArgs& args, int variant, int32_t n, cudaStream_
       break;
     case 2: launch_backward_main<HD, 8, 1, kFp16>(args, D, dq_acc, n, stream); break;
     case 3:
-      if constexpr (HD == 64) launch_backward_wgmma<3, kFp16>(args, D, dq_acc, n, stream);
+      if constexpr (HD == 64) launch_backward_wgmma<3, kFp16, false>(args, D, dq_acc, n, stream);
       break;
     case 4:
-      if constexpr (HD == 64) launch_backward_wgmma<2, kFp16>(args, D, dq_acc, n, stream);
+      if constexpr (HD == 64) launch_backward_wgmma<2, kFp16, false>(args, D, dq_acc, n, stream);
+      break;
+    case 5:
+      if constexpr (HD == 64) launch_backward_wgmma<3, kFp16, true>(args, D, dq_acc, n, stream);
       break;
     default: fail("fmha_backward: no variant ", variant);
   }
   fmha_bwd_dq_kernel<kFp16><<<row_grid, 32 * kPreRows, 0, stream>>>(args, dq_acc);
   NOPAD_CUDA_CHECK_LAUNCH();
 }
-static_assert(kNumBwdVariants == 6, "launch_backward dispatches every variant (5: the cluster branch above)");
+static_assert(kNumBwdVariants == 6, "launch_backward dispatches every variant");
 
 template <int HD>
 void launch_backward_hd(const KernelArgs& args, int variant, int32_t n, cudaStream_t stream) {
@@ -770,7 +719,10 @@ const char* fmha_backward_variant_name(int variant) {
 int fmha_backward_variant(const FmhaParams& p) {
   using namespace fmha_detail;
   static const int env = variant_from_env("NOPAD_FMHA_BWD_VARIANT", kNumBwdVariants);
-  const int fallback = p.head_dim == 64 && fmha_wgmma_available() ? kDefaultBwdVariantWg : kDefaultBwdVariant;
+  // On Hopper at head_dim 64 the bulk-reduction kernel is the faster one without dropout and the slower one with it
+  // (docs/fmha.md, Performance): the default follows the call's dropout.
+  const int wg = p.dropout_p > 0.0f ? kDefaultBwdVariantWg : kDefaultBwdVariantWgNoDrop;
+  const int fallback = p.head_dim == 64 && fmha_wgmma_available() ? wg : kDefaultBwdVariant;
   return choose_variant(p.bwd_variant, env, fallback, kNumBwdVariants, "FmhaParams::bwd_variant");
 }
 

@@ -77,40 +77,30 @@ __device__ __forceinline__ void fence_proxy_async() {
 #endif
 }
 
-// ---- thread-block clusters (sm_90): the backward's dQ reduction across the key-tile CTAs of one sequence and head.
-// barrier.cluster.arrive has release and .wait acquire semantics by default; wait returns once every non-exited
-// thread of the cluster has arrived (CTAs that exit early do not hold the others).
-__device__ __forceinline__ void cluster_arrive() {
+// Bulk asynchronous reduction (sm_90): global[dst .. dst + bytes) += shared[src ..) as fp32, executed by the copy
+// engine and the L2 in whole sectors; 16-byte aligned addresses, bytes a multiple of 16. The writing threads fence
+// (fence_proxy_async) before the barrier that publishes the source; the issuing thread waits with bulk_wait_read
+// before the source may be overwritten.
+__device__ __forceinline__ void bulk_reduce_add_f32(float* dst, const float* src, uint32_t bytes) {
 #if NOPAD_FMHA_WGMMA
-  asm volatile("barrier.cluster.arrive.aligned;\n" ::: "memory");
-#endif
-}
-__device__ __forceinline__ void cluster_wait() {
-#if NOPAD_FMHA_WGMMA
-  asm volatile("barrier.cluster.wait.aligned;\n" ::: "memory");
-#endif
-}
-// The shared::cluster address of the shared::cta address `cta_addr` in the CTA of cluster rank `rank`.
-__device__ __forceinline__ uint32_t cluster_map(uint32_t cta_addr, uint32_t rank) {
-  uint32_t r = cta_addr;
-#if NOPAD_FMHA_WGMMA
-  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(r) : "r"(cta_addr), "r"(rank));
-#else
-  (void)rank;
-#endif
-  return r;
-}
-__device__ __forceinline__ float4 ld_cluster_f4(uint32_t addr) {
-  float4 v = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-#if NOPAD_FMHA_WGMMA
-  asm volatile("ld.shared::cluster.v4.f32 {%0, %1, %2, %3}, [%4];\n"
-               : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w)
-               : "r"(addr)
+  asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;\n" ::"l"(dst),
+               "r"(smem_u32(src)), "r"(bytes)
                : "memory");
 #else
-  (void)addr;
+  (void)dst, (void)src, (void)bytes;
 #endif
-  return v;
+}
+__device__ __forceinline__ void bulk_commit() {
+#if NOPAD_FMHA_WGMMA
+  asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
+#endif
+}
+// Waits until at most N of this thread's bulk groups still read their shared-memory source.
+template <int N>
+__device__ __forceinline__ void bulk_wait_read() {
+#if NOPAD_FMHA_WGMMA
+  asm volatile("cp.async.bulk.wait_group.read %0;\n" ::"n"(N) : "memory");
+#endif
 }
 
 // Keeps the compiler from moving reads or writes of registers that an in-flight wgmma owns across the wait (or the
