@@ -636,8 +636,12 @@ TEST(Fmha, VariantSelection) {
   const int df = fmha_forward_variant(p), db = fmha_backward_variant(p);
   EXPECT_TRUE(df >= 0 && df < nf);
   EXPECT_TRUE(db >= 0 && db < nb);
-  std::printf("  default variants (with the environment): forward %d %s, backward %d %s\n", df,
-              fmha_forward_variant_name(df), db, fmha_backward_variant_name(db));
+  p.dropout_p = 0.1f;
+  const int db_drop = fmha_backward_variant(p);
+  EXPECT_TRUE(db_drop >= 0 && db_drop < nb);
+  std::printf("  default variants (with the environment): forward %d %s, backward %d %s (dropout 0), %d %s (dropout)\n",
+              df, fmha_forward_variant_name(df), db, fmha_backward_variant_name(db), db_drop,
+              fmha_backward_variant_name(db_drop));
   EXPECT_THROW(fmha_forward_variant_name(nf), nopad::Error);
 }
 
@@ -691,12 +695,12 @@ TEST(Fmha, PerfSmoke) {
   };
   const double ulp2 = 2.0 / 256;  // 2 bf16 units in the last place, relative
   const int nf = fmha_forward_variant_count(), nb = fmha_backward_variant_count();
-  FmhaParams defaults = g.p;
-  defaults.fwd_variant = defaults.bwd_variant = -1;
-  const int def_f = fmha_forward_variant(defaults), def_b = fmha_backward_variant(defaults);
-
   for (const float drop_p : {0.0f, 0.1f}) {
     g.p.dropout_p = drop_p;
+    // The default backward depends on the dropout (wg64b without, wg64 with it on Hopper).
+    FmhaParams defaults = g.p;
+    defaults.fwd_variant = defaults.bwd_variant = -1;
+    const int def_f = fmha_forward_variant(defaults), def_b = fmha_backward_variant(defaults);
     // The default variants' outputs: the reference every variant is compared with.
     g.p.fwd_variant = def_f;
     g.p.bwd_variant = def_b;
