@@ -20,12 +20,7 @@ cd "$(dirname "$0")/.."
 out=${OUT:-out/scale-out}
 mkdir -p "$out"
 export NOPAD_SKIP_INSTALL=1 NOPAD_BUILD_DIR=build-gpu
-export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1  # the GPU machine runs as root
-export NCCL_NVLS_ENABLE=0                                          # no NVLink multicast (the machine's rule)
-if [ -z "${NCCL_ROOT:-}" ] && [ ! -f /usr/include/nccl.h ] && [ ! -f /usr/local/cuda/include/nccl.h ]; then
-  NCCL_ROOT=$(python3 -c 'import nvidia.nccl; print(list(nvidia.nccl.__path__)[0])' 2>/dev/null || true)
-  export NCCL_ROOT
-fi
+source scripts/dist-env.sh  # mpirun as root, no NVLink multicast, NCCL_ROOT
 NS=${NS:-1 2 4 8}
 DEVICE=${DEVICE:-cuda}
 MODEL=${MODEL:-data/configs/bert-large-mlperf.json}

@@ -219,6 +219,12 @@ ShardReader::ShardReader(const std::filesystem::path& path, const Options& optio
   }
 }
 
+uint32_t ShardReader::max_num_masked() const {
+  uint32_t most = 0;
+  for (uint64_t i = 0; i < num_seqs(); ++i) most = std::max(most, num_masked(i));
+  return most;
+}
+
 SampleRef ShardReader::sample(uint64_t i) const {
   SampleRef r{};
   const uint64_t tb = header_.token_bytes;

@@ -119,6 +119,7 @@ class ShardReader {
   uint64_t num_seqs() const { return header_.num_seqs; }
   uint32_t length(uint64_t i) const { return static_cast<uint32_t>(token_offsets_[i + 1] - token_offsets_[i]); }
   uint32_t num_masked(uint64_t i) const { return static_cast<uint32_t>(mlm_offsets_[i + 1] - mlm_offsets_[i]); }
+  uint32_t max_num_masked() const;  // most masked positions of one sample (a pass over the offsets)
   SampleRef sample(uint64_t i) const;
   // Full check of every sample's contents (token ids < vocab, layout, masked positions); throws on the first bad one.
   void validate_samples() const;

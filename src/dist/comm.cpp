@@ -85,11 +85,16 @@ uint64_t hash_string(const std::string& s, uint64_t seed) {
   return hash_bytes(std::span<const uint8_t>(reinterpret_cast<const uint8_t*>(s.data()), s.size()), seed);
 }
 
-void check_same_on_all_ranks(Communicator& comm, uint64_t value, const std::string& what) {
-  const int n = comm.size();
-  std::vector<uint64_t> all(static_cast<size_t>(n));
+std::vector<uint64_t> all_gather_u64(Communicator& comm, uint64_t value) {
+  std::vector<uint64_t> all(static_cast<size_t>(comm.size()));
   comm.all_gather(std::span<const uint8_t>(reinterpret_cast<const uint8_t*>(&value), sizeof value),
                   std::span<uint8_t>(reinterpret_cast<uint8_t*>(all.data()), all.size() * sizeof(uint64_t)));
+  return all;
+}
+
+void check_same_on_all_ranks(Communicator& comm, uint64_t value, const std::string& what) {
+  const int n = comm.size();
+  const std::vector<uint64_t> all = all_gather_u64(comm, value);
   std::string differ;
   int count = 0;
   for (int r = 1; r < n; ++r) {

@@ -63,6 +63,9 @@ std::unique_ptr<Communicator> make_tcp_communicator(const RankInfo& info, double
 // TCP (bootstrap timeout NOPAD_BOOTSTRAP_TIMEOUT_S, 300 s by default).
 std::unique_ptr<Communicator> make_communicator(const RankInfo& info);
 
+// Every rank's `value`, indexed by rank (collective).
+std::vector<uint64_t> all_gather_u64(Communicator& comm, uint64_t value);
+
 // All-gathers `value` and throws, naming `what` and the ranks whose value differs from rank 0's, unless all are
 // equal (e.g. a hash of the config and the data every rank loaded).
 void check_same_on_all_ranks(Communicator& comm, uint64_t value, const std::string& what);

@@ -100,7 +100,7 @@ PartitionedData::PartitionedData(const std::filesystem::path& dir, Communicator&
       const ShardReader& r = held_.emplace(i, ShardReader(path, options)).first->second;
       counts[i] = static_cast<int64_t>(r.num_seqs());
       max_seq_length_ = std::max(max_seq_length_, r.header().max_seq_length);
-      for (uint64_t k = 0; k < r.num_seqs(); ++k) max_masked_ = std::max(max_masked_, r.num_masked(k));
+      max_masked_ = std::max(max_masked_, r.max_num_masked());
       NOPAD_CHECK(vocab_size_ == 0 || (r.header().vocab_size == vocab_size_ && r.header().vocab_checksum ==
                   vocab_checksum_), "shard ", path.string(), " was built with another vocabulary than this rank's "
                   "other shards");
@@ -113,13 +113,10 @@ PartitionedData::PartitionedData(const std::filesystem::path& dir, Communicator&
     error = str_cat("rank ", rank, ": cannot list ", dir.string(), ": ", e.what());
   }
   // Every rank's shard count (0: it failed); all must agree.
-  const uint64_t mine = error.empty() ? num_shards : 0;
-  std::vector<uint8_t> all_n(8 * static_cast<size_t>(world));
-  comm.all_gather(std::span<const uint8_t>(reinterpret_cast<const uint8_t*>(&mine), 8), all_n);
+  const std::vector<uint64_t> all_n = all_gather_u64(comm, error.empty() ? num_shards : 0);
   std::string failed, differ;
   for (int r = 0; r < world; ++r) {
-    uint64_t n = 0;
-    std::memcpy(&n, all_n.data() + 8 * static_cast<size_t>(r), 8);
+    const uint64_t n = all_n[static_cast<size_t>(r)];
     if (n == 0) failed += (failed.empty() ? "" : ", ") + std::to_string(r);
     else if (error.empty() && n != num_shards) differ += (differ.empty() ? "" : ", ") + std::to_string(r);
   }
@@ -136,13 +133,11 @@ PartitionedData::PartitionedData(const std::filesystem::path& dir, Communicator&
   max_masked_ = static_cast<uint32_t>(mx[1]);
   // One vocabulary on every rank: all-gather (checksum, size) of the ranks holding shards (0: none, when there are
   // more ranks than shards; those take the others').
-  const uint64_t sig = held_.empty() ? 0 : (uint64_t{vocab_checksum_} << 32) | vocab_size_;
-  std::vector<uint8_t> all(8 * static_cast<size_t>(world));
-  comm.all_gather(std::span<const uint8_t>(reinterpret_cast<const uint8_t*>(&sig), 8), all);
+  const std::vector<uint64_t> sigs =
+      all_gather_u64(comm, held_.empty() ? 0 : (uint64_t{vocab_checksum_} << 32) | vocab_size_);
   uint64_t first = 0;
   for (int r = 0; r < world; ++r) {
-    uint64_t other = 0;
-    std::memcpy(&other, all.data() + 8 * static_cast<size_t>(r), 8);
+    const uint64_t other = sigs[static_cast<size_t>(r)];
     if (other == 0) continue;
     if (first == 0) first = other;
     NOPAD_CHECK(other == first, "data.placement = partitioned: rank ", r, "'s shards of ", dir.string(),

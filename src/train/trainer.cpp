@@ -103,10 +103,7 @@ uint64_t mlperf_eval_interval(int64_t global_batch) {
 
 uint32_t max_masked_per_sample(const Dataset& data) {
   uint32_t most = 0;
-  for (size_t s = 0; s < data.num_shards(); ++s) {
-    const ShardReader& shard = data.shard(s);
-    for (uint64_t i = 0; i < shard.num_seqs(); ++i) most = std::max(most, shard.num_masked(i));
-  }
+  for (size_t s = 0; s < data.num_shards(); ++s) most = std::max(most, data.shard(s).max_num_masked());
   return most;
 }
 
@@ -426,6 +423,15 @@ void Trainer::Impl::setup() {
   const std::string placement = cfg.get_string("data.placement");
   NOPAD_CHECK(placement == "shared" || placement == "partitioned", "data.placement must be shared or partitioned, got "
               "\"", placement, "\"");
+  // The model's vocabulary and positions must cover a dataset's tokens and longest sequence.
+  const auto check_covered = [&](const char* key, const std::string& path, uint32_t vocab_size, uint32_t max_seq) {
+    NOPAD_CHECK(static_cast<uint64_t>(model_config.vocab_size) >= vocab_size, "model.config ", model_config_path,
+                ": vocab_size ", model_config.vocab_size, " is smaller than the vocabulary of ", key, " ", path, " (",
+                vocab_size, " tokens)");
+    NOPAD_CHECK(static_cast<uint64_t>(model_config.max_position_embeddings) >= max_seq, "model.config ",
+                model_config_path, ": max_position_embeddings ", model_config.max_position_embeddings,
+                " is smaller than the longest sequence of ", key, " ", path, " (", max_seq, " tokens)");
+  };
   uint32_t max_len = 0, max_masked = 0;
   if (placement == "partitioned") {  // collective: the ranks learn each other's shard sizes
     // "{rank}" in data.train stands for this rank's number (node-local folders: /scratch/shards-{rank}).
@@ -437,11 +443,7 @@ void Trainer::Impl::setup() {
     } catch (const Error& e) {
       fail("data.train (data.placement = partitioned): ", e.what());
     }
-    NOPAD_CHECK(static_cast<uint64_t>(model_config.vocab_size) >= train_part->vocab_size() &&
-                    static_cast<uint64_t>(model_config.max_position_embeddings) >= train_part->max_seq_length(),
-                "model.config ", model_config_path, ": vocab_size ", model_config.vocab_size,
-                " / max_position_embeddings ", model_config.max_position_embeddings, " smaller than data.train's ",
-                train_part->vocab_size(), " tokens / ", train_part->max_seq_length(), "-token sequences");
+    check_covered("data.train", train_path, train_part->vocab_size(), train_part->max_seq_length());
     max_len = train_part->max_seq_length();
     max_masked = train_part->max_masked();
   } else {
@@ -453,13 +455,7 @@ void Trainer::Impl::setup() {
   for (const auto& [key, path, data] : {std::tuple{"data.train", train_path, train_data.get()},
                                         std::tuple{"data.eval", eval_path, eval_data.get()}}) {
     if (!data) continue;
-    NOPAD_CHECK(static_cast<uint64_t>(model_config.vocab_size) >= data->vocab_size(), "model.config ",
-                model_config_path, ": vocab_size ", model_config.vocab_size, " is smaller than the vocabulary of ",
-                key, " ", path, " (", data->vocab_size(), " tokens)");
-    NOPAD_CHECK(static_cast<uint64_t>(model_config.max_position_embeddings) >= data->max_seq_length(),
-                "model.config ", model_config_path, ": max_position_embeddings ",
-                model_config.max_position_embeddings, " is smaller than the longest sequence of ", key, " ", path,
-                " (", data->max_seq_length(), " tokens)");
+    check_covered(key, path, data->vocab_size(), data->max_seq_length());
     NOPAD_CHECK(data->size() > 0, key, " ", path, " holds no samples");
     max_len = std::max(max_len, data->max_seq_length());
     max_masked = std::max(max_masked, max_masked_per_sample(*data));

@@ -15,17 +15,18 @@ SRC = os.environ["NOPAD_SOURCE_DIR"]
 
 def rcps():
     try:
-        import mlperf_logging
+        import mlperf_logging  # noqa: F401
     except ImportError:
         sys.exit("test_mlperf_configs: the mlperf-logging package is missing (pip install mlperf-logging; "
                  "scripts/setup.sh does)")
-    base = os.path.join(os.path.dirname(mlperf_logging.__file__), "rcp_checker")
-    files = sorted(glob.glob(os.path.join(base, "training_*", "rcps_bert.json")),
-                   key=lambda p: [int(x) for x in os.path.basename(os.path.dirname(p))[9:].split(".")])
-    if not files:
-        sys.exit(f"test_mlperf_configs: no rcps_bert.json under {base}")
-    print(f"  RCPs from {files[-1]}")
-    return {v["BS"]: v for v in json.load(open(files[-1])).values()}
+    sys.path.insert(0, os.path.join(SRC, "scripts"))
+    from project_ttt import default_rcp_source  # the newest training ruleset's rcps_bert.json
+
+    path = default_rcp_source()
+    if path is None:
+        sys.exit("test_mlperf_configs: mlperf-logging ships no rcps_bert.json")
+    print(f"  RCPs from {path}")
+    return {v["BS"]: v for v in json.load(open(path)).values()}
 
 
 def main():
