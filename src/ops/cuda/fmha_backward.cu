@@ -1,11 +1,11 @@
 // FMHA backward (FlashAttention-2 style):
 //   1. fmha_bwd_pre_kernel: D = rowsum(dO * O) per (head, token) into the workspace; zeroes the launch's dq_accum rows.
-//   2. main kernel, one CTA per (key tile, head, sequence), looping over the query tiles of 64 (Q, dO double-buffered
-//      with cp.async), recomputing P, regenerating the dropout mask (one Philox block per 8 keys of a query, bits
-//      exchanged over 8 lanes), accumulating dK, dV in registers and adding dQ into fp32 dq_accum:
+//   2. main kernel, one CTA per (key tile, head, sequence), looping over the query tiles of 64 (Q, dO, lse and D
+//      double-buffered with cp.async), recomputing P, regenerating the dropout mask (one Philox block per 8 keys of a
+//      query, bits exchanged over 8 lanes), accumulating dK, dV in registers and adding dQ into fp32 dq_accum:
 //      fmha_bwd_kernel (mma.sync, any GPU; tile shapes per variant) or fmha_bwd_wgmma_kernel (head_dim 64 on sm_90a;
-//      lse and D staged by cp.async; dQ by float4 atomics, or by one bulk reduction per query row from shared memory).
-//      The variants of kBwdVariants are instantiated and chosen per call (fmha.h).
+//      dQ by float4 atomics, or by one bulk reduction per query row from shared memory). The variants of kBwdVariants
+//      are instantiated and chosen per call (fmha.h).
 //   3. fmha_bwd_dq_kernel:  dq_accum -> d_qkv's q block (bf16/fp16).
 // Workspace: D [heads, T] fp32, then (256-byte aligned) dq_accum [T, H] fp32. Design: docs/fmha.md.
 #include <cmath>
@@ -81,17 +81,26 @@ __global__ void __launch_bounds__(32 * kPreRows) fmha_bwd_dq_kernel(const Kernel
 // What both backward kernels (mma.sync and wgmma) do with one warp's 16 keys x 64 queries of a query tile, in the
 // transposed orientation (rows = keys g, g + 8; columns = queries 8 nt + 2t + {0, 1}; g = lane / 4, t = lane % 4).
 
+// lse and D of query tile rows [qs, qs + 64) into the shared tiles (thread tid < 64 copies row tid) by 4-byte
+// cp.async, in the commit group of the tile's Q/dO copies: a plain load here would hold the loading warps for an L2
+// round trip every tile, and the others at the next barrier. lse is copied as the forward wrote it (natural log;
+// p_and_ds scales it); rows past the sequence end are zero, and such queries contribute nothing: their Q and dO rows
+// are zero-filled and D is 0, so their dS and P' dO are 0 (and their dQ rows are never stored).
+__device__ __forceinline__ void stage_lse_d(float* s_lse, float* s_d, const float* g_lse, const float* g_d, int qs,
+                                            int L, int tid) {
+  if (tid >= kTile) return;
+  const bool ok = qs + tid < L;
+  cp_async4(s_lse + tid, g_lse + (ok ? qs + tid : 0), ok);
+  cp_async4(s_d + tid, g_d + (ok ? qs + tid : 0), ok);
+}
+
 // In place: s (S^T) becomes P'^T = P^T m keep_scale, dp (dP^T) becomes dS^T = P^T (dP^T m keep_scale - D), with
-// P^T = exp2(S^T scale log2e - lse log2e), lse log2e = lse_tile[qc] * kLseScale (the mma.sync kernel stages lse log2e
-// and kLseScale = 1; the wgmma kernel copies lse as it is and kLseScale = log2e). Keys past the end (key_ok) give 0.
-// Queries past the end contribute nothing: their dO rows and D are zero (and the mma.sync kernel's staged lse is
-// +inf there, so their P is 0 too). The one keep mask (bit fmha_dropout::bwd_bit(nt, e)) serves both P' (for dV)
-// and dP' (for dS).
-template <bool kDrop, bool kRawLse = false>
+// P^T = exp2(S^T scale log2e - lse log2e) (lse_tile and Dq as stage_lse_d leaves them). Keys past the end (key_ok)
+// give 0. The one keep mask (bit fmha_dropout::bwd_bit(nt, e)) serves both P' (for dV) and dP' (for dS).
+template <bool kDrop>
 __device__ __forceinline__ void p_and_ds(const KernelArgs& args, float (&s)[kTile / 8][4], float (&dp)[kTile / 8][4],
                                          uint32_t keep, bool key_ok0, bool key_ok1, const float* lse_tile,
                                          const float* Dq, int t) {
-  constexpr float kLseScale = kRawLse ? kLog2e : 1.0f;
 #pragma unroll
   for (int nt = 0; nt < kTile / 8; ++nt) {
     // This thread's two query columns 8 nt + 2t, + 1: one 8-byte shared load each for lse and D (the tiles are
@@ -101,7 +110,7 @@ __device__ __forceinline__ void p_and_ds(const KernelArgs& args, float (&s)[kTil
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
       const bool ok = (e < 2) ? key_ok0 : key_ok1;
-      const float lse2 = ((e & 1) ? lse_pair.y : lse_pair.x) * kLseScale;
+      const float lse2 = ((e & 1) ? lse_pair.y : lse_pair.x) * kLog2e;
       const float d = (e & 1) ? d_pair.y : d_pair.x;
       const float pr = ok ? exp2_ftz(fmaf(s[nt][e], args.scale_log2, -lse2)) : 0.0f;
       const float kf = kDrop ? (((keep >> fmha_dropout::bwd_bit(nt, e)) & 1u) ? args.keep_scale : 0.0f) : 1.0f;
@@ -221,7 +230,7 @@ __global__ void __launch_bounds__(32 * kWarps, kMinCtas)
   uint16_t* sQ = sV + Sh::kBlockN * HD;             // [2][64][HD]
   uint16_t* sdO = sQ + 2 * kTile * HD;              // [2][64][HD]
   uint16_t* sdS = sdO + 2 * kTile * HD;             // [kBlockN keys][64 queries], swizzled as a 64-column tile
-  float* sLse = reinterpret_cast<float*>(sdS + Sh::kBlockN * kTile);  // [2][64], log2 domain; +inf past the end
+  float* sLse = reinterpret_cast<float*>(sdS + Sh::kBlockN * kTile);  // [2][64], natural log; 0 past the end
   float* sD = sLse + 2 * kTile;                                        // [2][64]
 
   const int tid = static_cast<int>(threadIdx.x);
@@ -231,11 +240,7 @@ __global__ void __launch_bounds__(32 * kWarps, kMinCtas)
     const int qs = i * kTile;
     q_copy.load(sQ + buf * kTile * HD, gQ, L - qs);
     do_copy.load(sdO + buf * kTile * HD, gdO, L - qs);
-    if (tid < kTile) {  // plain loads; published by the __syncthreads at the top of the iteration that uses them
-      const bool ok = qs + tid < L;
-      sLse[buf * kTile + tid] = ok ? gLse[qs + tid] * kLog2e : INFINITY;
-      sD[buf * kTile + tid] = ok ? gD[qs + tid] : 0.0f;
-    }
+    stage_lse_d(sLse + buf * kTile, sD + buf * kTile, gLse, gD, qs, L, tid);
   };
   {
     const TileCopy<HD, Sh::kBlockN, Sh::kThreads> kv_copy(ld);
@@ -272,13 +277,13 @@ __global__ void __launch_bounds__(32 * kWarps, kMinCtas)
     for (int e = 0; e < 4; ++e) dv[i][e] = dk[i][e] = 0.0f;
 
   // One query tile. kPartial: fewer than 64 valid queries (the sequence's last tile): 16-query groups past the end skip
-  // their products; P is already 0 there (lse = +inf). Full tiles carry no such code.
+  // their products (dV, dK and dQ never read their P' or dS). Full tiles carry no such code.
   const auto tile = [&](int qs, int buf, auto partial) {
     constexpr bool kPartial = decltype(partial)::value;
     const int qvalid = L - qs;  // > 0; < 64 only when kPartial
     const uint16_t* q = sQ + buf * kTile * HD;
     const uint16_t* d_o = sdO + buf * kTile * HD;
-    const float* lse2 = sLse + buf * kTile;
+    const float* lse = sLse + buf * kTile;
     const float* Dq = sD + buf * kTile;
 
     if (keys_live) {
@@ -319,7 +324,7 @@ __global__ void __launch_bounds__(32 * kWarps, kMinCtas)
             static_cast<uint32_t>(g));
       }
 
-      p_and_ds<kDrop>(args, s, dp, keep, key_ok0, key_ok1, lse2, Dq, t);
+      p_and_ds<kDrop>(args, s, dp, keep, key_ok0, key_ok1, lse, Dq, t);
 
       // dV += P'^T dO, dK += dS^T Q: the accumulators of n-tiles 2kk, 2kk+1 are the A fragment of k-step kk.
 #pragma unroll
@@ -471,18 +476,11 @@ __global__ void __launch_bounds__(128, kMinCtas)
     }
   };
   const TileCopy<HD, kTile, Sh::kThreads> q_copy(ld), do_copy(H);
-  // lse and D of the tile's queries go by cp.async like the tiles (a plain load here would stall the loading warps on
-  // its latency every tile, and the others at the next barrier): lse as it is (scaled by log2e where it is used),
-  // zero past the sequence end, where the zero-filled dO rows and D make the queries contribute nothing.
   const auto load_q_tile = [&](int i, int buf) {
     const int qs = i * kTile;
     q_copy.load(sQ + buf * kTile * HD, gQ, L - qs);
     do_copy.load(sdO + buf * kTile * HD, gdO, L - qs);
-    if (tid < kTile) {
-      const bool ok = qs + tid < L;
-      cp_async4(sLse + buf * kTile + tid, gLse + (ok ? qs + tid : 0), ok);
-      cp_async4(sD + buf * kTile + tid, gD + (ok ? qs + tid : 0), ok);
-    }
+    stage_lse_d(sLse + buf * kTile, sD + buf * kTile, gLse, gD, qs, L, tid);
   };
   {
     const TileCopy<HD, Sh::kBlockN, Sh::kThreads> kv_copy(ld);
@@ -553,7 +551,7 @@ __global__ void __launch_bounds__(128, kMinCtas)
     fence_regs(s);
     fence_regs(dp);
 
-    p_and_ds<kDrop, true>(args, s, dp, keep, key_ok0, key_ok1, lse, Dq, t);
+    p_and_ds<kDrop>(args, s, dp, keep, key_ok0, key_ok1, lse, Dq, t);
     uint32_t pa[kTile / 16][4], da[kTile / 16][4];
 #pragma unroll
     for (int kk = 0; kk < kTile / 16; ++kk) {
