@@ -432,7 +432,7 @@ TEST(OpsCpu, ResidualLayernormWithoutDropoutAndMaskRate) {
   for (int b = 0; b < 2; ++b)
     for (int t = cu[b]; t < cu[b + 1]; ++t)
       for (int j = 0; j < H; ++j, ++total)
-        kept += dropout_keep(2024, 3, 1, ids[b], element_hidden(t - cu[b], j), 0.1f);
+        kept += dropout_keep(2024, 3, 1, ids[b], element_hidden(t - cu[b], j), 0.1f, kPhiloxRounds);
   EXPECT_NEAR(static_cast<double>(kept) / total, 1.0 - dropout_threshold(0.1f) / 65536.0, 0.01);
   // The dropped LN inputs are exactly those elements (x != 0 there), and the kept ones carry the contract's scale:
   // z = x * 65536 / (65536 - 6554) (float) + 0; checked through mean = sum(z) / H of one row.
@@ -443,7 +443,8 @@ TEST(OpsCpu, ResidualLayernormWithoutDropoutAndMaskRate) {
     const int b = t < 200 ? 0 : 1;
     float m = 0;
     for (int j = 0; j < H; ++j)
-      if (dropout_keep(2024, 3, 1, ids[b], element_hidden(t - cu[b], j), 0.1f)) m += x[t * H + j] * scale;
+      if (dropout_keep(2024, 3, 1, ids[b], element_hidden(t - cu[b], j), 0.1f, kPhiloxRounds))
+        m += x[t * H + j] * scale;
     EXPECT_NEAR(mean[t], m / H, 1e-5) << "row " << t;
   }
   // A p whose threshold would be 65536 (nothing kept) is rejected with a clear error; 1 - 2^-16 is still accepted.

@@ -1,6 +1,6 @@
-// Philox-4x32-10 against the Random123 known-answer vectors; the 16-bit dropout draw contract (threshold and scale
-// arithmetic, drop fraction, field layout, keying); and the FMHA kernels' keep-bit exchange (ops/cuda/fmha_dropout.h)
-// run over 32 simulated lanes against the mask the CPU twin draws.
+// Philox-4x32-10 and -7 against the Random123 known-answer vectors; the 16-bit dropout draw contract (threshold and
+// scale arithmetic, drop fraction, field layout, keying); and the FMHA kernels' keep-bit exchange
+// (ops/cuda/fmha_dropout.h) run over 32 simulated lanes against the mask the CPU twin draws.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -31,12 +31,27 @@ TEST(Philox, KnownAnswerVectors) {
     const Philox4x32 r = philox4x32(c.ctr, c.key);
     for (int i = 0; i < 4; ++i) EXPECT_EQ(r.v[i], c.out[i]) << "word " << i;
   }
+  // philox4x32 7: the attention masks' round count.
+  const Case cases7[] = {
+      {{0, 0, 0, 0}, {0, 0}, {0x5f6fb709, 0x0d893f64, 0x4f121f81, 0x4f730a48}},
+      {{0xffffffff, 0xffffffff, 0xffffffff, 0xffffffff},
+       {0xffffffff, 0xffffffff},
+       {0x5207ddc2, 0x45165e59, 0x4d8ee751, 0x8c52f662}},
+      {{0x243f6a88, 0x85a308d3, 0x13198a2e, 0x03707344},
+       {0xa4093822, 0x299f31d0},
+       {0x4dfccaba, 0x190a87f0, 0xc47362ba, 0xb6b5242a}},
+  };
+  static_assert(kAttentionPhiloxRounds == 7 && kPhiloxRounds == 10, "the vectors above are for 10 and 7 rounds");
+  for (const Case& c : cases7) {
+    const Philox4x32 r = philox4x32(c.ctr, c.key, kAttentionPhiloxRounds);
+    for (int i = 0; i < 4; ++i) EXPECT_EQ(r.v[i], c.out[i]) << "word " << i << " (7 rounds)";
+  }
 }
 
 TEST(Philox, ThresholdAndScaleArithmetic) {
   // p = 0: no draw, keep all, scale 1.
   EXPECT_EQ(dropout_threshold(0.0f), 0u);
-  EXPECT_TRUE(dropout_keep(1, 2, 3, 4, 5, 0.0f));
+  EXPECT_TRUE(dropout_keep(1, 2, 3, 4, 5, 0.0f, kPhiloxRounds));
   EXPECT_EQ(dropout_keep_scale(0), 1.0f);
   // p = 0.1: ceil(6553.6) = 6554; actual drop rate 6554 / 65536 = 0.1000061; scale 65536 / 58982 in float.
   EXPECT_EQ(dropout_threshold(0.1f), 6554u);
@@ -75,43 +90,57 @@ TEST(Philox, ThresholdAndScaleArithmetic) {
   EXPECT_DOUBLE_EQ(exact, 1.0);
 }
 
+// Both round counts: the hidden-state masks (10) on hidden-state elements, the attention masks (7) on attention
+// elements.
 TEST(Philox, DropFractionOfAMillionDraws) {
-  for (float p : {0.1f, 0.5f, 0.9f}) {
+  for (const int rounds : {kPhiloxRounds, kAttentionPhiloxRounds}) {
+    const auto element = [&](int e) {  // all 8 fields of each block
+      return rounds == kPhiloxRounds ? element_hidden((e >> 10) & 63, e & 1023)
+                                     : element_attention((e >> 12) & 15, (e >> 6) & 63, e & 63);
+    };
+    for (float p : {0.1f, 0.5f, 0.9f}) {
+      const int n = 1 << 20;
+      int dropped = 0;
+      for (int e = 0; e < n; ++e)
+        dropped += !dropout_keep(/*seed=*/1234, /*step=*/7, /*op_id=*/3, /*sample_id=*/e >> 16, element(e), p, rounds);
+      const double q = dropout_threshold(p) / 65536.0;  // the exact drop probability of the contract
+      const double rate = static_cast<double>(dropped) / n;
+      const double sigma = std::sqrt(q * (1 - q) / n);  // binomial standard deviation of the rate
+      EXPECT_NEAR(rate, q, 5 * sigma) << "p=" << p << ", " << rounds << " rounds";
+    }
+    // The 16-bit values themselves: mean (65535 / 2) and every high-byte value used.
+    const uint64_t key = dropout_stream_key(99, 1, 2);
+    double sum = 0;
+    std::vector<int> hist(256, 0);
     const int n = 1 << 20;
-    int dropped = 0;
-    for (int e = 0; e < n; ++e)
-      dropped += !dropout_keep(/*seed=*/1234, /*step=*/7, /*op_id=*/3, /*sample_id=*/e >> 16,
-                               element_hidden((e >> 10) & 63, e & 1023), p);  // all 8 fields of each block
-    const double q = dropout_threshold(p) / 65536.0;  // the exact drop probability of the contract
-    const double rate = static_cast<double>(dropped) / n;
-    const double sigma = std::sqrt(q * (1 - q) / n);  // binomial standard deviation of the rate
-    EXPECT_NEAR(rate, q, 5 * sigma) << "p=" << p;
+    for (int e = 0; e < n; ++e) {
+      const uint32_t v = dropout_bits16(key, 5, static_cast<uint64_t>(e), rounds);
+      ASSERT_LT(v, 65536u);
+      sum += v;
+      ++hist[v >> 8];
+    }
+    EXPECT_NEAR(sum / n, 32767.5, 5 * 65536.0 / std::sqrt(12.0 * n)) << rounds << " rounds";
+    for (int b = 0; b < 256; ++b)
+      EXPECT_NEAR(hist[b], n / 256.0, 6 * std::sqrt(n / 256.0)) << "high byte " << b << ", " << rounds << " rounds";
   }
-  // The 16-bit values themselves: mean (65535 / 2) and every high-byte value used.
-  const uint64_t key = dropout_stream_key(99, 1, 2);
-  double sum = 0;
-  std::vector<int> hist(256, 0);
-  const int n = 1 << 20;
-  for (int e = 0; e < n; ++e) {
-    const uint32_t v = dropout_bits16(key, 5, static_cast<uint64_t>(e));
-    ASSERT_LT(v, 65536u);
-    sum += v;
-    ++hist[v >> 8];
-  }
-  EXPECT_NEAR(sum / n, 32767.5, 5 * 65536.0 / std::sqrt(12.0 * n));
-  for (int b = 0; b < 256; ++b) EXPECT_NEAR(hist[b], n / 256.0, 6 * std::sqrt(n / 256.0)) << "high byte " << b;
+  // The two round counts are different streams: about 1 in 65536 draws agree.
+  const uint64_t key = dropout_stream_key(3, 1, 4);
+  int equal = 0;
+  for (uint64_t e = 0; e < 4096; ++e)
+    equal += dropout_bits16(key, 8, e, kPhiloxRounds) == dropout_bits16(key, 8, e, kAttentionPhiloxRounds);
+  EXPECT_LE(equal, 2);
 }
 
 TEST(Philox, EightElementsOfABlockUseEightDistinctFields) {
   const uint64_t key = dropout_stream_key(5, 6, 7);
   for (uint64_t base : {uint64_t{0}, element_hidden(3, 1016), element_attention(15, 511, 504)}) {
     ASSERT_EQ(base % 8, 0u);
-    const Philox4x32 blk = dropout_philox(key, 42, dropout_block_index(base));
+    const Philox4x32 blk = dropout_philox(key, 42, dropout_block_index(base), kPhiloxRounds);
     std::set<int> fields;
     for (uint32_t i = 0; i < 8; ++i) {
       const uint64_t e = base + i;
       EXPECT_EQ(dropout_block_index(e), dropout_block_index(base)) << "one block serves all 8";
-      const uint32_t v = dropout_bits16(key, 42, e);
+      const uint32_t v = dropout_bits16(key, 42, e, kPhiloxRounds);
       // Element i is word i >> 1, low half for even i, high half for odd i.
       const uint32_t expect = (i & 1) ? blk.v[i >> 1] >> 16 : blk.v[i >> 1] & 0xFFFF;
       EXPECT_EQ(v, expect) << "element " << i;
@@ -120,9 +149,12 @@ TEST(Philox, EightElementsOfABlockUseEightDistinctFields) {
     EXPECT_EQ(fields.size(), 8u);
     // The 8 values are the block's 128 bits exactly once each: together they rebuild the 4 words.
     for (int w = 0; w < 4; ++w)
-      EXPECT_EQ(dropout_bits16(key, 42, base + 2 * w) | (dropout_bits16(key, 42, base + 2 * w + 1) << 16), blk.v[w]);
+      EXPECT_EQ(dropout_bits16(key, 42, base + 2 * w, kPhiloxRounds) |
+                    (dropout_bits16(key, 42, base + 2 * w + 1, kPhiloxRounds) << 16),
+                blk.v[w]);
     // The next block is another counter.
-    EXPECT_NE(dropout_bits16(key, 42, base + 8), dropout_bits16(key, 42, base)) << "(equal with probability 2^-16)";
+    EXPECT_NE(dropout_bits16(key, 42, base + 8, kPhiloxRounds), dropout_bits16(key, 42, base, kPhiloxRounds))
+        << "(equal with probability 2^-16)";
   }
 }
 
@@ -130,7 +162,7 @@ TEST(Philox, MaskIsAFunctionOfSampleAndElementOnly) {
   // Same key -> same bits; changing any key part changes the stream.
   int same = 0, diff_sample = 0, diff_step = 0, diff_op = 0, diff_seed = 0;
   auto bits = [](uint64_t seed, uint64_t step, uint32_t op, uint64_t sample, uint64_t e) {
-    return dropout_bits16(dropout_stream_key(seed, step, op), sample, e);
+    return dropout_bits16(dropout_stream_key(seed, step, op), sample, e, kPhiloxRounds);
   };
   for (uint64_t e = 0; e < 1000; ++e) {
     const uint32_t u = bits(1, 2, 3, 77, e);
@@ -181,10 +213,10 @@ struct Sim {
   uint64_t sample = 0x1234567890abcdefull;  // both halves of the counter's sample words nonzero
   uint32_t threshold = dropout_threshold(0.3f);
   Philox4x32 draw(uint32_t lo, uint32_t hi) const {
-    return dropout_philox(key, sample, (static_cast<uint64_t>(hi) << 32) | lo);
+    return dropout_philox(key, sample, (static_cast<uint64_t>(hi) << 32) | lo, kAttentionPhiloxRounds);
   }
   bool keep(uint32_t head, uint32_t q, uint32_t k) const {
-    return dropout_keep_threshold(key, sample, element_attention(head, q, k), threshold);
+    return dropout_keep_threshold(key, sample, element_attention(head, q, k), threshold, kAttentionPhiloxRounds);
   }
 };
 

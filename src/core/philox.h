@@ -1,6 +1,7 @@
-// Philox-4x32-10 counter-based random numbers (Salmon et al., "Parallel random numbers: as easy as 1, 2, 3", SC'11)
-// and the dropout masks built on it. Header-only and usable from CUDA kernels (NOPAD_HOST_DEVICE), so the CPU
-// reference and the GPU kernels draw bit-identical masks.
+// Philox-4x32 counter-based random numbers (Salmon et al., "Parallel random numbers: as easy as 1, 2, 3", SC'11)
+// and the dropout masks built on it: 10 rounds for the hidden-state dropouts, 7 for the attention-probability masks.
+// Header-only and usable from CUDA kernels (NOPAD_HOST_DEVICE), so the CPU reference and the GPU kernels draw
+// bit-identical masks.
 //
 // Dropout keying contract (docs/ops.md): a mask bit is a pure function of
 //   (seed, step, op_id, sample_id, element)
@@ -13,6 +14,13 @@
 // kept iff its value >= threshold = ceil(p * 65536), and kept values are scaled by 65536 / (65536 - threshold)
 // (rounded to float once), so E[mask * scale] = 1 for the exact quotient. p = 0 draws nothing and keeps everything;
 // p > 1 - 2^-16 (threshold 65536: nothing kept) is rejected by the callers (dropout_p_supported).
+//
+// Rounds: the hidden-state dropouts (memory-bound kernels, where the draws hide under the memory traffic) use the
+// standard 10 rounds. The attention-probability masks use 7 (kAttentionPhiloxRounds): there the draws are the FMHA
+// kernels' largest block of integer work (one block per 8 of the L^2 scores, in the forward and again in the
+// backward), and Philox-4x32-7 already passes TestU01's BigCrush (the paper's table of Crush-resistant round counts);
+// FlashAttention-2's dropout uses 7 rounds as well. Every function below takes the round count; the attention callers
+// pass kAttentionPhiloxRounds.
 #pragma once
 #include <math.h>
 
@@ -41,8 +49,12 @@ NOPAD_HOST_DEVICE inline void mulhilo(uint32_t a, uint32_t b, uint32_t& hi, uint
 }
 }  // namespace philox_detail
 
-// One Philox-4x32 block with `rounds` rounds (10 is the standard, crush-resistant choice).
-NOPAD_HOST_DEVICE inline Philox4x32 philox4x32(const uint32_t counter[4], const uint32_t key[2], int rounds = 10) {
+constexpr int kPhiloxRounds = 10;          // the standard choice: the hidden-state dropouts
+constexpr int kAttentionPhiloxRounds = 7;  // the attention-probability masks (see above)
+
+// One Philox-4x32 block with `rounds` rounds.
+NOPAD_HOST_DEVICE inline Philox4x32 philox4x32(const uint32_t counter[4], const uint32_t key[2],
+                                               int rounds = kPhiloxRounds) {
   using namespace philox_detail;
   uint32_t c0 = counter[0], c1 = counter[1], c2 = counter[2], c3 = counter[3];
   uint32_t k0 = key[0], k1 = key[1];
@@ -90,11 +102,12 @@ constexpr float kDropoutMaxP = 1.0f - 1.0f / 65536.0f;  // largest p that keeps 
 NOPAD_HOST_DEVICE inline uint64_t dropout_block_index(uint64_t element) { return element >> 3; }
 
 // The Philox block (8 sixteen-bit draws) of block index `block` of sample `sample_id` in stream `stream_key`.
-NOPAD_HOST_DEVICE inline Philox4x32 dropout_philox(uint64_t stream_key, uint64_t sample_id, uint64_t block) {
+NOPAD_HOST_DEVICE inline Philox4x32 dropout_philox(uint64_t stream_key, uint64_t sample_id, uint64_t block,
+                                                   int rounds) {
   const uint32_t counter[4] = {static_cast<uint32_t>(block), static_cast<uint32_t>(block >> 32),
                                static_cast<uint32_t>(sample_id), static_cast<uint32_t>(sample_id >> 32)};
   const uint32_t key[2] = {static_cast<uint32_t>(stream_key), static_cast<uint32_t>(stream_key >> 32)};
-  return philox4x32(counter, key);
+  return philox4x32(counter, key, rounds);
 }
 
 // The 16-bit draw of element e (only e & 7 matters) from its block: word (e & 7) >> 1, low half for even e.
@@ -103,8 +116,9 @@ NOPAD_HOST_DEVICE inline uint32_t dropout_field(const Philox4x32& block, uint32_
 }
 
 // 16 random bits for (stream key, sample_id, element).
-NOPAD_HOST_DEVICE inline uint32_t dropout_bits16(uint64_t stream_key, uint64_t sample_id, uint64_t element) {
-  return dropout_field(dropout_philox(stream_key, sample_id, dropout_block_index(element)),
+NOPAD_HOST_DEVICE inline uint32_t dropout_bits16(uint64_t stream_key, uint64_t sample_id, uint64_t element,
+                                                 int rounds) {
+  return dropout_field(dropout_philox(stream_key, sample_id, dropout_block_index(element), rounds),
                        static_cast<uint32_t>(element));
 }
 
@@ -130,17 +144,18 @@ NOPAD_HOST_DEVICE inline float dropout_keep_scale(uint32_t threshold) {
 
 // Keep decisions. threshold 0 keeps everything without drawing.
 NOPAD_HOST_DEVICE inline bool dropout_keep_threshold(uint64_t stream_key, uint64_t sample_id, uint64_t element,
-                                                     uint32_t threshold) {
-  return threshold == 0 || dropout_bits16(stream_key, sample_id, element) >= threshold;
+                                                     uint32_t threshold, int rounds) {
+  return threshold == 0 || dropout_bits16(stream_key, sample_id, element, rounds) >= threshold;
 }
 // Same from p (the stream key already mixed; what inner loops of reference code use).
-NOPAD_HOST_DEVICE inline bool dropout_keep_key(uint64_t stream_key, uint64_t sample_id, uint64_t element, float p) {
-  return dropout_keep_threshold(stream_key, sample_id, element, dropout_threshold(p));
+NOPAD_HOST_DEVICE inline bool dropout_keep_key(uint64_t stream_key, uint64_t sample_id, uint64_t element, float p,
+                                               int rounds) {
+  return dropout_keep_threshold(stream_key, sample_id, element, dropout_threshold(p), rounds);
 }
 // Keep with probability (65536 - threshold) / 65536 ~ 1 - p (p = drop probability). p <= 0 keeps everything.
 NOPAD_HOST_DEVICE inline bool dropout_keep(uint64_t seed, uint64_t step, uint32_t op_id, uint64_t sample_id,
-                                           uint64_t element, float p) {
-  return p <= 0.0f || dropout_keep_key(dropout_stream_key(seed, step, op_id), sample_id, element, p);
+                                           uint64_t element, float p, int rounds) {
+  return p <= 0.0f || dropout_keep_key(dropout_stream_key(seed, step, op_id), sample_id, element, p, rounds);
 }
 
 }  // namespace nopad

@@ -171,7 +171,9 @@ Ref reference64(const Problem& pr) {
         r.lse[static_cast<size_t>(h) * pr.T + s0 + i] = mx + std::log(sum);
         for (int j = 0; j < L; ++j) {
           P[i * L + j] /= sum;
-          M[i * L + j] = dropout_keep_key(key, pr.sample_ids[b], element_attention(h, i, j), pr.p) ? keep_scale : 0.0;
+          const bool kept =
+              dropout_keep_key(key, pr.sample_ids[b], element_attention(h, i, j), pr.p, kAttentionPhiloxRounds);
+          M[i * L + j] = kept ? keep_scale : 0.0;
         }
         for (int d = 0; d < hd; ++d) {
           double o = 0;
@@ -429,7 +431,8 @@ TEST(Fmha, DropoutFractionOfTheMask) {
     for (int h = 0; h < pr.heads; ++h)
       for (int i = 0; i < pr.lens[b]; ++i)
         for (int j = 0; j < pr.lens[b]; ++j) {
-          dropped += dropout_keep_key(key, pr.sample_ids[b], element_attention(h, i, j), pr.p) ? 0 : 1;
+          dropped +=
+              dropout_keep_key(key, pr.sample_ids[b], element_attention(h, i, j), pr.p, kAttentionPhiloxRounds) ? 0 : 1;
           ++total;
         }
   const double frac = static_cast<double>(dropped) / static_cast<double>(total);

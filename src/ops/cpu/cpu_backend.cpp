@@ -66,12 +66,14 @@ S activation_grad(Activation act, S x) {
 
 // Keep-scale of one dropout element (core/philox.h): dropout_keep_scale(threshold) if the element's 16-bit draw is
 // >= threshold = ceil(p * 65536), 0 if it is dropped, 1 without dropout (p = 0 draws nothing). The scale is the
-// float the GPU kernels use, converted to S.
+// float the GPU kernels use, converted to S. `rounds`: kPhiloxRounds for hidden states, kAttentionPhiloxRounds for
+// the attention probabilities.
 struct DropoutMask {
   uint64_t stream_key = 0;
   uint32_t threshold = 0;
   float keep_scale = 1.0f;
-  explicit DropoutMask(const Dropout& d) {
+  int rounds = kPhiloxRounds;
+  explicit DropoutMask(const Dropout& d, int philox_rounds = kPhiloxRounds) : rounds(philox_rounds) {
     NOPAD_CHECK(dropout_p_supported(d.p), "dropout probability must be in [0, 1 - 2^-16] (a 16-bit draw must be "
                 "able to keep an element), got ", d.p);
     threshold = dropout_threshold(d.p);
@@ -84,7 +86,8 @@ struct DropoutMask {
   template <class S>
   S scale(uint64_t sample_id, uint64_t element) const {
     if (!on()) return S(1);
-    return dropout_keep_threshold(stream_key, sample_id, element, threshold) ? static_cast<S>(keep_scale) : S(0);
+    return dropout_keep_threshold(stream_key, sample_id, element, threshold, rounds) ? static_cast<S>(keep_scale)
+                                                                                      : S(0);
   }
 };
 
@@ -336,7 +339,7 @@ void CpuBackend<P>::attention_forward(const S* qkv, const SeqView& seqs, int32_t
   const int32_t H = num_heads * head_dim, T = seqs.num_tokens, L_max = seqs.max_seqlen;
   const int64_t ld = 3 * int64_t{H};
   const S scale = S(1) / std::sqrt(static_cast<S>(head_dim));
-  const DropoutMask mask(drop);
+  const DropoutMask mask(drop, kAttentionPhiloxRounds);
   const int workers = std::max(1, std::min<int>(threads_, seqs.num_seqs * num_heads));
   S* scores_all = scratch(kOpA, static_cast<size_t>(workers) * L_max);
   parallel_tasks(static_cast<size_t>(seqs.num_seqs) * num_heads, workers, [&](size_t task, size_t worker) {
@@ -377,7 +380,7 @@ void CpuBackend<P>::attention_backward(const S* d_ctx, const S* qkv, const S* ct
   const int32_t H = num_heads * head_dim, T = seqs.num_tokens;
   const int64_t ld = 3 * int64_t{H};
   const S scale = S(1) / std::sqrt(static_cast<S>(head_dim));
-  const DropoutMask mask(drop);
+  const DropoutMask mask(drop, kAttentionPhiloxRounds);
   // Task (b, h) owns the q, k and v columns of head h in the rows of sequence b: no two tasks write the same element.
   parallel_for(static_cast<size_t>(seqs.num_seqs) * num_heads, threads_, [&](size_t task) {
     const int32_t b = static_cast<int32_t>(task / num_heads), h = static_cast<int32_t>(task % num_heads);

@@ -1,5 +1,6 @@
 // FMHA backward (FlashAttention-2 style):
-//   1. fmha_bwd_pre_kernel: D = rowsum(dO * O) per (head, token) into the workspace; zeroes the launch's dq_accum rows.
+//   1. fmha_bwd_pre_kernel: D = rowsum(dO * O) / keep_scale and lse * log2(e) per (head, token) into the workspace;
+//      zeroes the launch's dq_accum rows.
 //   2. main kernel, one CTA per (key tile, head, sequence), looping over the query tiles of 64 (Q, dO, lse and D
 //      double-buffered with cp.async), recomputing P, regenerating the dropout mask (one Philox block per 8 keys of a
 //      query, bits exchanged over 8 lanes), accumulating dK, dV in registers and adding dQ into fp32 dq_accum:
@@ -7,7 +8,8 @@
 //      dQ by float4 atomics, or by one bulk reduction per query row from shared memory). The variants of kBwdVariants
 //      are instantiated and chosen per call (fmha.h).
 //   3. fmha_bwd_dq_kernel:  dq_accum -> d_qkv's q block (bf16/fp16).
-// Workspace: D [heads, T] fp32, then (256-byte aligned) dq_accum [T, H] fp32. Design: docs/fmha.md.
+// Workspace: D [heads, T] fp32, lse2 [heads, T] fp32, then (256-byte aligned) dq_accum [T, H] fp32. Design:
+// docs/fmha.md.
 #include <cmath>
 #include <type_traits>
 
@@ -17,15 +19,20 @@
 namespace nopad::cuda {
 namespace fmha_detail {
 
+__host__ __device__ inline size_t lse2_offset(int32_t num_tokens, int32_t num_heads) {  // in floats
+  return static_cast<size_t>(num_heads) * static_cast<size_t>(num_tokens);
+}
 inline size_t dq_accum_offset(int32_t num_tokens, int32_t num_heads) {
-  const size_t d_bytes = static_cast<size_t>(num_heads) * static_cast<size_t>(num_tokens) * sizeof(float);
+  const size_t d_bytes = 2 * lse2_offset(num_tokens, num_heads) * sizeof(float);
   return (d_bytes + 255) / 256 * 256;
 }
 
 constexpr int kPreRows = 8;  // rows per CTA of the pre/post kernels (one warp each)
 
-// D[h, t] = sum_d dO[t, h*hd + d] * O[t, h*hd + d]; dq_accum[t, :] = 0. One warp per token row; lanes take 16-byte
-// chunks, the hd/8 lanes of one head reduce with shuffles.
+// D[h, t] = sum_d dO[t, h*hd + d] * O[t, h*hd + d] / keep_scale; lse2[h, t] = lse[h, t] * log2(e); dq_accum[t, :] = 0.
+// One warp per token row; lanes take 16-byte chunks, the hd/8 lanes of one head reduce with shuffles. D is divided by
+// the keep-scale c (an exact multiplication by (65536 - threshold) / 65536) so that p_and_ds can leave c out of every
+// score: the main kernel applies it once to dK, dV and dQ.
 template <bool kFp16>
 __global__ void __launch_bounds__(32 * kPreRows) fmha_bwd_pre_kernel(const KernelArgs args, float* D, float* dq_acc) {
   const FmhaParams& p = args.p;
@@ -51,7 +58,11 @@ __global__ void __launch_bounds__(32 * kPreRows) fmha_bwd_pre_kernel(const Kerne
       }
     }
     for (int off = per_head / 2; off >= 1; off >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, off);
-    if (c < chunks && c % per_head == 0) D[int64_t{c / per_head} * p.num_tokens + tok] = sum;
+    if (c < chunks && c % per_head == 0) {
+      const int64_t i = int64_t{c / per_head} * p.num_tokens + tok;
+      D[i] = sum * args.inv_keep_scale;
+      D[lse2_offset(p.num_tokens, p.num_heads) + i] = p.lse[i] * kLog2e;
+    }
   }
   float4* dq = reinterpret_cast<float4*>(dq_acc + tok * H);
   for (int c = lane; c < H / 4; c += 32) dq[c] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
@@ -81,11 +92,11 @@ __global__ void __launch_bounds__(32 * kPreRows) fmha_bwd_dq_kernel(const Kernel
 // What both backward kernels (mma.sync and wgmma) do with one warp's 16 keys x 64 queries of a query tile, in the
 // transposed orientation (rows = keys g, g + 8; columns = queries 8 nt + 2t + {0, 1}; g = lane / 4, t = lane % 4).
 
-// lse and D of query tile rows [qs, qs + 64) into the shared tiles (thread tid < 64 copies row tid) by 4-byte
-// cp.async, in the commit group of the tile's Q/dO copies: a plain load here would hold the loading warps for an L2
-// round trip every tile, and the others at the next barrier. lse is copied as the forward wrote it (natural log;
-// p_and_ds scales it); rows past the sequence end are zero, and such queries contribute nothing: their Q and dO rows
-// are zero-filled and D is 0, so their dS and P' dO are 0 (and their dQ rows are never stored).
+// lse2 and D of query tile rows [qs, qs + 64) (as the pre kernel wrote them) into the shared tiles (thread tid < 64
+// copies row tid) by 4-byte cp.async, in the commit group of the tile's Q/dO copies: a plain load here would hold the
+// loading warps for an L2 round trip every tile, and the others at the next barrier. Rows past the sequence end are
+// zero, and such queries contribute nothing: their Q and dO rows are zero-filled and D is 0, so their dS and P' dO
+// are 0 (and their dQ rows are never stored).
 __device__ __forceinline__ void stage_lse_d(float* s_lse, float* s_d, const float* g_lse, const float* g_d, int qs,
                                             int L, int tid) {
   if (tid >= kTile) return;
@@ -94,28 +105,30 @@ __device__ __forceinline__ void stage_lse_d(float* s_lse, float* s_d, const floa
   cp_async4(s_d + tid, g_d + (ok ? qs + tid : 0), ok);
 }
 
-// In place: s (S^T) becomes P'^T = P^T m keep_scale, dp (dP^T) becomes dS^T = P^T (dP^T m keep_scale - D), with
-// P^T = exp2(S^T scale log2e - lse log2e) (lse_tile and Dq as stage_lse_d leaves them). Keys past the end (key_ok)
-// give 0. The one keep mask (bit fmha_dropout::bwd_bit(nt, e)) serves both P' (for dV) and dP' (for dS).
+// In place, with the keep-scale c left out (applied once to dK, dV and dQ by the callers): s (S^T) becomes
+// P'^T / c = P^T m, dp (dP^T) becomes dS^T / c = P^T m dP^T - P^T D / c, with P^T = exp2(S^T scale log2e - lse2)
+// (lse_tile and Dq as stage_lse_d leaves them: lse2 = lse log2e, Dq = D / c). Four instructions per element with
+// dropout (exp2 argument, exp2, the keep select, P^T D / c, one FFMA) where the scaled form needs six. Keys past the
+// end (key_ok) give 0. The one keep mask (bit fmha_dropout::bwd_bit(nt, e)) serves both P' (for dV) and dP' (for dS).
 template <bool kDrop>
 __device__ __forceinline__ void p_and_ds(const KernelArgs& args, float (&s)[kTile / 8][4], float (&dp)[kTile / 8][4],
                                          uint32_t keep, bool key_ok0, bool key_ok1, const float* lse_tile,
                                          const float* Dq, int t) {
 #pragma unroll
   for (int nt = 0; nt < kTile / 8; ++nt) {
-    // This thread's two query columns 8 nt + 2t, + 1: one 8-byte shared load each for lse and D (the tiles are
+    // This thread's two query columns 8 nt + 2t, + 1: one 8-byte shared load each for lse2 and D (the tiles are
     // 8-byte aligned).
     const float2 lse_pair = *reinterpret_cast<const float2*>(lse_tile + nt * 8 + 2 * t);
     const float2 d_pair = *reinterpret_cast<const float2*>(Dq + nt * 8 + 2 * t);
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
       const bool ok = (e < 2) ? key_ok0 : key_ok1;
-      const float lse2 = ((e & 1) ? lse_pair.y : lse_pair.x) * kLog2e;
+      const float lse2 = (e & 1) ? lse_pair.y : lse_pair.x;
       const float d = (e & 1) ? d_pair.y : d_pair.x;
       const float pr = ok ? exp2_ftz(fmaf(s[nt][e], args.scale_log2, -lse2)) : 0.0f;
-      const float kf = kDrop ? (((keep >> fmha_dropout::bwd_bit(nt, e)) & 1u) ? args.keep_scale : 0.0f) : 1.0f;
-      s[nt][e] = pr * kf;                  // P' (for dV)
-      dp[nt][e] = pr * (dp[nt][e] * kf - d);  // dS (unscaled)
+      const float pm = kDrop ? (((keep >> fmha_dropout::bwd_bit(nt, e)) & 1u) ? pr : 0.0f) : pr;
+      s[nt][e] = pm;                              // P' / c (for dV)
+      dp[nt][e] = fmaf(pm, dp[nt][e], -pr * d);  // dS / c
     }
   }
 }
@@ -130,11 +143,12 @@ __device__ __forceinline__ void store_ds_t(uint16_t* sdS, int wrow, int g, int t
 }
 
 // dq_acc[query rows qr0 = q + g and qr1 = qr0 + 8, columns col .. col + 8 kQTiles) += scale * dq (m16n8 C fragments,
-// rows past the end skipped). On sm_90 lanes t and t^1 swap half their values so that each holds 4 consecutive
-// columns of one row (the even lane row g, the odd lane row g + 8): one 16-byte atomic instead of four 4-byte ones.
+// rows past the end skipped; scale = KernelArgs::grad_scale). On sm_90 lanes t and t^1 swap half their values so that
+// each holds 4 consecutive columns of one row (the even lane row g, the odd lane row g + 8): one 16-byte atomic instead
+// of four 4-byte ones.
 template <int kQTiles>
-__device__ __forceinline__ void add_dq(const FmhaParams& p, float* dq_acc, const float (&dq)[kQTiles][4], int s0,
-                                       int qr0, int L, int col, int t) {
+__device__ __forceinline__ void add_dq(const FmhaParams& p, float* dq_acc, const float (&dq)[kQTiles][4], float scale,
+                                       int s0, int qr0, int L, int col, int t) {
   const int H = p.num_heads * p.head_dim, qr1 = qr0 + 8;
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   const bool odd = (t & 1) != 0;
@@ -144,8 +158,8 @@ __device__ __forceinline__ void add_dq(const FmhaParams& p, float* dq_acc, const
   for (int n = 0; n < kQTiles; ++n) {
     const float r0 = __shfl_xor_sync(0xffffffffu, odd ? dq[n][0] : dq[n][2], 1);
     const float r1 = __shfl_xor_sync(0xffffffffu, odd ? dq[n][1] : dq[n][3], 1);
-    const float4 v = odd ? make_float4(r0 * p.scale, r1 * p.scale, dq[n][2] * p.scale, dq[n][3] * p.scale)
-                         : make_float4(dq[n][0] * p.scale, dq[n][1] * p.scale, r0 * p.scale, r1 * p.scale);
+    const float4 v = odd ? make_float4(r0 * scale, r1 * scale, dq[n][2] * scale, dq[n][3] * scale)
+                         : make_float4(dq[n][0] * scale, dq[n][1] * scale, r0 * scale, r1 * scale);
     if (qr < L) atomicAdd(reinterpret_cast<float4*>(dst_row + n * 8), v);
   }
 #else
@@ -154,23 +168,24 @@ __device__ __forceinline__ void add_dq(const FmhaParams& p, float* dq_acc, const
     const int c = col + n * 8 + 2 * t;
     if (qr0 < L) {
       float* dst = dq_acc + int64_t{s0 + qr0} * H + c;
-      atomicAdd(dst, dq[n][0] * p.scale);
-      atomicAdd(dst + 1, dq[n][1] * p.scale);
+      atomicAdd(dst, dq[n][0] * scale);
+      atomicAdd(dst + 1, dq[n][1] * scale);
     }
     if (qr1 < L) {
       float* dst = dq_acc + int64_t{s0 + qr1} * H + c;
-      atomicAdd(dst, dq[n][2] * p.scale);
-      atomicAdd(dst + 1, dq[n][3] * p.scale);
+      atomicAdd(dst, dq[n][2] * scale);
+      atomicAdd(dst + 1, dq[n][3] * scale);
     }
   }
 #endif
 }
 
-// dK (scaled) and dV of keys kr0 = k + g and kr0 + 8 (m16n8 C fragments over the head dims) into d_qkv's k and v
-// blocks; keys past the end are not stored.
+// dK * dk_scale and dV * dv_scale (KernelArgs::grad_scale, keep_scale) of keys kr0 = k + g and kr0 + 8 (m16n8 C
+// fragments over the head dims) into d_qkv's k and v blocks; keys past the end are not stored.
 template <int HD, bool kFp16>
 __device__ __forceinline__ void store_dk_dv(const FmhaParams& p, const float (&dk)[HD / 8][4],
-                                            const float (&dv)[HD / 8][4], int s0, int kr0, int L, int head, int t) {
+                                            const float (&dv)[HD / 8][4], float dk_scale, float dv_scale, int s0,
+                                            int kr0, int L, int head, int t) {
   uint16_t* dqkv = static_cast<uint16_t*>(p.d_qkv);
   const int H = p.num_heads * HD, kr1 = kr0 + 8;
   const int64_t ld = 3 * int64_t{H};
@@ -179,13 +194,13 @@ __device__ __forceinline__ void store_dk_dv(const FmhaParams& p, const float (&d
     const int col = head * HD + n * 8 + 2 * t;
     if (kr0 < L) {
       uint16_t* row = dqkv + int64_t{s0 + kr0} * ld;
-      *reinterpret_cast<uint32_t*>(row + H + col) = pack2<kFp16>(dk[n][0] * p.scale, dk[n][1] * p.scale);
-      *reinterpret_cast<uint32_t*>(row + 2 * H + col) = pack2<kFp16>(dv[n][0], dv[n][1]);
+      *reinterpret_cast<uint32_t*>(row + H + col) = pack2<kFp16>(dk[n][0] * dk_scale, dk[n][1] * dk_scale);
+      *reinterpret_cast<uint32_t*>(row + 2 * H + col) = pack2<kFp16>(dv[n][0] * dv_scale, dv[n][1] * dv_scale);
     }
     if (kr1 < L) {
       uint16_t* row = dqkv + int64_t{s0 + kr1} * ld;
-      *reinterpret_cast<uint32_t*>(row + H + col) = pack2<kFp16>(dk[n][2] * p.scale, dk[n][3] * p.scale);
-      *reinterpret_cast<uint32_t*>(row + 2 * H + col) = pack2<kFp16>(dv[n][2], dv[n][3]);
+      *reinterpret_cast<uint32_t*>(row + H + col) = pack2<kFp16>(dk[n][2] * dk_scale, dk[n][3] * dk_scale);
+      *reinterpret_cast<uint32_t*>(row + 2 * H + col) = pack2<kFp16>(dv[n][2] * dv_scale, dv[n][3] * dv_scale);
     }
   }
 }
@@ -221,7 +236,7 @@ __global__ void __launch_bounds__(32 * kWarps, kMinCtas)
   const uint16_t* qkv = static_cast<const uint16_t*>(p.qkv);
   const uint16_t* gQ = qkv + int64_t{s0} * ld + head * HD;  // the Q/dO tile last issued
   const uint16_t* gdO = static_cast<const uint16_t*>(p.d_ctx) + int64_t{s0} * H + head * HD;
-  const float* gLse = p.lse + int64_t{head} * T + s0;
+  const float* gLse = D + lse2_offset(T, p.num_heads) + int64_t{head} * T + s0;  // lse * log2(e)
   const float* gD = D + int64_t{head} * T + s0;
 
   extern __shared__ __align__(128) uint16_t smem[];
@@ -369,7 +384,7 @@ __global__ void __launch_bounds__(32 * kWarps, kMinCtas)
         mma16816<kFp16>(dq[2 * d2 + 1], a, r[2], r[3]);
       }
     }
-    add_dq<kQTiles>(p, dq_acc, dq, s0, qs + dq_qgroup * 16 + g, L, head * HD + dq_col0, t);
+    add_dq<kQTiles>(p, dq_acc, dq, args.grad_scale, s0, qs + dq_qgroup * 16 + g, L, head * HD + dq_col0, t);
   };
 
   const int num_qt = (L + kTile - 1) / kTile;
@@ -392,7 +407,7 @@ __global__ void __launch_bounds__(32 * kWarps, kMinCtas)
 
   // dK (scaled) and dV into d_qkv's k and v blocks, rows of this warp's keys that exist.
   if (!keys_live) return;
-  store_dk_dv<HD, kFp16>(p, dk, dv, s0, k0 + wrow + g, L, head, t);
+  store_dk_dv<HD, kFp16>(p, dk, dv, args.grad_scale, args.keep_scale, s0, k0 + wrow + g, L, head, t);
 }
 
 // ------------------------------------------------------------------------------------------------ Hopper (wgmma)
@@ -453,7 +468,7 @@ __global__ void __launch_bounds__(128, kMinCtas)
   const uint16_t* qkv = static_cast<const uint16_t*>(p.qkv);
   const uint16_t* gQ = qkv + int64_t{s0} * ld + head * HD;
   const uint16_t* gdO = static_cast<const uint16_t*>(p.d_ctx) + int64_t{s0} * H + head * HD;
-  const float* gLse = p.lse + int64_t{head} * T + s0;
+  const float* gLse = D + lse2_offset(T, p.num_heads) + int64_t{head} * T + s0;  // lse * log2(e)
   const float* gD = D + int64_t{head} * T + s0;
 
   extern __shared__ uint8_t smem_raw[];
@@ -587,9 +602,9 @@ __global__ void __launch_bounds__(128, kMinCtas)
     fence_regs(da);
 
     if constexpr (kBulkDq) {
-      stage_dq(sdQ, dq, p.scale, wrow, g, t);
+      stage_dq(sdQ, dq, args.grad_scale, wrow, g, t);
     } else {
-      add_dq<kDTiles>(p, dq_acc, dq, s0, qs + wrow + g, L, head * HD, t);
+      add_dq<kDTiles>(p, dq_acc, dq, args.grad_scale, s0, qs + wrow + g, L, head * HD, t);
     }
   }
   if constexpr (kBulkDq) {  // the last tile's dQ
@@ -599,7 +614,7 @@ __global__ void __launch_bounds__(128, kMinCtas)
   }
 
   // dK (scaled) and dV into d_qkv's k and v blocks, rows of keys that exist.
-  store_dk_dv<HD, kFp16>(p, dk, dv, s0, k0 + wrow + g, L, head, t);
+  store_dk_dv<HD, kFp16>(p, dk, dv, args.grad_scale, args.keep_scale, s0, k0 + wrow + g, L, head, t);
   if constexpr (kBulkDq) {
     if (tid < kTile) bulk_wait_read<0>();  // the stage stays valid until the copy engine has read it
   }

@@ -169,30 +169,30 @@ __device__ __forceinline__ float exp2_ftz(float x) {
   return y;
 }
 
-// ------------------------------------------------------------------------------------------------ dropout
-constexpr int kPhiloxRounds = 10;
-
 // ------------------------------------------------------------------------------------------------ launch args
 struct KernelArgs {
   FmhaParams p;
   uint64_t stream_key;  // dropout_stream_key(seed, step, op_id)
   float scale_log2;     // scale * log2(e): scores in the exp2 domain
   float keep_scale;     // dropout_keep_scale(threshold): 65536 / (65536 - threshold) as float; 1 without dropout
+  float inv_keep_scale;  // (65536 - threshold) / 65536, exact; 1 without dropout
+  float grad_scale;      // scale * keep_scale: the backward's dK and dQ factor (its dS leaves the keep-scale out)
   uint32_t threshold;   // keep iff the 16-bit draw >= threshold = ceil(p * 65536); 0 without dropout
   bool dropout;         // threshold > 0
   // Philox key schedule of stream_key, one pair per round: kernel parameters, so the key XORs read the constant bank
   // instead of spending registers or adds.
-  uint32_t key0[kPhiloxRounds], key1[kPhiloxRounds];
+  uint32_t key0[kAttentionPhiloxRounds], key1[kAttentionPhiloxRounds];
 };
 
-// The Philox block core/philox.h's dropout_philox() computes for block index (b_hi:b_lo) of sample (s_hi:s_lo), bit for
-// bit: the rounds of philox4x32() with the key schedule precomputed. The sample half of the counter is loop-invariant,
-// so its round-0 product is hoisted out of the tile loops by the compiler.
+// ------------------------------------------------------------------------------------------------ dropout
+// The Philox block core/philox.h's dropout_philox(..., kAttentionPhiloxRounds) computes for block index (b_hi:b_lo) of
+// sample (s_hi:s_lo), bit for bit: the rounds of philox4x32() with the key schedule precomputed. The sample half of the
+// counter is loop-invariant, so its round-0 product is hoisted out of the tile loops by the compiler.
 __device__ __forceinline__ Philox4x32 dropout_block(const KernelArgs& a, uint32_t s_lo, uint32_t s_hi, uint32_t b_lo,
                                                    uint32_t b_hi) {
   uint32_t c0 = b_lo, c1 = b_hi, c2 = s_lo, c3 = s_hi;
 #pragma unroll
-  for (int r = 0; r < kPhiloxRounds; ++r) {
+  for (int r = 0; r < kAttentionPhiloxRounds; ++r) {
     const uint32_t hi0 = __umulhi(philox_detail::kMul0, c0), lo0 = philox_detail::kMul0 * c0;
     const uint32_t hi1 = __umulhi(philox_detail::kMul1, c2), lo1 = philox_detail::kMul1 * c2;
     const uint32_t n0 = hi1 ^ c1 ^ a.key0[r], n2 = hi0 ^ c3 ^ a.key1[r];
@@ -264,9 +264,11 @@ inline KernelArgs make_args(const FmhaParams& p) {
   a.dropout = a.threshold > 0;
   a.stream_key = a.dropout ? dropout_stream_key(p.seed, p.step, p.op_id) : 0;
   a.keep_scale = a.dropout ? dropout_keep_scale(a.threshold) : 1.0f;
+  a.inv_keep_scale = static_cast<float>(kDropoutRange - a.threshold) / static_cast<float>(kDropoutRange);
+  a.grad_scale = p.scale * a.keep_scale;
   a.scale_log2 = p.scale * kLog2e;
   uint32_t k0 = static_cast<uint32_t>(a.stream_key), k1 = static_cast<uint32_t>(a.stream_key >> 32);
-  for (int r = 0; r < kPhiloxRounds; ++r) {  // philox4x32's schedule: bumped between rounds
+  for (int r = 0; r < kAttentionPhiloxRounds; ++r) {  // philox4x32's schedule: bumped between rounds
     if (r > 0) {
       k0 += philox_detail::kWeyl0;
       k1 += philox_detail::kWeyl1;

@@ -183,7 +183,8 @@ struct DropoutArgs {
 __device__ __forceinline__ float dropout_scale(const DropoutArgs& d, uint64_t sample_id, uint64_t element) {
   const uint32_t threshold = dropout_threshold(d.p);
   if (threshold == 0) return 1.0f;
-  return dropout_bits16(d.stream_key, sample_id, element) >= threshold ? dropout_keep_scale(threshold) : 0.0f;
+  return dropout_bits16(d.stream_key, sample_id, element, kPhiloxRounds) >= threshold ? dropout_keep_scale(threshold)
+                                                                                       : 0.0f;
 }
 // Eight consecutive features j0..j0+7 of one row, j0 % 8 == 0: exactly one Philox block (element_hidden(pos, j0) >> 3
 // covers features j0..j0+7), feature j0 + i taking 16-bit field i. Same values as dropout_scale per element.
@@ -196,7 +197,8 @@ __device__ __forceinline__ void dropout_scale8(const DropoutArgs& d, uint64_t sa
     return;
   }
   const float scale = dropout_keep_scale(threshold);
-  const Philox4x32 r = dropout_philox(d.stream_key, sample_id, dropout_block_index(element_hidden(pos, j0)));
+  const Philox4x32 r =
+      dropout_philox(d.stream_key, sample_id, dropout_block_index(element_hidden(pos, j0)), kPhiloxRounds);
 #pragma unroll
   for (int w = 0; w < 4; ++w) {
     s[2 * w] = (r.v[w] & 0xFFFFu) >= threshold ? scale : 0.0f;  // low half: feature j0 + 2w
