@@ -422,12 +422,8 @@ __global__ void __launch_bounds__(32 * kWarps, kMinCtas)
 struct BwdWgShape {
   static constexpr int kBlockN = 64;  // keys per CTA
   static constexpr int kThreads = 128;
-  // K, V, Q x kStages, dO x kStages, dS^T, lse x kStages and D x kStages (fp32), alignment slack. kStages = 3 (the
-  // next two query tiles in flight) fits 3 CTAs per SM without the dQ stage (74 KB), 2 with it.
-  template <int kStages>
-  static constexpr int smem_bytes() {
-    return (3 + 2 * kStages) * kTileBytes + 2 * kStages * kTile * 4 + kSmemAlign;
-  }
+  // K, V, Q x2, dO x2, dS^T (7 tiles), lse x2 and D x2 (fp32), alignment slack.
+  static constexpr int kSmemBytes = 7 * kTileBytes + 4 * kTile * 4 + kSmemAlign;
   // kBulkDq: the scaled fp32 dQ of the last query tile, 64 rows of 64 floats 272 bytes apart (the 16-byte pad puts
   // the float4 stores of a warp into 4 wavefronts; each row is one 256-byte bulk reduction). With it a CTA needs 75 KB:
   // 3 CTAs use all 228 KB of an H100 SM.
@@ -452,8 +448,7 @@ __device__ __forceinline__ void stage_dq(float* sdQ, const float (&dq)[8][4], fl
 
 // kBulkDq: dQ leaves through the stage in shared memory as one bulk reduction per query row (issued by threads 0..63
 // after the next barrier), instead of per-thread float4 atomics.
-// kStages: Q/dO/lse/D buffers; with 3 the copies of tile i + 2 are issued while tile i is computed (2: tile i + 1).
-template <int kMinCtas, bool kFp16, bool kDrop, bool kBulkDq, int kStages>
+template <int kMinCtas, bool kFp16, bool kDrop, bool kBulkDq>
 __global__ void __launch_bounds__(128, kMinCtas)
     fmha_bwd_wgmma_kernel(const __grid_constant__ KernelArgs args, const float* D, float* dq_acc) {
 #if NOPAD_FMHA_WGMMA
@@ -479,12 +474,12 @@ __global__ void __launch_bounds__(128, kMinCtas)
   extern __shared__ uint8_t smem_raw[];
   uint16_t* sK = reinterpret_cast<uint16_t*>(align_smem(smem_raw));  // [64][HD]
   uint16_t* sV = sK + Sh::kBlockN * HD;                               // [64][HD]
-  uint16_t* sQ = sV + Sh::kBlockN * HD;                               // [kStages][64][HD]
-  uint16_t* sdO = sQ + kStages * kTile * HD;                          // [kStages][64][HD]
-  uint16_t* sdS = sdO + kStages * kTile * HD;                         // [64 keys][64 queries]
-  float* sLse = reinterpret_cast<float*>(sdS + Sh::kBlockN * kTile);  // [kStages][64], lse * log2(e); 0 past the end
-  float* sD = sLse + kStages * kTile;                                 // [kStages][64]
-  float* sdQ = sD + kStages * kTile;  // kBulkDq: [64][kDqStageLd] fp32
+  uint16_t* sQ = sV + Sh::kBlockN * HD;                               // [2][64][HD]
+  uint16_t* sdO = sQ + 2 * kTile * HD;                                // [2][64][HD]
+  uint16_t* sdS = sdO + 2 * kTile * HD;                               // [64 keys][64 queries]
+  float* sLse = reinterpret_cast<float*>(sdS + Sh::kBlockN * kTile);  // [2][64], natural log; 0 past the end
+  float* sD = sLse + 2 * kTile;                                       // [2][64]
+  float* sdQ = sD + 2 * kTile;  // kBulkDq: [64][kDqStageLd] fp32
 
   const int tid = static_cast<int>(threadIdx.x);
   // kBulkDq: thread tid < 64 sends row tid of the staged tile that starts at query qs_staged.
@@ -496,33 +491,20 @@ __global__ void __launch_bounds__(128, kMinCtas)
     }
   };
   const TileCopy<HD, kTile, Sh::kThreads> q_copy(ld), do_copy(H);
-  // Issues the copies of query tile i into buffer buf (gQ / gdO: that tile's first rows).
   const auto load_q_tile = [&](int i, int buf) {
     const int qs = i * kTile;
     q_copy.load(sQ + buf * kTile * HD, gQ, L - qs);
     do_copy.load(sdO + buf * kTile * HD, gdO, L - qs);
     stage_lse_d(sLse + buf * kTile, sD + buf * kTile, gLse, gD, qs, L, tid);
   };
-  const int num_qt = (L + kTile - 1) / kTile;
   {
     const TileCopy<HD, Sh::kBlockN, Sh::kThreads> kv_copy(ld);
     const uint16_t* gK = qkv + int64_t{s0 + k0} * ld + H + head * HD;
     kv_copy.load(sK, gK, L - k0);
     kv_copy.load(sV, gK + H, L - k0);
   }
-  // Prologue: tiles 0 .. kStages - 2, one commit group each (empty past the last tile), so that tile i's group is
-  // always followed by exactly kStages - 2 younger ones when iteration i waits.
   load_q_tile(0, 0);
   cp_async_commit();
-#pragma unroll
-  for (int j = 1; j + 1 < kStages; ++j) {
-    if (j < num_qt) {
-      gQ += kTile * ld;
-      gdO += kTile * int64_t{H};
-      load_q_tile(j, j);
-    }
-    cp_async_commit();
-  }
 
   const int warp = tid >> 5, lane = tid & 31;
   const int g = lane >> 2, t = lane & 3;
@@ -544,15 +526,16 @@ __global__ void __launch_bounds__(128, kMinCtas)
 #pragma unroll
     for (int e = 0; e < 4; ++e) dv[i][e] = dk[i][e] = 0.0f;
 
+  const int num_qt = (L + kTile - 1) / kTile;
   for (int i = 0; i < num_qt; ++i) {
-    const int buf = i % kStages, qs = i * kTile;  // tile i's buffer
-    cp_async_wait<kStages - 2>();
+    const int buf = i & 1, qs = i * kTile;
+    cp_async_wait<0>();
     fence_proxy_async();  // this thread's cp.async writes (and dQ stage stores), visible to the async proxy
     __syncthreads();      // tile i visible; every warp done with tile i-1's buffers and with sdS
-    if (i + kStages - 1 < num_qt) {
+    if (i + 1 < num_qt) {
       gQ += kTile * ld;
       gdO += kTile * int64_t{H};
-      load_q_tile(i + kStages - 1, (i + kStages - 1) % kStages);  // into tile i - 1's buffer
+      load_q_tile(i + 1, buf ^ 1);
     }
     cp_async_commit();
     if constexpr (kBulkDq) {
@@ -655,7 +638,6 @@ constexpr BwdVariant kBwdVariants[] = {
     {"wg64", 4, 3, true},     // 3: wgmma, one warpgroup x 64 keys, 3 CTAs per SM (168 registers)
     {"wg64r", 4, 2, true},    // 4: the same with 2 CTAs per SM and no register cap
     {"wg64b", 4, 3, true},    // 5: wg64 with dQ sent as bulk reductions of whole rows from shared memory
-    {"wg64s3", 4, 3, true},   // 6: wg64 with 3 Q/dO stages: the next two query tiles in flight (74 KB, 3 CTAs/SM)
 };
 constexpr int kNumBwdVariants = static_cast<int>(sizeof(kBwdVariants) / sizeof(kBwdVariants[0]));
 constexpr int kDefaultBwdVariant = 0;    // where the wgmma kernel cannot run
@@ -679,18 +661,17 @@ void launch_backward_main(const KernelArgs& args, const float* D, float* dq_acc,
   NOPAD_CUDA_CHECK_LAUNCH();
 }
 
-template <int kMinCtas, bool kFp16, bool kBulkDq, int kStages>
+template <int kMinCtas, bool kFp16, bool kBulkDq>
 void launch_backward_wgmma(const KernelArgs& args, const float* D, float* dq_acc, int32_t n, cudaStream_t stream) {
   using Sh = BwdWgShape;
-  constexpr int kBytes = Sh::smem_bytes<kStages>() + (kBulkDq ? Sh::kDqStageBytes : 0);
-  static_assert(kBytes * kMinCtas <= 227 * 1024, "the CTAs per SM asked for do not fit the shared memory");
+  constexpr int kBytes = Sh::kSmemBytes + (kBulkDq ? Sh::kDqStageBytes : 0);
   const dim3 grid((args.p.max_seqlen + Sh::kBlockN - 1) / Sh::kBlockN, args.p.num_heads, n);
   if (args.dropout) {
-    constexpr auto kernel = fmha_bwd_wgmma_kernel<kMinCtas, kFp16, true, kBulkDq, kStages>;
+    constexpr auto kernel = fmha_bwd_wgmma_kernel<kMinCtas, kFp16, true, kBulkDq>;
     ensure_smem<kernel>(kBytes);
     kernel<<<grid, Sh::kThreads, kBytes, stream>>>(args, D, dq_acc);
   } else {
-    constexpr auto kernel = fmha_bwd_wgmma_kernel<kMinCtas, kFp16, false, kBulkDq, kStages>;
+    constexpr auto kernel = fmha_bwd_wgmma_kernel<kMinCtas, kFp16, false, kBulkDq>;
     ensure_smem<kernel>(kBytes);
     kernel<<<grid, Sh::kThreads, kBytes, stream>>>(args, D, dq_acc);
   }
@@ -717,23 +698,20 @@ void launch_backward(const KernelArgs& args, int variant, int32_t n, cudaStream_
       break;
     case 2: launch_backward_main<HD, 8, 1, kFp16>(args, D, dq_acc, n, stream); break;
     case 3:
-      if constexpr (HD == 64) launch_backward_wgmma<3, kFp16, false, 2>(args, D, dq_acc, n, stream);
+      if constexpr (HD == 64) launch_backward_wgmma<3, kFp16, false>(args, D, dq_acc, n, stream);
       break;
     case 4:
-      if constexpr (HD == 64) launch_backward_wgmma<2, kFp16, false, 2>(args, D, dq_acc, n, stream);
+      if constexpr (HD == 64) launch_backward_wgmma<2, kFp16, false>(args, D, dq_acc, n, stream);
       break;
     case 5:
-      if constexpr (HD == 64) launch_backward_wgmma<3, kFp16, true, 2>(args, D, dq_acc, n, stream);
-      break;
-    case 6:
-      if constexpr (HD == 64) launch_backward_wgmma<3, kFp16, false, 3>(args, D, dq_acc, n, stream);
+      if constexpr (HD == 64) launch_backward_wgmma<3, kFp16, true>(args, D, dq_acc, n, stream);
       break;
     default: fail("fmha_backward: no variant ", variant);
   }
   fmha_bwd_dq_kernel<kFp16><<<row_grid, 32 * kPreRows, 0, stream>>>(args, dq_acc);
   NOPAD_CUDA_CHECK_LAUNCH();
 }
-static_assert(kNumBwdVariants == 7, "launch_backward dispatches every variant");
+static_assert(kNumBwdVariants == 6, "launch_backward dispatches every variant");
 
 template <int HD>
 void launch_backward_hd(const KernelArgs& args, int variant, int32_t n, cudaStream_t stream) {
