@@ -8,8 +8,6 @@
 #   MODEL_BATCH=128               BERT-large batch of the model ablation; MODEL_SCHEDULES="single grouped"
 #   BWD_VARIANTS="3 5"            backward kernel variants to compare in the bench and model stages (indices of
 #                                 docs/fmha.md's list, run as NOPAD_FMHA_BWD_VARIANT); default: the built-in choice
-#   ROTATE="1 0"                  bench stage: NOPAD_FMHA_BWD_ROTATE values to compare (the Hopper backward's rotated
-#                                 query-tile order on / off); default: the built-in choice
 #   BENCH_STREAMS=1,2,4 BENCH_BUCKETS=64,128   the bench stage's --streams and --buckets
 #   CUDA_TEST_FILTER='Fmha.*'     GoogleTest filter of the tests stage
 #   NOPAD_CMAKE_EXTRA             extra CMake arguments (e.g. -DCMAKE_CUDA_ARCHITECTURES=90a-real)
@@ -62,17 +60,13 @@ with_bwd() {
 }
 
 if has bench; then
-  for R in ${ROTATE:-default}; do
-    for V in ${BWD_VARIANTS:-default}; do
-      tag=bwd$V${ROTATE:+-rot$R}
-      say "nopad bench attention (batch $BATCH x $BATCHES, real lengths), backward variant $V${ROTATE:+, NOPAD_FMHA_BWD_ROTATE=$R}"
-      (if [ "$R" != default ]; then export NOPAD_FMHA_BWD_ROTATE=$R; fi
-        with_bwd "$V" "$NOPAD" bench attention --data "$SHARDS" --batch "$BATCH" --batches "$BATCHES" \
-          --streams ${BENCH_STREAMS:-1,2,4} --buckets ${BENCH_BUCKETS:-64,128} ${VARIANTS:+--variants} \
-          --workload "$OUT/attn-workload.txt" >"$OUT/attention-$tag.jsonl" 2>"$OUT/attention-$tag.txt") ||
-        { status=1; tail -5 "$OUT/attention-$tag.txt"; }
-      grep -v "group " "$OUT/attention-$tag.txt" | tee -a "$OUT/summary.txt"
-    done
+  for V in ${BWD_VARIANTS:-default}; do
+    say "nopad bench attention (batch $BATCH x $BATCHES, real lengths), backward variant $V"
+    with_bwd "$V" "$NOPAD" bench attention --data "$SHARDS" --batch "$BATCH" --batches "$BATCHES" \
+      --streams "${BENCH_STREAMS:-1,2,4}" --buckets "${BENCH_BUCKETS:-64,128}" ${VARIANTS:+--variants} \
+      --workload "$OUT/attn-workload.txt" \
+      >"$OUT/attention-bwd$V.jsonl" 2>"$OUT/attention-bwd$V.txt" || { status=1; tail -5 "$OUT/attention-bwd$V.txt"; }
+    grep -v "group " "$OUT/attention-bwd$V.txt" | tee -a "$OUT/summary.txt"
   done
 fi
 

@@ -466,7 +466,7 @@ __global__ void __launch_bounds__(128, kMinCtas)
   const int H = p.num_heads * HD, T = p.num_tokens;
   const int64_t ld = 3 * int64_t{H};
   const uint16_t* qkv = static_cast<const uint16_t*>(p.qkv);
-  const uint16_t* gQ = qkv + int64_t{s0} * ld + head * HD;  // query tile 0's rows
+  const uint16_t* gQ = qkv + int64_t{s0} * ld + head * HD;
   const uint16_t* gdO = static_cast<const uint16_t*>(p.d_ctx) + int64_t{s0} * H + head * HD;
   const float* gLse = D + lse2_offset(T, p.num_heads) + int64_t{head} * T + s0;  // lse * log2(e)
   const float* gD = D + int64_t{head} * T + s0;
@@ -491,25 +491,19 @@ __global__ void __launch_bounds__(128, kMinCtas)
     }
   };
   const TileCopy<HD, kTile, Sh::kThreads> q_copy(ld), do_copy(H);
-  // Issues the copies of query tile qt into buffer buf.
-  const auto load_q_tile = [&](int qt, int buf) {
-    const int qs = qt * kTile;
-    q_copy.load(sQ + buf * kTile * HD, gQ + qs * ld, L - qs);
-    do_copy.load(sdO + buf * kTile * HD, gdO + qs * int64_t{H}, L - qs);
+  const auto load_q_tile = [&](int i, int buf) {
+    const int qs = i * kTile;
+    q_copy.load(sQ + buf * kTile * HD, gQ, L - qs);
+    do_copy.load(sdO + buf * kTile * HD, gdO, L - qs);
     stage_lse_d(sLse + buf * kTile, sD + buf * kTile, gLse, gD, qs, L, tid);
   };
-  // The query tiles in rotated order: key block kb starts at tile kb % num_qt, so the CTAs of one (sequence, head),
-  // which run side by side, add into different dQ rows at any moment instead of all into the same ones (their
-  // reductions on one address serialise in the L2). args.bwd_rotate = false: every CTA starts at tile 0.
-  const int num_qt = (L + kTile - 1) / kTile;
-  int qt = args.bwd_rotate ? static_cast<int>(blockIdx.x) % num_qt : 0;
   {
     const TileCopy<HD, Sh::kBlockN, Sh::kThreads> kv_copy(ld);
     const uint16_t* gK = qkv + int64_t{s0 + k0} * ld + H + head * HD;
     kv_copy.load(sK, gK, L - k0);
     kv_copy.load(sV, gK + H, L - k0);
   }
-  load_q_tile(qt, 0);
+  load_q_tile(0, 0);
   cp_async_commit();
 
   const int warp = tid >> 5, lane = tid & 31;
@@ -532,17 +526,20 @@ __global__ void __launch_bounds__(128, kMinCtas)
 #pragma unroll
     for (int e = 0; e < 4; ++e) dv[i][e] = dk[i][e] = 0.0f;
 
-  int qs_prev = 0;  // the query tile of the previous iteration (kBulkDq: whose dQ is staged)
+  const int num_qt = (L + kTile - 1) / kTile;
   for (int i = 0; i < num_qt; ++i) {
-    const int buf = i & 1, qs = qt * kTile;
-    const int qt_next = qt + 1 == num_qt ? 0 : qt + 1;
+    const int buf = i & 1, qs = i * kTile;
     cp_async_wait<0>();
     fence_proxy_async();  // this thread's cp.async writes (and dQ stage stores), visible to the async proxy
-    __syncthreads();      // tile qt visible; every warp done with the previous tile's buffers and with sdS
-    if (i + 1 < num_qt) load_q_tile(qt_next, buf ^ 1);
+    __syncthreads();      // tile i visible; every warp done with tile i-1's buffers and with sdS
+    if (i + 1 < num_qt) {
+      gQ += kTile * ld;
+      gdO += kTile * int64_t{H};
+      load_q_tile(i + 1, buf ^ 1);
+    }
     cp_async_commit();
     if constexpr (kBulkDq) {
-      if (i > 0) send_dq_row(qs_prev);  // the previous tile's dQ, staged before the barrier above
+      if (i > 0) send_dq_row(qs - kTile);  // tile i-1's dQ, staged before the barrier above
     }
     const uint64_t desc_q = wgmma_desc(sQ + buf * kTile * HD), desc_do = wgmma_desc(sdO + buf * kTile * HD);
     const float* lse = sLse + buf * kTile;
@@ -609,13 +606,11 @@ __global__ void __launch_bounds__(128, kMinCtas)
     } else {
       add_dq<kDTiles>(p, dq_acc, dq, args.grad_scale, s0, qs + wrow + g, L, head * HD, t);
     }
-    qs_prev = qs;
-    qt = qt_next;
   }
   if constexpr (kBulkDq) {  // the last tile's dQ
     fence_proxy_async();
     __syncthreads();
-    send_dq_row(qs_prev);
+    send_dq_row((num_qt - 1) * kTile);
   }
 
   // dK (scaled) and dV into d_qkv's k and v blocks, rows of keys that exist.

@@ -9,7 +9,6 @@
 #include <cstddef>
 #include <cstdint>
 #include <cstdlib>
-#include <string_view>
 
 #include "core/error.h"
 #include "core/philox.h"
@@ -180,7 +179,6 @@ struct KernelArgs {
   float grad_scale;      // scale * keep_scale: the backward's dK and dQ factor (its dS leaves the keep-scale out)
   uint32_t threshold;   // keep iff the 16-bit draw >= threshold = ceil(p * 65536); 0 without dropout
   bool dropout;         // threshold > 0
-  bool bwd_rotate;      // the wgmma backward's rotated query-tile order (NOPAD_FMHA_BWD_ROTATE=0 turns it off)
   // Philox key schedule of stream_key, one pair per round: kernel parameters, so the key XORs read the constant bank
   // instead of spending registers or adds.
   uint32_t key0[kAttentionPhiloxRounds], key1[kAttentionPhiloxRounds];
@@ -268,11 +266,6 @@ inline KernelArgs make_args(const FmhaParams& p) {
   a.keep_scale = a.dropout ? dropout_keep_scale(a.threshold) : 1.0f;
   a.inv_keep_scale = static_cast<float>(kDropoutRange - a.threshold) / static_cast<float>(kDropoutRange);
   a.grad_scale = p.scale * a.keep_scale;
-  static const bool rotate = [] {
-    const char* v = std::getenv("NOPAD_FMHA_BWD_ROTATE");
-    return v == nullptr || *v == '\0' || std::string_view(v) != "0";
-  }();
-  a.bwd_rotate = rotate;
   a.scale_log2 = p.scale * kLog2e;
   uint32_t k0 = static_cast<uint32_t>(a.stream_key), k1 = static_cast<uint32_t>(a.stream_key >> 32);
   for (int r = 0; r < kAttentionPhiloxRounds; ++r) {  // philox4x32's schedule: bumped between rounds
