@@ -107,9 +107,10 @@ __device__ __forceinline__ void stage_lse_d(float* s_lse, float* s_d, const floa
 
 // In place, with the keep-scale c left out (applied once to dK, dV and dQ by the callers): s (S^T) becomes
 // P'^T / c = P^T m, dp (dP^T) becomes dS^T / c = P^T m dP^T - P^T D / c, with P^T = exp2(S^T scale log2e - lse2)
-// (lse_tile and Dq as stage_lse_d leaves them: lse2 = lse log2e, Dq = D / c). Four instructions per element with
-// dropout (exp2 argument, exp2, the keep select, P^T D / c, one FFMA) where the scaled form needs six. Keys past the
-// end (key_ok) give 0. The one keep mask (bit fmha_dropout::bwd_bit(nt, e)) serves both P' (for dV) and dP' (for dS).
+// (lse_tile and Dq as stage_lse_d leaves them: lse2 = lse log2e, Dq = D / c). After the keep-bit test, five
+// instructions per element with dropout (exp2 argument, exp2, the keep select, P^T D / c, one FFMA) where the scaled
+// form needs six, and the lse scaling moves to the pre kernel. Keys past the end (key_ok) give 0. The one keep mask
+// (bit fmha_dropout::bwd_bit(nt, e)) serves both P' (for dV) and dP' (for dS).
 template <bool kDrop>
 __device__ __forceinline__ void p_and_ds(const KernelArgs& args, float (&s)[kTile / 8][4], float (&dp)[kTile / 8][4],
                                          uint32_t keep, bool key_ok0, bool key_ok1, const float* lse_tile,
