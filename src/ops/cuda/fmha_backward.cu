@@ -107,19 +107,19 @@ __device__ __forceinline__ void stage_lse_d(float* s_lse, float* s_d, const floa
 
 // In place, with the keep-scale c left out (applied once to dK, dV and dQ by the callers): s (S^T) becomes
 // P'^T / c = P^T m, dp (dP^T) becomes dS^T / c = P^T m dP^T - P^T D / c, with P^T = exp2(S^T scale log2e - lse2)
-// (lse_tile and Dq as stage_lse_d leaves them: lse2 = lse log2e, Dq = D / c). After the keep-bit test, five
+// (lse2_tile and Dq as stage_lse_d leaves them: lse2 = lse log2e, Dq = D / c). After the keep-bit test, five
 // instructions per element with dropout (exp2 argument, exp2, the keep select, P^T D / c, one FFMA) where the scaled
 // form needs six, and the lse scaling moves to the pre kernel. Keys past the end (key_ok) give 0. The one keep mask
 // (bit fmha_dropout::bwd_bit(nt, e)) serves both P' (for dV) and dP' (for dS).
 template <bool kDrop>
 __device__ __forceinline__ void p_and_ds(const KernelArgs& args, float (&s)[kTile / 8][4], float (&dp)[kTile / 8][4],
-                                         uint32_t keep, bool key_ok0, bool key_ok1, const float* lse_tile,
+                                         uint32_t keep, bool key_ok0, bool key_ok1, const float* lse2_tile,
                                          const float* Dq, int t) {
 #pragma unroll
   for (int nt = 0; nt < kTile / 8; ++nt) {
     // This thread's two query columns 8 nt + 2t, + 1: one 8-byte shared load each for lse2 and D (the tiles are
     // 8-byte aligned).
-    const float2 lse_pair = *reinterpret_cast<const float2*>(lse_tile + nt * 8 + 2 * t);
+    const float2 lse_pair = *reinterpret_cast<const float2*>(lse2_tile + nt * 8 + 2 * t);
     const float2 d_pair = *reinterpret_cast<const float2*>(Dq + nt * 8 + 2 * t);
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
@@ -246,7 +246,7 @@ __global__ void __launch_bounds__(32 * kWarps, kMinCtas)
   uint16_t* sQ = sV + Sh::kBlockN * HD;             // [2][64][HD]
   uint16_t* sdO = sQ + 2 * kTile * HD;              // [2][64][HD]
   uint16_t* sdS = sdO + 2 * kTile * HD;             // [kBlockN keys][64 queries], swizzled as a 64-column tile
-  float* sLse = reinterpret_cast<float*>(sdS + Sh::kBlockN * kTile);  // [2][64], natural log; 0 past the end
+  float* sLse = reinterpret_cast<float*>(sdS + Sh::kBlockN * kTile);  // [2][64], lse * log2(e); 0 past the end
   float* sD = sLse + 2 * kTile;                                        // [2][64]
 
   const int tid = static_cast<int>(threadIdx.x);
@@ -299,7 +299,7 @@ __global__ void __launch_bounds__(32 * kWarps, kMinCtas)
     const int qvalid = L - qs;  // > 0; < 64 only when kPartial
     const uint16_t* q = sQ + buf * kTile * HD;
     const uint16_t* d_o = sdO + buf * kTile * HD;
-    const float* lse = sLse + buf * kTile;
+    const float* lse2 = sLse + buf * kTile;
     const float* Dq = sD + buf * kTile;
 
     if (keys_live) {
@@ -340,7 +340,7 @@ __global__ void __launch_bounds__(32 * kWarps, kMinCtas)
             static_cast<uint32_t>(g));
       }
 
-      p_and_ds<kDrop>(args, s, dp, keep, key_ok0, key_ok1, lse, Dq, t);
+      p_and_ds<kDrop>(args, s, dp, keep, key_ok0, key_ok1, lse2, Dq, t);
 
       // dV += P'^T dO, dK += dS^T Q: the accumulators of n-tiles 2kk, 2kk+1 are the A fragment of k-step kk.
 #pragma unroll
@@ -478,7 +478,7 @@ __global__ void __launch_bounds__(128, kMinCtas)
   uint16_t* sQ = sV + Sh::kBlockN * HD;                               // [2][64][HD]
   uint16_t* sdO = sQ + 2 * kTile * HD;                                // [2][64][HD]
   uint16_t* sdS = sdO + 2 * kTile * HD;                               // [64 keys][64 queries]
-  float* sLse = reinterpret_cast<float*>(sdS + Sh::kBlockN * kTile);  // [2][64], natural log; 0 past the end
+  float* sLse = reinterpret_cast<float*>(sdS + Sh::kBlockN * kTile);  // [2][64], lse * log2(e); 0 past the end
   float* sD = sLse + 2 * kTile;                                       // [2][64]
   float* sdQ = sD + 2 * kTile;  // kBulkDq: [64][kDqStageLd] fp32
 
@@ -543,7 +543,7 @@ __global__ void __launch_bounds__(128, kMinCtas)
       if (i > 0) send_dq_row(qs - kTile);  // tile i-1's dQ, staged before the barrier above
     }
     const uint64_t desc_q = wgmma_desc(sQ + buf * kTile * HD), desc_do = wgmma_desc(sdO + buf * kTile * HD);
-    const float* lse = sLse + buf * kTile;
+    const float* lse2 = sLse + buf * kTile;
     const float* Dq = sD + buf * kTile;
 
     // S^T = K Q^T, dP^T = V dO^T (64 keys x 64 queries; this warp's 16 keys in registers).
@@ -567,7 +567,7 @@ __global__ void __launch_bounds__(128, kMinCtas)
     fence_regs(s);
     fence_regs(dp);
 
-    p_and_ds<kDrop>(args, s, dp, keep, key_ok0, key_ok1, lse, Dq, t);
+    p_and_ds<kDrop>(args, s, dp, keep, key_ok0, key_ok1, lse2, Dq, t);
     uint32_t pa[kTile / 16][4], da[kTile / 16][4];
 #pragma unroll
     for (int kk = 0; kk < kTile / 16; ++kk) {
