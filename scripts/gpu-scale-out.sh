@@ -19,8 +19,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${OUT:-out/scale-out}
 mkdir -p "$out"
-export NOPAD_SKIP_INSTALL=1 NOPAD_BUILD_DIR=build-gpu
-source scripts/dist-env.sh  # mpirun as root, no NVLink multicast, NCCL_ROOT
+source scripts/dist-env.sh  # mpirun as root, no NVLink multicast, NCCL_ROOT, build-gpu
 NS=${NS:-1 2 4 8}
 DEVICE=${DEVICE:-cuda}
 MODEL=${MODEL:-data/configs/bert-large-mlperf.json}

@@ -18,8 +18,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${OUT:-out/gpu-dist}
 mkdir -p "$out"
-export NOPAD_SKIP_INSTALL=1 NOPAD_BUILD_DIR=build-gpu
-source scripts/dist-env.sh  # mpirun as root, no NVLink multicast, NCCL_ROOT
+source scripts/dist-env.sh  # mpirun as root, no NVLink multicast, NCCL_ROOT, build-gpu
 status=0
 step() { echo "== $*" | tee -a "$out/summary.txt"; }
 result() { echo "$*" | tee -a "$out/summary.txt"; }

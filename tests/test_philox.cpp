@@ -13,38 +13,32 @@
 namespace nopad {
 namespace {
 
-// Known-answer vectors from Random123's kat_vectors (philox4x32 10: counter[4] key[2] -> output[4]).
+// Known-answer vectors from Random123's kat_vectors (philox4x32 R: counter[4] key[2] -> output[4]) for both round
+// counts nopad draws: 10 (hidden-state masks) and 7 (attention masks).
 TEST(Philox, KnownAnswerVectors) {
   struct Case {
+    int rounds;
     uint32_t ctr[4], key[2], out[4];
   };
+  static_assert(kPhiloxRounds == 10 && kAttentionPhiloxRounds == 7, "the vectors below are for 10 and 7 rounds");
+  constexpr uint32_t kOnes = 0xffffffff;
   const Case cases[] = {
-      {{0, 0, 0, 0}, {0, 0}, {0x6627e8d5, 0xe169c58d, 0xbc57ac4c, 0x9b00dbd8}},
-      {{0xffffffff, 0xffffffff, 0xffffffff, 0xffffffff},
-       {0xffffffff, 0xffffffff},
-       {0x408f276d, 0x41c83b0e, 0xa20bc7c6, 0x6d5451fd}},
-      {{0x243f6a88, 0x85a308d3, 0x13198a2e, 0x03707344},
+      {10, {0, 0, 0, 0}, {0, 0}, {0x6627e8d5, 0xe169c58d, 0xbc57ac4c, 0x9b00dbd8}},
+      {10, {kOnes, kOnes, kOnes, kOnes}, {kOnes, kOnes}, {0x408f276d, 0x41c83b0e, 0xa20bc7c6, 0x6d5451fd}},
+      {10,
+       {0x243f6a88, 0x85a308d3, 0x13198a2e, 0x03707344},
        {0xa4093822, 0x299f31d0},
        {0xd16cfe09, 0x94fdcceb, 0x5001e420, 0x24126ea1}},
-  };
-  for (const Case& c : cases) {
-    const Philox4x32 r = philox4x32(c.ctr, c.key);
-    for (int i = 0; i < 4; ++i) EXPECT_EQ(r.v[i], c.out[i]) << "word " << i;
-  }
-  // philox4x32 7: the attention masks' round count.
-  const Case cases7[] = {
-      {{0, 0, 0, 0}, {0, 0}, {0x5f6fb709, 0x0d893f64, 0x4f121f81, 0x4f730a48}},
-      {{0xffffffff, 0xffffffff, 0xffffffff, 0xffffffff},
-       {0xffffffff, 0xffffffff},
-       {0x5207ddc2, 0x45165e59, 0x4d8ee751, 0x8c52f662}},
-      {{0x243f6a88, 0x85a308d3, 0x13198a2e, 0x03707344},
+      {7, {0, 0, 0, 0}, {0, 0}, {0x5f6fb709, 0x0d893f64, 0x4f121f81, 0x4f730a48}},
+      {7, {kOnes, kOnes, kOnes, kOnes}, {kOnes, kOnes}, {0x5207ddc2, 0x45165e59, 0x4d8ee751, 0x8c52f662}},
+      {7,
+       {0x243f6a88, 0x85a308d3, 0x13198a2e, 0x03707344},
        {0xa4093822, 0x299f31d0},
        {0x4dfccaba, 0x190a87f0, 0xc47362ba, 0xb6b5242a}},
   };
-  static_assert(kAttentionPhiloxRounds == 7 && kPhiloxRounds == 10, "the vectors above are for 10 and 7 rounds");
-  for (const Case& c : cases7) {
-    const Philox4x32 r = philox4x32(c.ctr, c.key, kAttentionPhiloxRounds);
-    for (int i = 0; i < 4; ++i) EXPECT_EQ(r.v[i], c.out[i]) << "word " << i << " (7 rounds)";
+  for (const Case& c : cases) {
+    const Philox4x32 r = c.rounds == kPhiloxRounds ? philox4x32(c.ctr, c.key) : philox4x32(c.ctr, c.key, c.rounds);
+    for (int i = 0; i < 4; ++i) EXPECT_EQ(r.v[i], c.out[i]) << "word " << i << " (" << c.rounds << " rounds)";
   }
 }
 
