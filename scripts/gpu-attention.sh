@@ -10,6 +10,10 @@
 #                                 docs/fmha.md's list, run as NOPAD_FMHA_BWD_VARIANT); default: the built-in choice
 #   BENCH_STREAMS=1,2,4 BENCH_BUCKETS=64,128   the bench stage's --streams and --buckets
 #   CUDA_TEST_FILTER='Fmha.*'     GoogleTest filter of the tests stage
+#   TEST_TIMEOUT=300 BENCH_TIMEOUT=300   seconds before the tests / each attention bench are stopped (a kernel that
+#                                 hangs costs minutes, not the whole device call)
+#   NCU_KERNELS NCU_DROPOUT NCU_VARIANTS   the ncu stage's kernel regexes, dropout and backward variants (default:
+#                                 BWD_VARIANTS); NCU_SOURCE=1 adds per-instruction stall samples (ncu-*-sass.csv)
 #   NOPAD_CMAKE_EXTRA             extra CMake arguments (e.g. -DCMAKE_CUDA_ARCHITECTURES=90a-real)
 # Needs .carry/enwiki-20150515-AA.txt.xz and .carry/peers/ (copies of ../shared/data/enwiki and ../shared/peers).
 set -uo pipefail
@@ -39,7 +43,9 @@ fi
 
 if has tests; then
   say "FMHA tests (${CUDA_TEST_FILTER:-Fmha.*})"
-  build-gpu/nopad_cuda_tests --gtest_filter="${CUDA_TEST_FILTER:-Fmha.*}" >"$OUT/tests.log" 2>&1 || status=1
+  # A time limit, so that a kernel that hangs (a barrier protocol gone wrong) costs minutes, not the whole call.
+  timeout "${TEST_TIMEOUT:-300}" build-gpu/nopad_cuda_tests --gtest_filter="${CUDA_TEST_FILTER:-Fmha.*}" \
+    >"$OUT/tests.log" 2>&1 || { status=1; echo "nopad_cuda_tests failed or timed out (rc $?)" | tee -a "$OUT/summary.txt"; }
   grep -E "^\[ +(OK|FAILED) +\]|PASSED|FAILED|planned launches|fmha perf" "$OUT/tests.log" | tee -a "$OUT/summary.txt"
 fi
 
@@ -62,7 +68,8 @@ with_bwd() {
 if has bench; then
   for V in ${BWD_VARIANTS:-default}; do
     say "nopad bench attention (batch $BATCH x $BATCHES, real lengths), backward variant $V"
-    with_bwd "$V" "$NOPAD" bench attention --data "$SHARDS" --batch "$BATCH" --batches "$BATCHES" \
+    with_bwd "$V" timeout "${BENCH_TIMEOUT:-300}" "$NOPAD" bench attention --data "$SHARDS" --batch "$BATCH" \
+      --batches "$BATCHES" \
       --streams "${BENCH_STREAMS:-1,2,4}" --buckets "${BENCH_BUCKETS:-64,128}" ${VARIANTS:+--variants} \
       --workload "$OUT/attn-workload.txt" \
       >"$OUT/attention-bwd$V.jsonl" 2>"$OUT/attention-bwd$V.txt" || { status=1; tail -5 "$OUT/attention-bwd$V.txt"; }
@@ -110,7 +117,7 @@ fi
 if has ncu; then
   # One launch of each main kernel (a single-launch forward or backward at dropout NCU_DROPOUT, default 0.1) under
   # ncu: where the time goes, incl. the warp stall reasons. NCU_KERNELS="fmha_fwd_wgmma fmha_bwd_wgmma" (regexes).
-  for V in ${BWD_VARIANTS:-default}; do
+  for V in ${NCU_VARIANTS:-${BWD_VARIANTS:-default}}; do
     for K in ${NCU_KERNELS:-fmha_fwd_wgmma fmha_bwd_wgmma}; do
       say "ncu: $K, backward variant $V, dropout ${NCU_DROPOUT:-0.1}"
       with_bwd "$V" ncu --clock-control none -k regex:$K --launch-count 1 --section SpeedOfLight \
@@ -127,8 +134,14 @@ smsp__average_warp_latency_issue_stalled_misc.ratio,smsp__average_warp_latency_i
 smsp__average_warp_latency_issue_stalled_not_selected.ratio,smsp__average_warp_latency_issue_stalled_selected.ratio,\
 smsp__average_warp_latency_issue_stalled_no_instruction.ratio,smsp__average_warp_latency_issue_stalled_drain.ratio,\
 smsp__average_warp_latency_issue_stalled_imc_miss.ratio,smsp__average_warp_latency_issue_stalled_tex_throttle.ratio \
+        ${NCU_SOURCE:+--section SourceCounters --import-source no -f -o "$OUT/ncu-$K-bwd$V"} \
         "$NOPAD" bench attention --data "$SHARDS" --batch "$BATCH" --batches 1 --schedules single \
         --dropout "${NCU_DROPOUT:-0.1}" --reps 1 --warmup 0 >"$OUT/ncu-$K-bwd$V.txt" 2>&1 || status=1
+      if [ -n "${NCU_SOURCE:-}" ]; then  # NCU_SOURCE=1: the report saved, its details and per-instruction stall samples
+        ncu -i "$OUT/ncu-$K-bwd$V.ncu-rep" >>"$OUT/ncu-$K-bwd$V.txt" 2>&1
+        ncu -i "$OUT/ncu-$K-bwd$V.ncu-rep" --page source --csv --print-source sass >"$OUT/ncu-$K-bwd$V-sass.csv" 2>&1
+        rm -f "$OUT/ncu-$K-bwd$V.ncu-rep"
+      fi
       grep -E "Duration|Throughput|Registers Per|Achieved Occupancy|Eligible Warps|Issue Slots|Spilling Requests  |op_red|gmma|wavefronts|inst_executed.sum|stalled|Warp Cycles Per|Active Warps|No Eligible" \
         "$OUT/ncu-$K-bwd$V.txt" | head -60
     done
