@@ -5,6 +5,9 @@
 # warm-up and one timed step on real phase-2 shards under Nsight Compute (gpu__time_duration of every kernel). Prints
 # the kernels of the timed step grouped by name, with ms per layer for the encoder kernels. Usage:
 #   SHARDS=/tmp/nopad-enwiki-shards BATCH=128 LAYERS=2 bash scripts/profile-step.sh   (logs in $OUT or out/profile)
+# DETAIL='regex' then profiles DETAIL_COUNT (default 12) launches of the matching kernels from the timed step in depth
+# (speed of light, memory workload, occupancy, warp states, launch statistics) into $OUT/ncu-detail.txt: where a
+# memory-bound kernel loses bandwidth. Shards are prepared from .carry/enwiki-20150515-AA.txt.xz when missing.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/out/profile}
@@ -13,6 +16,11 @@ SHARDS=${SHARDS:-/tmp/nopad-enwiki-shards}
 BATCH=${BATCH:-128}
 LAYERS=${LAYERS:-2}
 NOPAD=${NOPAD:-build-gpu/nopad}
+if [ ! -f "$SHARDS/dataset.json" ]; then
+  xz -dc .carry/enwiki-20150515-AA.txt.xz >/tmp/nopad-enwiki-AA.txt
+  "$NOPAD" prepare --input /tmp/nopad-enwiki-AA.txt --vocab data/vocab/bert-uncased-vocab.txt --output "$SHARDS" \
+    --max-seq-length 512 --max-predictions 76 --dupe-factor 1 --quiet --overwrite
+fi
 cfg="$OUT/bert-large-${LAYERS}layers.json"
 python3 - "$cfg" "$LAYERS" <<'EOF'
 import json, sys
@@ -48,3 +56,13 @@ print(f"{'kernel':92s} {'calls':>5s} {'ms':>9s} {'%':>6s}")
 for name, (n, t) in sorted(by.items(), key=lambda kv: -kv[1][1]):
     print(f"{name:92s} {n:5d} {t:9.3f} {100 * t / total:6.1f}")
 EOF
+if [ -n "${DETAIL:-}" ]; then
+  # The first step's launches are skipped (every kernel of the regex runs a few times per step at LAYERS=2).
+  ncu --clock-control none -k "regex:$DETAIL" --launch-skip "${DETAIL_SKIP:-12}" --launch-count "${DETAIL_COUNT:-12}" \
+    --section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy --section WarpStateStats \
+    --section LaunchStats --section SchedulerStats \
+    "$NOPAD" bench model --model "$cfg" --data "$SHARDS" --batch "$BATCH" --steps 1 --warmup 1 \
+    > "$OUT/ncu-detail.txt" 2>&1
+  grep -E "^  [a-z_].*\(|Duration|DRAM Throughput|Memory Throughput|L2 Cache Throughput|Issue Slots|Achieved Occupancy|Theoretical Occupancy|Eligible Warps|Registers Per|Block Size|Grid Size|Waves|Warp Cycles Per Issued|Block Limit" \
+    "$OUT/ncu-detail.txt" | head -200
+fi
