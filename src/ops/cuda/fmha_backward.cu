@@ -10,12 +10,8 @@
 //   3. fmha_bwd_dq_kernel:  dq_accum -> d_qkv's q block (bf16/fp16).
 // Workspace: D [heads, T] fp32, lse2 [heads, T] fp32, then (256-byte aligned) dq_accum [T, H] fp32. Design:
 // docs/fmha.md.
-#include <algorithm>
-#include <atomic>
 #include <cmath>
 #include <type_traits>
-
-#include <cuda.h>
 
 #include "ops/cuda/fmha_common.cuh"
 #include "ops/cuda/fmha_wgmma.cuh"
@@ -30,20 +26,6 @@ inline size_t dq_accum_offset(int32_t num_tokens, int32_t num_heads) {
   const size_t d_bytes = 2 * lse2_offset(num_tokens, num_heads) * sizeof(float);
   return (d_bytes + 255) / 256 * 256;
 }
-// The work-item counters of the persistent backward, [num_tokens + 1] ints after dq_accum: a launch uses the slot of
-// its first sequence's start s0 (launches running at one time on one workspace cover different sequences, and the
-// planned launches hold no empty ones, so their first starts differ); the pre kernel zeroes it.
-__host__ __device__ inline size_t item_counter_offset(int32_t num_tokens, int32_t num_heads, int32_t head_dim) {
-  const size_t d_bytes = 2 * lse2_offset(num_tokens, num_heads) * sizeof(float);
-  return (d_bytes + 255) / 256 * 256 +
-         static_cast<size_t>(num_tokens) * static_cast<size_t>(num_heads) * static_cast<size_t>(head_dim) * 4;
-}
-__device__ inline int* item_counter(const FmhaParams& p) {
-  int b, s0, L;
-  launch_sequence(p, 0, b, s0, L);
-  return reinterpret_cast<int*>(static_cast<char*>(p.workspace) +
-                                item_counter_offset(p.num_tokens, p.num_heads, p.head_dim)) + s0;
-}
 
 constexpr int kPreRows = 8;  // rows per CTA of the pre/post kernels (one warp each)
 
@@ -57,7 +39,6 @@ __global__ void __launch_bounds__(32 * kPreRows) fmha_bwd_pre_kernel(const Kerne
   int b, s0, L;
   launch_sequence(p, static_cast<int>(blockIdx.y), b, s0, L);
   const int warp = static_cast<int>(threadIdx.x) >> 5, lane = static_cast<int>(threadIdx.x) & 31;
-  if (blockIdx.x == 0 && blockIdx.y == 0 && threadIdx.x == 0) *item_counter(p) = 0;
   const int row = static_cast<int>(blockIdx.x) * kPreRows + warp;
   if (row >= L) return;  // warp-uniform
   const int hd = p.head_dim, H = p.num_heads * hd, chunks = H / 8, per_head = hd / 8;
@@ -453,10 +434,9 @@ struct BwdWgShape {
 
 // This warp's dQ accumulators (queries wrow + g, + 8; m16n8 C fragments over the 64 head dims), scaled, into the dQ
 // stage: lanes t and t^1 swap half their values (as add_dq does) so each lane stores 4 consecutive columns of one row.
-template <int kLd>
-__device__ __forceinline__ void stage_dq_ld(float* sdQ, const float (&dq)[8][4], float scale, int wrow, int g, int t) {
+__device__ __forceinline__ void stage_dq(float* sdQ, const float (&dq)[8][4], float scale, int wrow, int g, int t) {
   const bool odd = (t & 1) != 0;
-  float* dst = sdQ + (wrow + g + (odd ? 8 : 0)) * kLd + 4 * (t >> 1);
+  float* dst = sdQ + (wrow + g + (odd ? 8 : 0)) * BwdWgShape::kDqStageLd + 4 * (t >> 1);
 #pragma unroll
   for (int n = 0; n < 8; ++n) {
     const float r0 = __shfl_xor_sync(0xffffffffu, odd ? dq[n][0] : dq[n][2], 1);
@@ -464,24 +444,6 @@ __device__ __forceinline__ void stage_dq_ld(float* sdQ, const float (&dq)[8][4],
     const float4 v = odd ? make_float4(r0 * scale, r1 * scale, dq[n][2] * scale, dq[n][3] * scale)
                          : make_float4(dq[n][0] * scale, dq[n][1] * scale, r0 * scale, r1 * scale);
     *reinterpret_cast<float4*>(dst + n * 8) = v;
-  }
-}
-
-// This warp's dQ accumulators (queries wrow + g, + 8; m16n8 C fragments over the 64 head dims), scaled, into a dQ
-// stage laid out as two tensor-map boxes of 64 rows x 32 floats with the 128-byte swizzle (16-byte chunk j of row r at
-// chunk j ^ (r & 7); the box starts 1024-aligned): lanes t and t^1 swap half their values (as add_dq does) so each
-// lane stores 4 consecutive columns of one row.
-__device__ __forceinline__ void stage_dq_swz(float* sdQ, const float (&dq)[8][4], float scale, int wrow, int g, int t) {
-  const bool odd = (t & 1) != 0;
-  const int row = wrow + g + (odd ? 8 : 0);
-#pragma unroll
-  for (int n = 0; n < 8; ++n) {
-    const float r0 = __shfl_xor_sync(0xffffffffu, odd ? dq[n][0] : dq[n][2], 1);
-    const float r1 = __shfl_xor_sync(0xffffffffu, odd ? dq[n][1] : dq[n][3], 1);
-    const float4 v = odd ? make_float4(r0 * scale, r1 * scale, dq[n][2] * scale, dq[n][3] * scale)
-                         : make_float4(dq[n][0] * scale, dq[n][1] * scale, r0 * scale, r1 * scale);
-    const int chunk = 2 * (n & 3) + (t >> 1);  // 16-byte chunk within the box's 128-byte row
-    *reinterpret_cast<float4*>(sdQ + (n >> 2) * 64 * 32 + row * 32 + ((chunk ^ (row & 7)) << 2)) = v;
   }
 }
 
@@ -641,7 +603,7 @@ __global__ void __launch_bounds__(128, kMinCtas)
     fence_regs(da);
 
     if constexpr (kBulkDq) {
-      stage_dq_ld<Sh::kDqStageLd>(sdQ, dq, args.grad_scale, wrow, g, t);
+      stage_dq(sdQ, dq, args.grad_scale, wrow, g, t);
     } else {
       add_dq<kDTiles>(p, dq_acc, dq, args.grad_scale, s0, qs + wrow + g, L, head * HD, t);
     }
@@ -662,390 +624,6 @@ __global__ void __launch_bounds__(128, kMinCtas)
 #endif
 }
 
-// ------------------------------------------------------------------------------------------------ warp-specialised
-// head_dim 64 on sm_90a: work items of 128 keys (key block kb of head h of sequence z), 384 threads in three
-// warpgroups with fixed roles and no CTA-wide barrier after the start (docs/fmha.md, "Left for later").
-// Persistent: one CTA per SM takes items from the launch's counter (ws_item); the next item's K/V and first tiles
-// load while the consumers finish the current one.
-// * warpgroup 0, producer (40 registers after setmaxnreg): warp 0 copies an item's K and then every query tile's Q
-//   and lse2 into a kStages ring (cp.async; each lane's copies arrive on the stage's `full` barrier when they land)
-//   once both consumers have released the stage (`empty`), warp 3 likewise V, dO and D; K/V are double-buffered by
-//   item (`kv_full` / `kv_empty`). Warps 1 and 2 have nothing to do.
-// * warpgroups 1 and 2, consumers (232 registers): consumer c owns keys k0 + 64c .. + 63 and runs wg64's tile loop on
-//   them (S^T, dP^T, P', dS^T, dV, dK, and its partial dQ = dS K over its 64 keys), waiting only on the stage's
-//   `full` barrier and on its own warpgroup's named barrier. Its partial dQ leaves through a swizzled shared stage (two
-//   per consumer, by tile parity) as two tensor-map bulk reductions (64 rows x 32 columns each) into dq_accum, issued
-//   by one thread. The tile's rows past the sequence end hold exact zeros (their Q, dO, lse2 and D are zero-filled,
-//   so dS is 0 there), so adding the whole box into the next sequence's rows changes nothing. A consumer whose keys
-//   lie past the end of a short last block only keeps the barrier counts.
-// Against wg64, every Q/dO tile copy serves 128 keys, and the consumers issue no copies and meet no CTA-wide barrier.
-template <int kStages>
-struct BwdWsShape {
-  static constexpr int kBlockN = 128;  // keys per item
-  static constexpr int kThreads = 384;
-  static constexpr int kDqStageBytes = kTile * 64 * 4;  // one consumer's dQ tile: two 64 x 32 fp32 boxes
-  // Byte offsets from the 1024-aligned base: per K/V buffer K (2 tiles) and V (2 tiles), Q and dO per stage, dS^T per
-  // consumer and tile parity (all swizzled 8 KB tiles), the dQ stages [consumer][parity] (1024-aligned: the tensor
-  // map's 128-byte swizzle), then lse2 and D per stage, the mbarriers.
-  static constexpr int kOffKv = 0;                                  // + kvb * 4 tiles; V at + 2 tiles
-  static constexpr int kOffQ = 8 * kTileBytes;                     // + s * 2 tiles
-  static constexpr int kOffDs = kOffQ + 2 * kStages * kTileBytes;  // + (2 c + parity) tiles
-  static constexpr int kOffDq = kOffDs + 4 * kTileBytes;           // + (2 c + parity) dQ stages
-  static constexpr int kOffLse = kOffDq + 4 * kDqStageBytes;       // [kStages][2][64] fp32: lse2, D
-  static constexpr int kOffBar = kOffLse + kStages * 2 * kTile * 4;
-  // kv_full[2], kv_empty[2], full[s], empty[s], item_full[2]; then the published item per K/V buffer (2 ints)
-  static constexpr int kNumBars = 6 + 2 * kStages;
-  static constexpr int kSmemBytes = kOffBar + kNumBars * 8 + 2 * 4 + kSmemAlign;
-  static_assert(kSmemBytes <= 227 * 1024, "shared memory of one CTA");
-  // setmaxnreg moves registers within the CTA's launch allocation (168 per thread under __launch_bounds__(384, 1)):
-  // the budgets must fit it, or the consumers' increase would wait forever.
-  static constexpr int kProducerRegs = 56, kConsumerRegs = 224;
-  static_assert(kProducerRegs * 128 + kConsumerRegs * 256 <= 168 * kThreads, "register budget of the CTA");
-};
-
-// The work items of a launch over n sequences are (sequence z, head, key block kb of 128 keys), item =
-// (z * heads + head) * key_blocks + kb with key_blocks from max_seqlen. CTAs take them in this order from the launch's
-// item counter when their loader is ready for the next one: neighbouring CTAs work on neighbouring items (shared Q/dO
-// tiles in L2) and no SM idles while items remain. (Static schedules lost one or the other: every G-th item per CTA
-// left SMs idle at the end, contiguous runs of equal cost lost the locality; docs/performance.md.)
-// False when the key block lies past the sequence's end.
-__device__ __forceinline__ bool ws_item(const FmhaParams& p, int item, int& b, int& s0, int& L, int& head, int& k0) {
-  const int key_blocks = (p.max_seqlen + 127) / 128;
-  const int kb = item % key_blocks, zh = item / key_blocks;
-  launch_sequence(p, zh / p.num_heads, b, s0, L);
-  head = zh % p.num_heads;
-  k0 = kb * 128;
-  return k0 < L;
-}
-
-template <int kStages, bool kFp16, bool kDrop>
-__global__ void __launch_bounds__(384, 1)
-    fmha_bwd_ws_kernel(const __grid_constant__ KernelArgs args, const float* D,
-                       const __grid_constant__ CUtensorMap dq_map, int num_items) {
-#if NOPAD_FMHA_WGMMA
-  constexpr int HD = 64;
-  using Sh = BwdWsShape<kStages>;
-  constexpr int kNTiles = kTile / 8;
-  constexpr int kDTiles = HD / 8;
-  const FmhaParams& p = args.p;
-  const int H = p.num_heads * HD, T = p.num_tokens;
-  const int64_t ld = 3 * int64_t{H};
-
-  extern __shared__ uint8_t smem_raw[];
-  uint8_t* base = align_smem(smem_raw);
-  const auto sK = [&](int kvb) { return reinterpret_cast<uint16_t*>(base + Sh::kOffKv + 4 * kvb * kTileBytes); };
-  const auto sV = [&](int kvb) { return reinterpret_cast<uint16_t*>(base + Sh::kOffKv + (4 * kvb + 2) * kTileBytes); };
-  const auto sQ = [&](int s) { return reinterpret_cast<uint16_t*>(base + Sh::kOffQ + 2 * s * kTileBytes); };
-  const auto sdO = [&](int s) { return reinterpret_cast<uint16_t*>(base + Sh::kOffQ + (2 * s + 1) * kTileBytes); };
-  const auto sLse = [&](int s) { return reinterpret_cast<float*>(base + Sh::kOffLse) + s * 2 * kTile; };
-  uint64_t* bars = reinterpret_cast<uint64_t*>(base + Sh::kOffBar);
-  uint64_t* kv_full = bars;
-  uint64_t* kv_empty = bars + 2;
-  uint64_t* full = bars + 4;
-  uint64_t* empty = full + kStages;
-  uint64_t* item_full = empty + kStages;  // sItem[kvb] published by the loader of K
-  volatile int* sItem = reinterpret_cast<volatile int*>(item_full + 2);
-
-  const int tid = static_cast<int>(threadIdx.x);
-  const int wg = tid >> 7, warp = (tid >> 5) & 3, lane = tid & 31;
-  if (tid == 0) {
-    for (int i = 0; i < 2; ++i) {
-      mbar_init(kv_full + i, 64);  // the two loaders' lanes, each when its copies have landed
-      mbar_init(kv_empty + i, 8);  // one arrival per consumer warp
-      mbar_init(item_full + i, 1);
-    }
-    for (int s = 0; s < kStages; ++s) {
-      mbar_init(full + s, 64);
-      mbar_init(empty + s, 8);
-    }
-    mbar_init_fence();
-  }
-  __syncthreads();
-
-  if (wg == 0) {
-    setmaxnreg_dec<Sh::kProducerRegs>();
-    if (warp == 0 || warp == 3) {
-      // Loaders: warp 0 copies K, then every tile's Q and lse2; warp 3 V, dO and D. 16-byte copies of a 64-column
-      // swizzled tile by one warp: lane = chunk c (lane % 8) of rows lane / 8 + 4k; the swizzle key of row r is r & 7,
-      // i.e. (lane / 8) + 4 (k & 1).
-      const bool is_q = warp == 0;
-      const int row0 = lane >> 3, c = lane & 7;
-      const int x_even = (c ^ row0) << 3, x_odd = (c ^ row0 ^ 4) << 3;
-      const auto copy_tile = [&](uint16_t* tile, const uint16_t* g, int64_t g_ld, int rows, int nvalid) {
-        const uint16_t* src = g + row0 * g_ld + c * 8;
-#pragma unroll 2
-        for (int k = 0; k < rows / 4; ++k) {  // hardly unrolled: the producer has few registers
-          const int r = row0 + 4 * k;
-          const bool ok = r < nvalid;
-          cp_async16(tile + r * HD + ((k & 1) ? x_odd : x_even), ok ? src : g, ok);
-          src += 4 * g_ld;
-        }
-      };
-      const uint16_t* qkv = static_cast<const uint16_t*>(p.qkv);
-      const int64_t g_ld = is_q ? ld : H;
-      int gt = 0;  // tiles of this CTA so far
-      int* counter = item_counter(p);
-      for (int it = 0;; ++it) {  // items of this CTA
-        const int kvb = it & 1;
-        int item, b, s0, L, head, k0;
-        if (is_q) {
-          // Fetch the next item that has keys, wait until the K/V buffer is free, publish it (-1: no more).
-          do {
-            item = 0;
-            if (lane == 0) item = atomicAdd(counter, 1);
-            item = __shfl_sync(0xffffffffu, item, 0);
-          } while (item < num_items && !ws_item(p, item, b, s0, L, head, k0));
-          if (item >= num_items) item = -1;
-          if (it >= 2) mbar_wait(kv_empty + kvb, ((it >> 1) & 1) ^ 1);
-          if (lane == 0) {
-            sItem[kvb] = item;
-            mbar_arrive(item_full + kvb);
-          }
-        } else {
-          mbar_wait(item_full + kvb, (it >> 1) & 1);
-          item = sItem[kvb];
-          if (item >= 0) ws_item(p, item, b, s0, L, head, k0);
-        }
-        if (item < 0) break;
-        copy_tile(is_q ? sK(kvb) : sV(kvb), qkv + int64_t{s0 + k0} * ld + (is_q ? H : 2 * H) + head * HD, ld,
-                  Sh::kBlockN, L - k0);
-        mbar_arrive_cp_async(kv_full + kvb);
-        const uint16_t* g_tile = is_q ? qkv + int64_t{s0} * ld + head * HD
-                                      : static_cast<const uint16_t*>(p.d_ctx) + int64_t{s0} * H + head * HD;
-        // lse * log2(e) (with Q) or D (with dO)
-        const float* g_row = D + (is_q ? lse2_offset(T, p.num_heads) : 0) + int64_t{head} * T + s0;
-        const int num_qt = (L + kTile - 1) / kTile;
-        for (int i = 0; i < num_qt; ++i, ++gt) {
-          const int s = gt % kStages, qs = i * kTile;
-          if (gt >= kStages) mbar_wait(empty + s, ((gt / kStages) & 1) ^ 1);
-          copy_tile(is_q ? sQ(s) : sdO(s), g_tile + int64_t{qs} * g_ld, g_ld, kTile, L - qs);
-          float* st = sLse(s) + (is_q ? 0 : kTile);
-#pragma unroll
-          for (int h = 0; h < 2; ++h) {
-            const int r = lane + 32 * h;
-            const bool ok = qs + r < L;
-            cp_async4(st + r, g_row + (ok ? qs + r : 0), ok);
-          }
-          mbar_arrive_cp_async(full + s);
-        }
-      }
-    }
-    return;
-  }
-
-  // Consumers.
-  setmaxnreg_inc<Sh::kConsumerRegs>();
-  const int c = wg - 1;
-  const int g = lane >> 2, t = lane & 3;
-  const int wrow = warp * 16;  // this warp's first key within the consumer's 64 (S^T, dK, dV rows); its dQ queries
-  // dS^T, double-buffered by tile parity: a warp that has seen tile i's dQ product complete may write tile i + 1's
-  // rows while the other warps' parts of that product still read the other buffer.
-  uint16_t* sdS0 = reinterpret_cast<uint16_t*>(base + Sh::kOffDs + 2 * c * kTileBytes);
-  float* sdQ0 = reinterpret_cast<float*>(base + Sh::kOffDq + 2 * c * Sh::kDqStageBytes);
-  const bool issuer = (tid & 127) == 0;  // sends this consumer's dQ tiles
-  const auto release = [&](uint64_t* bar) {
-    __syncwarp();
-    if (lane == 0) mbar_arrive(bar);
-  };
-
-  int gt = 0;
-  for (int it = 0;; ++it) {
-    const int kvb = it & 1;
-    mbar_wait(item_full + kvb, (it >> 1) & 1);
-    const int item = sItem[kvb];
-    if (item < 0) break;
-    int b, s0, L, head, k0;
-    ws_item(p, item, b, s0, L, head, k0);
-    const int k0c = k0 + 64 * c;
-    const int num_qt = (L + kTile - 1) / kTile;
-    if (k0c >= L) {  // no keys: keep the barrier counts
-      for (int i = 0; i < num_qt; ++i, ++gt) {
-        mbar_wait(full + gt % kStages, (gt / kStages) & 1);  // the stage's previous phase is complete
-        release(empty + gt % kStages);
-      }
-      release(kv_empty + kvb);
-      continue;
-    }
-    const bool key_ok0 = k0c + wrow + g < L, key_ok1 = k0c + wrow + g + 8 < L;
-    const uint64_t desc_k = wgmma_desc(sK(kvb) + c * 64 * HD), desc_v = wgmma_desc(sV(kvb) + c * 64 * HD);
-    uint32_t s_lo = 0, s_hi = 0;
-    if constexpr (kDrop) {
-      const uint64_t sample = p.sample_ids[b];
-      s_lo = static_cast<uint32_t>(sample);
-      s_hi = static_cast<uint32_t>(sample >> 32);
-    }
-    const auto draw = [&](uint32_t lo, uint32_t hi) { return dropout_block(args, s_lo, s_hi, lo, hi); };
-
-    float dv[kDTiles][4], dk[kDTiles][4];
-#pragma unroll
-    for (int i = 0; i < kDTiles; ++i)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) dv[i][e] = dk[i][e] = 0.0f;
-
-    mbar_wait(kv_full + kvb, (it >> 1) & 1);
-    // S^T = K Q^T and dP^T = V dO^T of the tile in stage s (this consumer's 64 keys x 64 queries; this warp's 16 keys
-    // in registers), issued one tile ahead: the products of tile i + 1 run while tile i's dQ is staged and sent.
-    float sc[kNTiles][4], dp[kNTiles][4];
-    const auto issue_s_dp = [&](int tile) {  // tile: this CTA's tile count (gt) of the tile
-      const int s = tile % kStages;
-      mbar_wait(full + s, (tile / kStages) & 1);
-      fence_proxy_async();  // the loaders' cp.async writes, visible to this thread's wgmma reads
-      const uint64_t desc_q = wgmma_desc(sQ(s)), desc_do = wgmma_desc(sdO(s));
-      wgmma_fence();
-#pragma unroll
-      for (int kk = 0; kk < HD / 16; ++kk)
-        wgmma_ss<kFp16, 0, 0>(sc, desc_k + kk * kDescStepK, desc_q + kk * kDescStepK, kk > 0);
-#pragma unroll
-      for (int kk = 0; kk < HD / 16; ++kk)
-        wgmma_ss<kFp16, 0, 0>(dp, desc_v + kk * kDescStepK, desc_do + kk * kDescStepK, kk > 0);
-      wgmma_commit();
-    };
-    issue_s_dp(gt);
-    for (int i = 0; i < num_qt; ++i, ++gt) {
-      const int s = gt % kStages, qs = i * kTile;
-      const uint64_t desc_q = wgmma_desc(sQ(s)), desc_do = wgmma_desc(sdO(s));
-      const float* lse2 = sLse(s);
-      const float* Dq = lse2 + kTile;
-      uint16_t* sdS = sdS0 + (gt & 1) * (kTileBytes / 2);
-      const uint64_t desc_ds = wgmma_desc(sdS);
-
-      uint32_t keep = 0;
-      if constexpr (kDrop) {
-        keep = lane_transpose<1, 2>(
-            fmha_dropout::bwd_lane_bits(draw, args.threshold, static_cast<uint32_t>(head),
-                                        static_cast<uint32_t>(qs), static_cast<uint32_t>(k0c + wrow),
-                                        static_cast<uint32_t>(g), static_cast<uint32_t>(t)),
-            static_cast<uint32_t>(g));
-      }
-      wgmma_wait<0>();  // this tile's S^T and dP^T (and the previous tile's products)
-      fence_regs(sc);
-      fence_regs(dp);
-
-      p_and_ds<kDrop>(args, sc, dp, keep, key_ok0, key_ok1, lse2, Dq, t);
-      uint32_t pa[kTile / 16][4], da[kTile / 16][4];
-#pragma unroll
-      for (int kk = 0; kk < kTile / 16; ++kk) {
-        a_fragment<kFp16>(sc, kk, pa[kk]);
-        a_fragment<kFp16>(dp, kk, da[kk]);
-        store_ds_t(sdS, wrow, g, t, kk, da[kk]);  // last read by tile gt - 2's dQ, complete before the last barrier
-      }
-      // dV += P'^T dO, dK += dS^T Q.
-      wgmma_fence();
-#pragma unroll
-      for (int kk = 0; kk < kTile / 16; ++kk) wgmma_rs<kFp16, 1>(dv, pa[kk], desc_do + kk * kDescStepMN);
-#pragma unroll
-      for (int kk = 0; kk < kTile / 16; ++kk) wgmma_rs<kFp16, 1>(dk, da[kk], desc_q + kk * kDescStepMN);
-      wgmma_commit();
-      fence_proxy_async();  // this thread's dS^T stores, visible to the tensor cores
-      // The dQ stage of this tile's parity was last sent two tiles ago: at most the last tile's group may still read.
-      if (issuer) bulk_wait_read<1>();
-      named_barrier_sync(1 + c, 128);  // this consumer's dS^T tile complete, its dQ stage free
-
-      // Partial dQ (64 queries x 64 head dims) = dS K over this consumer's keys; this warp holds queries 16 warp ..
-      float dq[kDTiles][4];
-      wgmma_fence();
-#pragma unroll
-      for (int kk = 0; kk < 64 / 16; ++kk)
-        wgmma_ss<kFp16, 1, 1>(dq, desc_ds + kk * kDescStepMN, desc_k + kk * kDescStepMN, kk > 0);
-      wgmma_commit();
-      wgmma_wait<1>();  // dV, dK done: the stage's Q and dO are no longer read, pa / da are free
-      fence_regs(dv);
-      fence_regs(dk);
-      fence_regs(pa);
-      fence_regs(da);
-      release(empty + s);
-      if (i + 1 < num_qt) {
-        issue_s_dp(gt + 1);  // the next tile's products, under this tile's dQ staging
-        wgmma_wait<1>();  // this tile's dQ
-      } else {
-        wgmma_wait<0>();
-      }
-      fence_regs(dq);
-
-      float* sdQ = sdQ0 + (gt & 1) * (Sh::kDqStageBytes / 4);
-      stage_dq_swz(sdQ, dq, args.grad_scale, wrow, g, t);
-      fence_proxy_async();  // the stage, visible to the copy engine
-      named_barrier_sync(1 + c, 128);
-      if (issuer) {
-        bulk_reduce_tensor_add(&dq_map, sdQ, head * HD, s0 + qs);
-        bulk_reduce_tensor_add(&dq_map, sdQ + 64 * 32, head * HD + 32, s0 + qs);
-        bulk_commit();
-      }
-    }
-    release(kv_empty + kvb);  // the last dQ product, the last reader of this K, has completed
-
-    // dK (scaled) and dV into d_qkv's k and v blocks, rows of keys that exist.
-    store_dk_dv<HD, kFp16>(p, dk, dv, args.grad_scale, args.keep_scale, s0, k0c + wrow + g, L, head, t);
-  }
-  if (issuer) bulk_wait<0>();  // the reductions complete (and their stages read) before the CTA ends
-#else
-  __trap();  // never launched: the host selects this kernel only where fmha_wgmma_available()
-#endif
-}
-
-// Multiprocessors of the current device, read once per device ordinal (the persistent launch's grid).
-inline int sm_count() {
-  constexpr int kMaxDevices = 64;
-  static std::atomic<int> cached[kMaxDevices] = {};  // 0: not read yet
-  int dev = 0;
-  NOPAD_CUDA_CHECK(cudaGetDevice(&dev));
-  NOPAD_CHECK(dev >= 0 && dev < kMaxDevices, "fmha_backward: device ordinal ", dev, " out of range");
-  int n = cached[dev].load(std::memory_order_relaxed);
-  if (n == 0) {
-    NOPAD_CUDA_CHECK(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev));
-    cached[dev].store(n, std::memory_order_relaxed);
-  }
-  return n;
-}
-
-// The tensor map of dq_accum [T, H] fp32 for the consumers' dQ reductions: boxes of 64 rows x 32 columns, 128-byte
-// swizzle. cuTensorMapEncodeTiled is a driver function: reached through the runtime's entry-point query, once.
-inline CUtensorMap dq_tensor_map(float* dq_acc, int32_t num_tokens, int32_t hidden) {
-  using Encode = CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*, const cuuint64_t*, const cuuint64_t*,
-                              const cuuint32_t*, const cuuint32_t*, CUtensorMapInterleave, CUtensorMapSwizzle,
-                              CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
-  static const Encode encode = [] {
-    void* fn = nullptr;
-    cudaDriverEntryPointQueryResult found{};
-    NOPAD_CUDA_CHECK(cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000, cudaEnableDefault, &found));
-    NOPAD_CHECK(found == cudaDriverEntryPointSuccess && fn != nullptr,
-                "fmha_backward: the driver has no cuTensorMapEncodeTiled (needs a CUDA 12 driver)");
-    return reinterpret_cast<Encode>(fn);
-  }();
-  CUtensorMap map{};
-  const cuuint64_t dims[2] = {static_cast<cuuint64_t>(hidden), static_cast<cuuint64_t>(num_tokens)};
-  const cuuint64_t strides[1] = {static_cast<cuuint64_t>(hidden) * sizeof(float)};
-  const cuuint32_t box[2] = {32, static_cast<cuuint32_t>(kTile)};
-  const cuuint32_t elem_strides[2] = {1, 1};
-  const CUresult r = encode(&map, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, 2, dq_acc, dims, strides, box, elem_strides,
-                            CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_NONE,
-                            CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
-  NOPAD_CHECK(r == CUDA_SUCCESS, "fmha_backward: cuTensorMapEncodeTiled failed (CUresult ", static_cast<int>(r),
-              ") for dq_accum [", num_tokens, ", ", hidden, "]");
-  return map;
-}
-
-// One CTA per SM (fewer when there are fewer items), taking items from the counter the pre kernel zeroed.
-template <int kStages, bool kFp16>
-void launch_backward_ws(const KernelArgs& args, const float* D, float* dq_acc, int32_t n, cudaStream_t stream) {
-  using Sh = BwdWsShape<kStages>;
-  const int64_t items = int64_t{(args.p.max_seqlen + Sh::kBlockN - 1) / Sh::kBlockN} * args.p.num_heads * n;
-  NOPAD_CHECK(items < (int64_t{1} << 30), "fmha_backward: too many work items (", items, ")");
-  const int grid = static_cast<int>(std::min<int64_t>(items, sm_count()));
-  if (grid == 0 || args.p.num_tokens == 0) return;
-  const CUtensorMap map = dq_tensor_map(dq_acc, args.p.num_tokens, args.p.num_heads * 64);
-  if (args.dropout) {
-    constexpr auto kernel = fmha_bwd_ws_kernel<kStages, kFp16, true>;
-    ensure_smem<kernel>(Sh::kSmemBytes);
-    kernel<<<grid, Sh::kThreads, Sh::kSmemBytes, stream>>>(args, D, map, static_cast<int>(items));
-  } else {
-    constexpr auto kernel = fmha_bwd_ws_kernel<kStages, kFp16, false>;
-    ensure_smem<kernel>(Sh::kSmemBytes);
-    kernel<<<grid, Sh::kThreads, Sh::kSmemBytes, stream>>>(args, D, map, static_cast<int>(items));
-  }
-  NOPAD_CUDA_CHECK_LAUNCH();
-}
-
 // ------------------------------------------------------------------------------------------------ variants
 // CTAs per SM asked for (launch bounds). 4 warps at HD <= 64: 3 CTAs (168 registers, a few spills) or 2 (no cap, no
 // spills); 8 warps: 1 (no cap). HD = 128 is never capped (the dK/dV accumulators alone are 128 registers).
@@ -1061,7 +639,6 @@ constexpr BwdVariant kBwdVariants[] = {
     {"wg64", 4, 3, true},     // 3: wgmma, one warpgroup x 64 keys, 3 CTAs per SM (168 registers)
     {"wg64r", 4, 2, true},    // 4: the same with 2 CTAs per SM and no register cap
     {"wg64b", 4, 3, true},    // 5: wg64 with dQ sent as bulk reductions of whole rows from shared memory
-    {"ws128", 12, 1, true},   // 6: warp-specialised, persistent: producer + two consumer warpgroups x 64 keys
 };
 constexpr int kNumBwdVariants = static_cast<int>(sizeof(kBwdVariants) / sizeof(kBwdVariants[0]));
 constexpr int kDefaultBwdVariant = 0;    // where the wgmma kernel cannot run
@@ -1130,15 +707,12 @@ void launch_backward(const KernelArgs& args, int variant, int32_t n, cudaStream_
     case 5:
       if constexpr (HD == 64) launch_backward_wgmma<3, kFp16, true>(args, D, dq_acc, n, stream);
       break;
-    case 6:
-      if constexpr (HD == 64) launch_backward_ws<3, kFp16>(args, D, dq_acc, n, stream);
-      break;
     default: fail("fmha_backward: no variant ", variant);
   }
   fmha_bwd_dq_kernel<kFp16><<<row_grid, 32 * kPreRows, 0, stream>>>(args, dq_acc);
   NOPAD_CUDA_CHECK_LAUNCH();
 }
-static_assert(kNumBwdVariants == 7, "launch_backward dispatches every variant");
+static_assert(kNumBwdVariants == 6, "launch_backward dispatches every variant");
 
 template <int HD>
 void launch_backward_hd(const KernelArgs& args, int variant, int32_t n, cudaStream_t stream) {
@@ -1168,8 +742,9 @@ int fmha_backward_variant(const FmhaParams& p) {
 
 size_t fmha_backward_workspace_bytes(int32_t num_tokens, int32_t num_heads, int32_t head_dim) {
   NOPAD_CHECK(num_tokens >= 0 && num_heads >= 0 && head_dim >= 0, "fmha_backward_workspace_bytes: negative size");
-  return fmha_detail::item_counter_offset(num_tokens, num_heads, head_dim) +
-         (static_cast<size_t>(num_tokens) + 1) * sizeof(int);
+  return fmha_detail::dq_accum_offset(num_tokens, num_heads) +
+         static_cast<size_t>(num_tokens) * static_cast<size_t>(num_heads) * static_cast<size_t>(head_dim) *
+             sizeof(float);
 }
 
 void fmha_backward(const FmhaParams& p, cudaStream_t stream) {
