@@ -225,7 +225,7 @@ __global__ void __launch_bounds__(32 * kWarps, kMinCtas) fmha_fwd_kernel(const _
     // Keep mask of this tile for each m-tile, bit fmha_dropout::fwd_bit(nt, e) for accumulator element s[mt][nt][e].
     // Independent of S, so the scheduler interleaves its integer work with the MMAs above. (Written after them: with
     // two m-tiles per warp the other order makes ptxas 13.0 fail register allocation.)
-    uint32_t keep[kMT];
+    [[maybe_unused]] uint32_t keep[kMT];  // read only with dropout
     if constexpr (kDrop) {
 #pragma unroll
       for (int mt = 0; mt < kMT; ++mt) {
@@ -378,7 +378,7 @@ __global__ void __launch_bounds__(128 * kWG, kMinCtas) fmha_fwd_wgmma_kernel(con
 #pragma unroll
     for (int kk = 0; kk < HD / 16; ++kk) wgmma_ss<kFp16, 0, 0>(s, desc_q + kk * kDescStepK, desc_k + kk * kDescStepK, kk > 0);
     wgmma_commit();
-    uint32_t keep = 0;
+    [[maybe_unused]] uint32_t keep = 0;  // read only with dropout
     if constexpr (kDrop) {
       const uint32_t row_g = static_cast<uint32_t>(q0 + wrow + g);
       keep = lane_transpose<2, 0>(fmha_dropout::fwd_lane_bits(draw, args.threshold, static_cast<uint32_t>(head), row_g,
