@@ -27,15 +27,10 @@ echo "== $(date -u +%FT%TZ) $(nvidia-smi --query-gpu=name,driver_version --forma
 NOPAD_SKIP_INSTALL=1 NOPAD_BUILD_DIR=build-gpu NOPAD_CMAKE_ARGS="-DNOPAD_CUDA=ON ${NOPAD_CMAKE_EXTRA:-}" bash scripts/setup.sh
 NOPAD=build-gpu/nopad
 
-# Real Wikipedia shards, phase-2 settings (512 tokens, 76 predictions), one duplicate to keep preparation short.
-TXT=/tmp/nopad-enwiki-AA.txt
+# Real Wikipedia shards, phase-2 settings (scripts/phase2-shards.sh).
+source scripts/phase2-shards.sh
 SHARDS=/tmp/nopad-enwiki-shards
-if [ ! -f "$SHARDS/dataset.json" ]; then
-  xz -dc .carry/enwiki-20150515-AA.txt.xz >"$TXT"
-  rm -rf "$SHARDS"
-  "$NOPAD" prepare --input "$TXT" --vocab data/vocab/bert-uncased-vocab.txt --output "$SHARDS" \
-    --max-seq-length 512 --max-predictions 76 --dupe-factor 1 --quiet
-fi
+phase2_shards "$NOPAD" "$SHARDS"
 
 BATCHES=${BATCHES:-32 64}
 PEER_BATCHES=${PEER_BATCHES:-$BATCHES}

@@ -51,11 +51,8 @@ fi
 
 SHARDS=/tmp/nopad-enwiki-shards
 if has bench || has model || has ncu || has peer || has standin; then
-  if [ ! -f "$SHARDS/dataset.json" ]; then
-    xz -dc .carry/enwiki-20150515-AA.txt.xz >/tmp/nopad-enwiki-AA.txt
-    "$NOPAD" prepare --input /tmp/nopad-enwiki-AA.txt --vocab data/vocab/bert-uncased-vocab.txt --output "$SHARDS" \
-      --max-seq-length 512 --max-predictions 76 --dupe-factor 1 --quiet --overwrite || exit 1
-  fi
+  source scripts/phase2-shards.sh
+  phase2_shards "$NOPAD" "$SHARDS" || exit 1
 fi
 
 # Runs "$@" with NOPAD_FMHA_BWD_VARIANT=$1 unless $1 is "default".
@@ -69,9 +66,8 @@ if has bench; then
   for V in ${BWD_VARIANTS:-default}; do
     say "nopad bench attention (batch $BATCH x $BATCHES, real lengths), backward variant $V"
     with_bwd "$V" timeout "${BENCH_TIMEOUT:-300}" "$NOPAD" bench attention --data "$SHARDS" --batch "$BATCH" \
-      --batches "$BATCHES" \
-      --streams "${BENCH_STREAMS:-1,2,4}" --buckets "${BENCH_BUCKETS:-64,128}" ${VARIANTS:+--variants} \
-      --workload "$OUT/attn-workload.txt" \
+      --batches "$BATCHES" --streams "${BENCH_STREAMS:-1,2,4}" --buckets "${BENCH_BUCKETS:-64,128}" \
+      ${VARIANTS:+--variants} --workload "$OUT/attn-workload.txt" \
       >"$OUT/attention-bwd$V.jsonl" 2>"$OUT/attention-bwd$V.txt" || { status=1; tail -5 "$OUT/attention-bwd$V.txt"; }
     grep -v "group " "$OUT/attention-bwd$V.txt" | tee -a "$OUT/summary.txt"
   done

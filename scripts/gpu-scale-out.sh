@@ -43,13 +43,8 @@ else
 fi
 
 SHARDS=/tmp/nopad-enwiki-shards
-if [ ! -f $SHARDS/dataset.json ]; then
-  [ -f .carry/enwiki-20150515-AA.txt.xz ] || { echo "needs .carry/enwiki-20150515-AA.txt.xz"; exit 1; }
-  xz -dc .carry/enwiki-20150515-AA.txt.xz > /tmp/nopad-enwiki-AA.txt
-  $NOPAD prepare --input /tmp/nopad-enwiki-AA.txt --vocab data/vocab/bert-uncased-vocab.txt --output $SHARDS \
-    --max-seq-length 512 --max-predictions 76 --dupe-factor 1 --quiet > "$out/prepare.log" 2>&1 ||
-    { cat "$out/prepare.log"; exit 1; }
-fi
+source scripts/phase2-shards.sh
+phase2_shards "$NOPAD" "$SHARDS" "$out/prepare.log" || exit 1
 bench_args=(bench model --model "$MODEL" --data $SHARDS --batch "$BATCH" --steps "$STEPS" --warmup 5 --device "$DEVICE")
 
 # Adds "gpus" and "balance" to the JSON line on stdin and appends it to scale-out.jsonl.

@@ -176,12 +176,8 @@ grep -q "gradients summed in bf16" "$out/two-bf16.log" || { result "bf16 reducti
 if [ -f .carry/enwiki-20150515-AA.txt.xz ]; then
   ngpu=$(nvidia-smi -L | wc -l)
   step "4. scaling: BERT-large bf16, 64 sequences per GPU, 1 GPU vs $ngpu"
-  if [ ! -f /tmp/nopad-enwiki-shards/dataset.json ]; then
-    xz -dc .carry/enwiki-20150515-AA.txt.xz > /tmp/nopad-enwiki-AA.txt
-    $NOPAD prepare --input /tmp/nopad-enwiki-AA.txt --vocab data/vocab/bert-uncased-vocab.txt \
-      --output /tmp/nopad-enwiki-shards --max-seq-length 512 --max-predictions 76 --dupe-factor 1 --quiet \
-      > "$out/prepare-enwiki.log" 2>&1
-  fi
+  source scripts/phase2-shards.sh
+  phase2_shards "$NOPAD" /tmp/nopad-enwiki-shards "$out/prepare-enwiki.log" || status=1
   large_args=(train --config configs/bert-tiny-sample.toml --set model.config=data/configs/bert-large-mlperf.json
               --set data.train=/tmp/nopad-enwiki-shards --set 'data.eval=""' --set train.device=cuda
               --set optim.lr=0.0001 --set train.max_steps=30 --set log.interval_steps=1 --overwrite)

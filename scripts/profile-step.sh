@@ -16,11 +16,8 @@ SHARDS=${SHARDS:-/tmp/nopad-enwiki-shards}
 BATCH=${BATCH:-128}
 LAYERS=${LAYERS:-2}
 NOPAD=${NOPAD:-build-gpu/nopad}
-if [ ! -f "$SHARDS/dataset.json" ]; then
-  xz -dc .carry/enwiki-20150515-AA.txt.xz >/tmp/nopad-enwiki-AA.txt
-  "$NOPAD" prepare --input /tmp/nopad-enwiki-AA.txt --vocab data/vocab/bert-uncased-vocab.txt --output "$SHARDS" \
-    --max-seq-length 512 --max-predictions 76 --dupe-factor 1 --quiet --overwrite
-fi
+source scripts/phase2-shards.sh
+phase2_shards "$NOPAD" "$SHARDS"
 cfg="$OUT/bert-large-${LAYERS}layers.json"
 python3 - "$cfg" "$LAYERS" <<'EOF'
 import json, sys
