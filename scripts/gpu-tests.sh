@@ -7,6 +7,7 @@
 #   NOPAD_CMAKE_EXTRA="..."   extra CMake arguments (e.g. -DCMAKE_CUDA_ARCHITECTURES=90a-real to build one target)
 #   CUDA_TEST_FILTER=PATTERN  GoogleTest filter for nopad_cuda_tests (default: all)
 #   SKIP_CTEST=1              skip the CPU test suite (CI runs it; useful when device time is short)
+#   ONLY_CUDA_TESTS=1         stop after the CUDA op tests (a kernel iteration; not a full validation)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${OUT:-out/gpu}
@@ -22,6 +23,10 @@ NOPAD_CMAKE_ARGS="-DNOPAD_CUDA=ON ${NOPAD_CMAKE_EXTRA:-}" bash scripts/setup.sh 
 step "CUDA op tests (nopad_cuda_tests, GPU vs CPU twin)"
 ./build-gpu/nopad_cuda_tests --gtest_brief=0 --gtest_filter="${CUDA_TEST_FILTER:-*}" > "$out/cuda-tests.log" 2>&1 || status=1
 grep -E "^\[ +(OK|FAILED) +\]|PASSED|FAILED|perf|TFLOP" "$out/cuda-tests.log" | tee -a "$out/summary.txt"
+if [ "${ONLY_CUDA_TESTS:-0}" = 1 ]; then
+  step "stopped after the CUDA op tests (ONLY_CUDA_TESTS=1): status $status"
+  exit $status
+fi
 
 if [ "${SKIP_CTEST:-0}" != 1 ]; then
   step "ctest"

@@ -8,6 +8,8 @@
 // (after - before), which checks += semantics as well as the value. Dropout runs at p = 0 and p = 0.1: agreement at
 // p = 0.1 proves the GPU draws the twin's masks.
 // Needs a GPU (built as nopad_cuda_tests, not registered with CTest); run: build-cuda/nopad_cuda_tests.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
@@ -19,6 +21,7 @@
 #include <memory>
 #include <numeric>
 #include <string>
+#include <thread>
 #include <type_traits>
 #include <tuple>
 #include <vector>
@@ -31,6 +34,7 @@
 #include "ops/cuda/check.h"
 #include "ops/cuda/cuda_backend.h"
 #include "ops/cuda/dense.h"  // KernelVariants: which implementation of each memory-bound op runs
+#include "ops/cuda/gemm_sm90.h"
 
 namespace nopad {
 namespace {
@@ -525,6 +529,7 @@ TYPED_TEST(CudaOps, Dense) {
       cuda::KernelVariants v;
       v.dense_bias_grad = path;
       v.gelu_forward_wide = path != cuda::BiasGradPath::kSeparate;  // both GELU forward kernels get checked
+      v.gelu_gemm = path != cuda::BiasGradPath::kSeparate;          // and the cuBLASLt path beside nopad's GEMM
       VariantScope variants(v);
       SCOPED_TRACE(path_name(path));
       DBuf<E> y_g(c.rows * c.n), pre_g(c.rows * c.n);
@@ -551,8 +556,15 @@ TYPED_TEST(CudaOps, Dense) {
                            c.accumulate_dx, dgw->p, dgb->p);
       const cuda::BiasGradPath ran = cuda::last_bias_grad_path();
       std::printf("   [d_bias: %s requested, %s ran; GELU forward %s]\n", path_name(path), path_name(ran),
-                  tanh ? (fwd_gelu == cuda::GeluPath::kEpilogueBias ? "GELU_AUX_BIAS epilogue" : "kernel")
-                       : v.gelu_forward_wide ? "wide" : "first");
+                  !gelu                                       ? "-"
+                  : fwd_gelu == cuda::GeluPath::kGemmSm90     ? "nopad GEMM epilogue"
+                  : fwd_gelu == cuda::GeluPath::kEpilogueBias ? "GELU_AUX_BIAS epilogue"
+                  : v.gelu_forward_wide                       ? "wide kernel"
+                                                              : "first kernel");
+      if (gelu) {  // nopad's GEMM exactly where it applies
+        const bool sm90 = v.gelu_gemm && cuda::gemm_sm90_available() && c.n % 256 == 0 && c.k % 64 == 0;
+        EXPECT_EQ(fwd_gelu == cuda::GeluPath::kGemmSm90, sm90);
+      }
       if (tanh && c.n % 8 != 0) {
         EXPECT_EQ(fwd_gelu, cuda::GeluPath::kKernel);
       }
@@ -580,6 +592,7 @@ const char* gelu_path_name(cuda::GeluPath p) {
     case cuda::GeluPath::kEpilogue: return "DGELU epilogue + column sums";
     case cuda::GeluPath::kEpilogueBias: return "GELU_AUX_BIAS epilogue";
     case cuda::GeluPath::kEpilogueBgrad: return "DGELU_BGRAD epilogue";
+    case cuda::GeluPath::kGemmSm90: return "nopad GEMM epilogue";
   }
   return "?";
 }
@@ -596,7 +609,8 @@ TYPED_TEST(CudaOps, DenseBackwardThroughAct) {
   };
   const Case cases[] = {{129, 4096, 1024, ops::Activation::kGeluTanh}, {1001, 4096, 1024, ops::Activation::kGeluTanh},
                         {129, 4096, 1024, ops::Activation::kGelu},     {2, 384, 128, ops::Activation::kGelu},
-                        {33, 100, 64, ops::Activation::kGeluTanh},     {7, 256, 128, ops::Activation::kGeluTanh}};
+                        {33, 100, 64, ops::Activation::kGeluTanh},     {7, 256, 128, ops::Activation::kGeluTanh},
+                        {1, 256, 64, ops::Activation::kGelu},          {300, 768, 192, ops::Activation::kGelu}};
   for (const Case& c : cases) {
     const bool tanh = c.act == ops::Activation::kGeluTanh;
     const std::string tag = "rows=" + std::to_string(c.rows) + " k=" + std::to_string(c.k) + " n=" +
@@ -611,29 +625,146 @@ TYPED_TEST(CudaOps, DenseBackwardThroughAct) {
     cpu().dense_backward_through_act(dy.data(), x.data(), x_pre.data(), w.data(), c.rows, c.k, c.n, c.act,
                                      dx_c.data(), gw.data(), gb.data());
     auto d_x = up16<E>(x), d_pre = up16<E>(x_pre), d_w = up16<E>(w), d_dy = up16<E>(dy);
-    for (const bool epilogue : {true, false}) {
+    for (const auto& [gemm, epilogue] : {std::pair{true, false}, std::pair{false, true}, std::pair{false, false}}) {
       cuda::KernelVariants v;
+      v.dgelu_gemm = gemm;
       v.dgelu_epilogue = epilogue;
       VariantScope variants(v);
+      const bool sm90 = gemm && cuda::gemm_sm90_available() && c.k % 256 == 0 && c.n % 64 == 0;
       DBuf<E> dx_g(c.rows * c.k);
       dx_g.poison();
       auto dgw = up(gw0), dgb = up(gb0);
-      cuda::last_gelu_path() = cuda::GeluPath::kEpilogueBias;  // not a backward path: must be overwritten (tanh)
+      cuda::last_gelu_path() = cuda::GeluPath::kEpilogueBias;  // not a backward path: must be overwritten
       gpu<E>().dense_backward_through_act(d_dy->p, d_x->p, d_pre->p, d_w->p, c.rows, c.k, c.n, c.act, dx_g.p, dgw->p,
                                           dgb->p);
       const cuda::GeluPath ran = cuda::last_gelu_path();
-      std::printf("  dense_backward_through_act %s, epilogue %s: %s\n", tag.c_str(), epilogue ? "on" : "off",
-                  tanh ? gelu_path_name(ran) : "kernels (erf)");
-      if (tanh) {
-        EXPECT_NE(ran, cuda::GeluPath::kEpilogueBias);
-        if (!epilogue || c.k % 8 != 0) {
-          EXPECT_EQ(ran, cuda::GeluPath::kKernel);
-        }
+      std::printf("  dense_backward_through_act %s, nopad GEMM %s, cuBLASLt epilogue %s: %s\n", tag.c_str(),
+                  gemm ? "on" : "off", epilogue ? "on" : "off", gelu_path_name(ran));
+      EXPECT_NE(ran, cuda::GeluPath::kEpilogueBias);
+      if (sm90) {
+        EXPECT_EQ(ran, cuda::GeluPath::kGemmSm90);
+      } else if (!tanh || !epilogue || c.k % 8 != 0) {
+        EXPECT_EQ(ran, cuda::GeluPath::kKernel);
       }
       expect_close("dx_pre", down(dx_g), dx_c, kTolChain<E>);
       expect_close("d_weight (+=)", minus(down(*dgw), gw0), minus(gw, gw0), kTolGrad<E>);
       expect_close("d_x_bias (+=)", minus(down(*dgb), gb0), minus(gb, gb0), kTolGrad<E>);
     }
+  }
+}
+
+// nopad's sm_90a GEMM on its own (gemm_sm90.h) against a CPU evaluation of its contract (products in double, then the
+// kernel's sequence of 16-bit roundings): every epilogue and both GELUs, row counts around the 128-row tile and the
+// consumers' 64-row halves, one to three 256-column tiles, 1 to 16 k-blocks (fewer and more than the ring's stages).
+// Outputs get 3 extra rows, all poisoned: the rows past m must stay untouched; the column partials of every 128-row
+// chunk must all be written and equal the chunk's sums of the unrounded dGELU values. The reference products run on
+// all the host's cores (a few GFLOP in double).
+TYPED_TEST(CudaOps, GemmSm90Epilogues) {
+  using E = TypeParam;  // bf16 or f16
+  using D = std::conditional_t<std::is_same_v<E, f16>, __half, __nv_bfloat16>;
+  if (!cuda::gemm_sm90_available()) GTEST_SKIP() << "needs the sm_90a build on a compute-capability 9.0 GPU";
+  struct Case {
+    int64_t m;
+    int32_t n, k;
+  };
+  // The last two have more tiles than an H100 or H200 has SMs (200 and 144): CTAs take 2-3 tiles, so the deferred
+  // epilogue work of one tile runs inside the next tile's main loop (the others only reach the final flush).
+  const Case cases[] = {{1, 256, 64},    {63, 256, 128},   {64, 512, 64},    {65, 256, 192},
+                        {127, 768, 64},  {128, 256, 1024}, {129, 512, 256},  {1000, 256, 320},
+                        {12800, 512, 256}, {4500, 1024, 1024}};
+  auto r16 = [](double x) { return to_float(convert<E>(static_cast<float>(x))); };
+  auto gelu = [](double x, bool tanh) {
+    if (!tanh) return 0.5 * x * (1.0 + std::erf(x / std::sqrt(2.0)));
+    const double u = std::sqrt(2.0 / M_PI) * (x + 0.044715 * x * x * x);
+    return 0.5 * x * (1.0 + std::tanh(u));
+  };
+  auto gelu_grad = [](double x, bool tanh) {
+    if (!tanh) return 0.5 * (1.0 + std::erf(x / std::sqrt(2.0))) + x * std::exp(-0.5 * x * x) / std::sqrt(2.0 * M_PI);
+    const double c = std::sqrt(2.0 / M_PI), th = std::tanh(c * (x + 0.044715 * x * x * x));
+    return 0.5 * (1.0 + th) + 0.5 * x * (1.0 - th * th) * c * (1.0 + 3.0 * 0.044715 * x * x);
+  };
+  for (const Case& c : cases) {
+    const std::string tag = "m=" + std::to_string(c.m) + " n=" + std::to_string(c.n) + " k=" + std::to_string(c.k);
+    SCOPED_TRACE(tag);
+    std::printf("  gemm_sm90 %s\n", tag.c_str());
+    Rng rng({31u, static_cast<uint64_t>(c.m), static_cast<uint64_t>(c.n), static_cast<uint64_t>(c.k)});
+    const float ws = 2.0f / std::sqrt(static_cast<float>(c.k));
+    const size_t mn = static_cast<size_t>(c.m) * c.n, padded = mn + size_t{3} * c.n;
+    Vec a = rand_vec<E>(rng, size_t(c.m) * c.k, -1, 1), b = rand_vec<E>(rng, size_t(c.n) * c.k, -ws, ws),
+        bias = rand_vec<E>(rng, c.n, -0.5f, 0.5f), aux = rand_vec<E>(rng, mn, -3, 3);
+    std::vector<double> acc(mn);
+    {
+      const int nthreads = std::max(1u, std::thread::hardware_concurrency());
+      std::vector<std::thread> pool;
+      for (int th = 0; th < nthreads; ++th)
+        pool.emplace_back([&, th] {
+          for (int64_t r = th; r < c.m; r += nthreads)
+            for (int32_t j = 0; j < c.n; ++j) {
+              double s = 0;
+              for (int32_t q = 0; q < c.k; ++q) s += double(a[r * c.k + q]) * b[size_t(j) * c.k + q];
+              acc[r * c.n + j] = s;
+            }
+        });
+      for (auto& th : pool) th.join();
+    }
+    auto da = up16<E>(a), db = up16<E>(b), dbias = up16<E>(bias), daux = up16<E>(aux);
+    const int chunks = cuda::gemm_sm90_row_chunks(c.m);
+    EXPECT_EQ(chunks, (c.m + 127) / 128);
+    DBuf<E> out0(padded), out1(padded);
+    DBuf<float> partial(size_t(chunks) * c.n);
+    auto dev = [](auto* p) { return reinterpret_cast<D*>(p); };
+    auto cdev = [](const auto* p) { return reinterpret_cast<const D*>(p); };
+    // Rows < m against `want`, rows >= m still poisoned.
+    auto check = [&](const char* what, const DBuf<E>& buf, const Vec& want, double tol) {
+      Vec got = down(buf);
+      size_t written_past = 0;
+      for (size_t i = mn; i < padded; ++i) written_past += !std::isnan(got[i]);
+      EXPECT_EQ(written_past, 0u) << what << ": rows past m were written";
+      got.resize(mn);
+      expect_close(what, got, want, tol);
+    };
+    for (const bool tanh : {false, true}) {
+      SCOPED_TRACE(tanh ? "tanh GELU" : "erf GELU");
+      // kBias (tanh is irrelevant to it: run once)
+      if (!tanh) {
+        Vec want(mn);
+        for (size_t i = 0; i < mn; ++i) want[i] = r16(acc[i] + bias[i % c.n]);
+        out0.poison();
+        cuda::launch_gemm_sm90<D>(cuda::GemmEpilogue::kBias, cdev(da->p), cdev(db->p), c.m, c.n, c.k,
+                                  cdev(dbias->p), dev(out0.p), nullptr, nullptr, nullptr, false, current().stream);
+        check("bias: out", out0, want, kTolOut<E>);
+      }
+      {  // kGelu
+        Vec pre(mn), y(mn);
+        for (size_t i = 0; i < mn; ++i) {
+          pre[i] = r16(acc[i] + bias[i % c.n]);
+          y[i] = r16(gelu(pre[i], tanh));
+        }
+        out0.poison();
+        out1.poison();
+        cuda::launch_gemm_sm90<D>(cuda::GemmEpilogue::kGelu, cdev(da->p), cdev(db->p), c.m, c.n, c.k,
+                                  cdev(dbias->p), dev(out0.p), dev(out1.p), nullptr, nullptr, tanh, current().stream);
+        check("gelu: pre_act", out0, pre, kTolOut<E>);
+        check("gelu: y", out1, y, kTolChain<E>);
+      }
+      {  // kDGelu with column partials
+        Vec dpre(mn), sums(size_t(chunks) * c.n, 0.0f);
+        std::vector<double> sums_d(sums.size(), 0.0);
+        for (size_t i = 0; i < mn; ++i) {
+          const double v = double(r16(acc[i])) * gelu_grad(aux[i], tanh);
+          dpre[i] = r16(v);
+          sums_d[(i / c.n) / 128 * c.n + i % c.n] += v;
+        }
+        for (size_t i = 0; i < sums.size(); ++i) sums[i] = static_cast<float>(sums_d[i]);
+        out0.poison();
+        partial.poison();
+        cuda::launch_gemm_sm90<D>(cuda::GemmEpilogue::kDGelu, cdev(da->p), cdev(db->p), c.m, c.n, c.k, nullptr,
+                                  dev(out0.p), nullptr, cdev(daux->p), partial.p, tanh, current().stream);
+        check("dgelu: dpre", out0, dpre, kTolChain<E>);
+        expect_close("dgelu: column partials", down(partial), sums, kTolOut<E>);
+      }
+    }
+    ASSERT_EQ(cudaGetLastError(), cudaSuccess);
   }
 }
 
@@ -1172,8 +1303,30 @@ TYPED_TEST(CudaPerf, GeluForward) {
     gpu<E>().dense_forward(x->p, w->p, bias->p, T, k, n, ops::Activation::kNone, pre.p, nullptr);
   });
   perf_line("dense_fwd", "k=1024 n=4096, no activation (the GEMM)", gemm, 0);
+  if (cuda::gemm_sm90_available()) {  // nopad's GEMM with the bias epilogue alone: its rate against cuBLASLt's
+    using D = std::conditional_t<std::is_same_v<E, f16>, __half, __nv_bfloat16>;
+    const double own = median_ms([&] {
+      cuda::launch_gemm_sm90<D>(cuda::GemmEpilogue::kBias, reinterpret_cast<const D*>(x->p),
+                                reinterpret_cast<const D*>(w->p), T, n, k, reinterpret_cast<const D*>(bias->p),
+                                reinterpret_cast<D*>(pre.p), nullptr, nullptr, nullptr, false, current().stream);
+    });
+    perf_line("dense_fwd", "k=1024 n=4096, no activation (nopad GEMM)", own, 0);
+    for (bool tanh : {false, true}) {
+      cuda::KernelVariants kv;
+      kv.gelu_gemm = true;
+      VariantScope scope(kv);
+      const double ms = median_ms([&] {
+        gpu<E>().dense_forward(x->p, w->p, bias->p, T, k, n,
+                               tanh ? ops::Activation::kGeluTanh : ops::Activation::kGelu, y.p, pre.p);
+      });
+      EXPECT_EQ(cuda::last_gelu_path(), cuda::GeluPath::kGemmSm90);
+      perf_line("dense_fwd", std::string("k=1024 n=4096 GELU") + (tanh ? " tanh" : "") + ", nopad GEMM epilogue", ms,
+                0);
+    }
+  }
   for (bool wide : {false, true}) {
     cuda::KernelVariants kv;
+    kv.gelu_gemm = false;
     kv.gelu_forward_wide = wide;
     VariantScope scope(kv);
     const double ms = median_ms([&] {
@@ -1185,6 +1338,7 @@ TYPED_TEST(CudaPerf, GeluForward) {
   }
   for (bool epilogue : {false, true}) {  // the tanh GELU: BIAS product + kernel, or the GELU_AUX_BIAS epilogue
     cuda::KernelVariants kv;
+    kv.gelu_gemm = false;
     kv.gelu_forward_epilogue = epilogue;
     VariantScope scope(kv);
     const double ms = median_ms([&] {
@@ -1210,18 +1364,22 @@ TYPED_TEST(CudaPerf, FfnBackward) {
   gpu<E>().zero_bytes(dw_in.p, dw_in.n * sizeof(float));
   gpu<E>().zero_bytes(dw_out.p, dw_out.n * sizeof(float));
   gpu<E>().zero_bytes(db_in.p, db_in.n * sizeof(float));
-  for (const auto& [name, a, epilogue] : {std::tuple{"erf GELU", ops::Activation::kGelu, false},
-                                          std::tuple{"tanh GELU, kernels", ops::Activation::kGeluTanh, false},
-                                          std::tuple{"tanh GELU, epilogues", ops::Activation::kGeluTanh, true}}) {
+  for (const auto& [name, a, epilogue, own] :
+       {std::tuple{"erf GELU", ops::Activation::kGelu, false, false},
+        std::tuple{"erf GELU, nopad GEMM", ops::Activation::kGelu, false, true},
+        std::tuple{"tanh GELU, kernels", ops::Activation::kGeluTanh, false, false},
+        std::tuple{"tanh GELU, epilogues", ops::Activation::kGeluTanh, true, false},
+        std::tuple{"tanh GELU, nopad GEMM", ops::Activation::kGeluTanh, false, true}}) {
     cuda::KernelVariants kv;
     kv.dgelu_epilogue = epilogue;
+    kv.dgelu_gemm = own;
     VariantScope scope(kv);
     const double ms = median_ms([&] {
       gpu<E>().dense_backward_through_act(dy->p, act->p, pre->p, w_out->p, T, I, H, a, d_inter.p, dw_out.p, db_in.p);
       gpu<E>().dense_backward(d_inter.p, x_in->p, w_in->p, nullptr, T, H, I, ops::Activation::kNone, d_x.p, true,
                               dw_in.p, nullptr);
     });
-    const char* ran = a == ops::Activation::kGelu ? "kernels" : gelu_path_name(cuda::last_gelu_path());
+    const char* ran = gelu_path_name(cuda::last_gelu_path());
     perf_line("ffn_bwd", std::string(name) + " (ran " + ran + ")", ms, 0);
   }
 }

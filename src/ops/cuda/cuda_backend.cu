@@ -15,6 +15,7 @@
 #include "core/error.h"
 #include "ops/cuda/check.h"
 #include "ops/cuda/dense.h"
+#include "ops/cuda/gemm_sm90.h"
 #include "ops/cuda/fmha.h"
 #include "ops/cuda/kernels.cuh"
 
@@ -459,6 +460,13 @@ void CudaBackendT<P>::dense_forward_ld(const A* x, const W* weight, const W* bia
   p.d = target;
   p.ldd = ld_y;
   p.bias = bias;
+  if (gelu && kernel_variants().gelu_gemm && gemm_sm90_supported(rows, n, k, x, weight, pre_act, y, bias)) {
+    // nopad's GEMM: pre_act = x W^T + bias and y = gelu(pre_act) from the accumulators (gemm_sm90.h)
+    launch_gemm_sm90<device_t<A>>(GemmEpilogue::kGelu, dev(x), dev(weight), rows, n, k, dev(bias), dev(pre_act),
+                                  dev(y), nullptr, nullptr, tanh, stream_);
+    last_gelu_path() = GeluPath::kGemmSm90;
+    return;
+  }
   if (tanh && bias && kernel_variants().gelu_forward_epilogue && n % 8 == 0) {  // y and pre_act from one product
     GemmProblem e = p;
     e.d = y;
@@ -472,7 +480,7 @@ void CudaBackendT<P>::dense_forward_ld(const A* x, const W* weight, const W* bia
   gemm_->run(p, stream_);
   if (gelu) {
     launch_gelu_forward(dev(pre_act), dev(y), rows * n, kernel_variants().gelu_forward_wide, tanh, stream_);
-    if (tanh) last_gelu_path() = GeluPath::kKernel;
+    last_gelu_path() = GeluPath::kKernel;
   }
 }
 
@@ -586,7 +594,8 @@ void CudaBackendT<P>::dense_backward_ld(const A* dy, const A* x, const W* weight
 }
 
 // dx_pre = (dy W) * act'(x_pre), d_x_bias += its column sums, d_weight += dy^T x. The plain product into scratch and
-// the one-pass dGELU + column-sum kernel (the traffic of dense_backward's GELU path). kGeluTanh with
+// the one-pass dGELU + column-sum kernel (the traffic of dense_backward's GELU path). KernelVariants::dgelu_gemm (off
+// by default: slower, dense.h): nopad's sm_90a GEMM with dGELU and the column partials in its epilogue. kGeluTanh with
 // KernelVariants::dgelu_epilogue (off by default: slower, dense.h): the dx product with the DGELU_BGRAD epilogue
 // (fp32 bias gradient, else bf16 for bf16), else DGELU and the column-sum pass, else the default path.
 template <class P>
@@ -609,7 +618,22 @@ void CudaBackendT<P>::dense_backward_through_act(const A* dy, const A* x, const 
   p.ldb = n;
   p.ldd = k;
   bool done = false;
-  if (tanh && kernel_variants().dgelu_epilogue && k % 8 == 0) {
+  if (kernel_variants().dgelu_gemm && gemm_sm90_supported(rows, k, n, dy, weight, dx_pre, nullptr, x_pre)) {
+    // nopad's GEMM: dx_pre = (dy W) * act'(x_pre) and the column partials of d_x_bias from the accumulators. Its B
+    // operand is K-major: W [n, k] transposed into scratch first (k x n 16-bit, a few microseconds).
+    A* w_t = static_cast<A*>(scratch(kWeightT, sizeof(A) * static_cast<size_t>(k) * n));
+    launch_transpose16(dev(weight), n, k, dev(w_t), stream_);
+    float* partial = nullptr;
+    const int chunks = gemm_sm90_row_chunks(rows);
+    if (d_x_bias)
+      partial = static_cast<float*>(scratch(kColPartials, sizeof(float) * chunks * static_cast<size_t>(k)));
+    launch_gemm_sm90<device_t<A>>(GemmEpilogue::kDGelu, dev(dy), dev(w_t), rows, k, n, nullptr, dev(dx_pre), nullptr,
+                                  dev(x_pre), partial, tanh, stream_);
+    if (d_x_bias) launch_column_finish(partial, chunks, k, 1, d_x_bias, nullptr, nullptr, stream_);
+    last_gelu_path() = GeluPath::kGemmSm90;
+    done = true;
+  }
+  if (!done && tanh && kernel_variants().dgelu_epilogue && k % 8 == 0) {
     GemmProblem e = p;
     e.d = dx_pre;
     e.gelu_aux = const_cast<A*>(x_pre);
@@ -656,7 +680,7 @@ void CudaBackendT<P>::dense_backward_through_act(const A* dy, const A* x, const 
       launch_gelu_backward(dev(buf), dev(x_pre), dev(dx_pre), rows * int64_t{k}, tanh, stream_);
       if (d_x_bias) column_sums_accumulate(dx_pre, rows, k, d_x_bias);
     }
-    if (tanh) last_gelu_path() = GeluPath::kKernel;
+    last_gelu_path() = GeluPath::kKernel;
   }
   if (d_weight) {  // as in dense_backward: dW^T[k, n] += x^T[k, rows] op_T(dy^T[n, rows]), fp32
     GemmProblem w;

@@ -143,7 +143,7 @@ class CudaBackendT final : public ops::Backend<P> {
   // One grow-only buffer per purpose, so an op holding one can call a helper (dense_backward, LN backward) that
   // holds another.
   // kBiasGrad: the fp32 [n] column sums the BGRADB epilogue writes (dense_backward).
-  enum Slot { kDpre, kColPartials, kLnPartials, kHeadA, kHeadB, kFmhaWorkspace, kBiasGrad, kNumSlots };
+  enum Slot { kDpre, kColPartials, kLnPartials, kHeadA, kHeadB, kFmhaWorkspace, kBiasGrad, kWeightT, kNumSlots };
   void* scratch(Slot slot, size_t bytes);
   // LayerNorm over rows of x [rows, H] (no residual, no dropout), and its backward (dz written; d_gamma/d_beta +=).
   void layernorm_plain_forward(const A* x, const W* gamma, const W* beta, int64_t rows, int32_t H, double eps, A* out,

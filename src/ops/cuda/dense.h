@@ -106,15 +106,24 @@ struct KernelVariants {
   // on the dx product (false: the plain product and the one-pass dGELU + d_bias kernel). Off: the epilogue's products
   // are slower than the product plus the pass, H200 FFN backward 2.005 ms vs 1.356 (fp16 1.374 vs 1.242).
   bool dgelu_epilogue = false;
+  // Both GELUs, forward: nopad's sm_90a GEMM (gemm_sm90.h) with the GELU in the epilogue (pre_act and y from one
+  // product) where the device and the shapes allow it (n % 256, k % 64); before the cuBLASLt epilogue above. H100,
+  // T = 24,657, k=1024 n=4096, erf: 0.409 ms vs 0.448 for the cuBLASLt product + wide GELU kernel.
+  bool gelu_gemm = true;
+  // Both GELUs, backward (dense_backward_through_act): the same GEMM with dGELU and the d_bias column partials in the
+  // FFN-out dx product's epilogue (the weight transposed first). Off: slower than the product + one-pass kernel
+  // (H100, FFN backward 1.469 ms vs 1.258).
+  bool dgelu_gemm = false;
 };
 KernelVariants& kernel_variants();  // dense.cu
 // How the last dense_backward with a d_bias obtained it (set by CudaBackend; tests read it to see whether the
 // epilogue ran or fell back).
 BiasGradPath& last_bias_grad_path();
-// How the last kGeluTanh dense_forward / dense_backward_through_act applied the GELU: kEpilogueBias (forward
-// GELU_AUX_BIAS), kEpilogueBgrad (DGELU_BGRAD: dGELU and d_bias in the product), kEpilogue (DGELU, d_bias by the
-// column-sum pass), kKernel (elementwise kernels). Tests read it to see which path ran.
-enum class GeluPath { kKernel, kEpilogue, kEpilogueBias, kEpilogueBgrad };
+// How the last dense_forward / dense_backward_through_act with a GELU applied it: kGemmSm90 (nopad's GEMM with the
+// GELU / dGELU epilogue, either GELU), kEpilogueBias (forward GELU_AUX_BIAS), kEpilogueBgrad (DGELU_BGRAD: dGELU and
+// d_bias in the product), kEpilogue (DGELU, d_bias by the column-sum pass), kKernel (elementwise kernels). Tests read
+// it to see which path ran.
+enum class GeluPath { kKernel, kEpilogue, kEpilogueBias, kEpilogueBgrad, kGemmSm90 };
 GeluPath& last_gelu_path();
 
 class LtGemm {

@@ -1,0 +1,16 @@
+set -u
+export NOPAD_CMAKE_EXTRA=-DCMAKE_CUDA_ARCHITECTURES=90a-real
+NOPAD_SKIP_INSTALL=1 NOPAD_BUILD_DIR=build-gpu NOPAD_CMAKE_ARGS="-DNOPAD_CUDA=ON $NOPAD_CMAKE_EXTRA" bash scripts/setup.sh > /tmp/build.log 2>&1 || { tail -30 /tmp/build.log; exit 1; }
+prof() {  # name filter skip
+  ncu --clock-control none -k regex:gemm_sm90_kernel --launch-skip $3 --launch-count 1 --section SpeedOfLight \
+    --section WarpStateStats --section SchedulerStats --section MemoryWorkloadAnalysis --section LaunchStats \
+    --section SourceCounters --import-source no -f -o /tmp/$1 ./build-gpu/nopad_cuda_tests --gtest_filter="$2" > /tmp/$1.run 2>&1
+  ncu -i /tmp/$1.ncu-rep > $OUT/$1.txt 2>&1
+  ncu -i /tmp/$1.ncu-rep --page source --csv --print-source sass > $OUT/$1-sass.csv 2>&1
+  grep -E "Duration|Throughput|Eligible|Issue Slots|Warp Cycles Per|No Eligible" $OUT/$1.txt | head -20
+}
+prof fwd-bias 'CudaPerf/bf16.GeluForward' 3
+prof fwd-gelu 'CudaPerf/bf16.GeluForward' 31
+prof bwd-dgelu 'CudaPerf/bf16.FfnBackward' 3
+rm -f $OUT/fwd-bias-sass.csv
+ls -la $OUT
