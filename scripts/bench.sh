@@ -6,6 +6,7 @@
 #   PEER_BATCHES="32 64"  batch sizes of the compiled PyTorch peer (each on the workload of the same nopad batch)
 #   HF_BATCH=32           batch of the Hugging Face peer (none: skip it)
 #   PEER_ATTENTION=1      the attention-only peer (varlen_attn, 64 sequences) on the last batch's workload (0: skip)
+#   VARIANT_RUNS="A=0 B=1"  the last nopad batch again under each environment setting (kernel variants, dense.cu)
 #   PROFILE_BATCH=B       also profile the compiled PyTorch peer at batch B (scripts/profile_peer.py: its kernel time
 #                         per step by category, to compare with nopad's --breakdown); unset: skip
 #   HIDDEN_ACTS="gelu"    nopad activations to time at every batch: gelu (exact erf, the standard workload's) and/or
@@ -46,6 +47,15 @@ for B in $BATCHES; do
     "$NOPAD" bench model --model data/configs/bert-large-mlperf.json --data "$SHARDS" --batch "$B" --steps 20 \
       --warmup 5 --hidden-act "$ACT" --workload "$OUT/workload-$B.txt" $BREAKDOWN
   done
+done
+
+# VARIANT_RUNS="NOPAD_GELU_GEMM=0 NOPAD_DGELU_GEMM=1": the last batch again under each environment setting (one per
+# word, kernel variants that read the environment: dense.cu), without the breakdown, for side-by-side step times.
+for V in ${VARIANT_RUNS:-}; do
+  echo "== nopad bench model batch $LAST_BATCH with $V"
+  # Prefixed, so the summary below (nopad/peer ratios at the default variants) does not take these lines.
+  env "$V" "$NOPAD" bench model --model data/configs/bert-large-mlperf.json --data "$SHARDS" --batch "$LAST_BATCH" \
+    --steps 20 --warmup 5 | sed "s/^{/variant $V: {/"
 done
 
 echo "== fmha PerfSmoke (dropout 0 vs 0.1)"

@@ -1,4 +1,12 @@
+#!/usr/bin/env bash
+# ncu of nopad's sm_90a GEMM (gemm_sm90.cu) on the GPU machine: builds build-gpu (sm_90a only) and profiles one launch
+# each of the bias epilogue and the erf-GELU epilogue (CudaPerf.GeluForward, T = 24,657, k=1024 n=4096) and of the
+# dGELU epilogue (CudaPerf.FfnBackward): speed of light, warp states, memory, and per-instruction stall samples
+# (SASS CSV) into $OUT. Usage: OUT=... bash scripts/ncu-gemm.sh
 set -u
+cd "$(dirname "$0")/.."
+OUT=${OUT:-out/ncu-gemm}
+mkdir -p "$OUT"
 export NOPAD_CMAKE_EXTRA=-DCMAKE_CUDA_ARCHITECTURES=90a-real
 NOPAD_SKIP_INSTALL=1 NOPAD_BUILD_DIR=build-gpu NOPAD_CMAKE_ARGS="-DNOPAD_CUDA=ON $NOPAD_CMAKE_EXTRA" bash scripts/setup.sh > /tmp/build.log 2>&1 || { tail -30 /tmp/build.log; exit 1; }
 prof() {  # name filter skip

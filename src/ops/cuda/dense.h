@@ -106,9 +106,10 @@ struct KernelVariants {
   // on the dx product (false: the plain product and the one-pass dGELU + d_bias kernel). Off: the epilogue's products
   // are slower than the product plus the pass, H200 FFN backward 2.005 ms vs 1.356 (fp16 1.374 vs 1.242).
   bool dgelu_epilogue = false;
-  // Both GELUs, forward: nopad's sm_90a GEMM (gemm_sm90.h) with the GELU in the epilogue (pre_act and y from one
-  // product) where the device and the shapes allow it (n % 256, k % 64); before the cuBLASLt epilogue above. H100,
-  // T = 24,657, k=1024 n=4096, erf: 0.409 ms vs 0.448 for the cuBLASLt product + wide GELU kernel.
+  // GELU forward: nopad's sm_90a GEMM (gemm_sm90.h) with the GELU in the epilogue (pre_act and y from one product)
+  // where the device and the shapes allow it (n % 256, k % 64); the tanh GELU only when gelu_forward_epilogue is off
+  // (cuBLASLt's GELU_AUX_BIAS is faster for it). H100, T = 24,657, k=1024 n=4096, erf: 0.409-0.416 ms vs 0.448-0.452
+  // for the cuBLASLt product + wide GELU kernel; tanh 0.417 vs GELU_AUX_BIAS 0.394.
   bool gelu_gemm = true;
   // Both GELUs, backward (dense_backward_through_act): the same GEMM with dGELU and the d_bias column partials in the
   // FFN-out dx product's epilogue (the weight transposed first). Off: slower than the product + one-pass kernel
