@@ -4,12 +4,14 @@
 // grid (consecutive CTAs share A's 128-row block in the L2; B, a weight of <= 8 MB, stays in the L2 throughout).
 // 384 threads: warpgroup 0 is the producer (one thread issues the TMA loads of A [128 x 64] and B [256 x 64] k-blocks
 // into a kStages-deep ring of 128-byte-swizzled stages, full/empty mbarriers; it gives its registers back with
-// setmaxnreg), warpgroups 1 and 2 are the consumers: each owns 64 rows of the tile, issues m64n256k16 wgmma from
-// shared memory (four per k-block) with one k-block in flight, and runs the epilogue from its accumulators straight
-// to global memory while the producer already fills the ring for its next tile. The epilogue's operands (bias, or the
-// pre-activation tile of the dGELU) are loaded into registers before the main loop so their latency hides behind it.
-// Column sums (kDGelu): per n-pair a warp-shuffle reduction over the warp's 16 rows, the 8 warps' sums combined in a
-// fixed order through shared memory.
+// setmaxnreg), warpgroups 1 and 2 are the consumers: each owns 64 rows of the tile and issues m64n256k16 wgmma from
+// shared memory (four per k-block) with one k-block in flight. After its main loop a consumer rounds its accumulators
+// (+ bias) to 16 bits into its staging boxes (shared memory, the TMA store's swizzled layout; kBias and kGelu store
+// them at once as out0) and moves on; the rest of the epilogue (kGelu: y = gelu(pre) in place; kDGelu: dpre =
+// g * gelu'(aux) in place, with the column sums) is done in 16 units between the next tile's k-blocks, while its
+// products run, each 64 x 64 box TMA-stored when complete (see the consumer code). Column sums (kDGelu): per unit a
+// thread's 8 columns over its rows, reduced over the warp by shuffles, the 8 warps' sums combined in a fixed order
+// through shared memory. Measured design history: docs/performance.md ("nopad's own GEMM with the GELU epilogue").
 #include <cudaTypedefs.h>
 
 #include <algorithm>
