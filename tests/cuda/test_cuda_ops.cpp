@@ -732,7 +732,8 @@ TYPED_TEST(CudaOps, GemmSm90Epilogues) {
         for (size_t i = 0; i < mn; ++i) want[i] = r16(acc[i] + bias[i % c.n]);
         out0.poison();
         cuda::launch_gemm_sm90<D>(cuda::GemmEpilogue::kBias, cdev(da->p), cdev(db->p), c.m, c.n, c.k,
-                                  cdev(dbias->p), dev(out0.p), nullptr, nullptr, nullptr, false, current().stream);
+                                  cdev(dbias->p), dev(out0.p), nullptr, nullptr, nullptr, false, gpu<E>().multiprocessors(),
+                                  current().stream);
         check("bias: out", out0, want, kTolOut<E>);
       }
       {  // kGelu
@@ -744,7 +745,8 @@ TYPED_TEST(CudaOps, GemmSm90Epilogues) {
         out0.poison();
         out1.poison();
         cuda::launch_gemm_sm90<D>(cuda::GemmEpilogue::kGelu, cdev(da->p), cdev(db->p), c.m, c.n, c.k,
-                                  cdev(dbias->p), dev(out0.p), dev(out1.p), nullptr, nullptr, tanh, current().stream);
+                                  cdev(dbias->p), dev(out0.p), dev(out1.p), nullptr, nullptr, tanh, gpu<E>().multiprocessors(),
+                                  current().stream);
         check("gelu: pre_act", out0, pre, kTolOut<E>);
         check("gelu: y", out1, y, kTolChain<E>);
       }
@@ -760,7 +762,8 @@ TYPED_TEST(CudaOps, GemmSm90Epilogues) {
         out0.poison();
         partial.poison();
         cuda::launch_gemm_sm90<D>(cuda::GemmEpilogue::kDGelu, cdev(da->p), cdev(db->p), c.m, c.n, c.k, nullptr,
-                                  dev(out0.p), nullptr, cdev(daux->p), partial.p, tanh, current().stream);
+                                  dev(out0.p), nullptr, cdev(daux->p), partial.p, tanh, gpu<E>().multiprocessors(),
+                                  current().stream);
         check("dgelu: dpre", out0, dpre, kTolChain<E>);
         expect_close("dgelu: column partials", down(partial), sums, kTolOut<E>);
       }
@@ -1309,7 +1312,8 @@ TYPED_TEST(CudaPerf, GeluForward) {
     const double own = median_ms([&] {
       cuda::launch_gemm_sm90<D>(cuda::GemmEpilogue::kBias, reinterpret_cast<const D*>(x->p),
                                 reinterpret_cast<const D*>(w->p), T, n, k, reinterpret_cast<const D*>(bias->p),
-                                reinterpret_cast<D*>(pre.p), nullptr, nullptr, nullptr, false, current().stream);
+                                reinterpret_cast<D*>(pre.p), nullptr, nullptr, nullptr, false, gpu<E>().multiprocessors(),
+                                current().stream);
     });
     perf_line("dense_fwd", "k=1024 n=4096, no activation (nopad GEMM)", own, 0);
     for (bool tanh : {false, true}) {

@@ -465,7 +465,7 @@ void CudaBackendT<P>::dense_forward_ld(const A* x, const W* weight, const W* bia
   if (gelu && kernel_variants().gelu_gemm && (!tanh || !kernel_variants().gelu_forward_epilogue) &&
       gemm_sm90_supported(rows, n, k, x, weight, pre_act, y, bias)) {
     launch_gemm_sm90<device_t<A>>(GemmEpilogue::kGelu, dev(x), dev(weight), rows, n, k, dev(bias), dev(pre_act),
-                                  dev(y), nullptr, nullptr, tanh, stream_);
+                                  dev(y), nullptr, nullptr, tanh, sm_count_, stream_);
     last_gelu_path() = GeluPath::kGemmSm90;
     return;
   }
@@ -630,7 +630,7 @@ void CudaBackendT<P>::dense_backward_through_act(const A* dy, const A* x, const 
     if (d_x_bias)
       partial = static_cast<float*>(scratch(kColPartials, sizeof(float) * chunks * static_cast<size_t>(k)));
     launch_gemm_sm90<device_t<A>>(GemmEpilogue::kDGelu, dev(dy), dev(w_t), rows, k, n, nullptr, dev(dx_pre), nullptr,
-                                  dev(x_pre), partial, tanh, stream_);
+                                  dev(x_pre), partial, tanh, sm_count_, stream_);
     if (d_x_bias) launch_column_finish(partial, chunks, k, 1, d_x_bias, nullptr, nullptr, stream_);
     last_gelu_path() = GeluPath::kGemmSm90;
     done = true;

@@ -15,7 +15,6 @@
 #include <cudaTypedefs.h>
 
 #include <algorithm>
-#include <atomic>
 #include <type_traits>
 
 #include "core/error.h"
@@ -28,6 +27,9 @@ namespace nopad::cuda {
 namespace gemm90 {
 
 using fmha_detail::align_smem;
+using fmha_detail::bulk_commit;
+using fmha_detail::bulk_wait_read;
+using fmha_detail::fence_proxy_async;
 using fmha_detail::smem_u32;
 using fmha_detail::wgmma_commit;
 using fmha_detail::wgmma_desc;
@@ -89,17 +91,9 @@ __device__ __forceinline__ void tma_store_2d(const CUtensorMap* map, const void*
                  "r"(x), "r"(y), "r"(smem_u32(src))
                  : "memory");
 }
-__device__ __forceinline__ void bulk_commit() { NOPAD_SM90_ASM("cp.async.bulk.commit_group;\n" ::: "memory"); }
-template <int N>
-__device__ __forceinline__ void bulk_wait_read() {
-  NOPAD_SM90_ASM("cp.async.bulk.wait_group.read %0;\n" ::"n"(N) : "memory");
-}
 template <int N>
 __device__ __forceinline__ void bulk_wait() {
   NOPAD_SM90_ASM("cp.async.bulk.wait_group %0;\n" ::"n"(N) : "memory");
-}
-__device__ __forceinline__ void fence_proxy_async() {
-  NOPAD_SM90_ASM("fence.proxy.async.shared::cta;\n" ::: "memory");
 }
 __device__ __forceinline__ void named_barrier_sync(int id, int threads) {
   asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
@@ -138,6 +132,7 @@ __device__ __forceinline__ void wgmma_256(float (&d)[32][4], uint64_t desc_a, ui
 #endif
 }
 
+// Two 16-bit values packed in a register (fmha_detail::pack2's layout: lo = the lower column) as floats.
 template <bool kFp16>
 __device__ __forceinline__ float2 unpack2(uint32_t v) {
   if constexpr (kFp16) {
@@ -209,9 +204,7 @@ struct Args {
   int32_t m, n, k;
   int32_t tiles_n, tiles;
   const uint16_t* bias;  // [n] or null
-  uint16_t* out0;        // [m, n]
-  uint16_t* out1;        // kGelu: [m, n]
-  const uint16_t* aux;   // kDGelu: [m, n]
+  const uint16_t* aux;   // kDGelu: [m, n] (the outputs are written through their tensor maps)
   float* partial;        // kDGelu: [ceil(m / 128), n] or null
 };
 
@@ -493,27 +486,13 @@ CUtensorMap tensor_map(const void* base, int64_t rows, int64_t cols, int box_row
   return map;
 }
 
-int sm_count() {
-  constexpr int kMaxDevices = 64;
-  static std::atomic<int> cached[kMaxDevices] = {};
-  int dev = 0;
-  NOPAD_CUDA_CHECK(cudaGetDevice(&dev));
-  NOPAD_CHECK(dev >= 0 && dev < kMaxDevices, "gemm_sm90: device ordinal ", dev);
-  int n = cached[dev].load(std::memory_order_relaxed);
-  if (n == 0) {
-    NOPAD_CUDA_CHECK(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev));
-    cached[dev].store(n, std::memory_order_relaxed);
-  }
-  return n;
-}
-
 template <int kEpi, bool kFp16, bool kTanh>
 void launch(const CUtensorMap& ma, const CUtensorMap& mb, const CUtensorMap& mo0, const CUtensorMap& mo1,
-            const Args& args, cudaStream_t stream) {
+            const Args& args, int sm_count, cudaStream_t stream) {
   constexpr auto kernel = gemm_sm90_kernel<kEpi, kFp16, kTanh>;
   static const cudaError_t once = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes);
   NOPAD_CUDA_CHECK(once);
-  const int grid = std::min(args.tiles, sm_count());
+  const int grid = std::min(args.tiles, std::max(sm_count, 1));
   kernel<<<grid, kThreads, kSmemBytes, stream>>>(ma, mb, mo0, mo1, args);
   NOPAD_CUDA_CHECK_LAUNCH();
 }
@@ -556,7 +535,8 @@ int gemm_sm90_row_chunks(int64_t m) { return static_cast<int>((m + gemm90::kBM -
 
 template <class T>
 void launch_gemm_sm90(GemmEpilogue epi, const T* a, const T* b, int64_t m, int32_t n, int32_t k, const T* bias,
-                      T* out0, T* out1, const T* aux, float* partial, bool tanh, cudaStream_t stream) {
+                      T* out0, T* out1, const T* aux, float* partial, bool tanh, int sm_count,
+                      cudaStream_t stream) {
   NOPAD_CHECK(gemm_sm90_supported(m, n, k, a, b, out0, out1, aux), "gemm_sm90: unsupported product m=", m, " n=", n,
               " k=", k, " (needs the sm_90a build on a 9.0 device, n % 256 == 0, k % 64 == 0, 16-byte alignment)");
   NOPAD_CHECK(out0 != nullptr && (epi != GemmEpilogue::kGelu || out1 != nullptr) &&
@@ -572,8 +552,6 @@ void launch_gemm_sm90(GemmEpilogue epi, const T* a, const T* b, int64_t m, int32
   NOPAD_CHECK(tiles < (int64_t{1} << 31), "gemm_sm90: too many tiles (", tiles, ")");
   args.tiles = static_cast<int32_t>(tiles);
   args.bias = reinterpret_cast<const uint16_t*>(bias);
-  args.out0 = reinterpret_cast<uint16_t*>(out0);
-  args.out1 = reinterpret_cast<uint16_t*>(out1);
   args.aux = reinterpret_cast<const uint16_t*>(aux);
   args.partial = partial;
   const CUtensorMap ma = gemm90::tensor_map(a, m, k, gemm90::kBM, kFp16);
@@ -581,18 +559,18 @@ void launch_gemm_sm90(GemmEpilogue epi, const T* a, const T* b, int64_t m, int32
   const CUtensorMap mo0 = gemm90::tensor_map(out0, m, n, 64, kFp16);
   const CUtensorMap mo1 = out1 ? gemm90::tensor_map(out1, m, n, 64, kFp16) : mo0;
   switch (epi) {
-    case GemmEpilogue::kBias: gemm90::launch<0, kFp16, false>(ma, mb, mo0, mo1, args, stream); break;
+    case GemmEpilogue::kBias: gemm90::launch<0, kFp16, false>(ma, mb, mo0, mo1, args, sm_count, stream); break;
     case GemmEpilogue::kGelu:
       if (tanh)
-        gemm90::launch<1, kFp16, true>(ma, mb, mo0, mo1, args, stream);
+        gemm90::launch<1, kFp16, true>(ma, mb, mo0, mo1, args, sm_count, stream);
       else
-        gemm90::launch<1, kFp16, false>(ma, mb, mo0, mo1, args, stream);
+        gemm90::launch<1, kFp16, false>(ma, mb, mo0, mo1, args, sm_count, stream);
       break;
     case GemmEpilogue::kDGelu:
       if (tanh)
-        gemm90::launch<2, kFp16, true>(ma, mb, mo0, mo1, args, stream);
+        gemm90::launch<2, kFp16, true>(ma, mb, mo0, mo1, args, sm_count, stream);
       else
-        gemm90::launch<2, kFp16, false>(ma, mb, mo0, mo1, args, stream);
+        gemm90::launch<2, kFp16, false>(ma, mb, mo0, mo1, args, sm_count, stream);
       break;
   }
 }
@@ -608,7 +586,7 @@ void launch_transpose16(const T* in, int32_t rows, int32_t cols, T* out, cudaStr
 
 #define NOPAD_GEMM90_INSTANTIATE(T)                                                                                 \
   template void launch_gemm_sm90<T>(GemmEpilogue, const T*, const T*, int64_t, int32_t, int32_t, const T*, T*, T*, \
-                                    const T*, float*, bool, cudaStream_t);                                          \
+                                    const T*, float*, bool, int, cudaStream_t);                                          \
   template void launch_transpose16<T>(const T*, int32_t, int32_t, T*, cudaStream_t);
 NOPAD_GEMM90_INSTANTIATE(bf)
 NOPAD_GEMM90_INSTANTIATE(hf)

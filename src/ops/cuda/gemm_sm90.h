@@ -28,10 +28,11 @@ bool gemm_sm90_available();  // sm_90a code in this build and a compute-capabili
 bool gemm_sm90_supported(int64_t m, int64_t n, int64_t k, const void* a, const void* b, const void* out0,
                          const void* out1, const void* aux);
 
-// T = bf or hf (kernels.cuh). partial: kDGelu only, fp32 [ceil(m / 128), n], or null (no column sums).
+// T = bf or hf (kernels.cuh). partial: kDGelu only, fp32 [ceil(m / 128), n], or null (no column sums). sm_count: the
+// device's multiprocessors (one persistent CTA each).
 template <class T>
 void launch_gemm_sm90(GemmEpilogue epi, const T* a, const T* b, int64_t m, int32_t n, int32_t k, const T* bias,
-                      T* out0, T* out1, const T* aux, float* partial, bool tanh, cudaStream_t stream);
+                      T* out0, T* out1, const T* aux, float* partial, bool tanh, int sm_count, cudaStream_t stream);
 int gemm_sm90_row_chunks(int64_t m);  // rows of partial: ceil(m / 128)
 
 // out[cols, rows] = in[rows, cols]^T for 16-bit elements (the backward's B operand: W [n, k] -> W^T [k, n]).
