@@ -9,6 +9,8 @@
 #   3. death: one rank killed (SIGKILL) mid-run: the job ends within 60 s with the launcher's error;
 #   1b. bucket-wise clipping (dist.clip = bucket): kernels vs CPU twin, 1 and 2 GPUs bound every bucket's norm;
 #   1c. bf16 gradient reduction (dist.reduce = bf16): kernels vs CPU twin, 2 GPUs vs 1 GPU loss for loss;
+#   1d. torchrun launch (`python3 -m torch.distributed.run`, its agent's TCPStore shared with the workers): 2 GPUs
+#      vs 1 GPU loss for loss;
 #   4. scaling of BERT-large (with .carry/): overlap, balancing, NCCL SM cap, bucket clipping and bf16 variants;
 #   5. the same through `nopad bench model` on all GPUs (per-rank timing table), balancing off and on.
 #   SKIP_FAULTS=1 skips 2 and 3 (~100 s).
@@ -169,6 +171,40 @@ print(f"bf16 reduction, 2 GPUs vs 1: {'OK' if ok else 'FAILED'} ({len(two)} step
 sys.exit(0 if ok else 1)
 PY
 grep -q "gradients summed in bf16" "$out/two-bf16.log" || { result "bf16 reduction not announced: FAILED"; status=1; }
+
+step "1d. torchrun launch on GPUs: python3 -m torch.distributed.run --standalone --nproc_per_node 2, 20 steps vs 1 GPU"
+# torch >= 2.4 hands the workers its agent's TCPStore as MASTER_ADDR:MASTER_PORT (TORCHELASTIC_USE_AGENT_STORE=True):
+# nopad's ranks meet through it, then NCCL as under mpirun.
+python3 -m torch.distributed.run --standalone --nproc_per_node 2 --no-python $NOPAD "${train_args[@]}" \
+  --set run_dir=$d/two-torchrun --set train.max_steps=20 > "$out/two-torchrun.log" 2>&1 || status=1
+line=$(python3 - $d/one/metrics.jsonl $d/two-torchrun/metrics.jsonl "$out/two-torchrun.log" <<'PY'
+import json, sys
+def losses(p):
+    try:
+        return [json.loads(l)["loss"] for l in open(p) if '"eval"' not in l]
+    except (OSError, KeyError):
+        return []
+one, two = losses(sys.argv[1]), losses(sys.argv[2])
+log = open(sys.argv[3], errors="replace").read()
+problems = []
+if len(one) != 20 or len(two) != 20:
+    problems.append(f"steps logged: one GPU {len(one)}, torchrun {len(two)} (want 20 each)")
+if "data parallel: 2 ranks (torchrun" not in log:
+    problems.append("the log does not say 'data parallel: 2 ranks (torchrun, ...)'")
+worst = max((abs(a - b) for a, b in zip(one, two)), default=float("nan"))
+if not worst <= 0.05:  # step 1's bound (bf16 activations, another summation order)
+    problems.append(f"largest per-step loss difference {worst:.4g} (> 0.05)")
+try:
+    import torch
+    version = torch.__version__
+except ImportError:
+    version = "?"
+print(f"torchrun launch (torch {version}), 2 GPUs vs 1: {'FAILED: ' + '; '.join(problems) if problems else 'OK'} "
+      f"({len(two)} steps, largest per-step loss difference {worst:.4g})")
+sys.exit(1 if problems else 0)
+PY
+) || { status=1; tail -5 "$out/two-torchrun.log"; }
+result "${line:-torchrun launch, 2 GPUs vs 1: FAILED (the check did not run)}"
 
 # 4. Scaling (when .carry/ holds the Wikipedia text): BERT-large, 64 sequences per GPU of real phase-2 lengths, one
 # GPU vs all of them; per-GPU sequences/s from metrics.jsonl (median over steps 6..30). NCCL all-reduce not yet

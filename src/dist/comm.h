@@ -56,7 +56,9 @@ bool mpi_built();
 std::unique_ptr<Communicator> make_mpi_communicator(const RankInfo* expected = nullptr);
 
 // A torchrun-style job's host communicator over TCP (comm_tcp.cpp): rank 0 listens on info.master_port, the others
-// connect to info.master_addr (retrying for up to timeout_s seconds); collectives go through rank 0 in rank order.
+// connect to info.master_addr (retrying for up to timeout_s seconds); with info.agent_store (torchrun's own TCPStore
+// at master_addr:master_port) rank 0 listens on a free port and the ranks find it through the store. Collectives go
+// through rank 0 in rank order.
 std::unique_ptr<Communicator> make_tcp_communicator(const RankInfo& info, double timeout_s);
 
 // For a job launched as `info` says: single process -> make_single_communicator(); mpirun/srun -> MPI; torchrun ->

@@ -1,12 +1,22 @@
 // The TCP communicator of torchrun-style launches (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT): no MPI needed. A
-// star through rank 0: rank 0 listens on MASTER_PORT, every other rank connects (retrying until the bootstrap
-// timeout) and introduces itself; every collective goes to rank 0 and back. Rank 0 combines contributions in rank
+// star through rank 0: rank 0 listens, every other rank connects (retrying until the bootstrap timeout) and
+// introduces itself; every collective goes to rank 0 and back. Where rank 0 listens: on MASTER_PORT, except under a
+// torchrun that shares its agent's store with the workers (TORCHELASTIC_USE_AGENT_STORE=True, PyTorch 2.4 and later):
+// MASTER_ADDR:MASTER_PORT is then that TCPStore, already bound, so rank 0 listens on a port the kernel picks and
+// publishes "address:port" in the store under nopad/<TORCHELASTIC_RUN_ID>/<TORCHELASTIC_RESTART_COUNT>/bootstrap (the
+// address is the local end of its connection to the store, reachable from the store's network; when that is a
+// loopback address and the job spans several hosts, the addresses of rank 0's interfaces, comma-separated), and the
+// other ranks wait for that key and connect to the first address that answers (dist/tcp_store_client.h). Rank 0
+// combines contributions in rank
 // order, so sums are deterministic and every rank receives the same bits (the Communicator contract). Each message
 // carries the collective's kind and size, and rank 0 refuses a rank whose call differs (a mismatched collective is
 // an error naming both, not silent garbage). A peer that exits closes its socket: the others' next receive throws
 // naming it. Meant for the host-side traffic (batch counts, losses, the NCCL id, CPU gradients of small models); GPU
 // gradients go over NCCL.
 #include <arpa/inet.h>
+#include <fcntl.h>
+#include <ifaddrs.h>
+#include <net/if.h>
 #include <netdb.h>
 #include <netinet/in.h>
 #include <netinet/tcp.h>
@@ -20,11 +30,15 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <optional>
+#include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "core/error.h"
 #include "dist/comm.h"
+#include "dist/tcp_store_client.h"
 
 namespace nopad::dist {
 
@@ -47,10 +61,14 @@ class TcpCommunicator final : public Communicator {
                 "torchrun-style launch: MASTER_ADDR and MASTER_PORT (1..65535) are needed, got '", info.master_addr,
                 "' and ", info.master_port);
     peers_.assign(static_cast<size_t>(size_), -1);
-    if (rank_ == 0)
-      listen_and_accept(info, timeout_s);
+    if (info.agent_store)
+      bootstrap_through_store(info, timeout_s);
+    else if (rank_ == 0)
+      accept_ranks(listen_on(info.master_port, AF_INET, "MASTER_PORT"), timeout_s, std::chrono::steady_clock::now(),
+                   "port " + std::to_string(info.master_port),
+                   "check that every rank was started with the same MASTER_ADDR/MASTER_PORT and WORLD_SIZE");
     else
-      connect_to_root(info, timeout_s);
+      connect_to_root({{info.master_addr, info.master_port}}, timeout_s, "MASTER_ADDR:MASTER_PORT", timeout_s);
   }
   ~TcpCommunicator() override {
     for (int fd : peers_)
@@ -233,32 +251,60 @@ class TcpCommunicator final : public Communicator {
     (void)::setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);  // small collectives: no Nagle delay
   }
 
-  void listen_and_accept(const RankInfo& info, double timeout_s) {
-    int lfd = ::socket(AF_INET, SOCK_STREAM, 0);
+  // A listening socket on `port` (0: one the kernel picks) of every local address of `family` (AF_INET6 also
+  // takes IPv4 peers). `what` names the port in the error.
+  static int listen_on(int port, int family, const char* what) {
+    const int lfd = ::socket(family, SOCK_STREAM | SOCK_CLOEXEC, 0);
     NOPAD_CHECK(lfd >= 0, "rank 0: socket(): ", std::strerror(errno));
-    int one = 1;
+    int one = 1, zero = 0;
     (void)::setsockopt(lfd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
-    sockaddr_in addr{};
-    addr.sin_family = AF_INET;
-    addr.sin_addr.s_addr = htonl(INADDR_ANY);
-    addr.sin_port = htons(static_cast<uint16_t>(info.master_port));
-    if (::bind(lfd, reinterpret_cast<sockaddr*>(&addr), sizeof addr) != 0 || ::listen(lfd, size_) != 0) {
+    sockaddr_storage addr{};
+    socklen_t len = 0;
+    if (family == AF_INET6) {
+      (void)::setsockopt(lfd, IPPROTO_IPV6, IPV6_V6ONLY, &zero, sizeof zero);
+      auto* a6 = reinterpret_cast<sockaddr_in6*>(&addr);
+      a6->sin6_family = AF_INET6;
+      a6->sin6_addr = in6addr_any;
+      a6->sin6_port = htons(static_cast<uint16_t>(port));
+      len = sizeof(sockaddr_in6);
+    } else {
+      auto* a4 = reinterpret_cast<sockaddr_in*>(&addr);
+      a4->sin_family = AF_INET;
+      a4->sin_addr.s_addr = htonl(INADDR_ANY);
+      a4->sin_port = htons(static_cast<uint16_t>(port));
+      len = sizeof(sockaddr_in);
+    }
+    if (::bind(lfd, reinterpret_cast<sockaddr*>(&addr), len) != 0 || ::listen(lfd, 128) != 0) {
       const std::string err = std::strerror(errno);
       ::close(lfd);
-      fail("rank 0: cannot listen on port ", info.master_port, " (MASTER_PORT): ", err,
-           "; choose a free port");
+      fail("rank 0: cannot listen on port ", port, " (", what, "): ", err, "; choose a free port");
     }
-    const auto start = std::chrono::steady_clock::now();
+    return lfd;
+  }
+
+  static int bound_port(int lfd) {
+    sockaddr_storage a{};
+    socklen_t len = sizeof a;
+    NOPAD_CHECK(::getsockname(lfd, reinterpret_cast<sockaddr*>(&a), &len) == 0, "rank 0: getsockname(): ",
+                std::strerror(errno));
+    return a.ss_family == AF_INET6 ? ntohs(reinterpret_cast<sockaddr_in6*>(&a)->sin6_port)
+                                   : ntohs(reinterpret_cast<sockaddr_in*>(&a)->sin_port);
+  }
+
+  // Rank 0: accepts the other ranks on `lfd` (closed on return) until all have joined; `where` and `advice` go into
+  // the timeout's message.
+  void accept_ranks(int lfd, double timeout_s, std::chrono::steady_clock::time_point start, const std::string& where,
+                    const std::string& advice) {
     int joined = 1;
     while (joined < size_) {
       const double left = timeout_s - std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
       pollfd p{lfd, POLLIN, 0};
       const int ready = left > 0 ? ::poll(&p, 1, static_cast<int>(std::min(left, 1e6) * 1000)) : 0;
+      if (ready < 0 && errno == EINTR) continue;
       if (ready <= 0) {
         ::close(lfd);
         fail("rank 0: only ", joined, " of ", size_, " ranks joined within ", timeout_s,
-             " s (NOPAD_BOOTSTRAP_TIMEOUT_S) at port ", info.master_port,
-             ": check that every rank was started with the same MASTER_ADDR/MASTER_PORT and WORLD_SIZE");
+             " s (NOPAD_BOOTSTRAP_TIMEOUT_S) at ", where, ": ", advice);
       }
       const int cfd = ::accept(lfd, nullptr, nullptr);
       if (cfd < 0) continue;
@@ -288,40 +334,180 @@ class TcpCommunicator final : public Communicator {
     ::close(lfd);
   }
 
-  void connect_to_root(const RankInfo& info, double timeout_s) {
+  // One connection attempt to `a` that gives up after timeout_s (a host that drops packets must not hold the
+  // bootstrap past its time limit); the socket, blocking again, or -1 with `error` set.
+  static int connect_within(const addrinfo* a, double timeout_s, std::string& error) {
+    const int fd = ::socket(a->ai_family, a->ai_socktype | SOCK_NONBLOCK | SOCK_CLOEXEC, a->ai_protocol);
+    if (fd < 0) {
+      error = std::string("socket(): ") + std::strerror(errno);
+      return -1;
+    }
+    int err = ::connect(fd, a->ai_addr, a->ai_addrlen) == 0 ? 0 : errno;
+    if (err == EINPROGRESS) {
+      pollfd p{fd, POLLOUT, 0};
+      int ready;
+      do {
+        ready = ::poll(&p, 1, static_cast<int>(std::clamp(timeout_s, 0.0, 1e6) * 1000) + 1);
+      } while (ready < 0 && errno == EINTR);
+      socklen_t len = sizeof err;
+      if (ready <= 0)
+        err = ETIMEDOUT;
+      else if (::getsockopt(fd, SOL_SOCKET, SO_ERROR, &err, &len) != 0)
+        err = errno;
+    }
+    if (err == 0 && ::fcntl(fd, F_SETFL, ::fcntl(fd, F_GETFL) & ~O_NONBLOCK) == 0) return fd;
+    error = std::strerror(err != 0 ? err : errno);
+    ::close(fd);
+    return -1;
+  }
+
+  // Ranks 1..: connects to rank 0 at the first of `addrs` (host, port) that answers, retrying until timeout_s, and
+  // introduces itself. `what` says where the addresses came from and `limit_s` the time limit the user set
+  // (NOPAD_BOOTSTRAP_TIMEOUT_S), for the error.
+  void connect_to_root(const std::vector<std::pair<std::string, int>>& addrs, double timeout_s,
+                       const std::string& what, double limit_s) {
     addrinfo hints{};
     hints.ai_family = AF_UNSPEC;
     hints.ai_socktype = SOCK_STREAM;
-    const std::string port = std::to_string(info.master_port);
     const auto start = std::chrono::steady_clock::now();
+    auto left = [&] {
+      return timeout_s - std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    };
     std::string last_error = "not tried";
     for (;;) {
-      addrinfo* res = nullptr;
-      const int gai = ::getaddrinfo(info.master_addr.c_str(), port.c_str(), &hints, &res);
-      if (gai != 0) {
-        last_error = std::string("cannot resolve MASTER_ADDR: ") + ::gai_strerror(gai);
-      } else {
+      for (const auto& [host, port] : addrs) {
+        addrinfo* res = nullptr;
+        const int gai = ::getaddrinfo(host.c_str(), std::to_string(port).c_str(), &hints, &res);
+        if (gai != 0) {
+          last_error = "cannot resolve '" + host + "': " + ::gai_strerror(gai);
+          continue;
+        }
         for (addrinfo* a = res; a != nullptr; a = a->ai_next) {
-          const int fd = ::socket(a->ai_family, a->ai_socktype, a->ai_protocol);
+          const int fd = connect_within(a, std::clamp(left(), 0.05, 5.0), last_error);
           if (fd < 0) continue;
-          if (::connect(fd, a->ai_addr, a->ai_addrlen) == 0) {
-            ::freeaddrinfo(res);
-            tune(fd);
-            peers_[0] = fd;
-            const uint64_t hello[3] = {kMagic, static_cast<uint64_t>(rank_), static_cast<uint64_t>(size_)};
-            send_bytes(0, hello, sizeof hello);
-            return;
-          }
-          last_error = std::strerror(errno);
-          ::close(fd);
+          ::freeaddrinfo(res);
+          tune(fd);
+          peers_[0] = fd;
+          const uint64_t hello[3] = {kMagic, static_cast<uint64_t>(rank_), static_cast<uint64_t>(size_)};
+          send_bytes(0, hello, sizeof hello);
+          return;
         }
         ::freeaddrinfo(res);
       }
-      if (std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count() > timeout_s)
-        fail("rank ", rank_, " of ", size_, ": could not reach rank 0 at ", info.master_addr, ":", info.master_port,
-             " (MASTER_ADDR:MASTER_PORT) within ", timeout_s, " s (NOPAD_BOOTSTRAP_TIMEOUT_S): ", last_error);
+      if (left() <= 0)
+        fail("rank ", rank_, " of ", size_, ": could not reach rank 0 at ", join_addresses(addrs), " (", what,
+             ") within ", limit_s, " s (NOPAD_BOOTSTRAP_TIMEOUT_S): ", last_error);
       std::this_thread::sleep_for(std::chrono::milliseconds(100));
     }
+  }
+
+  // "host:port" with an IPv6 address in brackets; a list joined by commas.
+  static std::string join_addresses(const std::vector<std::pair<std::string, int>>& addrs) {
+    std::string out;
+    for (const auto& [host, port] : addrs) {
+      if (!out.empty()) out += ",";
+      out += (host.find(':') != std::string::npos ? "[" + host + "]" : host) + ":" + std::to_string(port);
+    }
+    return out;
+  }
+
+  static bool is_loopback(const std::string& host) {
+    in_addr a4{};
+    in6_addr a6{};
+    if (::inet_pton(AF_INET, host.c_str(), &a4) == 1) return (ntohl(a4.s_addr) >> 24) == 127;
+    if (::inet_pton(AF_INET6, host.c_str(), &a6) == 1)
+      return IN6_IS_ADDR_LOOPBACK(&a6) || (IN6_IS_ADDR_V4MAPPED(&a6) && a6.s6_addr[12] == 127);
+    return false;
+  }
+
+  // The addresses of this host's interfaces that are up, other than loopback and IPv6 link-local ones (IPv4 only
+  // unless `with_ipv6`), IPv4 first.
+  static std::vector<std::string> interface_addresses(bool with_ipv6) {
+    std::vector<std::string> v4, v6;
+    ifaddrs* list = nullptr;
+    if (::getifaddrs(&list) != 0) return {};
+    for (ifaddrs* i = list; i != nullptr; i = i->ifa_next) {
+      if (i->ifa_addr == nullptr || !(i->ifa_flags & IFF_UP) || (i->ifa_flags & IFF_LOOPBACK)) continue;
+      const int family = i->ifa_addr->sa_family;
+      if (family != AF_INET && !(family == AF_INET6 && with_ipv6)) continue;
+      if (family == AF_INET6 &&
+          IN6_IS_ADDR_LINKLOCAL(&reinterpret_cast<const sockaddr_in6*>(i->ifa_addr)->sin6_addr))
+        continue;
+      char host[NI_MAXHOST] = {0};
+      const socklen_t len = family == AF_INET ? sizeof(sockaddr_in) : sizeof(sockaddr_in6);
+      if (::getnameinfo(i->ifa_addr, len, host, sizeof host, nullptr, 0, NI_NUMERICHOST) != 0) continue;
+      auto& out = family == AF_INET ? v4 : v6;
+      if (!is_loopback(host) && std::find(out.begin(), out.end(), host) == out.end()) out.push_back(host);
+    }
+    ::freeifaddrs(list);
+    v4.insert(v4.end(), v6.begin(), v6.end());
+    if (v4.size() > 16) v4.resize(16);
+    return v4;
+  }
+
+  // torchrun with TORCHELASTIC_USE_AGENT_STORE: the ranks meet through the agent's TCPStore at MASTER_ADDR:MASTER_PORT.
+  // Rank 0 publishes where it listens as "host:port[,host:port...]"; the others try those in order.
+  void bootstrap_through_store(const RankInfo& info, double timeout_s) {
+    const auto start = std::chrono::steady_clock::now();
+    auto left = [&](double at_least) {
+      return std::max(at_least,
+                      timeout_s - std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
+    };
+    const std::string key = "nopad/" + info.run_id + "/" + std::to_string(info.restart_count) + "/bootstrap";
+    const std::string role = "torchrun's agent store (TORCHELASTIC_USE_AGENT_STORE=True) at MASTER_ADDR:MASTER_PORT";
+    TcpStoreClient store(info.master_addr, info.master_port, timeout_s, role);
+    if (rank_ == 0) {
+      // The local end of the connection to the store is an address of this host that the store's network reaches,
+      // unless it is a loopback address (the store runs on this host, reached as localhost or as a host name that
+      // resolves to 127.0.1.1): then, when ranks run on other hosts too, this host's interface addresses instead.
+      const std::string local = store.local_address();
+      const bool v6 = store.local_family() == AF_INET6;
+      const int lfd = listen_on(0, v6 ? AF_INET6 : AF_INET, "a free port");
+      const int port = bound_port(lfd);
+      std::vector<std::pair<std::string, int>> addrs{{local, port}};
+      const bool one_host = info.local_size > 0 && info.local_size == info.world_size;
+      if (is_loopback(local) && !one_host) {
+        std::vector<std::pair<std::string, int>> ifs;
+        for (const std::string& h : interface_addresses(v6)) ifs.emplace_back(h, port);
+        if (!ifs.empty()) addrs = std::move(ifs);
+      }
+      const std::string value = join_addresses(addrs);
+      try {
+        store.set(key, value, left(5));
+        NOPAD_CHECK(store.check(key, left(5)), role, " (", store.endpoint(), ") did not keep the key '", key,
+                    "' that rank 0 set: it does not behave as a TCPStore");
+      } catch (...) {
+        ::close(lfd);
+        throw;
+      }
+      accept_ranks(lfd, timeout_s, start, value + " (published in " + role + " = " + store.endpoint() + " as '" +
+                                              key + "')",
+                   "check that every rank was started by the same torchrun with the same WORLD_SIZE, and that the "
+                   "other hosts can reach " + value);
+      return;
+    }
+    const std::optional<std::string> value = store.wait_get(key, left(0.01));
+    if (!value)
+      fail("rank ", rank_, " of ", size_, ": rank 0 did not publish its address in ", role, " (", store.endpoint(),
+           ", key '", key, "') within ", timeout_s, " s (NOPAD_BOOTSTRAP_TIMEOUT_S): rank 0 did not start or failed "
+           "before its bootstrap; check its log");
+    // "host:port" or "[v6 address]:port", comma-separated
+    std::vector<std::pair<std::string, int>> addrs;
+    for (size_t at = 0; at <= value->size();) {
+      const size_t comma = std::min(value->find(',', at), value->size());
+      const std::string item = value->substr(at, comma - at);
+      at = comma + 1;
+      const size_t colon = item.rfind(':');
+      std::string host = colon == std::string::npos ? "" : item.substr(0, colon);
+      if (host.size() >= 2 && host.front() == '[' && host.back() == ']') host = host.substr(1, host.size() - 2);
+      char* end = nullptr;
+      const long port = colon == std::string::npos ? 0 : std::strtol(item.c_str() + colon + 1, &end, 10);
+      NOPAD_CHECK(!host.empty() && port > 0 && port < 65536 && end != nullptr && *end == '\0', "rank ", rank_,
+                  ": the value of '", key, "' in ", role, " (", store.endpoint(), ") is '", *value,
+                  "', not host:port[,host:port...]: another program wrote that key");
+      addrs.emplace_back(host, static_cast<int>(port));
+    }
+    connect_to_root(addrs, left(5), "its address from " + role + ", key '" + key + "'", timeout_s);
   }
 
   int rank_ = 0, size_ = 1;

@@ -1,6 +1,7 @@
 // Rank detection from the launcher's environment (see launch.h).
 #include "dist/launch.h"
 
+#include <cctype>
 #include <cerrno>
 #include <cstdlib>
 
@@ -21,6 +22,17 @@ int int_var(const EnvLookup& env, const char* name, int fallback, bool* was_set 
   NOPAD_CHECK(end != v && *end == '\0' && errno == 0 && x >= -1 && x <= 1 << 24, "environment variable ", name, "=\"",
               v, "\" is not a rank or size (a whole number): fix the launcher's settings");
   return static_cast<int>(x);
+}
+
+// A true/false variable (True/False, 1/0 in any case; unset or empty is false); anything else is an error naming it.
+bool bool_var(const EnvLookup& env, const char* name) {
+  const char* v = env(name);
+  if (v == nullptr || *v == '\0') return false;
+  std::string s(v);
+  for (char& c : s) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+  if (s == "true" || s == "1") return true;
+  if (s == "false" || s == "0") return false;
+  fail("environment variable ", name, "=\"", v, "\" is not True/False or 1/0: fix the launcher's settings");
 }
 
 struct Family {
@@ -73,6 +85,12 @@ RankInfo detect_rank_info(const EnvLookup& env) {
                                 info.master_port < 65536),
                   "RANK/WORLD_SIZE are set (world size ", size, ") but MASTER_ADDR/MASTER_PORT are not a host and a "
                   "port: set both (torchrun does) or launch with mpirun/srun");
+      // torchrun >= 2.4 shares its rendezvous TCPStore with the workers: MASTER_PORT is then already bound.
+      info.agent_store = bool_var(env, "TORCHELASTIC_USE_AGENT_STORE");
+      const char* run_id = env("TORCHELASTIC_RUN_ID");
+      info.run_id = run_id != nullptr && *run_id != '\0' ? run_id : "none";
+      info.restart_count = int_var(env, "TORCHELASTIC_RESTART_COUNT", 0);
+      NOPAD_CHECK(info.restart_count >= 0, "TORCHELASTIC_RESTART_COUNT must not be negative");
     }
     return info;
   }

@@ -7,7 +7,9 @@
 // (RANK / WORLD_SIZE / LOCAL_RANK / LOCAL_WORLD_SIZE, MASTER_ADDR / MASTER_PORT). The first family whose rank and
 // size are both set wins; none set means a single process. Values that are not integers, or a rank outside
 // [0, size), are errors naming the variable and what to fix. A torchrun-style job needs MASTER_ADDR and
-// MASTER_PORT (its bootstrap point) when WORLD_SIZE > 1.
+// MASTER_PORT (its bootstrap point) when WORLD_SIZE > 1. TORCHELASTIC_USE_AGENT_STORE (True/False, 1/0, any case)
+// says whether MASTER_ADDR:MASTER_PORT is torchrun's own TCPStore (then the ranks meet through it, with
+// TORCHELASTIC_RUN_ID and TORCHELASTIC_RESTART_COUNT naming this job's attempt) or a port for rank 0 to listen on.
 #pragma once
 #include <functional>
 #include <string>
@@ -18,8 +20,11 @@ struct RankInfo {
   int rank = 0, world_size = 1;
   int local_rank = 0, local_size = 1;  // within this node; local_size 0 when the launcher does not say
   std::string launcher = "single";     // "single", "mpi", "slurm" or "torchrun"
-  std::string master_addr;             // torchrun: where rank 0 listens for the bootstrap
+  std::string master_addr;             // torchrun: where rank 0 listens for the bootstrap, or the agent's store
   int master_port = 0;
+  bool agent_store = false;            // torchrun: MASTER_ADDR:MASTER_PORT is the agent's TCPStore (not for listening)
+  std::string run_id;                  // torchrun: TORCHELASTIC_RUN_ID ("none" when not set)
+  int restart_count = 0;               // torchrun: TORCHELASTIC_RESTART_COUNT (the attempt)
   bool distributed() const { return world_size > 1; }
 };
 
