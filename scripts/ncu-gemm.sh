@@ -3,6 +3,7 @@
 # each of the bias epilogue and the erf-GELU epilogue (CudaPerf.GeluForward, T = 24,657, k=1024 n=4096) and of the
 # dGELU epilogue (CudaPerf.FfnBackward): speed of light, warp states, memory, and per-instruction stall samples
 # (SASS CSV) into $OUT. Usage: OUT=... bash scripts/ncu-gemm.sh
+#   PROFILES="fwd-bias fwd-gelu bwd-dgelu"   which of the three launches to profile (default: all)
 set -u
 cd "$(dirname "$0")/.."
 OUT=${OUT:-out/ncu-gemm}
@@ -17,8 +18,9 @@ prof() {  # name filter skip
   ncu -i /tmp/$1.ncu-rep --page source --csv --print-source sass > $OUT/$1-sass.csv 2>&1
   grep -E "Duration|Throughput|Eligible|Issue Slots|Warp Cycles Per|No Eligible" $OUT/$1.txt | head -20
 }
-prof fwd-bias 'CudaPerf/bf16.GeluForward' 3
-prof fwd-gelu 'CudaPerf/bf16.GeluForward' 31
-prof bwd-dgelu 'CudaPerf/bf16.FfnBackward' 3
+PROFILES=${PROFILES:-fwd-bias fwd-gelu bwd-dgelu}
+[[ " $PROFILES " == *" fwd-bias "* ]] && prof fwd-bias 'CudaPerf/bf16.GeluForward' 3
+[[ " $PROFILES " == *" fwd-gelu "* ]] && prof fwd-gelu 'CudaPerf/bf16.GeluForward' 31
+[[ " $PROFILES " == *" bwd-dgelu "* ]] && prof bwd-dgelu 'CudaPerf/bf16.FfnBackward' 3
 rm -f $OUT/fwd-bias-sass.csv
 ls -la $OUT

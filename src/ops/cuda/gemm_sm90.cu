@@ -2,16 +2,22 @@
 //
 // Structure: persistent, one CTA per SM, 128 x 256 output tiles walked in row-major tile order with a stride of the
 // grid (consecutive CTAs share A's 128-row block in the L2; B, a weight of <= 8 MB, stays in the L2 throughout).
-// 384 threads: warpgroup 0 is the producer (one thread issues the TMA loads of A [128 x 64] and B [256 x 64] k-blocks
-// into a kStages-deep ring of 128-byte-swizzled stages, full/empty mbarriers; it gives its registers back with
-// setmaxnreg), warpgroups 1 and 2 are the consumers: each owns 64 rows of the tile and issues m64n256k16 wgmma from
-// shared memory (four per k-block) with one k-block in flight. After its main loop a consumer rounds its accumulators
-// (+ bias) to 16 bits into its staging boxes (shared memory, the TMA store's swizzled layout; kBias and kGelu store
-// them at once as out0) and moves on; the rest of the epilogue (kGelu: y = gelu(pre) in place; kDGelu: dpre =
-// g * gelu'(aux) in place, with the column sums) is done in 16 units between the next tile's k-blocks, while its
-// products run, each 64 x 64 box TMA-stored when complete (see the consumer code). Column sums (kDGelu): per unit a
-// thread's 8 columns over its rows, reduced over the warp by shuffles, the 8 warps' sums combined in a fixed order
-// through shared memory. Measured design history: docs/performance.md ("nopad's own GEMM with the GELU epilogue").
+// 384 threads. Warp 0 is the producer (one thread issues the TMA loads of A [128 x 64] and B [256 x 64] k-blocks into
+// a kStages-deep ring of 128-byte-swizzled stages, full/empty mbarriers). Warpgroups 1 and 2 are the consumers: each
+// owns 64 rows of the tile and issues m64n256k16 wgmma from shared memory (four per k-block) with one k-block in
+// flight, then rounds its accumulators (+ bias) to 16 bits into its staging boxes (shared memory, the TMA store's
+// swizzled layout).
+// - kBias: the consumers store the staging themselves (TMA) and move on; warps 1-3 are idle and the producer
+//   warpgroup gives its registers to the consumers (setmaxnreg).
+// - kGelu / kDGelu: warps 1-3 are the epilogue warps. Per tile they wait for both halves to be staged ("staged"
+//   mbarriers), store pre (kGelu), compute y = gelu(pre) or dpre = g * gelu'(aux) in place, unit by unit (32 rows x
+//   64 columns; kDGelu's aux chunks arrive by TMA into a small ring, issued a few units ahead), TMA-store each 64 x 64
+//   box when complete, and release the staging ("freed", which also carries the next tile's bias for kGelu) while
+//   the consumers run the next tile's main loop. kGelu: the consumers take the last box column of their own half
+//   themselves, one unit per k-block of the next main loop, so that the two shares fit beside the products.
+//   Column sums (kDGelu): a thread's 8 columns over its rows, reduced over the warp by shuffles, the 3 warps' sums
+//   combined in a fixed order through shared memory.
+// Measured design history: docs/performance.md ("nopad's own GEMM with the GELU epilogue").
 #include <cudaTypedefs.h>
 
 #include <algorithm>
@@ -37,17 +43,34 @@ using fmha_detail::wgmma_fence;
 using fmha_detail::wgmma_wait;
 
 constexpr int kBM = 128, kBN = 256, kBK = 64, kStages = 3;
-constexpr int kThreads = 384;  // producer warpgroup + 2 consumer warpgroups
+// Warpgroup 0: the producer warp (and for kGelu / kDGelu three epilogue warps); warpgroups 1 and 2: consumers.
+constexpr int kThreads = 384;
+[[maybe_unused]] constexpr int kEpiThreads = 96;  // warps 1-3
 constexpr int kABytes = kBM * kBK * 2, kBBytes = kBN * kBK * 2, kStageBytes = kABytes + kBBytes;
 // Epilogue staging, per consumer warpgroup: its 64 rows x 256 columns of one 16-bit output as four 64 x 64 boxes in
 // the 128-byte-swizzled layout the TMA store reads.
 constexpr int kBoxBytes = 64 * 64 * 2, kStageOutBytes = 4 * kBoxBytes;
-constexpr int kRedBytes = 8 * kBN * 4;  // kDGelu: the 8 consumer warps' column sums of a tile
-constexpr int kBarBytes = 2 * kStages * 8;
-constexpr int kSmemBytes =
-    fmha_detail::kSmemAlign + kStages * kStageBytes + 2 * kStageOutBytes + kRedBytes + kBarBytes;
+constexpr int kRedBytes = 3 * kBN * 4;  // kDGelu: the 3 epilogue warps' column sums of a box column
+// kDGelu: the pre-activation chunk of an epilogue unit (32 rows x 64 columns, the 128-byte swizzle) arrives by TMA
+// into a ring of kAuxSlots slots, loaded kAuxSlots units ahead of its use.
+constexpr int kAuxRows = 32, kAuxBytes = kAuxRows * 64 * 2, kAuxSlots = 3;
+constexpr int kAuxRingBytes = kAuxSlots * kAuxBytes;
+constexpr int kBiasBytes = 2 * kBN * 2;  // kGelu: the bias of a CTA's next two tiles, by tile parity
+constexpr int kBarBytes = (2 * kStages + 5 + kAuxSlots) * 8;
+// kGelu: the consumers compute y of their own half's last box column (4 units of 16 rows, one per k-block of the
+// next tile's main loop), the epilogue warps that of the other three, so that their shares of the GELU's issue time
+// fit beside the products. (kDGelu: the epilogue warps do all 16 units; a consumer share would need its
+// pre-activation chunks in registers through the main loop, which spills at 168 registers.)
+constexpr int kConsumerBc = 3;
+template <int kEpi>
+constexpr int kEpiUnits = kEpi == 1 ? 4 * kConsumerBc : 16;
+constexpr int kSmemBytes = fmha_detail::kSmemAlign + kStages * kStageBytes + 2 * kStageOutBytes + kAuxRingBytes +
+                           kRedBytes + kBiasBytes + kBarBytes;
 static_assert(kSmemBytes <= 227 * 1024, "shared memory of one CTA");
-[[maybe_unused]] constexpr int kProducerRegs = 40, kConsumerRegs = 232;  // 128 x 40 + 256 x 232 <= 65,536
+static_assert((kStages * kStageBytes + 2 * kStageOutBytes) % 1024 == 0, "the aux ring's 128-byte swizzle");
+// kBias: the producer warpgroup gives registers to the consumers (setmaxnreg, 128 x 40 + 256 x 232 <= 65,536); with
+// the epilogue warps in warpgroup 0 every thread keeps the launch's 168.
+[[maybe_unused]] constexpr int kProducerRegs = 40, kConsumerRegs = 232;
 
 // ------------------------------------------------------------------------------------------------ sm_90 primitives
 #if NOPAD_FMHA_WGMMA
@@ -204,9 +227,32 @@ struct Args {
   int32_t m, n, k;
   int32_t tiles_n, tiles;
   const uint16_t* bias;  // [n] or null
-  const uint16_t* aux;   // kDGelu: [m, n] (the outputs are written through their tensor maps)
   float* partial;        // kDGelu: [ceil(m / 128), n] or null
 };
+
+// The 16-bit accumulator tile of one consumer warpgroup (64 rows x 256 columns, + bias) into its staging boxes:
+// this thread's 4-byte pairs at (row warp 16 + g, column 2 tq) and row + 8 of box nt / 8, chunk nt % 8. The bias
+// pair of columns 8 nt + 2 tq is bias2[bias_step * nt] (registers: step 1; the tile's bias in shared memory: 4).
+template <bool kFp16, bool kBiasAdd>
+__device__ __forceinline__ void stage_tile(uint8_t* stage_out, const float (&acc)[32][4], const uint32_t* bias2,
+                                           int bias_step, int warp, int g, int tq) {
+  const int rr0 = warp * 16 + g;  // rr0 & 7 == g
+#pragma unroll
+  for (int nt = 0; nt < 32; ++nt) {
+    const int off0 = (nt / 8) * kBoxBytes + rr0 * 128 + (((nt % 8) ^ g) * 16) + 4 * tq, off1 = off0 + 8 * 128;
+    uint32_t p0, p1;
+    if constexpr (kBiasAdd) {
+      const float2 b = unpack2<kFp16>(bias2[bias_step * nt]);
+      p0 = fmha_detail::pack2<kFp16>(acc[nt][0] + b.x, acc[nt][1] + b.y);
+      p1 = fmha_detail::pack2<kFp16>(acc[nt][2] + b.x, acc[nt][3] + b.y);
+    } else {
+      p0 = fmha_detail::pack2<kFp16>(acc[nt][0], acc[nt][1]);
+      p1 = fmha_detail::pack2<kFp16>(acc[nt][2], acc[nt][3]);
+    }
+    *reinterpret_cast<uint32_t*>(stage_out + off0) = p0;
+    *reinterpret_cast<uint32_t*>(stage_out + off1) = p1;
+  }
+}
 
 template <int kEpi, bool kFp16, bool kTanh>
 __global__ void __launch_bounds__(kThreads, 1)
@@ -217,20 +263,32 @@ __global__ void __launch_bounds__(kThreads, 1)
   extern __shared__ uint8_t smem_raw[];
   uint8_t* smem = align_smem(smem_raw);
   uint8_t* staging = smem + kStages * kStageBytes;  // [2 consumers][kStageOutBytes]
-  float* red = reinterpret_cast<float*>(staging + 2 * kStageOutBytes);
-  uint64_t* full = reinterpret_cast<uint64_t*>(staging + 2 * kStageOutBytes + kRedBytes);
+  uint8_t* aux_ring = staging + 2 * kStageOutBytes;  // [kAuxSlots][kAuxBytes]
+  float* red = reinterpret_cast<float*>(aux_ring + kAuxRingBytes);  // [3 epilogue warps][kBN]
+  uint16_t* bias_tile = reinterpret_cast<uint16_t*>(aux_ring + kAuxRingBytes + kRedBytes);  // [2][kBN]
+  uint64_t* full = reinterpret_cast<uint64_t*>(aux_ring + kAuxRingBytes + kRedBytes + kBiasBytes);
   uint64_t* empty = full + kStages;
+  uint64_t* staged = empty + kStages;  // [2]: consumer warpgroup cw's staging holds the tile (128 arrivals)
+  uint64_t* freed = staged + 2;  // [2]: phase i: the consumers may stage the CTA's i-th tile (1 arrival)
+  uint64_t* pre_read = freed + 2;  // phase i: the CTA's i-th tile's pre_act stores have read the staging
+  uint64_t* aux_full = pre_read + 1;  // [kAuxSlots]
   const int wg = threadIdx.x / 128, tid = threadIdx.x % 128;
   if (threadIdx.x == 0) {
     for (int s = 0; s < kStages; ++s) {
       mbar_init(&full[s], 1);
       mbar_init(&empty[s], 8);  // one arrival per consumer warp
     }
+    for (int i = 0; i < 2; ++i) {
+      mbar_init(&staged[i], 128);
+      mbar_init(&freed[i], 1);
+    }
+    mbar_init(pre_read, 1);
+    for (int i = 0; i < kAuxSlots; ++i) mbar_init(&aux_full[i], 1);
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
   }
   __syncthreads();
-  if (wg == 0) {  // ---------------------------------------------------------------- producer
-    setmaxnreg_dec<kProducerRegs>();
+  if (wg == 0 && (kEpi == 0 || tid < 32)) {  // -------------------------------------- producer
+    if constexpr (kEpi == 0) setmaxnreg_dec<kProducerRegs>();
     if (tid != 0) return;
     asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(&map_a)) : "memory");
     asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(&map_b)) : "memory");
@@ -249,127 +307,208 @@ __global__ void __launch_bounds__(kThreads, 1)
     return;
   }
 
-  // ------------------------------------------------------------------------------------ consumers
-  setmaxnreg_inc<kConsumerRegs>();
-  const int cw = wg - 1;  // consumer warpgroup: rows 64 cw .. 64 cw + 63 of the tile
-  const int warp = tid / 32, lane = tid % 32, g = lane / 4, tq = lane % 4;
-  [[maybe_unused]] const int wi = cw * 4 + warp;  // consumer warp 0..7
-  uint8_t* stage_out = staging + cw * kStageOutBytes;  // this warpgroup's 64 rows x 256 columns: 4 boxes
-  const int bar_wg = 2 + cw;                            // named barrier of this warpgroup's 128 threads
-  // Deferred epilogue work on the staged previous tile, done between the next tile's k-blocks while its products
-  // run on the tensor cores: kGelu y = gelu(pre) in place of pre (already stored), kDGelu dpre = g * gelu'(aux) in
-  // place of g (+ column sums). 16 units of 16 rows x 64 columns: unit u is box u / 4, rows 16 (u % 4) .. + 15 of the
-  // warpgroup's 64; thread tid takes row 16 (u % 4) + tid / 8, 16-byte chunk tid % 8. A box is stored (and its
-  // column sums reduced) when its fourth unit is done. upk units per k-block (at most 4); any left after the main
-  // loop (k < 1024) are done then.
-  const int nk = args.k / kBK;
-  const int upk = nk >= 16 ? 1 : min(4, (16 + nk - 1) / nk);
-  bool pending = false;
-  int pm0 = 0, pn0 = 0, pmblk = 0;  // the staged tile
-  [[maybe_unused]] float csum[8] = {};
-  auto unit_row = [&](int u) { return pm0 + 64 * cw + 16 * (u % 4) + tid / 8; };
-  auto load_aux = [&](int u) {
-    uint4 x = make_uint4(0, 0, 0, 0);
-    if constexpr (kEpi == 2) {
-      const int r = unit_row(u);
-      if (r < args.m)
-        x = __ldg(reinterpret_cast<const uint4*>(args.aux + static_cast<int64_t>(r) * args.n + pn0 + 64 * (u / 4) +
-                                                 8 * (tid % 8)));
-    }
-    return x;
-  };
-  auto do_unit = [&](int u, uint4 x) {
-    const int rr = 16 * (u % 4) + tid / 8;
-    uint4* p = reinterpret_cast<uint4*>(stage_out + (u / 4) * kBoxBytes + rr * 128 + (((tid % 8) ^ (rr & 7)) * 16));
-    uint4 v = *p;
-    uint32_t* w = &v.x;
-    if constexpr (kEpi == 1) {
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const float2 f = unpack2<kFp16>(w[e]);
-        w[e] = fmha_detail::pack2<kFp16>(gelu_unit<kTanh>(f.x), gelu_unit<kTanh>(f.y));
-      }
-    } else if constexpr (kEpi == 2) {
-      const uint32_t* xa = &x.x;
-      const bool ok = unit_row(u) < args.m;
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const float2 gf = unpack2<kFp16>(w[e]), xf = unpack2<kFp16>(xa[e]);
-        float a = gf.x * gelu_grad_unit<kTanh>(xf.x), b = gf.y * gelu_grad_unit<kTanh>(xf.y);
-        if (!ok) a = b = 0.0f;
-        csum[2 * e] += a;
-        csum[2 * e + 1] += b;
-        w[e] = fmha_detail::pack2<kFp16>(a, b);
-      }
-    }
-    *p = v;
-    if (u % 4 == 3) {  // box u / 4 complete
-      const int box = u / 4;
+  if constexpr (kEpi != 0) {
+    if (wg == 0) {  // ---------------------------------------------------------- epilogue warps 1..3
+      const int et = tid - 32, ew = et / 32, lane = et % 32;  // epilogue thread 0..95, its warp 0..2
+      // 16 units per tile, unit q = 4 bc + 2 h + p: rows 64 h + 32 p .. + 31 of the tile, box column bc (64
+      // columns). Thread et takes the 16-byte chunk et % 8 of rows et / 8, et / 8 + 12, ... of the unit (the same
+      // 8 columns throughout, so its column sums need no exchange until the box column is done). Box (h, bc) is
+      // complete after its p = 1 unit and stored then; box column bc's column sums after q = 4 bc + 3.
+      // kDGelu's pre-activation chunk of unit q of this CTA's i-th tile is chunk j = 16 i + q of a TMA-fed ring.
+      // kGelu: units q >= kEpiUnits (box column kConsumerBc) are the consumers'.
+      [[maybe_unused]] int aux_next = 0, aux_used = 0;
+      auto issue_aux = [&]() {  // thread 0: the load of chunk aux_next if it belongs to one of this CTA's tiles
+        const int ti = blockIdx.x + (aux_next / 16) * static_cast<int>(gridDim.x), q = aux_next % 16;
+        if (ti < args.tiles) {
+          const int slot = aux_next % kAuxSlots;
+          const int am0 = (ti / args.tiles_n) * kBM, an0 = (ti % args.tiles_n) * kBN;
+          mbar_arrive_expect_tx(&aux_full[slot], kAuxBytes);
+          tma_load_2d(aux_ring + slot * kAuxBytes, &map_out1, an0 + 64 * (q / 4), am0 + 32 * (q % 4),
+                      &aux_full[slot]);
+        }
+        ++aux_next;
+      };
       if constexpr (kEpi == 2) {
-        if (args.partial) {  // the warp's 16 rows of the box: lanes with equal tid % 8 hold the same columns
-#pragma unroll
-          for (int e = 0; e < 8; ++e) {
-            csum[e] += __shfl_xor_sync(0xffffffffu, csum[e], 8);
-            csum[e] += __shfl_xor_sync(0xffffffffu, csum[e], 16);
+        if (et == 0) {
+          asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(&map_out1)) : "memory");
+          for (int i = 0; i < kAuxSlots; ++i) issue_aux();
+        }
+      }
+      // Phase i of freed[cw] completes when the consumers may stage the CTA's i-th tile: the staging is free and
+      // (kGelu) that tile's bias is in bias_tile[i % 2].
+      auto release = [&](int ti, uint32_t parity) {
+        if constexpr (kEpi == 1) {
+          if (et < kBN / 8 && ti < args.tiles) {
+            const int bn0 = (ti % args.tiles_n) * kBN;
+            *reinterpret_cast<uint4*>(bias_tile + parity * kBN + 8 * et) =
+                args.bias ? __ldg(reinterpret_cast<const uint4*>(args.bias + bn0 + 8 * et)) : make_uint4(0, 0, 0, 0);
           }
-          if (lane < 8) {
+          named_barrier_sync(4, kEpiThreads);
+        }
+        if (et == 0) {
+          mbar_arrive(&freed[0]);
+          mbar_arrive(&freed[1]);
+        }
+      };
+      release(blockIdx.x, 0);
+      [[maybe_unused]] float csum[8] = {};
+      uint32_t tile_parity = 0;
+      for (int t = blockIdx.x; t < args.tiles; t += gridDim.x, tile_parity ^= 1) {
+        const int m_blk = t / args.tiles_n;
+        const int m0 = m_blk * kBM, n0 = (t % args.tiles_n) * kBN;
+        mbar_wait(&staged[0], tile_parity);
+        mbar_wait(&staged[1], tile_parity);
+        if constexpr (kEpi == 1) {  // pre = the staged tile, stored as it is; y then overwrites the staging
+          if (et == 0) {
+            for (int h = 0; h < 2; ++h) {
+              if (m0 + 64 * h < args.m) {
 #pragma unroll
-            for (int e = 0; e < 8; ++e) red[wi * kBN + 64 * box + 8 * lane + e] = csum[e];
+                for (int box = 0; box < 4; ++box)
+                  tma_store_2d(&map_out0, staging + h * kStageOutBytes + box * kBoxBytes, n0 + 64 * box, m0 + 64 * h);
+              }
+            }
+            bulk_commit();
+            bulk_wait_read<0>();
+            mbar_arrive(pre_read);
+          }
+          named_barrier_sync(4, kEpiThreads);
+        }
+        for (int q = 0; q < kEpiUnits<kEpi>; ++q) {
+          const int bc = q / 4, h = (q / 2) % 2, pp = q % 2;
+          uint8_t* box = staging + h * kStageOutBytes + bc * kBoxBytes;
+          [[maybe_unused]] const uint8_t* chunk = nullptr;
+          if constexpr (kEpi == 2) {
+            const int slot = aux_used % kAuxSlots;
+            mbar_wait(&aux_full[slot], (aux_used / kAuxSlots) & 1);
+            chunk = aux_ring + slot * kAuxBytes;
+          }
+#pragma unroll
+          for (int i = 0; i < 3; ++i) {
+            const int ar = et / 8 + 12 * i;  // row in the unit
+            if (ar < 32) {
+              const int rr = 32 * pp + ar;  // row in the half
+              uint4* ptr = reinterpret_cast<uint4*>(box + rr * 128 + (((et % 8) ^ (rr & 7)) * 16));
+              uint4 v = *ptr;
+              uint32_t* w = &v.x;
+              if constexpr (kEpi == 1) {
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                  const float2 f = unpack2<kFp16>(w[e]);
+                  w[e] = fmha_detail::pack2<kFp16>(gelu_unit<kTanh>(f.x), gelu_unit<kTanh>(f.y));
+                }
+              } else {
+                const uint4 x = *reinterpret_cast<const uint4*>(chunk + ar * 128 + (((et % 8) ^ (ar & 7)) * 16));
+                const uint32_t* xa = &x.x;
+                const bool ok = m0 + 64 * h + rr < args.m;
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                  const float2 gf = unpack2<kFp16>(w[e]), xf = unpack2<kFp16>(xa[e]);
+                  float a = gf.x * gelu_grad_unit<kTanh>(xf.x), b = gf.y * gelu_grad_unit<kTanh>(xf.y);
+                  if (!ok) a = b = 0.0f;
+                  csum[2 * e] += a;
+                  csum[2 * e + 1] += b;
+                  w[e] = fmha_detail::pack2<kFp16>(a, b);
+                }
+              }
+              *ptr = v;
+            }
+          }
+          if constexpr (kEpi == 2) {  // every thread has read the chunk: its slot takes chunk aux_used + kAuxSlots
+            ++aux_used;
+            named_barrier_sync(4, kEpiThreads);
+            if (et == 0) issue_aux();
+          }
+          if (pp == 1) {  // box (h, bc) complete
+            fence_proxy_async();  // the generic-proxy writes of the box, visible to the TMA's reads
+            named_barrier_sync(4, kEpiThreads);
+            if (et == 0) {
+              if (m0 + 64 * h < args.m)
+                tma_store_2d(kEpi == 1 ? &map_out1 : &map_out0, box, n0 + 64 * bc, m0 + 64 * h);
+              bulk_commit();
+            }
+          }
+          if constexpr (kEpi == 2) {
+            if (q % 4 == 3) {  // box column bc complete over the tile's 128 rows
+              if (args.partial) {  // lanes with equal et % 8 hold the same columns; then the 3 warps in order
+#pragma unroll
+                for (int e = 0; e < 8; ++e) {
+                  csum[e] += __shfl_xor_sync(0xffffffffu, csum[e], 8);
+                  csum[e] += __shfl_xor_sync(0xffffffffu, csum[e], 16);
+                }
+                if (lane < 8) {
+#pragma unroll
+                  for (int e = 0; e < 8; ++e) red[ew * kBN + 64 * bc + 8 * lane + e] = csum[e];
+                }
+                named_barrier_sync(4, kEpiThreads);
+                if (et < 64) {
+                  const int col = 64 * bc + et;
+                  args.partial[static_cast<int64_t>(m_blk) * args.n + n0 + col] =
+                      (red[col] + red[kBN + col]) + red[2 * kBN + col];
+                }
+              }
+#pragma unroll
+              for (int e = 0; e < 8; ++e) csum[e] = 0.0f;
+            }
           }
         }
-#pragma unroll
-        for (int e = 0; e < 8; ++e) csum[e] = 0.0f;
+        if (et == 0) bulk_wait_read<0>();  // the stores have read the staging
+        release(t + static_cast<int>(gridDim.x), tile_parity ^ 1);
       }
+      if (et == 0) bulk_wait<0>();  // the last stores have completed before the CTA's shared memory goes
+      return;
+    }
+  }
+
+  // ------------------------------------------------------------------------------------ consumers
+  if constexpr (kEpi == 0) setmaxnreg_inc<kConsumerRegs>();
+  const int cw = wg - 1;  // consumer warpgroup: rows 64 cw .. 64 cw + 63 of the tile
+  const int warp = tid / 32, lane = tid % 32, g = lane / 4, tq = lane % 4;
+  uint8_t* stage_out = staging + cw * kStageOutBytes;  // this warpgroup's 64 rows x 256 columns: 4 boxes
+  const int bar_wg = 2 + cw;                            // named barrier of this warpgroup's 128 threads
+  const int nk = args.k / kBK;
+  uint32_t s = 0, ph = 0;  // ring slot and its lap's parity
+  uint32_t tile_parity = 0;
+  // kGelu: this warpgroup's share of the previous tile's GELU (box column kConsumerBc of its half): unit u = rows
+  // 16 u .. 16 u + 15; thread tid takes row 16 u + tid / 8, 16-byte chunk tid % 8. The box (y) is stored after unit 3.
+  [[maybe_unused]] bool pending = false;
+  [[maybe_unused]] int pm0 = 0, pn0 = 0;
+  [[maybe_unused]] uint32_t pending_parity = 0;
+  [[maybe_unused]] auto consumer_unit = [&](int u) {
+    if (u == 0) mbar_wait(pre_read, pending_parity);  // pre_act's stores have read the staged tile
+    const int rr = 16 * u + tid / 8;
+    uint4* p = reinterpret_cast<uint4*>(stage_out + kConsumerBc * kBoxBytes + rr * 128 +
+                                        (((tid % 8) ^ (rr & 7)) * 16));
+    uint4 v = *p;
+    uint32_t* w = &v.x;
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const float2 f = unpack2<kFp16>(w[e]);
+      w[e] = fmha_detail::pack2<kFp16>(gelu_unit<kTanh>(f.x), gelu_unit<kTanh>(f.y));
+    }
+    *p = v;
+    if (u == 3) {
       fence_proxy_async();  // the generic-proxy writes of the box, visible to the TMA's reads
       named_barrier_sync(bar_wg, 128);
       if (tid == 0) {
-        if (pm0 + 64 * cw < args.m) tma_store_2d(kEpi == 1 ? &map_out1 : &map_out0, stage_out + box * kBoxBytes,
-                                                 pn0 + 64 * box, pm0 + 64 * cw);
+        if (pm0 + 64 * cw < args.m)
+          tma_store_2d(&map_out1, stage_out + kConsumerBc * kBoxBytes, pn0 + 64 * kConsumerBc, pm0 + 64 * cw);
         bulk_commit();
-      }
-      if constexpr (kEpi == 2) {
-        if (box == 3 && args.partial) {  // the staged tile's 128-row column sums: the 8 warps in order
-          named_barrier_sync(1, 256);
-          const int col = cw * 128 + tid;
-          float s = 0.0f;
-#pragma unroll
-          for (int w8 = 0; w8 < 8; ++w8) s += red[w8 * kBN + col];
-          args.partial[static_cast<int64_t>(pmblk) * args.n + pn0 + col] = s;
-          named_barrier_sync(1, 256);  // red is rewritten by the next tile's boxes
-        }
       }
     }
   };
-
-  uint32_t s = 0, ph = 0;  // ring slot and its lap's parity
-  for (int t = blockIdx.x; t < args.tiles; t += gridDim.x) {
-    const int m_blk = t / args.tiles_n;
-    const int m0 = m_blk * kBM, n0 = (t % args.tiles_n) * kBN;
-
-    uint32_t bias2[kEpi != 2 ? 32 : 1];  // this thread's bias pairs, loaded now, used after the main loop
-    if constexpr (kEpi != 2) {
+  for (int t = blockIdx.x; t < args.tiles; t += gridDim.x, tile_parity ^= 1) {
+    const int m0 = (t / args.tiles_n) * kBM, n0 = (t % args.tiles_n) * kBN;
+    uint32_t bias2[kEpi == 0 ? 32 : 1];  // kBias: this thread's bias pairs, loaded now, used after the main loop
+    if constexpr (kEpi == 0) {
 #pragma unroll
       for (int nt = 0; nt < 32; ++nt)
         bias2[nt] = args.bias ? __ldg(reinterpret_cast<const unsigned int*>(args.bias + n0 + 8 * nt + 2 * tq)) : 0u;
     }
-    // kDGelu: the pre-activation chunks of the units of two consecutive k-blocks; the loop below handles k-blocks in
-    // pairs so the two sets swap roles without register copies (a copy would wait for the loads it meant to hide).
-    uint4 set_a[4], set_b[4];
-#pragma unroll
-    for (int i = 0; i < 4; ++i) set_a[i] = set_b[i] = make_uint4(0, 0, 0, 0);
-    if (pending) {
-#pragma unroll
-      for (int i = 0; i < 4; ++i)
-        if (i < upk) set_a[i] = load_aux(i);
-    }
-
     float acc[32][4];
 #pragma unroll
     for (int nt = 0; nt < 32; ++nt) acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.0f;
     uint32_t prev_s = 0;
-    // One k-block: wait for its stage, issue its products, do its share of the deferred units (their chunks in
-    // `cur`, the next k-block's loaded into `nxt`), then retire the previous k-block's stage.
-    auto kblock = [&](int kb, uint4 (&cur)[4], uint4 (&nxt)[4]) {
+    for (int kb = 0; kb < nk; ++kb) {  // wait for the stage, issue its products, retire the previous stage
       mbar_wait(&full[s], ph);
       const uint8_t* st = smem + s * kStageBytes;
       const uint64_t da = wgmma_desc(st + cw * 64 * 128), db = wgmma_desc(st + kABytes);
@@ -377,18 +516,8 @@ __global__ void __launch_bounds__(kThreads, 1)
 #pragma unroll
       for (int kk = 0; kk < kBK / 16; ++kk) wgmma_256<kFp16>(acc, da + 2 * kk, db + 2 * kk, kb > 0 || kk > 0);
       wgmma_commit();
-      if (pending) {
-        const int u0 = kb * upk;
-        if (kb == 0) {  // the staging is complete (and, for kGelu, pre's stores have read it)
-          if (tid == 0) bulk_wait_read<0>();
-          named_barrier_sync(bar_wg, 128);
-        }
-#pragma unroll
-        for (int i = 0; i < 4; ++i)
-          if (i < upk && u0 + upk + i < 16) nxt[i] = load_aux(u0 + upk + i);
-#pragma unroll
-        for (int i = 0; i < 4; ++i)
-          if (i < upk && u0 + i < 16) do_unit(u0 + i, cur[i]);
+      if constexpr (kEpi == 1) {
+        if (pending && kb >= 1 && kb <= 4) consumer_unit(kb - 1);
       }
       if (kb > 0) {
         wgmma_wait<1>();  // the previous k-block's products are done: its stage may be refilled
@@ -397,41 +526,21 @@ __global__ void __launch_bounds__(kThreads, 1)
       prev_s = s;
       s = s + 1 == kStages ? 0 : s + 1;
       ph ^= s == 0;
-    };
-    int kb = 0;
-    for (; kb + 1 < nk; kb += 2) {
-      kblock(kb, set_a, set_b);
-      kblock(kb + 1, set_b, set_a);
     }
-    if (kb < nk) kblock(kb, set_a, set_b);
     wgmma_wait<0>();
     if (lane == 0) mbar_arrive(&empty[prev_s]);
-    if (pending) {
-      for (int u = nk * upk; u < 16; ++u) do_unit(u, load_aux(u));  // k < 1024: units the main loop left
+    if constexpr (kEpi == 1) {
+      if (pending) {
+        for (int u = nk - 1; u < 4; ++u) consumer_unit(u);  // k < 320: the units the main loop left
+        if (tid == 0) bulk_wait_read<0>();                  // y's store has read the staging
+        named_barrier_sync(bar_wg, 128);
+      }
     }
 
-    // ---------------------------------------------------------------------------------- this tile's staging
-    // pre = round(acc + bias) (kBias, kGelu: stored at once) or g = round(acc) (kDGelu), in the swizzled boxes:
-    // this thread's 4-byte pairs at (row warp 16 + g, column 2 tq) and row + 8 of box nt / 8, chunk nt % 8.
-    if (tid == 0) bulk_wait_read<0>();  // the previous stores have read the staging
-    named_barrier_sync(bar_wg, 128);
-    const int rr0 = warp * 16 + g;  // rr0 & 7 == g
-#pragma unroll
-    for (int nt = 0; nt < 32; ++nt) {
-      const int off0 = (nt / 8) * kBoxBytes + rr0 * 128 + (((nt % 8) ^ g) * 16) + 4 * tq, off1 = off0 + 8 * 128;
-      uint32_t p0, p1;
-      if constexpr (kEpi != 2) {
-        const float2 b = unpack2<kFp16>(bias2[nt]);
-        p0 = fmha_detail::pack2<kFp16>(acc[nt][0] + b.x, acc[nt][1] + b.y);
-        p1 = fmha_detail::pack2<kFp16>(acc[nt][2] + b.x, acc[nt][3] + b.y);
-      } else {
-        p0 = fmha_detail::pack2<kFp16>(acc[nt][0], acc[nt][1]);
-        p1 = fmha_detail::pack2<kFp16>(acc[nt][2], acc[nt][3]);
-      }
-      *reinterpret_cast<uint32_t*>(stage_out + off0) = p0;
-      *reinterpret_cast<uint32_t*>(stage_out + off1) = p1;
-    }
-    if constexpr (kEpi != 2) {
+    if constexpr (kEpi == 0) {  // out0 = round(acc + bias), stored from the staging by this warpgroup
+      if (tid == 0) bulk_wait_read<0>();  // the previous stores have read the staging
+      named_barrier_sync(bar_wg, 128);
+      stage_tile<kFp16, true>(stage_out, acc, bias2, 1, warp, g, tq);
       fence_proxy_async();
       named_barrier_sync(bar_wg, 128);
       if (tid == 0) {
@@ -442,16 +551,23 @@ __global__ void __launch_bounds__(kThreads, 1)
         }
         bulk_commit();
       }
+    } else {  // the staged tile goes to the epilogue warps, once they are done with the previous one
+      mbar_wait(&freed[cw], tile_parity);
+      stage_tile<kFp16, kEpi == 1>(stage_out, acc,
+                                   reinterpret_cast<const uint32_t*>(bias_tile + tile_parity * kBN) + tq, 4, warp, g,
+                                   tq);
+      fence_proxy_async();
+      mbar_arrive(&staged[cw]);
+      pending = true;
+      pm0 = m0;
+      pn0 = n0;
+      pending_parity = tile_parity;
     }
-    pending = kEpi != 0;
-    pm0 = m0;
-    pn0 = n0;
-    pmblk = m_blk;
   }
-  if (pending) {  // the last tile's deferred work, with nothing left to hide behind
-    if (tid == 0) bulk_wait_read<0>();
-    named_barrier_sync(bar_wg, 128);
-    for (int u = 0; u < 16; ++u) do_unit(u, load_aux(u));
+  if constexpr (kEpi == 1) {
+    if (pending) {  // the last tile's share, with nothing left to hide behind
+      for (int u = 0; u < 4; ++u) consumer_unit(u);
+    }
   }
   if (tid == 0) bulk_wait<0>();  // the last stores have completed before the CTA's shared memory goes
 #else
@@ -552,12 +668,14 @@ void launch_gemm_sm90(GemmEpilogue epi, const T* a, const T* b, int64_t m, int32
   NOPAD_CHECK(tiles < (int64_t{1} << 31), "gemm_sm90: too many tiles (", tiles, ")");
   args.tiles = static_cast<int32_t>(tiles);
   args.bias = reinterpret_cast<const uint16_t*>(bias);
-  args.aux = reinterpret_cast<const uint16_t*>(aux);
   args.partial = partial;
   const CUtensorMap ma = gemm90::tensor_map(a, m, k, gemm90::kBM, kFp16);
   const CUtensorMap mb = gemm90::tensor_map(b, n, k, gemm90::kBN, kFp16);
   const CUtensorMap mo0 = gemm90::tensor_map(out0, m, n, 64, kFp16);
-  const CUtensorMap mo1 = out1 ? gemm90::tensor_map(out1, m, n, 64, kFp16) : mo0;
+  // kDGelu reads aux through the second map (its chunks: 16 rows x 64 columns); kGelu writes out1 through it.
+  const CUtensorMap mo1 = epi == GemmEpilogue::kDGelu ? gemm90::tensor_map(aux, m, n, gemm90::kAuxRows, kFp16)
+                          : out1                      ? gemm90::tensor_map(out1, m, n, 64, kFp16)
+                                                      : mo0;
   switch (epi) {
     case GemmEpilogue::kBias: gemm90::launch<0, kFp16, false>(ma, mb, mo0, mo1, args, sm_count, stream); break;
     case GemmEpilogue::kGelu:
