@@ -658,6 +658,8 @@ void launch_gemm_sm90(GemmEpilogue epi, const T* a, const T* b, int64_t m, int32
   NOPAD_CHECK(out0 != nullptr && (epi != GemmEpilogue::kGelu || out1 != nullptr) &&
                   (epi != GemmEpilogue::kDGelu || aux != nullptr),
               "gemm_sm90: missing output or pre-activation");
+  NOPAD_CHECK(epi != GemmEpilogue::kGelu || reinterpret_cast<uintptr_t>(bias) % 16 == 0,
+              "gemm_sm90: the GELU epilogue's bias must be 16-byte aligned (its epilogue warps read 16-byte pieces)");
   constexpr bool kFp16 = std::is_same_v<T, hf>;
   gemm90::Args args{};
   args.m = static_cast<int32_t>(m);
