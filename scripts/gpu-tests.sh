@@ -8,6 +8,9 @@
 #   CUDA_TEST_FILTER=PATTERN  GoogleTest filter for nopad_cuda_tests (default: all)
 #   SKIP_CTEST=1              skip the CPU test suite (CI runs it; useful when device time is short)
 #   ONLY_CUDA_TESTS=1         stop after the CUDA op tests (a kernel iteration; not a full validation)
+#   SKIP_CUDA_TESTS=1         skip the CUDA op tests: only the end-to-end checks (Hugging Face, fp16), e.g. to finish
+#                             a validation whose first call ran out of time (a full run takes ~10 min on an H100;
+#                             CUDA_TEST_FILTER='-CudaPerf/*' leaves out the timing tests)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${OUT:-out/gpu}
@@ -20,9 +23,14 @@ step "build (CUDA on)"
 NOPAD_CMAKE_ARGS="-DNOPAD_CUDA=ON ${NOPAD_CMAKE_EXTRA:-}" bash scripts/setup.sh > "$out/build.log" 2>&1 || { tail -50 "$out/build.log"; exit 1; }
 ./build-gpu/nopad info | tee -a "$out/summary.txt"
 
-step "CUDA op tests (nopad_cuda_tests, GPU vs CPU twin)"
-./build-gpu/nopad_cuda_tests --gtest_brief=0 --gtest_filter="${CUDA_TEST_FILTER:-*}" > "$out/cuda-tests.log" 2>&1 || status=1
-grep -E "^\[ +(OK|FAILED) +\]|PASSED|FAILED|perf|TFLOP" "$out/cuda-tests.log" | tee -a "$out/summary.txt"
+if [ "${SKIP_CUDA_TESTS:-0}" != 1 ]; then
+  step "CUDA op tests (nopad_cuda_tests, GPU vs CPU twin)"
+  ./build-gpu/nopad_cuda_tests --gtest_brief=0 --gtest_filter="${CUDA_TEST_FILTER:-*}" > "$out/cuda-tests.log" 2>&1 ||
+    status=1
+  grep -E "^\[ +(OK|FAILED) +\]|PASSED|FAILED|perf|TFLOP" "$out/cuda-tests.log" | tee -a "$out/summary.txt"
+else
+  step "CUDA op tests skipped (SKIP_CUDA_TESTS=1)"
+fi
 if [ "${ONLY_CUDA_TESTS:-0}" = 1 ]; then
   step "stopped after the CUDA op tests (ONLY_CUDA_TESTS=1): status $status"
   exit $status
