@@ -1,7 +1,10 @@
 """Helpers shared by the Python tests that launch nopad under mpiexec or a torchrun-style environment: the mpiexec
-command line, and the bert-tiny-sized dataset they train on (MLPerf's wiki sample prepared at 64 tokens)."""
+command line, the bert-tiny-sized dataset they train on (MLPerf's wiki sample prepared at 64 tokens), the short
+bert-tiny `nopad train` / `nopad bench model` runs on it, a free TCP port and a run's per-step losses."""
+import json
 import os
 import shutil
+import socket
 import subprocess
 import sys
 
@@ -24,3 +27,31 @@ def prepare_sample(out, *extra):
                            os.path.join(SRC, "data/vocab/bert-uncased-vocab.txt"), "--output", out,
                            "--max-seq-length", "64", "--max-predictions", "10", "--dupe-factor", "1", "--quiet",
                            *extra], capture_output=True, text=True)
+
+
+def tiny_train_cmd(run_dir, data, extra=()):
+    """`nopad train` of bert-tiny on the CPU, 6 steps of 8 sequences, a metrics line per step, no checkpoints."""
+    return [NOPAD, "train", "--config", os.path.join(SRC, "configs/bert-tiny-sample.toml"), "--overwrite",
+            "--set", f"run_dir={run_dir}", "--set", f"data.train={data}", "--set", "data.eval=",
+            "--set", "train.device=cpu", "--set", "train.threads=1", "--set", "train.global_batch=8",
+            "--set", "train.max_steps=6", "--set", "log.interval_steps=1", "--set", "checkpoint.interval_steps=0",
+            *extra]
+
+
+def tiny_bench_cmd(data, batch):
+    """`nopad bench model` of bert-tiny on the CPU: 1 warm-up and 4 timed steps of `batch` sequences (per rank)."""
+    return [NOPAD, "bench", "model", "--model", os.path.join(SRC, "data/configs/bert-tiny.json"), "--data", data,
+            "--batch", str(batch), "--steps", "4", "--warmup", "1", "--device", "cpu", "--threads", "1"]
+
+
+def free_port():
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    return port
+
+
+def losses(run_dir):
+    """The loss of every line of run_dir/metrics.jsonl."""
+    return [json.loads(l)["loss"] for l in open(os.path.join(run_dir, "metrics.jsonl")) if l.strip()]

@@ -27,7 +27,8 @@ import tempfile
 import threading
 import time
 
-from nopad_test_support import NOPAD, SRC, prepare_sample
+from nopad_test_support import (NOPAD, SRC, free_port, losses, prepare_sample, tiny_bench_cmd,
+                                tiny_train_cmd)
 
 failures = []
 
@@ -155,24 +156,10 @@ class FakeStore:
         self.sock.close()
 
 
-def free_port():
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()
-    return port
 
 
-def cmd(run_dir, data):
-    return [NOPAD, "train", "--config", os.path.join(SRC, "configs/bert-tiny-sample.toml"), "--overwrite",
-            "--set", f"run_dir={run_dir}", "--set", f"data.train={data}", "--set", "data.eval=",
-            "--set", "train.device=cpu", "--set", "train.threads=1", "--set", "train.global_batch=8",
-            "--set", "train.max_steps=6", "--set", "log.interval_steps=1", "--set", "checkpoint.interval_steps=0"]
 
 
-def bench_cmd(data, batch):
-    return [NOPAD, "bench", "model", "--model", os.path.join(SRC, "data/configs/bert-tiny.json"), "--data", data,
-            "--batch", str(batch), "--steps", "4", "--warmup", "1", "--device", "cpu", "--threads", "1"]
 
 
 def clean_env():
@@ -207,8 +194,6 @@ def launch(argv, ranks, world, store_port, timeout_s="60", restart=0, run_id="te
     return out
 
 
-def losses(run_dir):
-    return [json.loads(l)["loss"] for l in open(os.path.join(run_dir, "metrics.jsonl")) if l.strip()]
 
 
 def check_same_losses(ref, run_dir, what):
@@ -234,7 +219,7 @@ def fake_store_checks(tmp, data, ref):
     # A stale key of attempt 0 that points at a port nobody listens on: attempt 1 must not use it.
     store.data[b"/nopad/test-run/0/bootstrap"] = f"127.0.0.1:{free_port()}".encode()
     run = os.path.join(tmp, "fake-store")
-    res = launch(cmd(run, data), [0, 1], 2, store.port, restart=1)
+    res = launch(tiny_train_cmd(run, data), [0, 1], 2, store.port, restart=1)
     if check_trained(res, "fake store"):
         check_same_losses(ref, run, "2 ranks through a TCPStore (written here)")
     key = b"/nopad/test-run/1/bootstrap"
@@ -251,7 +236,8 @@ def fake_store_checks(tmp, data, ref):
     # As if each rank ran on a host of its own (LOCAL_WORLD_SIZE=1): the store is reached through loopback, so rank 0
     # publishes its interfaces' addresses instead (where the host has any), and rank 1 reaches it through them.
     run = os.path.join(tmp, "fake-store-hosts")
-    res = launch(cmd(run, data), [0, 1], 2, store.port, run_id="two-hosts", extra_env={"LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1"})
+    res = launch(tiny_train_cmd(run, data), [0, 1], 2, store.port, run_id="two-hosts",
+                 extra_env={"LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1"})
     if check_trained(res, "fake store, one rank per host"):
         check_same_losses(ref, run, "2 ranks as on 2 hosts")
     addrs = store.data.get(b"/nopad/two-hosts/0/bootstrap", b"").decode()
@@ -259,7 +245,7 @@ def fake_store_checks(tmp, data, ref):
     print(f"  one rank per host: rank 0 published {addrs}")
 
     # Only rank 1 comes: rank 0 never publishes. A clear error within the bootstrap timeout (3 s).
-    res = launch(cmd(os.path.join(tmp, "alone"), data), [1], 2, store.port, timeout_s="3", run_id="lonely")
+    res = launch(tiny_train_cmd(os.path.join(tmp, "alone"), data), [1], 2, store.port, timeout_s="3", run_id="lonely")
     rc, _, e, secs = res[0]
     check(rc != 0, "rank 1 without rank 0 did not fail")
     check(secs < 30, f"rank 1 without rank 0 took {secs:.1f} s to fail (timeout 3 s)")
@@ -271,13 +257,13 @@ def fake_store_checks(tmp, data, ref):
     store.close()
 
     # No store at MASTER_ADDR:MASTER_PORT.
-    res = launch(cmd(os.path.join(tmp, "nostore"), data), [1], 2, free_port(), timeout_s="2")
+    res = launch(tiny_train_cmd(os.path.join(tmp, "nostore"), data), [1], 2, free_port(), timeout_s="2")
     rc, _, e, secs = res[0]
     check(rc != 0 and "cannot reach torchrun's agent store" in e and secs < 30,
           f"no store: exit {rc} after {secs:.1f} s: {e[-600:]!r}")
 
     # A value of TORCHELASTIC_USE_AGENT_STORE that is neither true nor false is refused by name.
-    res = launch(cmd(os.path.join(tmp, "badvar"), data), [0], 2, free_port(), timeout_s="2",
+    res = launch(tiny_train_cmd(os.path.join(tmp, "badvar"), data), [0], 2, free_port(), timeout_s="2",
                  extra_env={"TORCHELASTIC_USE_AGENT_STORE": "maybe"})
     rc, _, e, _ = res[0]
     check(rc != 0 and "TORCHELASTIC_USE_AGENT_STORE" in e, f"bad variable value: exit {rc}: {e[-400:]!r}")
@@ -295,7 +281,7 @@ def torch_checks(tmp, data, ref, torch):
             print(f"  torch TCPStore use_libuv={libuv}: not available ({e})")
             continue
         run = os.path.join(tmp, f"torch-store-{int(libuv)}")
-        res = launch(cmd(run, data), [0, 1], 2, server.port, run_id=f"torch{int(libuv)}")
+        res = launch(tiny_train_cmd(run, data), [0, 1], 2, server.port, run_id=f"torch{int(libuv)}")
         if check_trained(res, f"torch TCPStore (use_libuv={libuv})"):
             check_same_losses(ref, run, f"2 ranks through torch's TCPStore (use_libuv={libuv})")
             addr = server.get(f"nopad/torch{int(libuv)}/0/bootstrap").decode()
@@ -308,16 +294,17 @@ def torch_checks(tmp, data, ref, torch):
     env["NOPAD_BOOTSTRAP_TIMEOUT_S"] = "120"
     launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
                 "--no-python"]
-    r = subprocess.run(launcher + ["--tee", "3"] + cmd(run, data), env=env, cwd=SRC, capture_output=True, text=True,
-                       timeout=600)
+    r = subprocess.run(launcher + ["--tee", "3"] + tiny_train_cmd(run, data), env=env, cwd=SRC, capture_output=True,
+                       text=True, timeout=600)
     check(r.returncode == 0, f"torchrun: exit {r.returncode}: {r.stdout[-1500:]} {r.stderr[-1500:]}")
     if r.returncode == 0:
         check("data parallel: 2 ranks (torchrun, tcp" in r.stdout + r.stderr,
               f"torchrun: no 'data parallel: 2 ranks (torchrun, tcp' line: {r.stdout[-800:]!r}")
         check_same_losses(ref, run, f"torchrun of torch {torch.__version__}, 2 ranks")
 
-    r1 = subprocess.run(bench_cmd(data, 8), capture_output=True, text=True, cwd=SRC, env=clean_env())
-    r = subprocess.run(launcher + bench_cmd(data, 4), env=env, cwd=SRC, capture_output=True, text=True, timeout=600)
+    r1 = subprocess.run(tiny_bench_cmd(data, 8), capture_output=True, text=True, cwd=SRC, env=clean_env())
+    r = subprocess.run(launcher + tiny_bench_cmd(data, 4), env=env, cwd=SRC, capture_output=True, text=True,
+                       timeout=600)
     check(r.returncode == 0 and r1.returncode == 0, f"bench under torchrun: exit {r.returncode}: {r.stderr[-1500:]}")
     if r.returncode == 0 and r1.returncode == 0:
         reports = [l for l in r.stdout.splitlines() if l.startswith("{")]
@@ -337,7 +324,7 @@ def main():
     r = prepare_sample(data)
     check(r.returncode == 0, f"prepare: {r.stderr}")
     one = os.path.join(tmp, "one")
-    r = subprocess.run(cmd(one, data), capture_output=True, text=True, cwd=SRC, env=clean_env())
+    r = subprocess.run(tiny_train_cmd(one, data), capture_output=True, text=True, cwd=SRC, env=clean_env())
     check(r.returncode == 0, f"single process: {r.stderr[-500:]}")
     ref = losses(one) if r.returncode == 0 else []
     print(f"  one process: losses {['%.5f' % x for x in ref]}")

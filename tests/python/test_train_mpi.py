@@ -13,7 +13,7 @@ import tempfile
 
 import numpy as np
 
-from nopad_test_support import NOPAD, SRC, mpiexec, prepare_sample
+from nopad_test_support import NOPAD, SRC, losses, mpiexec, prepare_sample
 failures = []
 
 
@@ -52,8 +52,6 @@ def train(ranks, run_dir, data, extra=(), check_rc=True):
     return r
 
 
-def losses(run_dir):
-    return [json.loads(l)["loss"] for l in open(os.path.join(run_dir, "metrics.jsonl")) if l.strip()]
 
 
 def weights(run_dir):

@@ -8,12 +8,12 @@ ranks (one report; the same final loss as one process on the whole global batch)
 NOPAD_SOURCE_DIR set; needs no MPI."""
 import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
 
-from nopad_test_support import NOPAD, SRC, prepare_sample
+from nopad_test_support import (NOPAD, SRC, free_port, losses, prepare_sample, tiny_bench_cmd,
+                                tiny_train_cmd)
 failures = []
 
 
@@ -23,25 +23,10 @@ def check(cond, what):
         print("FAIL:", what)
 
 
-def free_port():
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()
-    return port
 
 
-def cmd(run_dir, data, extra=()):
-    return [NOPAD, "train", "--config", os.path.join(SRC, "configs/bert-tiny-sample.toml"), "--overwrite",
-            "--set", f"run_dir={run_dir}", "--set", f"data.train={data}", "--set", "data.eval=",
-            "--set", "train.device=cpu", "--set", "train.threads=1", "--set", "train.global_batch=8",
-            "--set", "train.max_steps=6", "--set", "log.interval_steps=1", "--set", "checkpoint.interval_steps=0",
-            *extra]
 
 
-def bench_cmd(data, batch):
-    return [NOPAD, "bench", "model", "--model", os.path.join(SRC, "data/configs/bert-tiny.json"), "--data", data,
-            "--batch", str(batch), "--steps", "4", "--warmup", "1", "--device", "cpu", "--threads", "1"]
 
 
 def launch(run_dir, data, world_sizes, argv=None):
@@ -52,7 +37,7 @@ def launch(run_dir, data, world_sizes, argv=None):
         env = {k: v for k, v in os.environ.items() if not k.startswith(("OMPI_", "PMI_", "SLURM_"))}
         env.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
                    MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), NOPAD_BOOTSTRAP_TIMEOUT_S="20")
-        procs.append(subprocess.Popen(argv or cmd(run_dir, data), env=env, cwd=SRC, stdout=subprocess.PIPE,
+        procs.append(subprocess.Popen(argv or tiny_train_cmd(run_dir, data), env=env, cwd=SRC, stdout=subprocess.PIPE,
                                       stderr=subprocess.PIPE, text=True))
     out = []
     for p in procs:
@@ -65,8 +50,6 @@ def launch(run_dir, data, world_sizes, argv=None):
     return out
 
 
-def losses(run_dir):
-    return [json.loads(l)["loss"] for l in open(os.path.join(run_dir, "metrics.jsonl")) if l.strip()]
 
 
 def main():
@@ -75,7 +58,7 @@ def main():
     r = prepare_sample(data)
     check(r.returncode == 0, f"prepare: {r.stderr}")
     one = os.path.join(tmp, "one")
-    r = subprocess.run(cmd(one, data), capture_output=True, text=True, cwd=SRC)
+    r = subprocess.run(tiny_train_cmd(one, data), capture_output=True, text=True, cwd=SRC)
     check(r.returncode == 0, f"single process: {r.stderr[-500:]}")
     ref = losses(one) if r.returncode == 0 else []
 
@@ -100,10 +83,10 @@ def main():
                         "2"], capture_output=True, text=True)
     check(r.returncode == 0, f"partition-shards.sh: {r.stderr}")
     one_multi = os.path.join(tmp, "one-multi")
-    r = subprocess.run(cmd(one_multi, multi), capture_output=True, text=True, cwd=SRC)
+    r = subprocess.run(tiny_train_cmd(one_multi, multi), capture_output=True, text=True, cwd=SRC)
     check(r.returncode == 0, f"single process on the 4-shard data: {r.stderr[-500:]}")
     part_dir = os.path.join(tmp, "two-partitioned")
-    res = launch(part_dir, None, [2, 2], cmd(part_dir, os.path.join(tmp, "part", "rank{rank}"),
+    res = launch(part_dir, None, [2, 2], tiny_train_cmd(part_dir, os.path.join(tmp, "part", "rank{rank}"),
                                               ("--set", "data.placement=partitioned")))
     for rank, (rc, o, e) in enumerate(res):
         check(rc == 0, f"partitioned, rank {rank} exit {rc}: {e[-800:]}")
@@ -114,9 +97,9 @@ def main():
         print(f"  partitioned over tcp: losses {['%.5f' % x for x in got]}")
 
     # nopad bench model launched the torchrun way: one report (rank 0), 2 ranks x 4 sequences = 1 process x 8.
-    r = subprocess.run(bench_cmd(data, 8), capture_output=True, text=True, cwd=SRC)
+    r = subprocess.run(tiny_bench_cmd(data, 8), capture_output=True, text=True, cwd=SRC)
     check(r.returncode == 0, f"bench, one process: {r.stderr[-400:]}")
-    res = launch(None, None, [2, 2], bench_cmd(data, 4))
+    res = launch(None, None, [2, 2], tiny_bench_cmd(data, 4))
     for rank, (rc, o, e) in enumerate(res):
         check(rc == 0, f"bench, rank {rank} exit {rc}: {e[-800:]}")
     if r.returncode == 0 and all(rc == 0 for rc, _, _ in res):
