@@ -334,33 +334,6 @@ class TcpCommunicator final : public Communicator {
     ::close(lfd);
   }
 
-  // One connection attempt to `a` that gives up after timeout_s (a host that drops packets must not hold the
-  // bootstrap past its time limit); the socket, blocking again, or -1 with `error` set.
-  static int connect_within(const addrinfo* a, double timeout_s, std::string& error) {
-    const int fd = ::socket(a->ai_family, a->ai_socktype | SOCK_NONBLOCK | SOCK_CLOEXEC, a->ai_protocol);
-    if (fd < 0) {
-      error = std::string("socket(): ") + std::strerror(errno);
-      return -1;
-    }
-    int err = ::connect(fd, a->ai_addr, a->ai_addrlen) == 0 ? 0 : errno;
-    if (err == EINPROGRESS) {
-      pollfd p{fd, POLLOUT, 0};
-      int ready;
-      do {
-        ready = ::poll(&p, 1, static_cast<int>(std::clamp(timeout_s, 0.0, 1e6) * 1000) + 1);
-      } while (ready < 0 && errno == EINTR);
-      socklen_t len = sizeof err;
-      if (ready <= 0)
-        err = ETIMEDOUT;
-      else if (::getsockopt(fd, SOL_SOCKET, SO_ERROR, &err, &len) != 0)
-        err = errno;
-    }
-    if (err == 0 && ::fcntl(fd, F_SETFL, ::fcntl(fd, F_GETFL) & ~O_NONBLOCK) == 0) return fd;
-    error = std::strerror(err != 0 ? err : errno);
-    ::close(fd);
-    return -1;
-  }
-
   // Ranks 1..: connects to rank 0 at the first of `addrs` (host, port) that answers, retrying until timeout_s, and
   // introduces itself. `what` says where the addresses came from and `limit_s` the time limit the user set
   // (NOPAD_BOOTSTRAP_TIMEOUT_S), for the error.
@@ -385,6 +358,11 @@ class TcpCommunicator final : public Communicator {
         for (addrinfo* a = res; a != nullptr; a = a->ai_next) {
           const int fd = connect_within(a, std::clamp(left(), 0.05, 5.0), last_error);
           if (fd < 0) continue;
+          if (::fcntl(fd, F_SETFL, ::fcntl(fd, F_GETFL) & ~O_NONBLOCK) != 0) {  // the peer sockets block
+            last_error = std::string("fcntl(): ") + std::strerror(errno);
+            ::close(fd);
+            continue;
+          }
           ::freeaddrinfo(res);
           tune(fd);
           peers_[0] = fd;

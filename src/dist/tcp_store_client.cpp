@@ -50,8 +50,10 @@ std::string wire_key(std::string_view key) {
   return k;
 }
 
-// One attempt to connect to `a` before the deadline; the socket, or -1 with `error` set.
-int try_connect(const addrinfo* a, double deadline, std::string& error) {
+}  // namespace
+
+int connect_within(const addrinfo* a, double timeout_s, std::string& error) {
+  const double deadline = now_s() + timeout_s;
   const int fd = ::socket(a->ai_family, a->ai_socktype | SOCK_NONBLOCK | SOCK_CLOEXEC, a->ai_protocol);
   if (fd < 0) {
     error = std::string("socket(): ") + std::strerror(errno);
@@ -81,8 +83,6 @@ int try_connect(const addrinfo* a, double deadline, std::string& error) {
   return -1;
 }
 
-}  // namespace
-
 TcpStoreClient::TcpStoreClient(const std::string& host, int port, double timeout_s, std::string role)
     : endpoint_(host + ":" + std::to_string(port)), role_(std::move(role)) {
   NOPAD_CHECK(port > 0 && port < 65536, role_, ": port ", port, " is not a TCP port (1..65535)");
@@ -100,7 +100,7 @@ TcpStoreClient::TcpStoreClient(const std::string& host, int port, double timeout
     } else {
       // At most 5 s per address, so that one which drops packets leaves time for the next.
       for (addrinfo* a = res; a != nullptr && fd_ < 0; a = a->ai_next)
-        fd_ = try_connect(a, std::min(deadline, now_s() + 5), last_error);
+        fd_ = connect_within(a, std::clamp(deadline - now_s(), 0.0, 5.0), last_error);
       ::freeaddrinfo(res);
     }
     if (fd_ >= 0) break;
@@ -136,16 +136,23 @@ void TcpStoreClient::set(std::string_view key, std::string_view value, double ti
   send_all(q, now_s() + timeout_s, "SET");
 }
 
-bool TcpStoreClient::check(std::string_view key, double timeout_s) {
-  const double deadline = now_s() + timeout_s;
-  std::string q(1, static_cast<char>(kCheck));
+std::optional<uint8_t> TcpStoreClient::key_query(uint8_t type, std::string_view key, double deadline,
+                                                 const char* what) {
+  std::string q(1, static_cast<char>(type));
   put_u64(q, 1);
   put_str(q, wire_key(key));
-  send_all(q, deadline, "CHECK");
+  send_all(q, deadline, what);
   uint8_t reply = 0xff;
-  if (!recv_all(&reply, 1, deadline, "CHECK"))
+  if (!recv_all(&reply, 1, deadline, what)) return std::nullopt;
+  return reply;
+}
+
+bool TcpStoreClient::check(std::string_view key, double timeout_s) {
+  const std::optional<uint8_t> answer = key_query(kCheck, key, now_s() + timeout_s, "CHECK");
+  if (!answer)
     fail(role_, " (", endpoint_, ") did not answer a CHECK query within ", timeout_s,
          " s: is it a PyTorch c10d TCPStore (torchrun of PyTorch 2.4 or later)?");
+  const uint8_t reply = *answer;
   NOPAD_CHECK(reply == kReady || reply == kNotReady, role_, " (", endpoint_, ") answered a CHECK query with ",
               static_cast<int>(reply), " instead of 0 or 1: it does not speak the c10d TCPStore protocol nopad "
               "knows (torchrun of PyTorch 2.4 or later)");
@@ -154,18 +161,14 @@ bool TcpStoreClient::check(std::string_view key, double timeout_s) {
 
 std::optional<std::string> TcpStoreClient::wait_get(std::string_view key, double timeout_s) {
   const double deadline = now_s() + timeout_s;
-  std::string q(1, static_cast<char>(kWait));
-  put_u64(q, 1);
-  put_str(q, wire_key(key));
-  send_all(q, deadline, "WAIT");
-  uint8_t reply = 0xff;
-  if (!recv_all(&reply, 1, deadline, "WAIT")) {
+  const std::optional<uint8_t> reply = key_query(kWait, key, deadline, "WAIT");
+  if (!reply) {
     ::close(fd_);  // the server drops a closed connection's wait; this client is done
     fd_ = -1;
     return std::nullopt;
   }
-  NOPAD_CHECK(reply == kStopWaiting, role_, " (", endpoint_, ") answered a WAIT query with ",
-              static_cast<int>(reply), " instead of 0 (STOP_WAITING)");
+  NOPAD_CHECK(*reply == kStopWaiting, role_, " (", endpoint_, ") answered a WAIT query with ",
+              static_cast<int>(*reply), " instead of 0 (STOP_WAITING)");
   std::string g(1, static_cast<char>(kGet));
   put_str(g, wire_key(key));
   const double get_deadline = std::max(deadline, now_s() + 5);  // the key exists: the reply is immediate

@@ -29,11 +29,19 @@
 //   WAIT (6) + count + keys            reply when all exist: one byte, STOP_WAITING (0)
 // A WAIT given up on is abandoned by closing the connection (the server then drops the wait).
 #pragma once
+#include <cstdint>
 #include <optional>
 #include <string>
 #include <string_view>
 
+struct addrinfo;
+
 namespace nopad::dist {
+
+// One connection attempt to `addr` (from getaddrinfo) that gives up after timeout_s, so that a host which drops
+// packets cannot hold a caller past its own time limit: the connected socket (non-blocking, close-on-exec), or -1
+// with `error` set. Also used by the TCP communicator's bootstrap (comm_tcp.cpp).
+int connect_within(const addrinfo* addr, double timeout_s, std::string& error);
 
 class TcpStoreClient {
  public:
@@ -58,6 +66,8 @@ class TcpStoreClient {
   const std::string& endpoint() const { return endpoint_; }
 
  private:
+  // Sends a query of one key (CHECK or WAIT) and receives its one-byte reply; nothing when none came in time.
+  std::optional<uint8_t> key_query(uint8_t type, std::string_view key, double deadline, const char* what);
   void send_all(const std::string& bytes, double deadline, const char* what);
   // Receives exactly n bytes before the deadline; false when the deadline passed first.
   bool recv_all(void* p, size_t n, double deadline, const char* what);
