@@ -43,34 +43,8 @@ step "1. one GPU vs two (NCCL): 20 steps of bert-tiny, global batch 32, dropout 
 $NOPAD "${train_args[@]}" --set run_dir=$d/one --set train.max_steps=20 > "$out/one.log" 2>&1 || status=1
 mpirun -np 2 --bind-to none $NOPAD "${train_args[@]}" --set run_dir=$d/two --set train.max_steps=20 \
   > "$out/two.log" 2>&1 || status=1
-python3 - $d/one/metrics.jsonl $d/two/metrics.jsonl "$out/two.log" <<'PY' | tee -a "$out/summary.txt" || status=1
-import json, sys
-def steps(p):
-    try:
-        return [json.loads(l) for l in open(p) if '"eval"' not in l]
-    except OSError as e:
-        return []
-one, two = steps(sys.argv[1]), steps(sys.argv[2])
-log = open(sys.argv[3], errors="replace").read()
-problems = []
-if len(one) != 20 or len(two) != 20:
-    problems.append(f"steps logged: one GPU {len(one)}, two GPUs {len(two)} (want 20 each)")
-if "data parallel: 2 ranks" not in log:
-    problems.append("the 2-rank run did not report 'data parallel: 2 ranks'")
-diffs = [abs(a["loss"] - b["loss"]) for a, b in zip(one, two)]
-seqs = [(a.get("samples"), b.get("samples")) for a, b in zip(one, two)]
-if any(x != y for x, y in seqs):
-    problems.append(f"samples differ: {seqs[:3]}")
-worst = max(diffs) if diffs else float("nan")
-# bf16 activations: the two runs sum the same per-sample gradients in a different order and the GEMMs see other row
-# counts, so the weights drift apart by rounding; bert-tiny's loss (~10 -> ~8) stays within 0.05 over 20 steps.
-if not diffs or worst > 0.05:
-    problems.append(f"largest per-step loss difference {worst:.4g} (> 0.05)")
-first = f"step 1 loss {one[0]['loss']:.5f} vs {two[0]['loss']:.5f}, " if one and two else ""
-last = f"step 20 loss {one[-1]['loss']:.4f} vs {two[-1]['loss']:.4f}, " if len(one) == 20 and len(two) == 20 else ""
-print(f"equality: {'FAILED: ' + '; '.join(problems) if problems else 'OK'} ({first}{last}largest difference {worst:.3g})")
-sys.exit(1 if problems else 0)
-PY
+python3 scripts/compare_losses.py $d/one/metrics.jsonl $d/two/metrics.jsonl --label equality --same-samples \
+  --log "$out/two.log" --expect "data parallel: 2 ranks" | tee -a "$out/summary.txt" || status=1
 # The trainer compares the ranks' weight hashes at every checkpoint and fails the run when they differ.
 grep -q "checkpoint" "$out/two.log" && ! grep -qi "differ" "$out/two.log" &&
   result "identical weights on both ranks at the final checkpoint: OK" ||
@@ -155,21 +129,9 @@ build-gpu/nopad_cuda_tests --gtest_filter='GradCast.*' > "$out/grad-cast.log" 2>
   { result "GradCast: FAILED (grad-cast.log)"; status=1; }
 mpirun -np 2 --bind-to none $NOPAD "${train_args[@]}" --set run_dir=$d/two-bf16 --set train.max_steps=20 \
   --set dist.reduce=bf16 > "$out/two-bf16.log" 2>&1 || status=1
-python3 - $d/one/metrics.jsonl $d/two-bf16/metrics.jsonl <<'PY' | tee -a "$out/summary.txt" || status=1
-import json, sys
-def losses(p):
-    try:
-        return [json.loads(l)["loss"] for l in open(p) if '"eval"' not in l]
-    except (OSError, KeyError):
-        return []
-one, two = losses(sys.argv[1]), losses(sys.argv[2])
-ok = len(one) == 20 and len(two) == 20
-worst = max((abs(a - b) for a, b in zip(one, two)), default=float("nan"))
-ok = ok and worst <= 0.05  # the fp32-reduced pair's bound (step 1), bf16 rounding of the gradients added
-print(f"bf16 reduction, 2 GPUs vs 1: {'OK' if ok else 'FAILED'} ({len(two)} steps, largest per-step loss difference "
-      f"{worst:.4g}; step 20 {one[-1] if one else None} vs {two[-1] if two else None})")
-sys.exit(0 if ok else 1)
-PY
+# the fp32-reduced pair's bound (step 1), bf16 rounding of the gradients added
+python3 scripts/compare_losses.py $d/one/metrics.jsonl $d/two-bf16/metrics.jsonl \
+  --label "bf16 reduction, 2 GPUs vs 1" | tee -a "$out/summary.txt" || status=1
 grep -q "gradients summed in bf16" "$out/two-bf16.log" || { result "bf16 reduction not announced: FAILED"; status=1; }
 
 step "1d. torchrun launch on GPUs: python3 -m torch.distributed.run --standalone --nproc_per_node 2, 20 steps vs 1 GPU"
@@ -177,34 +139,11 @@ step "1d. torchrun launch on GPUs: python3 -m torch.distributed.run --standalone
 # nopad's ranks meet through it, then NCCL as under mpirun.
 python3 -m torch.distributed.run --standalone --nproc_per_node 2 --no-python $NOPAD "${train_args[@]}" \
   --set run_dir=$d/two-torchrun --set train.max_steps=20 > "$out/two-torchrun.log" 2>&1 || status=1
-line=$(python3 - $d/one/metrics.jsonl $d/two-torchrun/metrics.jsonl "$out/two-torchrun.log" <<'PY'
-import json, sys
-def losses(p):
-    try:
-        return [json.loads(l)["loss"] for l in open(p) if '"eval"' not in l]
-    except (OSError, KeyError):
-        return []
-one, two = losses(sys.argv[1]), losses(sys.argv[2])
-log = open(sys.argv[3], errors="replace").read()
-problems = []
-if len(one) != 20 or len(two) != 20:
-    problems.append(f"steps logged: one GPU {len(one)}, torchrun {len(two)} (want 20 each)")
-if "data parallel: 2 ranks (torchrun" not in log:
-    problems.append("the log does not say 'data parallel: 2 ranks (torchrun, ...)'")
-worst = max((abs(a - b) for a, b in zip(one, two)), default=float("nan"))
-if not worst <= 0.05:  # step 1's bound (bf16 activations, another summation order)
-    problems.append(f"largest per-step loss difference {worst:.4g} (> 0.05)")
-try:
-    import torch
-    version = torch.__version__
-except ImportError:
-    version = "?"
-print(f"torchrun launch (torch {version}), 2 GPUs vs 1: {'FAILED: ' + '; '.join(problems) if problems else 'OK'} "
-      f"({len(two)} steps, largest per-step loss difference {worst:.4g})")
-sys.exit(1 if problems else 0)
-PY
-) || { status=1; tail -5 "$out/two-torchrun.log"; }
-result "${line:-torchrun launch, 2 GPUs vs 1: FAILED (the check did not run)}"
+torch_version=$(python3 -c 'import torch; print(torch.__version__)' 2>/dev/null || echo "?")
+python3 scripts/compare_losses.py $d/one/metrics.jsonl $d/two-torchrun/metrics.jsonl \
+  --label "torchrun launch (torch $torch_version), 2 GPUs vs 1" --log "$out/two-torchrun.log" \
+  --expect "data parallel: 2 ranks (torchrun" | tee -a "$out/summary.txt" ||
+  { status=1; tail -5 "$out/two-torchrun.log"; }
 
 # 4. Scaling (when .carry/ holds the Wikipedia text): BERT-large, 64 sequences per GPU of real phase-2 lengths, one
 # GPU vs all of them; per-GPU sequences/s from metrics.jsonl (median over steps 6..30). NCCL all-reduce not yet
