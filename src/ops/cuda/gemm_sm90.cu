@@ -178,11 +178,7 @@ __device__ __forceinline__ float fast_rcp(float x) {
   asm("rcp.approx.ftz.f32 %0, %1;\n" : "=f"(r) : "f"(x));
   return r;
 }
-__device__ __forceinline__ float fast_exp(float x) {
-  float r;
-  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(r) : "f"(x * 1.4426950408889634f));
-  return r;
-}
+__device__ __forceinline__ float fast_exp(float x) { return fmha_detail::exp2_ftz(x * 1.4426950408889634f); }
 // Phi(x) and, through pdf, the normal density phi(x) = exp(-x^2 / 2) / sqrt(2 pi) (kGrad only).
 template <bool kGrad>
 __device__ __forceinline__ float normal_cdf(float x, float& pdf) {
