@@ -30,6 +30,7 @@
 #include "core/error.h"
 #include "core/rng.h"
 #include "ops/cpu/cpu_backend.h"
+#include "ops/cpu/cpu_gelu.h"
 #include "model/params.h"
 #include "ops/cuda/check.h"
 #include "ops/cuda/cuda_backend.h"
@@ -674,16 +675,9 @@ TYPED_TEST(CudaOps, GemmSm90Epilogues) {
                         {127, 768, 64},  {128, 256, 1024}, {129, 512, 256},  {1000, 256, 320},
                         {12800, 512, 256}, {4500, 1024, 1024}};
   auto r16 = [](double x) { return to_float(convert<E>(static_cast<float>(x))); };
-  auto gelu = [](double x, bool tanh) {
-    if (!tanh) return 0.5 * x * (1.0 + std::erf(x / std::sqrt(2.0)));
-    const double u = std::sqrt(2.0 / M_PI) * (x + 0.044715 * x * x * x);
-    return 0.5 * x * (1.0 + std::tanh(u));
-  };
-  auto gelu_grad = [](double x, bool tanh) {
-    if (!tanh) return 0.5 * (1.0 + std::erf(x / std::sqrt(2.0))) + x * std::exp(-0.5 * x * x) / std::sqrt(2.0 * M_PI);
-    const double c = std::sqrt(2.0 / M_PI), th = std::tanh(c * (x + 0.044715 * x * x * x));
-    return 0.5 * (1.0 + th) + 0.5 * x * (1.0 - th * th) * c * (1.0 + 3.0 * 0.044715 * x * x);
-  };
+  // The CPU twin's activations, in double
+  auto gelu = [](double x, bool tanh) { return tanh ? ops::cpu::gelu_tanh(x) : ops::cpu::gelu(x); };
+  auto gelu_grad = [](double x, bool tanh) { return tanh ? ops::cpu::gelu_tanh_grad(x) : ops::cpu::gelu_grad(x); };
   for (const Case& c : cases) {
     const std::string tag = "m=" + std::to_string(c.m) + " n=" + std::to_string(c.n) + " k=" + std::to_string(c.k);
     SCOPED_TRACE(tag);

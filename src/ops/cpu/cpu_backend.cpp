@@ -12,39 +12,21 @@
 #include "core/error.h"
 #include "core/philox.h"
 #include "core/threads.h"
+#include "ops/cpu/cpu_gelu.h"
 #include "ops/cpu/cpu_gemm.h"
 
 namespace nopad::ops {
 namespace {
 
 using cpu::dot;
+using cpu::gelu;
+using cpu::gelu_grad;
+using cpu::gelu_tanh;
+using cpu::gelu_tanh_grad;
 using cpu::gemm;
 
 constexpr int64_t kRowsPerChunk = 32;  // rows per task in row-wise ops; fixed so reductions have a fixed order
 
-template <class S>
-S gelu(S x) {
-  return S(0.5) * x * (S(1) + std::erf(x * S(0.70710678118654752440)));
-}
-template <class S>
-S gelu_grad(S x) {
-  const S cdf = S(0.5) * (S(1) + std::erf(x * S(0.70710678118654752440)));
-  const S pdf = std::exp(S(-0.5) * x * x) * S(0.39894228040143267794);  // 1/sqrt(2 pi)
-  return cdf + x * pdf;
-}
-// The tanh approximation: u = c (x + 0.044715 x^3), c = sqrt(2/pi); gelu = 0.5 x (1 + tanh u);
-// gelu' = 0.5 (1 + tanh u) + 0.5 x (1 - tanh^2 u) c (1 + 3 0.044715 x^2).
-template <class S>
-S gelu_tanh(S x) {
-  const S u = S(0.79788456080286535588) * (x + S(0.044715) * x * x * x);
-  return S(0.5) * x * (S(1) + std::tanh(u));
-}
-template <class S>
-S gelu_tanh_grad(S x) {
-  const S c = S(0.79788456080286535588);
-  const S th = std::tanh(c * (x + S(0.044715) * x * x * x));
-  return S(0.5) * (S(1) + th) + S(0.5) * x * (S(1) - th * th) * c * (S(1) + S(3 * 0.044715) * x * x);
-}
 // out[j] += sum over rows of m[r][j] ([rows, n]); columns split in blocks of 256 across threads, rows summed in order.
 template <class S>
 void add_column_sums(const S* m, int64_t rows, int32_t n, S* out, int threads) {
