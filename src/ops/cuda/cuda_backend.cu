@@ -463,7 +463,7 @@ void CudaBackendT<P>::dense_forward_ld(const A* x, const W* weight, const W* bia
   // nopad's GEMM: pre_act = x W^T + bias and y = gelu(pre_act) from the accumulators (gemm_sm90.h). The tanh GELU
   // keeps cuBLASLt's GELU_AUX_BIAS where that is on (H100: 0.394 ms vs 0.417 at T = 24,657, k=1024 n=4096).
   if (gelu && kernel_variants().gelu_gemm && (!tanh || !kernel_variants().gelu_forward_epilogue) &&
-      gemm_sm90_supported(rows, n, k, x, weight, pre_act, y, bias)) {
+      gemm_sm90_supported(rows, n, k, x, weight, pre_act, y, nullptr, bias)) {
     launch_gemm_sm90<device_t<A>>(GemmEpilogue::kGelu, dev(x), dev(weight), rows, n, k, dev(bias), dev(pre_act),
                                   dev(y), nullptr, nullptr, tanh, sm_count_, stream_);
     last_gelu_path() = GeluPath::kGemmSm90;
@@ -620,7 +620,7 @@ void CudaBackendT<P>::dense_backward_through_act(const A* dy, const A* x, const 
   p.ldb = n;
   p.ldd = k;
   bool done = false;
-  if (kernel_variants().dgelu_gemm && gemm_sm90_supported(rows, k, n, dy, weight, dx_pre, nullptr, x_pre)) {
+  if (kernel_variants().dgelu_gemm && gemm_sm90_supported(rows, k, n, dy, weight, dx_pre, nullptr, x_pre, nullptr)) {
     // nopad's GEMM: dx_pre = (dy W) * act'(x_pre) and the column partials of d_x_bias from the accumulators. Its B
     // operand is K-major: W [n, k] transposed into scratch first (k x n 16-bit, a few microseconds).
     A* w_t = static_cast<A*>(scratch(kWeightT, sizeof(A) * static_cast<size_t>(k) * n));

@@ -636,11 +636,11 @@ bool gemm_sm90_available() {
 }
 
 bool gemm_sm90_supported(int64_t m, int64_t n, int64_t k, const void* a, const void* b, const void* out0,
-                         const void* out1, const void* aux) {
+                         const void* out1, const void* aux, const void* bias) {
   auto al = [](const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; };
   return m >= 1 && m < (int64_t{1} << 31) && n >= gemm90::kBN && n % gemm90::kBN == 0 && n < (1 << 24) &&
          k >= gemm90::kBK && k % gemm90::kBK == 0 && k < (1 << 24) && al(a) && al(b) && al(out0) && al(out1) &&
-         al(aux) && gemm_sm90_available();
+         al(aux) && al(bias) && gemm_sm90_available();
 }
 
 int gemm_sm90_row_chunks(int64_t m) { return static_cast<int>((m + gemm90::kBM - 1) / gemm90::kBM); }
@@ -649,13 +649,11 @@ template <class T>
 void launch_gemm_sm90(GemmEpilogue epi, const T* a, const T* b, int64_t m, int32_t n, int32_t k, const T* bias,
                       T* out0, T* out1, const T* aux, float* partial, bool tanh, int sm_count,
                       cudaStream_t stream) {
-  NOPAD_CHECK(gemm_sm90_supported(m, n, k, a, b, out0, out1, aux), "gemm_sm90: unsupported product m=", m, " n=", n,
+  NOPAD_CHECK(gemm_sm90_supported(m, n, k, a, b, out0, out1, aux, bias), "gemm_sm90: unsupported product m=", m, " n=", n,
               " k=", k, " (needs the sm_90a build on a 9.0 device, n % 256 == 0, k % 64 == 0, 16-byte alignment)");
   NOPAD_CHECK(out0 != nullptr && (epi != GemmEpilogue::kGelu || out1 != nullptr) &&
                   (epi != GemmEpilogue::kDGelu || aux != nullptr),
               "gemm_sm90: missing output or pre-activation");
-  NOPAD_CHECK(epi != GemmEpilogue::kGelu || reinterpret_cast<uintptr_t>(bias) % 16 == 0,
-              "gemm_sm90: the GELU epilogue's bias must be 16-byte aligned (its epilogue warps read 16-byte pieces)");
   constexpr bool kFp16 = std::is_same_v<T, hf>;
   gemm90::Args args{};
   args.m = static_cast<int32_t>(m);

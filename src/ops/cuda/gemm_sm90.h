@@ -26,7 +26,7 @@ enum class GemmEpilogue { kBias, kGelu, kDGelu };
 
 bool gemm_sm90_available();  // sm_90a code in this build and a compute-capability 9.0 device
 bool gemm_sm90_supported(int64_t m, int64_t n, int64_t k, const void* a, const void* b, const void* out0,
-                         const void* out1, const void* aux);
+                         const void* out1, const void* aux, const void* bias);
 
 // T = bf or hf (kernels.cuh). partial: kDGelu only, fp32 [ceil(m / 128), n], or null (no column sums). sm_count: the
 // device's multiprocessors (one persistent CTA each).
