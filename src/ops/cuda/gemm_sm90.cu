@@ -649,8 +649,8 @@ template <class T>
 void launch_gemm_sm90(GemmEpilogue epi, const T* a, const T* b, int64_t m, int32_t n, int32_t k, const T* bias,
                       T* out0, T* out1, const T* aux, float* partial, bool tanh, int sm_count,
                       cudaStream_t stream) {
-  NOPAD_CHECK(gemm_sm90_supported(m, n, k, a, b, out0, out1, aux, bias), "gemm_sm90: unsupported product m=", m, " n=", n,
-              " k=", k, " (needs the sm_90a build on a 9.0 device, n % 256 == 0, k % 64 == 0, 16-byte alignment)");
+  NOPAD_CHECK(gemm_sm90_supported(m, n, k, a, b, out0, out1, aux, bias), "gemm_sm90: unsupported product m=", m,
+              " n=", n, " k=", k, " (needs the sm_90a build on a 9.0 device, n % 256 == 0, k % 64 == 0, 16-byte alignment)");
   NOPAD_CHECK(out0 != nullptr && (epi != GemmEpilogue::kGelu || out1 != nullptr) &&
                   (epi != GemmEpilogue::kDGelu || aux != nullptr),
               "gemm_sm90: missing output or pre-activation");
@@ -698,9 +698,9 @@ void launch_transpose16(const T* in, int32_t rows, int32_t cols, T* out, cudaStr
   NOPAD_CUDA_CHECK_LAUNCH();
 }
 
-#define NOPAD_GEMM90_INSTANTIATE(T)                                                                                 \
+#define NOPAD_GEMM90_INSTANTIATE(T)                                                                              \
   template void launch_gemm_sm90<T>(GemmEpilogue, const T*, const T*, int64_t, int32_t, int32_t, const T*, T*, T*, \
-                                    const T*, float*, bool, int, cudaStream_t);                                          \
+                                    const T*, float*, bool, int, cudaStream_t);                                    \
   template void launch_transpose16<T>(const T*, int32_t, int32_t, T*, cudaStream_t);
 NOPAD_GEMM90_INSTANTIATE(bf)
 NOPAD_GEMM90_INSTANTIATE(hf)
