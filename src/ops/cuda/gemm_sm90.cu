@@ -650,7 +650,8 @@ void launch_gemm_sm90(GemmEpilogue epi, const T* a, const T* b, int64_t m, int32
                       T* out0, T* out1, const T* aux, float* partial, bool tanh, int sm_count,
                       cudaStream_t stream) {
   NOPAD_CHECK(gemm_sm90_supported(m, n, k, a, b, out0, out1, aux, bias), "gemm_sm90: unsupported product m=", m,
-              " n=", n, " k=", k, " (needs the sm_90a build on a 9.0 device, n % 256 == 0, k % 64 == 0, 16-byte alignment)");
+              " n=", n, " k=", k,
+              " (needs the sm_90a build on a 9.0 device, n % 256 == 0, k % 64 == 0, 16-byte alignment)");
   NOPAD_CHECK(out0 != nullptr && (epi != GemmEpilogue::kGelu || out1 != nullptr) &&
                   (epi != GemmEpilogue::kDGelu || aux != nullptr),
               "gemm_sm90: missing output or pre-activation");
