@@ -10,7 +10,7 @@
 #   PROFILE_BATCH=B       also profile the compiled PyTorch peer at batch B (scripts/profile_peer.py: its kernel time
 #                         per step by category, to compare with nopad's --breakdown); unset: skip
 #   HIDDEN_ACTS="gelu"    nopad activations to time at every batch: gelu (exact erf, the standard workload's) and/or
-#                         gelu_new (tanh approximation, fused into the GEMMs through cuBLASLt's GELU epilogues)
+#                         gelu_new (tanh approximation, in the same GEMM epilogues as the erf form)
 #   PEER_GELU_TANH=1      also run the compiled PyTorch peer with F.gelu(approximate="tanh") (a patched copy in
 #                         .carry/), so a nopad gelu_new line has a peer with the same activation beside it
 #   NOPAD_CMAKE_EXTRA     extra CMake arguments
@@ -49,7 +49,7 @@ for B in $BATCHES; do
   done
 done
 
-# VARIANT_RUNS="NOPAD_GELU_GEMM=0 NOPAD_DGELU_GEMM=1": the last batch again under each environment setting (one per
+# VARIANT_RUNS="NOPAD_GELU_GEMM=0 NOPAD_DGELU_GEMM=0": the last batch again under each environment setting (one per
 # word, kernel variants that read the environment: dense.cu), without the breakdown, for side-by-side step times.
 for V in ${VARIANT_RUNS:-}; do
   echo "== nopad bench model batch $LAST_BATCH with $V"

@@ -53,7 +53,7 @@ for n in 8 32; do
   python3 scripts/hf_compat.py --nopad ./build-gpu/nopad --checkpoint "$ckpt" --data $hf/data --samples $n \
     2>&1 | tee -a "$out/hf.log" "$out/summary.txt" || status=1
 done
-# The tanh GELU (hidden_act "gelu_new": cuBLASLt's GELU epilogues in training): the exported config names it, so
+# The tanh GELU (hidden_act "gelu_new": nopad's GEMM epilogues in training): the exported config names it, so
 # Hugging Face runs its own tanh GELU on the checkpoint and must agree.
 python3 -c 'import json,sys; c=json.load(open(sys.argv[1])); c["hidden_act"]="gelu_new"; json.dump(c, open(sys.argv[2],"w"))' \
   data/configs/bert-tiny.json $hf/bert-tiny-gelu-new.json

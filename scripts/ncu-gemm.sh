@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # ncu of nopad's sm_90a GEMM (gemm_sm90.cu) on the GPU machine: builds build-gpu (sm_90a only) and profiles one launch
 # each of the bias epilogue and the erf-GELU epilogue (CudaPerf.GeluForward, T = 24,657, k=1024 n=4096) and of the
-# dGELU epilogue (CudaPerf.FfnBackward): speed of light, warp states, memory, and per-instruction stall samples
-# (SASS CSV) into $OUT. Usage: OUT=... bash scripts/ncu-gemm.sh
+# scale epilogue (the saved GELU derivative, CudaPerf.FfnBackward; profile name bwd-dgelu): speed of light, warp
+# states, memory, and per-instruction stall samples (SASS CSV) into $OUT. Usage: OUT=... bash scripts/ncu-gemm.sh
 #   PROFILES="fwd-bias fwd-gelu bwd-dgelu"   which of the three launches to profile (default: all)
 set -u
 cd "$(dirname "$0")/.."

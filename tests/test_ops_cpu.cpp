@@ -159,51 +159,58 @@ TEST(OpsCpu, DenseGradientWithAndWithoutGelu) {
   const int32_t k = 8, n = 6;
   for (Activation act : {Activation::kNone, Activation::kGelu, Activation::kGeluTanh}) {
     Vec x = random_vec(rows * k, rng), W = random_vec(n * k, rng, 0.5), b = random_vec(n, rng), R = random_vec(rows * n, rng);
-    Vec y, pre;
+    Vec y, act_grad;
     auto loss = [&] {
-      y = poison(rows * n), pre = poison(rows * n);
-      be.dense_forward(x.data(), W.data(), b.data(), rows, k, n, act, y.data(), pre.data());
+      y = poison(rows * n), act_grad = poison(rows * n);
+      be.dense_forward(x.data(), W.data(), b.data(), rows, k, n, act, y.data(), act_grad.data());
       EXPECT_TRUE(all_finite(y));
+      if (act != Activation::kNone) EXPECT_TRUE(all_finite(act_grad));
       return dot(y, R);
     };
     loss();
     Vec dx = poison(rows * k), dW(n * k, 0), db(n, 0);
-    be.dense_backward(R.data(), x.data(), W.data(), pre.data(), rows, k, n, act, dx.data(), false, dW.data(), db.data());
+    be.dense_backward(R.data(), x.data(), W.data(), act_grad.data(), rows, k, n, act, dx.data(), false, dW.data(),
+                      db.data());
     check_gradient("dx", x, dx, loss);
     check_gradient("dW", W, dW, loss);
     check_gradient("db", b, db, loss);
-    // accumulate_dx adds onto what is there (forward again: the checks left pre_act at a perturbed point).
+    // accumulate_dx adds onto what is there (forward again: the checks left act_grad at a perturbed point).
     loss();
     Vec dx2(rows * k, 1.5);
-    be.dense_backward(R.data(), x.data(), W.data(), pre.data(), rows, k, n, act, dx2.data(), true, nullptr, nullptr);
+    be.dense_backward(R.data(), x.data(), W.data(), act_grad.data(), rows, k, n, act, dx2.data(), true, nullptr,
+                      nullptr);
     for (size_t i = 0; i < dx.size(); ++i) EXPECT_NEAR(dx2[i], dx[i] + 1.5, 1e-12);
   }
 }
 
-// The two GELUs at known points: erf GELU(1) = 0.5 (1 + erf(1/sqrt 2)); the tanh form within 1e-3 of it everywhere
-// (its documented accuracy) but not equal to it.
+// The two GELUs and the derivatives dense_forward saves, at known points against their closed forms: the tanh form
+// within 1e-3 of the erf form everywhere (its documented accuracy) but not equal to it.
 TEST(OpsCpu, GeluTanhIsTheApproximationNotTheErfForm) {
   CpuBackend<CpuF64> be(1);
   const std::vector<double> xs{-3.0, -1.0, -0.5, 0.0, 0.5, 1.0, 2.0, 3.0};
   const int64_t rows = static_cast<int64_t>(xs.size());
   Vec one{1.0};
-  Vec erf_y = poison(rows), erf_pre = poison(rows), tanh_y = poison(rows), tanh_pre = poison(rows);
-  be.dense_forward(xs.data(), one.data(), nullptr, rows, 1, 1, Activation::kGelu, erf_y.data(), erf_pre.data());
-  be.dense_forward(xs.data(), one.data(), nullptr, rows, 1, 1, Activation::kGeluTanh, tanh_y.data(), tanh_pre.data());
+  Vec erf_y = poison(rows), erf_grad = poison(rows), tanh_y = poison(rows), tanh_grad = poison(rows);
+  be.dense_forward(xs.data(), one.data(), nullptr, rows, 1, 1, Activation::kGelu, erf_y.data(), erf_grad.data());
+  be.dense_forward(xs.data(), one.data(), nullptr, rows, 1, 1, Activation::kGeluTanh, tanh_y.data(), tanh_grad.data());
   double max_diff = 0;
   for (int64_t i = 0; i < rows; ++i) {
     const double x = xs[i];
-    EXPECT_NEAR(erf_y[i], 0.5 * x * (1 + std::erf(x / std::sqrt(2.0))), 1e-14);
-    EXPECT_NEAR(tanh_y[i], 0.5 * x * (1 + std::tanh(std::sqrt(2 / M_PI) * (x + 0.044715 * x * x * x))), 1e-14);
-    EXPECT_EQ(tanh_pre[i], x);
+    const double cdf = 0.5 * (1 + std::erf(x / std::sqrt(2.0))), pdf = std::exp(-0.5 * x * x) / std::sqrt(2 * M_PI);
+    EXPECT_NEAR(erf_y[i], x * cdf, 1e-14);
+    EXPECT_NEAR(erf_grad[i], cdf + x * pdf, 1e-14);
+    const double c = std::sqrt(2 / M_PI), th = std::tanh(c * (x + 0.044715 * x * x * x));
+    EXPECT_NEAR(tanh_y[i], 0.5 * x * (1 + th), 1e-14);
+    EXPECT_NEAR(tanh_grad[i], 0.5 * (1 + th) + 0.5 * x * (1 - th * th) * c * (1 + 3 * 0.044715 * x * x), 1e-14);
     max_diff = std::max(max_diff, std::abs(tanh_y[i] - erf_y[i]));
   }
   EXPECT_GT(max_diff, 1e-5);
   EXPECT_LT(max_diff, 1e-3);
 }
 
-// dense_backward_through_act == dense_backward (no activation) followed by the activation's backward, checked by
-// finite differences through the composition y = act(x_pre) W^T, and against the two-op route.
+// dense_backward_through_act == dense_backward (no activation) followed by the activation's backward (the saved
+// derivative), checked by finite differences through the composition y = act(x_pre) W^T, and against the two-op
+// route.
 TEST(OpsCpu, DenseBackwardThroughActivation) {
   CpuBackend<CpuF64> be(2);
   std::mt19937_64 rng(13);
@@ -211,19 +218,18 @@ TEST(OpsCpu, DenseBackwardThroughActivation) {
   const int32_t k = 9, n = 5;
   for (Activation act : {Activation::kGelu, Activation::kGeluTanh}) {
     Vec x_pre = random_vec(rows * k, rng, 2.0), W = random_vec(n * k, rng, 0.5), R = random_vec(rows * n, rng);
-    Vec x, y;
+    Vec x, y, x_grad;
     Vec one_col(k * k, 0.0);
     for (int32_t j = 0; j < k; ++j) one_col[j * k + j] = 1.0;  // identity weights: x = act(x_pre)
     auto loss = [&] {
-      x = poison(rows * k), y = poison(rows * n);
-      Vec pre = poison(rows * k);
-      be.dense_forward(x_pre.data(), one_col.data(), nullptr, rows, k, k, act, x.data(), pre.data());
+      x = poison(rows * k), y = poison(rows * n), x_grad = poison(rows * k);
+      be.dense_forward(x_pre.data(), one_col.data(), nullptr, rows, k, k, act, x.data(), x_grad.data());
       be.dense_forward(x.data(), W.data(), nullptr, rows, k, n, Activation::kNone, y.data(), nullptr);
       return dot(y, R);
     };
     loss();
     Vec dx_pre = poison(rows * k), dW(n * k, 0), dbias(k, 0.5);
-    be.dense_backward_through_act(R.data(), x.data(), x_pre.data(), W.data(), rows, k, n, act, dx_pre.data(),
+    be.dense_backward_through_act(R.data(), x.data(), x_grad.data(), W.data(), rows, k, n, act, dx_pre.data(),
                                   dW.data(), dbias.data());
     check_gradient("dx_pre", x_pre, dx_pre, loss);
     check_gradient("dW", W, dW, loss);
@@ -238,7 +244,8 @@ TEST(OpsCpu, DenseBackwardThroughActivation) {
     be.dense_backward(R.data(), x.data(), W.data(), nullptr, rows, k, n, Activation::kNone, dx.data(), false,
                       dW2.data(), nullptr);
     for (size_t i = 0; i < dW.size(); ++i) EXPECT_NEAR(dW[i], dW2[i], 1e-12);
-    EXPECT_THROW(be.dense_backward_through_act(R.data(), x.data(), x_pre.data(), W.data(), rows, k, n,
+    for (size_t i = 0; i < dx.size(); ++i) EXPECT_NEAR(dx_pre[i], dx[i] * x_grad[i], 1e-12);
+    EXPECT_THROW(be.dense_backward_through_act(R.data(), x.data(), x_grad.data(), W.data(), rows, k, n,
                                                Activation::kNone, dx_pre.data(), nullptr, nullptr),
                  nopad::Error);
   }

@@ -71,7 +71,7 @@ BertModel<P>::BertModel(const BertConfig& config, ops::Backend<P>& backend, int3
     L.out1 = alloc<A>(T * H);
     L.ln1_mean = alloc<St>(T);
     L.ln1_rstd = alloc<St>(T);
-    L.inter_pre = alloc<A>(T * I);
+    L.inter_grad = alloc<A>(T * I);
     L.inter_act = alloc<A>(T * I);
     L.ffn_dense = alloc<A>(T * H);
     L.out2 = alloc<A>(T * H);
@@ -143,7 +143,7 @@ BertModel<P>::BertModel(const BertConfig& config, ops::Backend<P>& backend, int3
   emb_mean_ = alloc<St>(T);
   emb_rstd_ = alloc<St>(T);
   mlm_saved_.gathered = alloc<A>(M * H);
-  mlm_saved_.transform_pre = alloc<A>(M * H);
+  mlm_saved_.transform_act_grad = alloc<A>(M * H);
   mlm_saved_.transform_act = alloc<A>(M * H);
   mlm_saved_.ln_mean = alloc<St>(M);
   mlm_saved_.ln_rstd = alloc<St>(M);
@@ -356,7 +356,7 @@ uint64_t BertModel<P>::forward_async(const HostBatch& batch, bool train, uint64_
     backend_.bias_dropout_residual_layernorm_forward(L.attn_dense, L.b_attn_out, h, L.ln1_gamma, L.ln1_beta, seqs_, H,
                                                      eps, dropout(p_hidden, op_id_attention_output(l)), L.out1,
                                                      L.ln1_mean, L.ln1_rstd);
-    backend_.dense_forward(L.out1, L.w_inter, L.b_inter, T, H, I, activation(), L.inter_act, L.inter_pre);
+    backend_.dense_forward(L.out1, L.w_inter, L.b_inter, T, H, I, activation(), L.inter_act, L.inter_grad);
     backend_.dense_forward(L.inter_act, L.w_out, nullptr, T, I, H, ops::Activation::kNone, L.ffn_dense, nullptr);
     backend_.bias_dropout_residual_layernorm_forward(L.ffn_dense, L.b_out, L.out1, L.ln2_gamma, L.ln2_beta, seqs_, H,
                                                      eps, dropout(p_hidden, op_id_ffn_output(l)), L.out2, L.ln2_mean,
@@ -450,8 +450,9 @@ void BertModel<P>::backward(double loss_scale) {
                                                       L.ln2_mean, L.ln2_rstd, seqs_, H,
                                                       dropout(p_hidden, op_id_ffn_output(l)), d_tmp_, d_hidden2_,
                                                       g + L.off_b_out, g + L.off_ln2_gamma, g + L.off_ln2_beta);
-    // d_inter_ = d(inter_pre): the GELU's backward and d(b_inter) fold into the FFN output layer's dx product.
-    backend_.dense_backward_through_act(d_tmp_, L.inter_act, L.inter_pre, L.w_out, T, I, H, activation(), d_inter_,
+    // d_inter_ = d(intermediate pre-activation) = (d_tmp_ W_out) * inter_grad (the saved GELU derivative): the GELU's
+    // backward and d(b_inter) fold into the FFN output layer's dx product.
+    backend_.dense_backward_through_act(d_tmp_, L.inter_act, L.inter_grad, L.w_out, T, I, H, activation(), d_inter_,
                                         g + L.off_w_out, g + L.off_b_inter);
     backend_.dense_backward(d_inter_, L.out1, L.w_inter, nullptr, T, H, I, ops::Activation::kNone, d_hidden2_,
                             /*accumulate_dx=*/true, g + L.off_w_inter, nullptr);

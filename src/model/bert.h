@@ -128,7 +128,8 @@ class BertModel {
     W *w_inter, *b_inter, *w_out, *b_out, *ln2_gamma, *ln2_beta;
     size_t off_w_qkv, off_b_qkv, off_w_attn_out, off_b_attn_out, off_ln1_gamma, off_ln1_beta;
     size_t off_w_inter, off_b_inter, off_w_out, off_b_out, off_ln2_gamma, off_ln2_beta;
-    A *qkv, *ctx, *attn_dense, *out1, *inter_pre, *inter_act, *ffn_dense, *out2;
+    A *qkv, *ctx, *attn_dense, *out1, *inter_act, *ffn_dense, *out2;
+    A* inter_grad;  // gelu'(intermediate pre-activation), saved by the forward for the FFN backward
     St *lse, *ln1_mean, *ln1_rstd, *ln2_mean, *ln2_rstd;
   };
   template <class U>

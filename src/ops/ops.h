@@ -124,7 +124,7 @@ struct MlmHeadGrads {  // all accumulated (+=)
 template <class A, class St>
 struct MlmHeadSaved {
   A* gathered = nullptr;       // [M, H] hidden rows at mlm_positions
-  A* transform_pre = nullptr;  // [M, H] dense output before GELU
+  A* transform_act_grad = nullptr;  // [M, H] the transform's GELU derivative at its pre-activation
   A* transform_act = nullptr;  // [M, H] after GELU
   St* ln_mean = nullptr;       // [M]
   St* ln_rstd = nullptr;       // [M]
@@ -208,21 +208,25 @@ class Backend {
                                                 const St* ln_mean, const St* ln_rstd, const EmbeddingGrads<G>& g) = 0;
 
   // ---- linear layer ----
-  // y[rows, n] = act(x[rows, k] W[n, k]^T + bias[n]); bias may be null. With kGelu, pre_act[rows, n] receives the
-  // value before the activation (needed by backward); with kNone pre_act is unused (may be null).
+  // y[rows, n] = act(pre), pre = x[rows, k] W[n, k]^T + bias[n]; bias may be null. With an activation,
+  // act_grad[rows, n] receives act'(pre), the activation's derivative at the pre-activation: what backward needs
+  // (saving it instead of pre makes the backward's activation step one multiply, which fits in a GEMM epilogue).
+  // pre is rounded to A before both y and act_grad are computed from it, each then rounded to A. With kNone
+  // act_grad is unused (may be null).
   virtual void dense_forward(const A* x, const W* weight, const W* bias, int64_t rows, int32_t k, int32_t n,
-                             Activation act, A* y, A* pre_act) = 0;
+                             Activation act, A* y, A* act_grad) = 0;
   // dx[rows, k] = dpre W (written, or added when accumulate_dx: used where x also feeds a residual path);
-  // d_weight[n, k] += dpre^T x; d_bias[n] += column sums of dpre, where dpre = dy * act'(pre_act).
+  // d_weight[n, k] += dpre^T x; d_bias[n] += column sums of dpre, where dpre = dy * act_grad (dy itself with kNone).
   // dx, d_bias may be null (not needed).
-  virtual void dense_backward(const A* dy, const A* x, const W* weight, const A* pre_act, int64_t rows, int32_t k,
+  virtual void dense_backward(const A* dy, const A* x, const W* weight, const A* act_grad, int64_t rows, int32_t k,
                               int32_t n, Activation act, A* dx, bool accumulate_dx, G* d_weight, G* d_bias) = 0;
   // The backward of a dense layer whose input x = x_act(x_pre) is the output of an activation (BERT's FFN output
-  // layer, x = GELU(intermediate pre-activation)): d_weight[n, k] += dy^T x; dx_pre[rows, k] = (dy W) * x_act'(x_pre)
-  // (written), and d_x_bias[k] += column sums of dx_pre (the bias of the layer that produced x_pre; may be null).
-  // So the activation's backward and its bias gradient fold into this layer's dx product (on the GPU, cuBLASLt's
-  // DGELU_BGRAD epilogue for kGeluTanh). x_act must not be kNone.
-  virtual void dense_backward_through_act(const A* dy, const A* x, const A* x_pre, const W* weight, int64_t rows,
+  // layer, x = GELU(intermediate pre-activation)), with x_act_grad = x_act'(x_pre) as dense_forward saved it:
+  // d_weight[n, k] += dy^T x; dx_pre[rows, k] = (dy W) * x_act_grad (the product rounded to A first, then the
+  // scaled value; written), and d_x_bias[k] += column sums of dx_pre before its rounding (the bias of the layer that
+  // produced x_pre; may be null). So the activation's backward and its bias gradient fold into this layer's dx
+  // product (on the GPU, nopad's GEMM epilogue). x_act must not be kNone.
+  virtual void dense_backward_through_act(const A* dy, const A* x, const A* x_act_grad, const W* weight, int64_t rows,
                                           int32_t k, int32_t n, Activation x_act, A* dx_pre, G* d_weight,
                                           G* d_x_bias) = 0;
 

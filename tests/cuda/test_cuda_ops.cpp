@@ -24,6 +24,7 @@
 #include <thread>
 #include <type_traits>
 #include <tuple>
+#include <utility>
 #include <vector>
 
 #include "core/dtype.h"
@@ -497,7 +498,7 @@ TYPED_TEST(CudaOps, Dense) {
       {511, 4096, 1024, ops::Activation::kNone, true, true},  {1000, 128, 2, ops::Activation::kNone, true, false},
       {77, 128, 1003, ops::Activation::kNone, true, false},   {300, 1024, 3072, ops::Activation::kNone, true, false},
       {1001, 1024, 4096, ops::Activation::kGelu, true, false}, {33, 64, 100, ops::Activation::kGelu, true, false},
-      // The tanh GELU: GELU_AUX_BIAS forward where n % 8 == 0 (n = 100: the BIAS product and the kernel).
+      // The tanh GELU (n = 100: the cuBLASLt product and the kernel on every path).
       {2, 128, 384, ops::Activation::kGeluTanh, true, false}, {1001, 1024, 4096, ops::Activation::kGeluTanh, true, true},
       {33, 64, 100, ops::Activation::kGeluTanh, true, false},
   };
@@ -514,15 +515,15 @@ TYPED_TEST(CudaOps, Dense) {
     Vec x = rand_vec<E>(rng, c.rows * c.k, -1, 1), w = rand_vec<E>(rng, size_t(c.n) * c.k, -2 * ws, 2 * ws),
         bias = rand_vec<E>(rng, c.n, -0.5f, 0.5f);
     auto dx_in = up16<E>(x), dw = up16<E>(w), dbias = up16<E>(bias);
-    Vec y_c(c.rows * c.n), pre_c(c.rows * c.n);
+    Vec y_c(c.rows * c.n), grad_c(c.rows * c.n);
     cpu().dense_forward(x.data(), w.data(), c.bias ? bias.data() : nullptr, c.rows, c.k, c.n, c.act, y_c.data(),
-                        pre_c.data());
+                        grad_c.data());
     Vec dy = rand_vec<E>(rng, c.rows * c.n, -1, 1);
     auto d_dy = up16<E>(dy);
     Vec dx0 = c.accumulate_dx ? rand_vec<E>(rng, c.rows * c.k, -1, 1) : Vec(c.rows * c.k, 0.0f);
     Vec gw0 = rand_vec<E>(rng, w.size(), -1, 1), gb0 = rand_vec<E>(rng, c.n, -1, 1);
     Vec dx_c = dx0, gw = gw0, gb = gb0;
-    cpu().dense_backward(dy.data(), x.data(), w.data(), pre_c.data(), c.rows, c.k, c.n, c.act, dx_c.data(),
+    cpu().dense_backward(dy.data(), x.data(), w.data(), grad_c.data(), c.rows, c.k, c.n, c.act, dx_c.data(),
                          c.accumulate_dx, gw.data(), gb.data());
 
     for (const cuda::BiasGradPath path :
@@ -533,17 +534,19 @@ TYPED_TEST(CudaOps, Dense) {
       v.gelu_gemm = path != cuda::BiasGradPath::kSeparate;          // and the cuBLASLt path beside nopad's GEMM
       VariantScope variants(v);
       SCOPED_TRACE(path_name(path));
-      DBuf<E> y_g(c.rows * c.n), pre_g(c.rows * c.n);
+      DBuf<E> y_g(c.rows * c.n), grad_g(c.rows * c.n);
       y_g.poison();
-      pre_g.poison();
-      cuda::last_gelu_path() = cuda::GeluPath::kEpilogue;  // neither forward path: must be overwritten
+      grad_g.poison();
+      // nopad's GEMM exactly where it applies; the path marker starts at the other value, so it must be written.
+      const bool sm90 = gelu && v.gelu_gemm && cuda::gemm_sm90_available() && c.n % 256 == 0 && c.k % 64 == 0;
+      cuda::last_gelu_path() = sm90 ? cuda::GeluPath::kKernel : cuda::GeluPath::kGemmSm90;
       gpu<E>().dense_forward(dx_in->p, dw->p, c.bias ? dbias->p : nullptr, c.rows, c.k, c.n, c.act, y_g.p,
-                          gelu ? pre_g.p : nullptr);
+                          gelu ? grad_g.p : nullptr);
       const cuda::GeluPath fwd_gelu = cuda::last_gelu_path();
-      if (tanh) {
-        EXPECT_NE(fwd_gelu, cuda::GeluPath::kEpilogue);
+      if (gelu) {
+        EXPECT_EQ(fwd_gelu == cuda::GeluPath::kGemmSm90, sm90);
       }
-      // The GPU's backward reads what its forward saved (its 16-bit pre_act), the CPU's its own.
+      // The GPU's backward reads what its forward saved (its 16-bit gelu'), the CPU's its own.
       DBuf<E> dx_g(c.rows * c.k);
       if (c.accumulate_dx) {
         auto tmp = up16<E>(dx0);
@@ -553,25 +556,17 @@ TYPED_TEST(CudaOps, Dense) {
         dx_g.poison();
       }
       auto dgw = up(gw0), dgb = up(gb0);
-      gpu<E>().dense_backward(d_dy->p, dx_in->p, dw->p, gelu ? pre_g.p : nullptr, c.rows, c.k, c.n, c.act, dx_g.p,
+      gpu<E>().dense_backward(d_dy->p, dx_in->p, dw->p, gelu ? grad_g.p : nullptr, c.rows, c.k, c.n, c.act, dx_g.p,
                            c.accumulate_dx, dgw->p, dgb->p);
       const cuda::BiasGradPath ran = cuda::last_bias_grad_path();
       std::printf("   [d_bias: %s requested, %s ran; GELU forward %s]\n", path_name(path), path_name(ran),
-                  !gelu                                       ? "-"
-                  : fwd_gelu == cuda::GeluPath::kGemmSm90     ? "nopad GEMM epilogue"
-                  : fwd_gelu == cuda::GeluPath::kEpilogueBias ? "GELU_AUX_BIAS epilogue"
-                  : v.gelu_forward_wide                       ? "wide kernel"
-                                                              : "first kernel");
-      if (gelu) {  // nopad's GEMM exactly where it applies
-        const bool sm90 = v.gelu_gemm && (!tanh || !v.gelu_forward_epilogue) && cuda::gemm_sm90_available() &&
-                          c.n % 256 == 0 && c.k % 64 == 0;
-        EXPECT_EQ(fwd_gelu == cuda::GeluPath::kGemmSm90, sm90);
-      }
-      if (tanh && c.n % 8 != 0) {
-        EXPECT_EQ(fwd_gelu, cuda::GeluPath::kKernel);
-      }
+                  !gelu                                   ? "-"
+                  : fwd_gelu == cuda::GeluPath::kGemmSm90 ? "nopad GEMM epilogue"
+                  : v.gelu_forward_wide                   ? "wide kernel"
+                                                          : "first kernel");
       expect_close("y", down(y_g), y_c, gelu ? kTolChain<E> : kTolOut<E>);
-      if (gelu) expect_close("pre_act", down(pre_g), pre_c, kTolOut<E>);
+      // gelu' of the 16-bit pre-activation, rounded: two roundings against the CPU's fp32 chain.
+      if (gelu) expect_close("act_grad", down(grad_g), grad_c, kTolChain<E>);
       expect_close(c.accumulate_dx ? "dx (+=)" : "dx", down(dx_g), dx_c, gelu ? kTolChain<E> : kTolOut<E>);
       expect_close("d_weight (+=)", minus(down(*dgw), gw0), minus(gw, gw0), kTolGrad<E>);
       expect_close("d_bias (+=)", minus(down(*dgb), gb0), minus(gb, gb0), kTolGrad<E>);
@@ -591,17 +586,14 @@ TYPED_TEST(CudaOps, Dense) {
 const char* gelu_path_name(cuda::GeluPath p) {
   switch (p) {
     case cuda::GeluPath::kKernel: return "kernels";
-    case cuda::GeluPath::kEpilogue: return "DGELU epilogue + column sums";
-    case cuda::GeluPath::kEpilogueBias: return "GELU_AUX_BIAS epilogue";
-    case cuda::GeluPath::kEpilogueBgrad: return "DGELU_BGRAD epilogue";
     case cuda::GeluPath::kGemmSm90: return "nopad GEMM epilogue";
   }
   return "?";
 }
 
-// dense_backward_through_act (the FFN output layer's backward with the intermediate GELU folded in) against the CPU
-// twin: erf and tanh GELU, the cuBLASLt DGELU_BGRAD epilogue and the kernel path, BERT-large's FFN shape, and k % 8 != 0
-// (no epilogue, no one-pass kernel). Which path ran is printed and checked where it is determined.
+// dense_backward_through_act (the FFN output layer's backward with the intermediate GELU's saved derivative folded in)
+// against the CPU twin: nopad's GEMM epilogue and the kernel path, BERT-large's FFN shape, shapes nopad's GEMM does not
+// take, and k % 8 != 0 (no one-pass kernel). Which path ran is printed and checked.
 TYPED_TEST(CudaOps, DenseBackwardThroughAct) {
   using E = TypeParam;  // bf16 or f16
   struct Case {
@@ -620,34 +612,30 @@ TYPED_TEST(CudaOps, DenseBackwardThroughAct) {
     SCOPED_TRACE(tag);
     Rng rng({29u, static_cast<uint64_t>(c.rows), static_cast<uint64_t>(c.k)});
     const float ws = 1.0f / std::sqrt(static_cast<float>(c.k));
-    Vec x = rand_vec<E>(rng, c.rows * c.k, -1, 1), x_pre = rand_vec<E>(rng, c.rows * c.k, -3, 3),
+    // x_grad: the saved GELU derivative, in gelu''s range [-0.17, 1.13].
+    Vec x = rand_vec<E>(rng, c.rows * c.k, -1, 1), x_grad = rand_vec<E>(rng, c.rows * c.k, -0.17f, 1.13f),
         w = rand_vec<E>(rng, size_t(c.n) * c.k, -2 * ws, 2 * ws), dy = rand_vec<E>(rng, c.rows * c.n, -1, 1);
     Vec gw0 = rand_vec<E>(rng, w.size(), -1, 1), gb0 = rand_vec<E>(rng, c.k, -1, 1);
     Vec dx_c(c.rows * c.k), gw = gw0, gb = gb0;
-    cpu().dense_backward_through_act(dy.data(), x.data(), x_pre.data(), w.data(), c.rows, c.k, c.n, c.act,
+    cpu().dense_backward_through_act(dy.data(), x.data(), x_grad.data(), w.data(), c.rows, c.k, c.n, c.act,
                                      dx_c.data(), gw.data(), gb.data());
-    auto d_x = up16<E>(x), d_pre = up16<E>(x_pre), d_w = up16<E>(w), d_dy = up16<E>(dy);
-    for (const auto& [gemm, epilogue] : {std::pair{true, false}, std::pair{false, true}, std::pair{false, false}}) {
+    auto d_x = up16<E>(x), d_grad = up16<E>(x_grad), d_w = up16<E>(w), d_dy = up16<E>(dy);
+    for (const bool gemm : {true, false}) {
       cuda::KernelVariants v;
       v.dgelu_gemm = gemm;
-      v.dgelu_epilogue = epilogue;
       VariantScope variants(v);
       const bool sm90 = gemm && cuda::gemm_sm90_available() && c.k % 256 == 0 && c.n % 64 == 0;
       DBuf<E> dx_g(c.rows * c.k);
       dx_g.poison();
       auto dgw = up(gw0), dgb = up(gb0);
-      cuda::last_gelu_path() = cuda::GeluPath::kEpilogueBias;  // not a backward path: must be overwritten
-      gpu<E>().dense_backward_through_act(d_dy->p, d_x->p, d_pre->p, d_w->p, c.rows, c.k, c.n, c.act, dx_g.p, dgw->p,
+      // The path marker starts at the other value, so it must be written.
+      cuda::last_gelu_path() = sm90 ? cuda::GeluPath::kKernel : cuda::GeluPath::kGemmSm90;
+      gpu<E>().dense_backward_through_act(d_dy->p, d_x->p, d_grad->p, d_w->p, c.rows, c.k, c.n, c.act, dx_g.p, dgw->p,
                                           dgb->p);
       const cuda::GeluPath ran = cuda::last_gelu_path();
-      std::printf("  dense_backward_through_act %s, nopad GEMM %s, cuBLASLt epilogue %s: %s\n", tag.c_str(),
-                  gemm ? "on" : "off", epilogue ? "on" : "off", gelu_path_name(ran));
-      EXPECT_NE(ran, cuda::GeluPath::kEpilogueBias);
-      if (sm90) {
-        EXPECT_EQ(ran, cuda::GeluPath::kGemmSm90);
-      } else if (!tanh || !epilogue || c.k % 8 != 0) {
-        EXPECT_EQ(ran, cuda::GeluPath::kKernel);
-      }
+      std::printf("  dense_backward_through_act %s, nopad GEMM %s: %s\n", tag.c_str(), gemm ? "on" : "off",
+                  gelu_path_name(ran));
+      EXPECT_EQ(ran, sm90 ? cuda::GeluPath::kGemmSm90 : cuda::GeluPath::kKernel);
       expect_close("dx_pre", down(dx_g), dx_c, kTolChain<E>);
       expect_close("d_weight (+=)", minus(down(*dgw), gw0), minus(gw, gw0), kTolGrad<E>);
       expect_close("d_x_bias (+=)", minus(down(*dgb), gb0), minus(gb, gb0), kTolGrad<E>);
@@ -659,7 +647,7 @@ TYPED_TEST(CudaOps, DenseBackwardThroughAct) {
 // kernel's sequence of 16-bit roundings): every epilogue and both GELUs, row counts around the 128-row tile and the
 // consumers' 64-row halves, one to three 256-column tiles, 1 to 16 k-blocks (fewer and more than the ring's stages).
 // Outputs get 3 extra rows, all poisoned: the rows past m must stay untouched; the column partials of every 128-row
-// chunk must all be written and equal the chunk's sums of the unrounded dGELU values. The reference products run on
+// chunk must all be written and equal the chunk's sums of the unrounded scaled values. The reference products run on
 // all the host's cores (a few GFLOP in double).
 TYPED_TEST(CudaOps, GemmSm90Epilogues) {
   using E = TypeParam;  // bf16 or f16
@@ -686,7 +674,7 @@ TYPED_TEST(CudaOps, GemmSm90Epilogues) {
     const float ws = 2.0f / std::sqrt(static_cast<float>(c.k));
     const size_t mn = static_cast<size_t>(c.m) * c.n, padded = mn + size_t{3} * c.n;
     Vec a = rand_vec<E>(rng, size_t(c.m) * c.k, -1, 1), b = rand_vec<E>(rng, size_t(c.n) * c.k, -ws, ws),
-        bias = rand_vec<E>(rng, c.n, -0.5f, 0.5f), aux = rand_vec<E>(rng, mn, -3, 3);
+        bias = rand_vec<E>(rng, c.n, -0.5f, 0.5f), aux = rand_vec<E>(rng, mn, -0.17f, 1.13f);
     std::vector<double> acc(mn);
     {
       const int nthreads = std::max(1u, std::thread::hardware_concurrency());
@@ -704,7 +692,7 @@ TYPED_TEST(CudaOps, GemmSm90Epilogues) {
     }
     auto da = up16<E>(a), db = up16<E>(b), dbias = up16<E>(bias), daux = up16<E>(aux);
     const int chunks = cuda::gemm_sm90_row_chunks(c.m);
-    EXPECT_EQ(chunks, (c.m + 127) / 128);
+    EXPECT_EQ(chunks, (c.m + 63) / 64);
     DBuf<E> out0(padded), out1(padded);
     DBuf<float> partial(size_t(chunks) * c.n);
     auto dev = [](auto* p) { return reinterpret_cast<D*>(p); };
@@ -730,36 +718,42 @@ TYPED_TEST(CudaOps, GemmSm90Epilogues) {
                                   current().stream);
         check("bias: out", out0, want, kTolOut<E>);
       }
-      {  // kGelu
-        Vec pre(mn), y(mn);
+      {  // kGelu: gelu' and gelu of the 16-bit pre-activation
+        Vec grad(mn), y(mn);
         for (size_t i = 0; i < mn; ++i) {
-          pre[i] = r16(acc[i] + bias[i % c.n]);
-          y[i] = r16(gelu(pre[i], tanh));
+          const double pre = r16(acc[i] + bias[i % c.n]);
+          grad[i] = r16(gelu_grad(pre, tanh));
+          y[i] = r16(gelu(pre, tanh));
         }
-        out0.poison();
-        out1.poison();
-        cuda::launch_gemm_sm90<D>(cuda::GemmEpilogue::kGelu, cdev(da->p), cdev(db->p), c.m, c.n, c.k,
-                                  cdev(dbias->p), dev(out0.p), dev(out1.p), nullptr, nullptr, tanh, gpu<E>().multiprocessors(),
-                                  current().stream);
-        check("gelu: pre_act", out0, pre, kTolOut<E>);
-        check("gelu: y", out1, y, kTolChain<E>);
+        for (const int columns : {1, 2}) {  // the consumers' share of the GELU: one or two box columns per tile
+          SCOPED_TRACE("consumer columns " + std::to_string(columns));
+          const int saved = std::exchange(cuda::gemm_sm90_consumer_columns(), columns);
+          out0.poison();
+          out1.poison();
+          cuda::launch_gemm_sm90<D>(cuda::GemmEpilogue::kGelu, cdev(da->p), cdev(db->p), c.m, c.n, c.k,
+                                    cdev(dbias->p), dev(out0.p), dev(out1.p), nullptr, nullptr, tanh,
+                                    gpu<E>().multiprocessors(), current().stream);
+          cuda::gemm_sm90_consumer_columns() = saved;
+          check("gelu: act_grad", out0, grad, kTolChain<E>);
+          check("gelu: y", out1, y, kTolChain<E>);
+        }
       }
-      {  // kDGelu with column partials
+      if (!tanh) {  // kScale with column partials (no activation of its own: run once)
         Vec dpre(mn), sums(size_t(chunks) * c.n, 0.0f);
         std::vector<double> sums_d(sums.size(), 0.0);
         for (size_t i = 0; i < mn; ++i) {
-          const double v = double(r16(acc[i])) * gelu_grad(aux[i], tanh);
+          const double v = double(r16(acc[i])) * aux[i];
           dpre[i] = r16(v);
-          sums_d[(i / c.n) / 128 * c.n + i % c.n] += v;
+          sums_d[(i / c.n) / 64 * c.n + i % c.n] += v;
         }
         for (size_t i = 0; i < sums.size(); ++i) sums[i] = static_cast<float>(sums_d[i]);
         out0.poison();
         partial.poison();
-        cuda::launch_gemm_sm90<D>(cuda::GemmEpilogue::kDGelu, cdev(da->p), cdev(db->p), c.m, c.n, c.k, nullptr,
-                                  dev(out0.p), nullptr, cdev(daux->p), partial.p, tanh, gpu<E>().multiprocessors(),
+        cuda::launch_gemm_sm90<D>(cuda::GemmEpilogue::kScale, cdev(da->p), cdev(db->p), c.m, c.n, c.k, nullptr,
+                                  dev(out0.p), nullptr, cdev(daux->p), partial.p, false, gpu<E>().multiprocessors(),
                                   current().stream);
-        check("dgelu: dpre", out0, dpre, kTolChain<E>);
-        expect_close("dgelu: column partials", down(partial), sums, kTolOut<E>);
+        check("scale: dpre", out0, dpre, kTolChain<E>);
+        expect_close("scale: column partials", down(partial), sums, kTolOut<E>);
       }
     }
     ASSERT_EQ(cudaGetLastError(), cudaSuccess);
@@ -973,7 +967,7 @@ TYPED_TEST(CudaOps, MlmHeadLoss) {
       gpu<E>().mlm_head_loss_forward(d_hidden_in->p, d_pos->p, d_lab->p, M, wg, sg, g_loss.p, g_correct.p);
       size_t pad_touched = 0;
       expect_close("gathered", down(g_gath), s_gath, 1e-6);
-      expect_close("transform_pre", down(g_pre), s_pre, kTolOut<E>);
+      expect_close("transform_act_grad", down(g_pre), s_pre, kTolChain<E>);
       expect_close("transform_act", down(g_act), s_act, kTolChain<E>);
       expect_close("ln_out", down(g_ln), s_ln, kTolChain<E>);
       expect_close("probs", unpad(down(g_probs), &pad_touched), probs_c, kTolDeep<E>);  // softmax of 16-bit logits
@@ -1290,7 +1284,7 @@ TYPED_TEST(CudaPerf, LayerNorm) {
 }
 
 // The FFN-in dense forward with GELU: the GEMM alone (act none, same shape) and the GEMM + each GELU pass; the GELU
-// pass is the difference, its GB/s over one bf16 read and one write of [T, 4096].
+// pass is the difference, its GB/s over one 16-bit read and two writes (y, gelu') of [T, 4096].
 TYPED_TEST(CudaPerf, GeluForward) {
   using E = TypeParam;  // bf16 or f16
   const int32_t T = kPerfRows, k = kPerfH, n = kPerfFfn;
@@ -1310,20 +1304,23 @@ TYPED_TEST(CudaPerf, GeluForward) {
                                 current().stream);
     });
     perf_line("dense_fwd", "k=1024 n=4096, no activation (nopad GEMM)", own, 0);
-    for (bool tanh : {false, true}) {
-      cuda::KernelVariants kv;
-      kv.gelu_gemm = true;
-      kv.gelu_forward_epilogue = false;  // the tanh GELU takes cuBLASLt's GELU_AUX_BIAS first when that is on
-      VariantScope scope(kv);
-      const double ms = median_ms([&] {
-        gpu<E>().dense_forward(x->p, w->p, bias->p, T, k, n,
-                               tanh ? ops::Activation::kGeluTanh : ops::Activation::kGelu, y.p, pre.p);
-      });
-      perf_line("dense_fwd",
-                std::string("k=1024 n=4096 GELU") + (tanh ? " tanh" : "") + ", " +
-                    (cuda::last_gelu_path() == cuda::GeluPath::kGemmSm90 ? "nopad GEMM epilogue" : "(fell back)"),
-                ms, 0);
-    }
+    for (const int columns : {1, 2})
+      for (bool tanh : {false, true}) {
+        cuda::KernelVariants kv;
+        kv.gelu_gemm = true;
+        VariantScope scope(kv);
+        const int saved = std::exchange(cuda::gemm_sm90_consumer_columns(), columns);
+        const double ms = median_ms([&] {
+          gpu<E>().dense_forward(x->p, w->p, bias->p, T, k, n,
+                                 tanh ? ops::Activation::kGeluTanh : ops::Activation::kGelu, y.p, pre.p);
+        });
+        cuda::gemm_sm90_consumer_columns() = saved;
+        perf_line("dense_fwd",
+                  std::string("k=1024 n=4096 GELU") + (tanh ? " tanh" : "") + ", " +
+                      (cuda::last_gelu_path() == cuda::GeluPath::kGemmSm90 ? "nopad GEMM epilogue" : "(fell back)") +
+                      ", consumers " + std::to_string(columns) + " box column" + (columns > 1 ? "s" : ""),
+                  ms, 0);
+      }
   }
   for (bool wide : {false, true}) {
     cuda::KernelVariants kv;
@@ -1335,53 +1332,46 @@ TYPED_TEST(CudaPerf, GeluForward) {
     });
     perf_line("dense_fwd", std::string("k=1024 n=4096 GELU, ") + (wide ? "wide" : "first") + " GELU kernel", ms, 0);
     perf_line("gelu_pass", std::string(wide ? "wide" : "first") + " (difference)", ms - gemm,
-              4.0 * static_cast<double>(T) * n);
+              6.0 * static_cast<double>(T) * n);
   }
-  for (bool epilogue : {false, true}) {  // the tanh GELU: BIAS product + kernel, or the GELU_AUX_BIAS epilogue
+  {  // the tanh GELU through the cuBLASLt product + wide kernel
     cuda::KernelVariants kv;
     kv.gelu_gemm = false;
-    kv.gelu_forward_epilogue = epilogue;
     VariantScope scope(kv);
     const double ms = median_ms([&] {
       gpu<E>().dense_forward(x->p, w->p, bias->p, T, k, n, ops::Activation::kGeluTanh, y.p, pre.p);
     });
-    const bool ran = cuda::last_gelu_path() == cuda::GeluPath::kEpilogueBias;
-    perf_line("dense_fwd", std::string("k=1024 n=4096 GELU tanh, ") + (ran ? "GELU_AUX_BIAS epilogue" : "wide kernel"),
-              ms, 0);
+    perf_line("dense_fwd", "k=1024 n=4096 GELU tanh, wide kernel", ms, 0);
   }
 }
 
-// The FFN's backward as the model issues it, k=1024 n=4096 (FFN in) and k=4096 n=1024 (FFN out): erf GELU (FFN out
-// dx product, then the one-pass dGELU + d_bias kernel inside the FFN-in backward) vs the tanh GELU with the DGELU
-// epilogues folded into the FFN-out dx product (dense_backward_through_act), and the same without the epilogues.
+// The FFN's backward as the model issues it, k=1024 n=4096 (FFN in) and k=4096 n=1024 (FFN out): the FFN-out dx
+// product with the saved GELU derivative applied (and d_bias of the FFN-in layer taken) by nopad's GEMM epilogue, or by
+// the cuBLASLt product + the one-pass scale kernel, then the FFN-in backward. (Which GELU made the saved derivative
+// does not matter to the backward any more.)
 TYPED_TEST(CudaPerf, FfnBackward) {
   using E = TypeParam;  // bf16 or f16
   const int32_t T = kPerfRows, H = kPerfH, I = 4 * kPerfH;
   auto x_in = perf16<E>(static_cast<size_t>(T) * H, 41, -1, 1), act = perf16<E>(static_cast<size_t>(T) * I, 42, -1, 1),
-       pre = perf16<E>(static_cast<size_t>(T) * I, 43, -3, 3), w_in = perf16<E>(static_cast<size_t>(I) * H, 44, -0.05f, 0.05f),
+       grad = perf16<E>(static_cast<size_t>(T) * I, 43, -0.17f, 1.13f), w_in = perf16<E>(static_cast<size_t>(I) * H, 44, -0.05f, 0.05f),
        w_out = perf16<E>(static_cast<size_t>(H) * I, 45, -0.05f, 0.05f), dy = perf16<E>(static_cast<size_t>(T) * H, 46, -1, 1);
   DBuf<E> d_inter(static_cast<size_t>(T) * I), d_x(static_cast<size_t>(T) * H);
   DBuf<float> dw_in(static_cast<size_t>(I) * H), dw_out(static_cast<size_t>(H) * I), db_in(I);
   gpu<E>().zero_bytes(dw_in.p, dw_in.n * sizeof(float));
   gpu<E>().zero_bytes(dw_out.p, dw_out.n * sizeof(float));
   gpu<E>().zero_bytes(db_in.p, db_in.n * sizeof(float));
-  for (const auto& [name, a, epilogue, own] :
-       {std::tuple{"erf GELU", ops::Activation::kGelu, false, false},
-        std::tuple{"erf GELU, nopad GEMM", ops::Activation::kGelu, false, true},
-        std::tuple{"tanh GELU, kernels", ops::Activation::kGeluTanh, false, false},
-        std::tuple{"tanh GELU, epilogues", ops::Activation::kGeluTanh, true, false},
-        std::tuple{"tanh GELU, nopad GEMM", ops::Activation::kGeluTanh, false, true}}) {
+  for (const bool own : {false, true}) {
     cuda::KernelVariants kv;
-    kv.dgelu_epilogue = epilogue;
     kv.dgelu_gemm = own;
     VariantScope scope(kv);
     const double ms = median_ms([&] {
-      gpu<E>().dense_backward_through_act(dy->p, act->p, pre->p, w_out->p, T, I, H, a, d_inter.p, dw_out.p, db_in.p);
+      gpu<E>().dense_backward_through_act(dy->p, act->p, grad->p, w_out->p, T, I, H, ops::Activation::kGelu,
+                                          d_inter.p, dw_out.p, db_in.p);
       gpu<E>().dense_backward(d_inter.p, x_in->p, w_in->p, nullptr, T, H, I, ops::Activation::kNone, d_x.p, true,
                               dw_in.p, nullptr);
     });
     const char* ran = gelu_path_name(cuda::last_gelu_path());
-    perf_line("ffn_bwd", std::string(name) + " (ran " + ran + ")", ms, 0);
+    perf_line("ffn_bwd", std::string(own ? "nopad GEMM" : "kernels") + " (ran " + ran + ")", ms, 0);
   }
 }
 
@@ -1401,7 +1391,7 @@ TYPED_TEST(CudaPerf, DenseBackward) {
     auto x = perf16<E>(static_cast<size_t>(T) * s.k, 31, -1, 1),
          w = perf16<E>(static_cast<size_t>(s.n) * s.k, 32, -0.05f, 0.05f),
          dy = perf16<E>(static_cast<size_t>(T) * s.n, 33, -1, 1),
-         pre = perf16<E>(static_cast<size_t>(T) * s.n, 34, -3, 3);
+         pre = perf16<E>(static_cast<size_t>(T) * s.n, 34, -0.17f, 1.13f);  // the saved gelu'
     DBuf<E> dx(static_cast<size_t>(T) * s.k);
     DBuf<float> dw(static_cast<size_t>(s.n) * s.k), db(s.n);
     gpu<E>().zero_bytes(dw.p, dw.n * sizeof(float));

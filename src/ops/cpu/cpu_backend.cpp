@@ -261,36 +261,39 @@ void CpuBackend<P>::embed_layernorm_dropout_backward(const S* d_out, const int32
 
 template <class P>
 void CpuBackend<P>::dense_forward(const S* x, const S* weight, const S* bias, int64_t rows, int32_t k, int32_t n,
-                                  Activation act, S* y, S* pre_act) {
+                                  Activation act, S* y, S* act_grad) {
   S* w_t = scratch(kTranspose, static_cast<size_t>(k) * n);  // W^T [k, n], so the GEMM streams rows of B
   cpu::transpose(weight, n, k, w_t, threads_);
-  S* target = act != Activation::kNone ? pre_act : y;
-  NOPAD_CHECK(target != nullptr, "dense_forward with an activation needs pre_act");
-  gemm<S>(rows, n, k, x, k, 1, w_t, n, target, n, false, threads_);
+  NOPAD_CHECK(act == Activation::kNone || act_grad != nullptr, "dense_forward with an activation needs act_grad");
+  gemm<S>(rows, n, k, x, k, 1, w_t, n, y, n, false, threads_);  // pre, in y
   const int64_t chunks = (rows + kRowsPerChunk - 1) / kRowsPerChunk;
   if (bias == nullptr && act == Activation::kNone) return;
   parallel_for(static_cast<size_t>(chunks), threads_, [&](size_t c) {
     const int64_t r1 = std::min<int64_t>(rows, (static_cast<int64_t>(c) + 1) * kRowsPerChunk);
     for (int64_t r = static_cast<int64_t>(c) * kRowsPerChunk; r < r1; ++r) {
-      S* t = target + r * n;
+      S* t = y + r * n;
       if (bias)
         for (int32_t j = 0; j < n; ++j) t[j] += bias[j];
-      if (act != Activation::kNone)
-        for (int32_t j = 0; j < n; ++j) y[r * n + j] = activate(act, t[j]);
+      if (act != Activation::kNone) {
+        for (int32_t j = 0; j < n; ++j) {
+          act_grad[r * n + j] = activation_grad(act, t[j]);
+          t[j] = activate(act, t[j]);
+        }
+      }
     }
   });
 }
 
 template <class P>
-void CpuBackend<P>::dense_backward(const S* dy, const S* x, const S* weight, const S* pre_act, int64_t rows,
+void CpuBackend<P>::dense_backward(const S* dy, const S* x, const S* weight, const S* act_grad, int64_t rows,
                                    int32_t k, int32_t n, Activation act, S* dx, bool accumulate_dx, S* d_weight,
                                    S* d_bias) {
   const S* dpre = dy;
   if (act != Activation::kNone) {
-    NOPAD_CHECK(pre_act != nullptr, "dense_backward with an activation needs pre_act");
+    NOPAD_CHECK(act_grad != nullptr, "dense_backward with an activation needs act_grad");
     S* buf = scratch(kDpre, static_cast<size_t>(rows) * n);
     parallel_for(static_cast<size_t>(rows), threads_, [&](size_t r) {
-      for (int32_t j = 0; j < n; ++j) buf[r * n + j] = dy[r * n + j] * activation_grad(act, pre_act[r * n + j]);
+      for (int32_t j = 0; j < n; ++j) buf[r * n + j] = dy[r * n + j] * act_grad[r * n + j];
     }, 16);
     dpre = buf;
   }
@@ -300,14 +303,14 @@ void CpuBackend<P>::dense_backward(const S* dy, const S* x, const S* weight, con
 }
 
 template <class P>
-void CpuBackend<P>::dense_backward_through_act(const S* dy, const S* x, const S* x_pre, const S* weight, int64_t rows,
-                                               int32_t k, int32_t n, Activation x_act, S* dx_pre, S* d_weight,
-                                               S* d_x_bias) {
+void CpuBackend<P>::dense_backward_through_act(const S* dy, const S* x, const S* x_act_grad, const S* weight,
+                                               int64_t rows, int32_t k, int32_t n, Activation x_act, S* dx_pre,
+                                               S* d_weight, S* d_x_bias) {
   NOPAD_CHECK(x_act != Activation::kNone, "dense_backward_through_act needs an activation");
-  NOPAD_CHECK(x_pre != nullptr && dx_pre != nullptr, "dense_backward_through_act needs x_pre and dx_pre");
+  NOPAD_CHECK(x_act_grad != nullptr && dx_pre != nullptr, "dense_backward_through_act needs x_act_grad and dx_pre");
   dense_backward(dy, x, weight, nullptr, rows, k, n, Activation::kNone, dx_pre, false, d_weight, nullptr);
   parallel_for(static_cast<size_t>(rows), threads_, [&](size_t r) {
-    for (int32_t j = 0; j < k; ++j) dx_pre[r * k + j] *= activation_grad(x_act, x_pre[r * k + j]);
+    for (int32_t j = 0; j < k; ++j) dx_pre[r * k + j] *= x_act_grad[r * k + j];
   }, 16);
   if (d_x_bias) add_column_sums(dx_pre, rows, k, d_x_bias, threads_);
 }
@@ -503,7 +506,7 @@ void CpuBackend<P>::mlm_head_loss_forward(const S* hidden, const int32_t* mlm_po
     std::copy_n(hidden + int64_t{mlm_positions[i]} * H, H, saved.gathered + int64_t{i} * H);
   }
   dense_forward(saved.gathered, w.transform_weight, w.transform_bias, M, H, H, w.act,
-                saved.transform_act, saved.transform_pre);
+                saved.transform_act, saved.transform_act_grad);
   parallel_for(static_cast<size_t>(M), threads_, [&](size_t i) {
     layernorm_row(saved.transform_act + i * H, H, w.ln_gamma, w.ln_beta, w.ln_eps, saved.ln_out + i * H,
                   saved.ln_mean[i], saved.ln_rstd[i]);
@@ -554,7 +557,7 @@ void CpuBackend<P>::mlm_head_loss_backward(double loss_scale, const int32_t* mlm
   layernorm_rows_backward(d_ln_out, saved.transform_act, saved.ln_mean, saved.ln_rstd, w.ln_gamma, M, H, d_act,
                           g.d_ln_gamma, g.d_ln_beta);
   S* d_gathered = d_ln_out;  // no longer needed: reuse
-  dense_backward(d_act, saved.gathered, w.transform_weight, saved.transform_pre, M, H, H, w.act,
+  dense_backward(d_act, saved.gathered, w.transform_weight, saved.transform_act_grad, M, H, H, w.act,
                  d_gathered, false, g.d_transform_weight, g.d_transform_bias);
   for (int32_t i = 0; i < M; ++i) {  // serial: positions may repeat
     S* dh = d_hidden + int64_t{mlm_positions[i]} * H;

@@ -38,11 +38,12 @@ class CpuBackend final : public Backend<P> {
                                         const Dropout& drop, const S* ln_mean, const S* ln_rstd,
                                         const EmbeddingGrads<S>& g) override;
   void dense_forward(const S* x, const S* weight, const S* bias, int64_t rows, int32_t k, int32_t n, Activation act,
-                     S* y, S* pre_act) override;
-  void dense_backward(const S* dy, const S* x, const S* weight, const S* pre_act, int64_t rows, int32_t k, int32_t n,
+                     S* y, S* act_grad) override;
+  void dense_backward(const S* dy, const S* x, const S* weight, const S* act_grad, int64_t rows, int32_t k, int32_t n,
                       Activation act, S* dx, bool accumulate_dx, S* d_weight, S* d_bias) override;
-  void dense_backward_through_act(const S* dy, const S* x, const S* x_pre, const S* weight, int64_t rows, int32_t k,
-                                  int32_t n, Activation x_act, S* dx_pre, S* d_weight, S* d_x_bias) override;
+  void dense_backward_through_act(const S* dy, const S* x, const S* x_act_grad, const S* weight, int64_t rows,
+                                  int32_t k, int32_t n, Activation x_act, S* dx_pre, S* d_weight,
+                                  S* d_x_bias) override;
   void attention_forward(const S* qkv, const SeqView& seqs, int32_t num_heads, int32_t head_dim, const Dropout& drop,
                          S* ctx, S* lse) override;
   void attention_backward(const S* d_ctx, const S* qkv, const S* ctx, const S* lse, const SeqView& seqs,

@@ -438,14 +438,21 @@ void CudaBackendT<P>::embed_layernorm_dropout_backward(const A* d_out, const int
 
 template <class P>
 void CudaBackendT<P>::dense_forward_ld(const A* x, const W* weight, const W* bias, int64_t rows, int32_t k,
-                                       int32_t n, ops::Activation act, A* y, A* pre_act, int64_t ld_y) {
+                                       int32_t n, ops::Activation act, A* y, A* act_grad, int64_t ld_y) {
   OpScope timed(*this, "dense_fwd", k, n);
   const bool gelu = act != ops::Activation::kNone, tanh = act == ops::Activation::kGeluTanh;
   NOPAD_CHECK(ld_y == n || (ld_y > n && !gelu), "dense_forward: output stride ", ld_y, " with n ", n,
               gelu ? " and an activation" : "");
-  A* target = gelu ? pre_act : y;
-  NOPAD_CHECK(target != nullptr && y != nullptr, "dense_forward with GELU needs pre_act");
+  A* target = gelu ? act_grad : y;  // the cuBLASLt path's pre-activation goes where its derivative will be
+  NOPAD_CHECK(target != nullptr && y != nullptr, "dense_forward with GELU needs act_grad");
   if (rows == 0) return;
+  // nopad's GEMM: y = gelu(pre) and act_grad = gelu'(pre), pre = x W^T + bias, from the accumulators (gemm_sm90.h).
+  if (gelu && kernel_variants().gelu_gemm && gemm_sm90_supported(rows, n, k, x, weight, act_grad, y, nullptr, bias)) {
+    launch_gemm_sm90<device_t<A>>(GemmEpilogue::kGelu, dev(x), dev(weight), rows, n, k, dev(bias), dev(act_grad),
+                                  dev(y), nullptr, nullptr, tanh, sm_count_, stream_);
+    last_gelu_path() = GeluPath::kGemmSm90;
+    return;
+  }
   GemmProblem p;  // y^T[n, rows] = op_T(W^T[k, n]) x^T[k, rows] (+ bias per row of y^T): dense.h
   p.type = gemm_type<A>();
   p.trans_a = true;
@@ -460,28 +467,9 @@ void CudaBackendT<P>::dense_forward_ld(const A* x, const W* weight, const W* bia
   p.d = target;
   p.ldd = ld_y;
   p.bias = bias;
-  // nopad's GEMM: pre_act = x W^T + bias and y = gelu(pre_act) from the accumulators (gemm_sm90.h). The tanh GELU
-  // keeps cuBLASLt's GELU_AUX_BIAS where that is on (H100: 0.394 ms vs 0.417 at T = 24,657, k=1024 n=4096).
-  if (gelu && kernel_variants().gelu_gemm && (!tanh || !kernel_variants().gelu_forward_epilogue) &&
-      gemm_sm90_supported(rows, n, k, x, weight, pre_act, y, nullptr, bias)) {
-    launch_gemm_sm90<device_t<A>>(GemmEpilogue::kGelu, dev(x), dev(weight), rows, n, k, dev(bias), dev(pre_act),
-                                  dev(y), nullptr, nullptr, tanh, sm_count_, stream_);
-    last_gelu_path() = GeluPath::kGemmSm90;
-    return;
-  }
-  if (tanh && bias && kernel_variants().gelu_forward_epilogue && n % 8 == 0) {  // y and pre_act from one product
-    GemmProblem e = p;
-    e.d = y;
-    e.gelu_aux = pre_act;
-    e.ld_aux = n;
-    if (gemm_->try_run(e, stream_)) {
-      last_gelu_path() = GeluPath::kEpilogueBias;
-      return;
-    }
-  }
   gemm_->run(p, stream_);
-  if (gelu) {
-    launch_gelu_forward(dev(pre_act), dev(y), rows * n, kernel_variants().gelu_forward_wide, tanh, stream_);
+  if (gelu) {  // pre -> gelu'(pre) in place, y = gelu(pre)
+    launch_gelu_forward(dev(act_grad), dev(y), rows * n, kernel_variants().gelu_forward_wide, tanh, stream_);
     last_gelu_path() = GeluPath::kKernel;
   }
 }
@@ -496,28 +484,28 @@ void CudaBackendT<P>::column_sums_accumulate(const A* m, int64_t rows, int32_t n
 }
 
 // d_bias (and dpre for GELU) along KernelVariants::dense_bias_grad (dense.h):
-//  kSeparate: dGELU pass, products, column-sum pass over dpre;
+//  kSeparate: scale pass (dpre = dy * act_grad), products, column-sum pass over dpre;
 //  kOnePass:  one pass writes dpre and its column partials (without GELU: the column-sum pass reads dy), then the
 //             products;
-//  kEpilogue: dGELU pass (one-pass kernel without column sums), dx product, dW product with the BGRADB epilogue
+//  kEpilogue: scale pass (one-pass kernel without column sums), dx product, dW product with the BGRADB epilogue
 //             writing the column sums of dpre into fp32 scratch, added into d_bias by a one-block finish. Where
 //             cuBLASLt has no algorithm for that product, it runs without the epilogue and d_bias takes the
 //             one-pass column sums (or the separate pass where n % 8 != 0, as the MLM decoder's V = 30522).
 template <class P>
-void CudaBackendT<P>::dense_backward_ld(const A* dy, const A* x, const W* weight, const A* pre_act, int64_t rows,
+void CudaBackendT<P>::dense_backward_ld(const A* dy, const A* x, const W* weight, const A* act_grad, int64_t rows,
                                         int32_t k, int32_t n, ops::Activation act, A* dx, bool accumulate_dx,
                                         G* d_weight, G* d_bias, int64_t ld_dy) {
   OpScope timed(*this, "dense_bwd", k, n);
   if (rows == 0) return;  // dx has no rows; the parameter gradients receive += 0
-  const bool gelu = act != ops::Activation::kNone, tanh = act == ops::Activation::kGeluTanh;
-  NOPAD_CHECK(!gelu || pre_act != nullptr, "dense_backward with GELU needs pre_act");
+  const bool gelu = act != ops::Activation::kNone;
+  NOPAD_CHECK(!gelu || act_grad != nullptr, "dense_backward with GELU needs act_grad");
   NOPAD_CHECK(ld_dy == n || (ld_dy > n && !gelu), "dense_backward: dy stride ", ld_dy, " with n ", n,
               gelu ? " and an activation" : "");
   const int64_t ld_dpre = gelu ? n : ld_dy;  // the GELU paths write a contiguous dpre
   A* buf = gelu ? static_cast<A*>(scratch(kDpre, sizeof(A) * static_cast<size_t>(rows) * n)) : nullptr;
   const A* dpre = gelu ? buf : dy;
   // The one-pass kernel needs n % 8 == 0 and 16-byte aligned, contiguous rows.
-  const bool one_pass_ok = ld_dy == n && dense_grad_pass_supported(n, dy, pre_act, buf);
+  const bool one_pass_ok = ld_dy == n && dense_grad_pass_supported(n, dy, act_grad, buf);
   BiasGradPath path = kernel_variants().dense_bias_grad;
   if (path == BiasGradPath::kEpilogue && d_weight == nullptr) path = BiasGradPath::kOnePass;
   if (path == BiasGradPath::kOnePass && !one_pass_ok) path = BiasGradPath::kSeparate;
@@ -527,13 +515,13 @@ void CudaBackendT<P>::dense_backward_ld(const A* dy, const A* x, const W* weight
     if (path == BiasGradPath::kOnePass && d_bias) {
       const int chunks = dense_grad_chunks(rows);
       float* partial = static_cast<float*>(scratch(kColPartials, sizeof(float) * chunks * static_cast<size_t>(n)));
-      launch_dense_grad_pass(dev(dy), dev(pre_act), dev(buf), rows, n, partial, tanh, stream_);
+      launch_dense_grad_pass(dev(dy), dev(act_grad), dev(buf), rows, n, partial, stream_);
       launch_column_finish(partial, chunks, n, 1, d_bias, nullptr, nullptr, stream_);
       bias_done = true;
     } else if (path != BiasGradPath::kSeparate && one_pass_ok) {  // dpre alone
-      launch_dense_grad_pass(dev(dy), dev(pre_act), dev(buf), rows, n, nullptr, tanh, stream_);
+      launch_dense_grad_pass(dev(dy), dev(act_grad), dev(buf), rows, n, nullptr, stream_);
     } else {
-      launch_gelu_backward(dev(dy), dev(pre_act), dev(buf), rows * n, tanh, stream_);
+      launch_scale(dev(dy), dev(act_grad), dev(buf), rows * n, stream_);
     }
   }
   if (dx) {  // dx^T[k, rows] = W^T[k, n] dpre^T[n, rows]
@@ -585,7 +573,7 @@ void CudaBackendT<P>::dense_backward_ld(const A* dy, const A* x, const W* weight
     if (path == BiasGradPath::kOnePass) {  // column sums of dpre (or dy) alone
       const int chunks = dense_grad_chunks(rows);
       float* partial = static_cast<float*>(scratch(kColPartials, sizeof(float) * chunks * static_cast<size_t>(n)));
-      launch_dense_grad_pass<device_t<A>>(dev(dpre), nullptr, nullptr, rows, n, partial, false, stream_);
+      launch_dense_grad_pass<device_t<A>>(dev(dpre), nullptr, nullptr, rows, n, partial, stream_);
       launch_column_finish(partial, chunks, n, 1, d_bias, nullptr, nullptr, stream_);
     } else {
       column_sums_accumulate(dpre, rows, n, d_bias, ld_dpre);
@@ -595,33 +583,20 @@ void CudaBackendT<P>::dense_backward_ld(const A* dy, const A* x, const W* weight
   if (d_bias) last_bias_grad_path() = path;
 }
 
-// dx_pre = (dy W) * act'(x_pre), d_x_bias += its column sums, d_weight += dy^T x. The plain product into scratch and
-// the one-pass dGELU + column-sum kernel (the traffic of dense_backward's GELU path). KernelVariants::dgelu_gemm (off
-// by default: slower, dense.h): nopad's sm_90a GEMM with dGELU and the column partials in its epilogue. kGeluTanh with
-// KernelVariants::dgelu_epilogue (off by default: slower, dense.h): the dx product with the DGELU_BGRAD epilogue
-// (fp32 bias gradient, else bf16 for bf16), else DGELU and the column-sum pass, else the default path.
+// dx_pre = (dy W) * x_act_grad, d_x_bias += its column sums, d_weight += dy^T x. KernelVariants::dgelu_gemm: nopad's
+// sm_90a GEMM with the scale and the column partials in its epilogue; else the plain product into scratch and the
+// one-pass scale + column-sum kernel (the traffic of dense_backward's GELU path).
 template <class P>
-void CudaBackendT<P>::dense_backward_through_act(const A* dy, const A* x, const A* x_pre, const W* weight,
+void CudaBackendT<P>::dense_backward_through_act(const A* dy, const A* x, const A* x_act_grad, const W* weight,
                                                  int64_t rows, int32_t k, int32_t n, ops::Activation x_act,
                                                  A* dx_pre, G* d_weight, G* d_x_bias) {
   OpScope timed(*this, "dense_bwd_act", k, n);
   NOPAD_CHECK(x_act != ops::Activation::kNone, "dense_backward_through_act needs an activation");
-  NOPAD_CHECK(x_pre != nullptr && dx_pre != nullptr, "dense_backward_through_act needs x_pre and dx_pre");
+  NOPAD_CHECK(x_act_grad != nullptr && dx_pre != nullptr, "dense_backward_through_act needs x_act_grad and dx_pre");
   if (rows == 0) return;
-  const bool tanh = x_act == ops::Activation::kGeluTanh;
-  GemmProblem p;  // dx^T[k, rows] = W^T[k, n] dy^T[n, rows]
-  p.type = gemm_type<A>();
-  p.m = k;
-  p.n = rows;
-  p.k = n;
-  p.a = weight;
-  p.lda = k;
-  p.b = dy;
-  p.ldb = n;
-  p.ldd = k;
-  bool done = false;
-  if (kernel_variants().dgelu_gemm && gemm_sm90_supported(rows, k, n, dy, weight, dx_pre, nullptr, x_pre, nullptr)) {
-    // nopad's GEMM: dx_pre = (dy W) * act'(x_pre) and the column partials of d_x_bias from the accumulators. Its B
+  if (kernel_variants().dgelu_gemm &&
+      gemm_sm90_supported(rows, k, n, dy, weight, dx_pre, nullptr, x_act_grad, nullptr)) {
+    // nopad's GEMM: dx_pre = (dy W) * x_act_grad and the column partials of d_x_bias from the accumulators. Its B
     // operand is K-major: W [n, k] transposed into scratch first (k x n 16-bit, a few microseconds).
     A* w_t = static_cast<A*>(scratch(kWeightT, sizeof(A) * static_cast<size_t>(k) * n));
     launch_transpose16(dev(weight), n, k, dev(w_t), stream_);
@@ -629,57 +604,33 @@ void CudaBackendT<P>::dense_backward_through_act(const A* dy, const A* x, const 
     const int chunks = gemm_sm90_row_chunks(rows);
     if (d_x_bias)
       partial = static_cast<float*>(scratch(kColPartials, sizeof(float) * chunks * static_cast<size_t>(k)));
-    launch_gemm_sm90<device_t<A>>(GemmEpilogue::kDGelu, dev(dy), dev(w_t), rows, k, n, nullptr, dev(dx_pre), nullptr,
-                                  dev(x_pre), partial, tanh, sm_count_, stream_);
+    launch_gemm_sm90<device_t<A>>(GemmEpilogue::kScale, dev(dy), dev(w_t), rows, k, n, nullptr, dev(dx_pre), nullptr,
+                                  dev(x_act_grad), partial, false, sm_count_, stream_);
     if (d_x_bias) launch_column_finish(partial, chunks, k, 1, d_x_bias, nullptr, nullptr, stream_);
     last_gelu_path() = GeluPath::kGemmSm90;
-    done = true;
-  }
-  if (!done && tanh && kernel_variants().dgelu_epilogue && k % 8 == 0) {
-    GemmProblem e = p;
-    e.d = dx_pre;
-    e.gelu_aux = const_cast<A*>(x_pre);
-    e.ld_aux = k;
-    e.dgelu = true;
-    if (d_x_bias) {
-      e.bias_grad = static_cast<float*>(scratch(kBiasGrad, sizeof(float) * static_cast<size_t>(k)));
-      if (gemm_->try_run(e, stream_)) {  // an fp32 bias gradient
-        launch_column_finish(e.bias_grad, 1, k, 1, d_x_bias, nullptr, nullptr, stream_);  // d_x_bias += row sums
-        last_gelu_path() = GeluPath::kEpilogueBgrad;
-        done = true;
-      } else if (std::is_same_v<A, nopad::bf16>) {
-        // A bf16 bias gradient (the D type): summed in fp32 by the epilogue, rounded once to bf16 (relative 2^-9,
-        // the rounding of every bf16 activation gradient), then added into fp32 d_x_bias. Not for fp16, whose range
-        // a loss-scaled sum over all rows could exceed.
-        e.bias_grad_16 = true;
-        if (gemm_->try_run(e, stream_)) {
-          launch_add_to_f32(reinterpret_cast<const device_t<A>*>(e.bias_grad), k, d_x_bias, stream_);
-          last_gelu_path() = GeluPath::kEpilogueBgrad;
-          done = true;
-        }
-        e.bias_grad_16 = false;
-      }
-      e.bias_grad = nullptr;
-    }
-    if (!done && gemm_->try_run(e, stream_)) {
-      if (d_x_bias) column_sums_accumulate(dx_pre, rows, k, d_x_bias);
-      last_gelu_path() = GeluPath::kEpilogue;
-      done = true;
-    }
-  }
-  if (!done) {  // dy W into scratch, then dGELU (+ column sums) into dx_pre
+  } else {  // dy W into scratch, then the scale (+ column sums) into dx_pre
+    GemmProblem p;  // dx^T[k, rows] = W^T[k, n] dy^T[n, rows]
+    p.type = gemm_type<A>();
+    p.m = k;
+    p.n = rows;
+    p.k = n;
+    p.a = weight;
+    p.lda = k;
+    p.b = dy;
+    p.ldb = n;
+    p.ldd = k;
     A* buf = static_cast<A*>(scratch(kDpre, sizeof(A) * static_cast<size_t>(rows) * k));
     p.d = buf;
     gemm_->run(p, stream_);
-    if (dense_grad_pass_supported(k, buf, x_pre, dx_pre)) {
+    if (dense_grad_pass_supported(k, buf, x_act_grad, dx_pre)) {
       float* partial = nullptr;
       const int chunks = dense_grad_chunks(rows);
       if (d_x_bias)
         partial = static_cast<float*>(scratch(kColPartials, sizeof(float) * chunks * static_cast<size_t>(k)));
-      launch_dense_grad_pass(dev(buf), dev(x_pre), dev(dx_pre), rows, k, partial, tanh, stream_);
+      launch_dense_grad_pass(dev(buf), dev(x_act_grad), dev(dx_pre), rows, k, partial, stream_);
       if (d_x_bias) launch_column_finish(partial, chunks, k, 1, d_x_bias, nullptr, nullptr, stream_);
     } else {
-      launch_gelu_backward(dev(buf), dev(x_pre), dev(dx_pre), rows * int64_t{k}, tanh, stream_);
+      launch_scale(dev(buf), dev(x_act_grad), dev(dx_pre), rows * int64_t{k}, stream_);
       if (d_x_bias) column_sums_accumulate(dx_pre, rows, k, d_x_bias);
     }
     last_gelu_path() = GeluPath::kKernel;
@@ -894,7 +845,7 @@ void CudaBackendT<P>::mlm_head_loss_forward(const A* hidden, const int32_t* mlm_
   if (M == 0) return;
   launch_gather_rows(dev(hidden), mlm_positions, M, H, dev(saved.gathered), stream_);
   dense_forward(saved.gathered, w.transform_weight, w.transform_bias, M, H, H, w.act,
-                saved.transform_act, saved.transform_pre);
+                saved.transform_act, saved.transform_act_grad);
   layernorm_plain_forward(saved.transform_act, w.ln_gamma, w.ln_beta, M, H, w.ln_eps, saved.ln_out, saved.ln_mean,
                           saved.ln_rstd);
   // Decoder with the tied word embeddings: logits [M, V] land in saved.probs and become probabilities in place.
@@ -930,7 +881,7 @@ void CudaBackendT<P>::mlm_head_loss_backward(double loss_scale, const int32_t* m
   layernorm_plain_backward(d_ln_out, saved.transform_act, saved.ln_mean, saved.ln_rstd, w.ln_gamma, M, H, d_act,
                            g.d_ln_gamma, g.d_ln_beta);
   A* d_gathered = d_ln_out;  // free again: reuse
-  dense_backward(d_act, saved.gathered, w.transform_weight, saved.transform_pre, M, H, H, w.act,
+  dense_backward(d_act, saved.gathered, w.transform_weight, saved.transform_act_grad, M, H, H, w.act,
                  d_gathered, false, g.d_transform_weight, g.d_transform_bias);
   // Each masked position appears once per batch (the loader's contract), so rows are added without atomics.
   launch_scatter_add_rows(dev(d_gathered), mlm_positions, M, H, dev(d_hidden), stream_);

@@ -98,20 +98,21 @@ class CudaBackendT final : public ops::Backend<P> {
                                         const St* ln_mean, const St* ln_rstd,
                                         const ops::EmbeddingGrads<G>& g) override;
   void dense_forward(const A* x, const W* weight, const W* bias, int64_t rows, int32_t k, int32_t n,
-                     ops::Activation act, A* y, A* pre_act) override {
-    dense_forward_ld(x, weight, bias, rows, k, n, act, y, pre_act, n);
+                     ops::Activation act, A* y, A* act_grad) override {
+    dense_forward_ld(x, weight, bias, rows, k, n, act, y, act_grad, n);
   }
-  void dense_backward(const A* dy, const A* x, const W* weight, const A* pre_act, int64_t rows, int32_t k, int32_t n,
+  void dense_backward(const A* dy, const A* x, const W* weight, const A* act_grad, int64_t rows, int32_t k, int32_t n,
                       ops::Activation act, A* dx, bool accumulate_dx, G* d_weight, G* d_bias) override {
-    dense_backward_ld(dy, x, weight, pre_act, rows, k, n, act, dx, accumulate_dx, d_weight, d_bias, n);
+    dense_backward_ld(dy, x, weight, act_grad, rows, k, n, act, dx, accumulate_dx, d_weight, d_bias, n);
   }
   int64_t mlm_logits_row_stride(int32_t V) const override { return (int64_t{V} + 7) / 8 * 8; }
   // Columns the MLM decoder's products run over: the weights' padded vocabulary when the logits rows have room.
   static int32_t decoder_columns(const ops::MlmHeadWeights<W>& w, int64_t ld) {
     return w.padded_vocab > w.vocab_size && w.padded_vocab <= ld ? w.padded_vocab : w.vocab_size;
   }
-  void dense_backward_through_act(const A* dy, const A* x, const A* x_pre, const W* weight, int64_t rows, int32_t k,
-                                  int32_t n, ops::Activation x_act, A* dx_pre, G* d_weight, G* d_x_bias) override;
+  void dense_backward_through_act(const A* dy, const A* x, const A* x_act_grad, const W* weight, int64_t rows,
+                                  int32_t k, int32_t n, ops::Activation x_act, A* dx_pre, G* d_weight,
+                                  G* d_x_bias) override;
   void attention_forward(const A* qkv, const ops::SeqView& seqs, int32_t num_heads, int32_t head_dim,
                          const ops::Dropout& drop, A* ctx, St* lse) override;
   void attention_backward(const A* d_ctx, const A* qkv, const A* ctx, const St* lse, const ops::SeqView& seqs,
@@ -153,8 +154,8 @@ class CudaBackendT final : public ops::Backend<P> {
   void column_sums_accumulate(const A* m, int64_t rows, int32_t n, G* out, int64_t ld = 0);  // ld 0: n
   // dense_forward / dense_backward with y / dy rows ld apart (ld >= n, no activation): the MLM decoder's padded logits.
   void dense_forward_ld(const A* x, const W* weight, const W* bias, int64_t rows, int32_t k, int32_t n,
-                        ops::Activation act, A* y, A* pre_act, int64_t ld_y);
-  void dense_backward_ld(const A* dy, const A* x, const W* weight, const A* pre_act, int64_t rows, int32_t k,
+                        ops::Activation act, A* y, A* act_grad, int64_t ld_y);
+  void dense_backward_ld(const A* dy, const A* x, const W* weight, const A* act_grad, int64_t rows, int32_t k,
                          int32_t n, ops::Activation act, A* dx, bool accumulate_dx, G* d_weight, G* d_bias,
                          int64_t ld_dy);
   bool plan_attention_launches(const ops::SeqView& seqs);

@@ -1,15 +1,16 @@
 // The dense (linear) layer's device side: cuBLASLt products with cached plans (dense.h has the row-/column-major
-// mapping; the BGRADB epilogue gives d_bias from the dW product), exact-erf GELU forward/backward kernels, the
-// one-pass dGELU + column-sum kernel and the first stage of the separate deterministic d_bias column sum, and the
-// process-wide KernelVariants. CPU twin: dense_forward / dense_backward in ops/cpu/cpu_backend.cpp.
+// mapping; the BGRADB epilogue gives d_bias from the dW product), the GELU forward kernels (y and the saved
+// derivative gelu'(pre) from the product's pre-activation), the one-pass scale + column-sum kernel (dpre = dy *
+// gelu'), the first stage of the separate deterministic d_bias column sum, and the process-wide KernelVariants. CPU
+// twin: dense_forward / dense_backward in ops/cpu/cpu_backend.cpp.
 //
-// GELU: cuBLASLt's GELU epilogues compute the tanh approximation, so they serve ops::Activation::kGeluTanh
-// (GELU_AUX_BIAS forward; DGELU_BGRAD on the next layer's dx product, off by default: slower than the product plus
-// the one-pass kernel, KernelVariants in dense.h). The exact erf GELU (BERT's "gelu" in Hugging
-// Face configs) cannot be an epilogue: the GEMM writes pre_act through the BIAS epilogue and a GELU kernel writes y
-// from it (one extra 16-bit read + write of [rows, n]). erff compiles to ~20 FMA-pipe instructions and one MUFU, so
-// the pass is bandwidth-bound as long as enough loads are in flight (the wide kernel). The elementwise kernels take
-// either function: they are the fallbacks of the epilogues and the MLM transform's backward.
+// GELU: what the forward saves for the backward is the derivative gelu'(pre), not pre (ops.h), so the backward's
+// activation step is one multiply: in nopad's own GEMM (gemm_sm90.h) the forward writes y and gelu' from its
+// epilogue and the FFN-out dx product applies the saved derivative in its epilogue. The cuBLASLt path (other GPUs,
+// shapes gemm_sm90 does not take) writes pre through the BIAS epilogue and a GELU kernel overwrites it with gelu'(pre)
+// while writing y (cuBLASLt's own GELU epilogues save pre, and only for the tanh form). erff compiles to ~20
+// FMA-pipe instructions and one MUFU, so the pass is bandwidth-bound as long as enough loads are in flight (the wide
+// kernel).
 #include <algorithm>
 #include <cstdlib>
 #include <string_view>
@@ -75,9 +76,7 @@ LtGemm::Plan& LtGemm::plan_for(const GemmProblem& p) {
   const Key key = {p.type,           p.trans_a,         p.trans_b,    p.m,         p.n,
                    p.k,                p.lda,             p.ldb,        p.ldd,       p.d_fp32,
                    p.bias != nullptr,  p.beta != 0.0f,    alignment_of(p.a), alignment_of(p.b), alignment_of(p.d),
-                   p.bias_grad != nullptr, p.bias_grad ? alignment_of(p.bias_grad) : 0,
-                   p.gelu_aux != nullptr, p.dgelu, p.gelu_aux ? alignment_of(p.gelu_aux) : 0, p.ld_aux,
-                   p.bias_grad_16};
+                   p.bias_grad != nullptr, p.bias_grad ? alignment_of(p.bias_grad) : 0};
   auto it = plans_.find(key);
   if (it != plans_.end()) return it->second;
 
@@ -92,32 +91,7 @@ LtGemm::Plan& LtGemm::plan_for(const GemmProblem& p) {
   const cublasOperation_t ta = p.trans_a ? CUBLAS_OP_T : CUBLAS_OP_N, tb = p.trans_b ? CUBLAS_OP_T : CUBLAS_OP_N;
   NOPAD_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(plan.desc, CUBLASLT_MATMUL_DESC_TRANSA, &ta, sizeof ta));
   NOPAD_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(plan.desc, CUBLASLT_MATMUL_DESC_TRANSB, &tb, sizeof tb));
-  if (p.gelu_aux) {  // GELU_AUX_BIAS, DGELU or DGELU_BGRAD (dense.h)
-    NOPAD_CHECK(!p.d_fp32, "LtGemm: the GELU epilogues are only used with 16-bit outputs");
-    NOPAD_CHECK(p.ld_aux >= p.m && p.ld_aux % 8 == 0, "LtGemm: GELU aux leading dimension ", p.ld_aux,
-                " must be a multiple of 8 and >= m = ", p.m);
-    NOPAD_CHECK(p.dgelu ? p.bias == nullptr : (p.bias != nullptr && p.bias_grad == nullptr),
-                "LtGemm: GELU_AUX_BIAS needs a bias and no bias gradient; DGELU takes no bias");
-    const cublasLtEpilogue_t epi = !p.dgelu   ? CUBLASLT_EPILOGUE_GELU_AUX_BIAS
-                                   : p.bias_grad ? CUBLASLT_EPILOGUE_DGELU_BGRAD
-                                                 : CUBLASLT_EPILOGUE_DGELU;
-    NOPAD_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(plan.desc, CUBLASLT_MATMUL_DESC_EPILOGUE, &epi, sizeof epi));
-    const void* vec = p.dgelu ? static_cast<const void*>(p.bias_grad) : p.bias;
-    if (vec) {
-      const int32_t vec_type = p.dgelu && !p.bias_grad_16 ? CUDA_R_32F : p.type;
-      NOPAD_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(plan.desc, CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE, &vec_type,
-                                                        sizeof vec_type));
-      NOPAD_CUBLAS_CHECK(
-          cublasLtMatmulDescSetAttribute(plan.desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &vec, sizeof vec));
-    }
-    const int32_t aux_type = p.type;
-    NOPAD_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(plan.desc, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER,
-                                                      &p.gelu_aux, sizeof p.gelu_aux));
-    NOPAD_CUBLAS_CHECK(
-        cublasLtMatmulDescSetAttribute(plan.desc, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_LD, &p.ld_aux, sizeof p.ld_aux));
-    NOPAD_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(plan.desc, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_DATA_TYPE,
-                                                      &aux_type, sizeof aux_type));
-  } else if (p.bias) {
+  if (p.bias) {
     NOPAD_CHECK(!p.d_fp32, "LtGemm: a bias epilogue is only used with 16-bit outputs");
     const cublasLtEpilogue_t epi = CUBLASLT_EPILOGUE_BIAS;
     const cudaDataType_t bias_type = p.type;
@@ -127,7 +101,7 @@ LtGemm::Plan& LtGemm::plan_for(const GemmProblem& p) {
     NOPAD_CUBLAS_CHECK(
         cublasLtMatmulDescSetAttribute(plan.desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &p.bias, sizeof p.bias));
   }
-  if (p.bias_grad && !p.gelu_aux) {  // column sums of op(B) over the k dimension, fp32 (the output type), written
+  if (p.bias_grad) {  // column sums of op(B) over the k dimension, fp32 (the output type), written
     NOPAD_CHECK(p.d_fp32, "LtGemm: the BGRADB epilogue is only used with fp32 outputs");
     const cublasLtEpilogue_t epi = CUBLASLT_EPILOGUE_BGRADB;
     const cudaDataType_t grad_type = CUDA_R_32F;
@@ -163,11 +137,8 @@ LtGemm::Plan& LtGemm::plan_for(const GemmProblem& p) {
                                         results, &found);
   cublasLtMatmulPreferenceDestroy(pref);
   // An epilogue the library does not offer for this problem may be reported as NOT_SUPPORTED rather than as 0
-  // results: for a bias-gradient or GELU product both mean "no algorithm" (the caller falls back). A GELU epilogue
-  // with a type combination the library lacks (DGELU_BGRAD with an fp32 bias gradient, seen with cuBLASLt 13 on sm_90)
-  // is reported as INVALID_VALUE: also "no algorithm" for those products.
-  if ((p.bias_grad || p.gelu_aux) &&
-      (st == CUBLAS_STATUS_NOT_SUPPORTED || (p.gelu_aux && st == CUBLAS_STATUS_INVALID_VALUE))) {
+  // results: for a bias-gradient product both mean "no algorithm" (the caller falls back).
+  if (p.bias_grad && st == CUBLAS_STATUS_NOT_SUPPORTED) {
     st = CUBLAS_STATUS_SUCCESS;
     found = 0;
   }
@@ -263,9 +234,6 @@ void LtGemm::enqueue(Plan& plan, const GemmProblem& p, cudaStream_t stream) {
   if (p.bias_grad)
     NOPAD_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(plan.desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &p.bias_grad,
                                                       sizeof p.bias_grad));
-  if (p.gelu_aux)
-    NOPAD_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(plan.desc, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER,
-                                                      &p.gelu_aux, sizeof p.gelu_aux));
   if (!plan.tuned) tune(plan, p, stream);
   const float alpha = 1.0f, beta = p.beta;
   NOPAD_CUBLAS_CHECK(cublasLtMatmul(handle_, plan.desc, &alpha, p.a, plan.a, p.b, plan.b, &beta, p.d, plan.d, p.d,
@@ -282,8 +250,7 @@ void LtGemm::run(const GemmProblem& p, cudaStream_t stream) {
     fail("cuBLASLt has no algorithm for the product m=", p.m, " n=", p.n, " k=", p.k, " (transa ", p.trans_a,
          ", transb ", p.trans_b, ", lda ", p.lda, ", ldb ", p.ldb, ", ldd ", p.ldd, ", ",
          p.type == CUDA_R_16F ? "fp16" : "bf16", " inputs, ", p.d_fp32 ? "fp32" : "16-bit", " output, bias ",
-         p.bias != nullptr, ", bias gradient ", p.bias_grad != nullptr, ", GELU aux ", p.gelu_aux != nullptr,
-         p.dgelu ? " (dgelu)" : "", ", alignments ",
+         p.bias != nullptr, ", bias gradient ", p.bias_grad != nullptr, ", alignments ",
          alignment_of(p.a), "/", alignment_of(p.b), "/", alignment_of(p.d), " bytes)");
   enqueue(plan, p, stream);
 }
@@ -325,22 +292,27 @@ namespace {
 constexpr int kThreads = 256;
 
 // First implementation: one 16-byte vector per thread per grid-stride step, scalar tail (or all scalar when the
-// pointers are not 16-byte aligned).
+// pointers are not 16-byte aligned). pre_grad holds pre on entry and gelu'(pre) on exit; y = gelu(pre).
 template <class T, bool kTanh>
-__global__ void gelu_forward_kernel(const T* __restrict__ pre, T* __restrict__ y, int64_t count, bool vec) {
+__global__ void gelu_forward_kernel(T* __restrict__ pre_grad, T* __restrict__ y, int64_t count, bool vec) {
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
   int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (vec) {
     for (; i < count / 8; i += stride) {
-      float v[8];
-      load8(pre + i * 8, v);
+      float v[8], g[8];
+      load8(pre_grad + i * 8, v);
 #pragma unroll
-      for (int e = 0; e < 8; ++e) v[e] = gelu_fn<kTanh>(v[e]);
+      for (int e = 0; e < 8; ++e) v[e] = gelu_and_grad_fn<kTanh>(v[e], g[e]);
       store8(y + i * 8, v);
+      store8(pre_grad + i * 8, g);
     }
     i = count / 8 * 8 + static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;  // tail
   }
-  for (; i < count; i += stride) y[i] = from_f32<T>(gelu_fn<kTanh>(to_f32(pre[i])));
+  for (; i < count; i += stride) {
+    float g;
+    y[i] = from_f32<T>(gelu_and_grad_fn<kTanh>(to_f32(pre_grad[i]), g));
+    pre_grad[i] = from_f32<T>(g);
+  }
 }
 
 // Wide: a thread owns kWideVecs vectors spaced one block apart (each warp access stays 512 contiguous bytes) and
@@ -349,49 +321,55 @@ __global__ void gelu_forward_kernel(const T* __restrict__ pre, T* __restrict__ y
 // aligned; the count % 8 tail is done by block 0.
 constexpr int kWideVecs = 4;
 template <class T, bool kTanh>
-__global__ void __launch_bounds__(kThreads) gelu_forward_wide_kernel(const T* __restrict__ pre, T* __restrict__ y,
+__global__ void __launch_bounds__(kThreads) gelu_forward_wide_kernel(T* __restrict__ pre_grad, T* __restrict__ y,
                                                                      int64_t count) {
   const int64_t nvec = count / 8;
   const int64_t base = static_cast<int64_t>(blockIdx.x) * kThreads * kWideVecs + threadIdx.x;
   Vec8<T> in[kWideVecs];
 #pragma unroll
   for (int u = 0; u < kWideVecs; ++u)
-    if (base + u * kThreads < nvec) in[u] = ld16(pre + (base + u * kThreads) * 8);
+    if (base + u * kThreads < nvec) in[u] = ld16(pre_grad + (base + u * kThreads) * 8);
 #pragma unroll
   for (int u = 0; u < kWideVecs; ++u) {
     if (base + u * kThreads >= nvec) continue;
-    Vec8<T> out;
+    Vec8<T> out, grad;
 #pragma unroll
     for (int h = 0; h < 4; ++h) {
       const float2 f = to_f32x2(in[u].h[h]);
-      out.h[h] = from_f32x2<T>(gelu_fn<kTanh>(f.x), gelu_fn<kTanh>(f.y));
+      float ga, gb;
+      const float ya = gelu_and_grad_fn<kTanh>(f.x, ga), yb = gelu_and_grad_fn<kTanh>(f.y, gb);
+      out.h[h] = from_f32x2<T>(ya, yb);
+      grad.h[h] = from_f32x2<T>(ga, gb);
     }
     st16(y + (base + u * kThreads) * 8, out);
+    st16(pre_grad + (base + u * kThreads) * 8, grad);
   }
   if (blockIdx.x == 0 && threadIdx.x < count - nvec * 8) {
     const int64_t i = nvec * 8 + threadIdx.x;
-    y[i] = from_f32<T>(gelu_fn<kTanh>(to_f32(pre[i])));
+    float g;
+    y[i] = from_f32<T>(gelu_and_grad_fn<kTanh>(to_f32(pre_grad[i]), g));
+    pre_grad[i] = from_f32<T>(g);
   }
 }
 
-template <class T, bool kTanh>
-__global__ void gelu_backward_kernel(const T* __restrict__ dy, const T* __restrict__ pre, T* __restrict__ dpre,
-                                     int64_t count, bool vec) {
+// out = dy * scale elementwise (the backward of a saved activation derivative).
+template <class T>
+__global__ void scale_kernel(const T* __restrict__ dy, const T* __restrict__ scale, T* __restrict__ out,
+                             int64_t count, bool vec) {
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
   int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (vec) {
     for (; i < count / 8; i += stride) {
-      float d[8], x[8];
+      float d[8], g[8];
       load8(dy + i * 8, d);
-      load8(pre + i * 8, x);
+      load8(scale + i * 8, g);
 #pragma unroll
-      for (int e = 0; e < 8; ++e) d[e] *= gelu_grad_fn<kTanh>(x[e]);
-      store8(dpre + i * 8, d);
+      for (int e = 0; e < 8; ++e) d[e] *= g[e];
+      store8(out + i * 8, d);
     }
     i = count / 8 * 8 + static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   }
-  for (; i < count; i += stride)
-    dpre[i] = from_f32<T>(to_f32(dy[i]) * gelu_grad_fn<kTanh>(to_f32(pre[i])));
+  for (; i < count; i += stride) out[i] = from_f32<T>(to_f32(dy[i]) * to_f32(scale[i]));
 }
 
 bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
@@ -417,13 +395,13 @@ __global__ void column_sum_partial_kernel(const T* __restrict__ m, int64_t rows,
 // The one-pass d_bias kernel over a [rows, n] matrix (n % 8 == 0, 16-byte aligned): block (strip, chunk) covers
 // columns [256 strip, 256 strip + 256) and rows [kGradRowsPerChunk chunk, ...). Warp w of the block reads rows
 // r0 + w, r0 + w + 8, ... (512 contiguous bytes per warp and row; kGradUnroll rows' loads issued together), lane l owns
-// columns 8l..8l+7 of the strip. kGelu: dpre = dy * gelu'(pre) is written (16-bit). kColSum: each thread sums its
+// columns 8l..8l+7 of the strip. kScale: dpre = dy * scale is written (16-bit). kColSum: each thread sums its
 // columns of dpre before the 16-bit rounding (the twin sums its fp32 dpre) over its rows in increasing order, then the
 // block adds its 8 warps in warp order into partial[chunk][j]: a fixed order for a given rows and n.
 constexpr int kGradCols = 256, kGradWarps = 8, kGradUnroll = 4, kGradRowsPerChunk = 128;
-template <class T, bool kGelu, bool kColSum, bool kTanh>
+template <class T, bool kScale, bool kColSum>
 __global__ void __launch_bounds__(kGradWarps * 32) dense_grad_pass_kernel(const T* __restrict__ dy,
-                                                                          const T* __restrict__ pre,
+                                                                          const T* __restrict__ scale,
                                                                           T* __restrict__ dpre, int64_t rows,
                                                                           int32_t n, float* __restrict__ partial) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -441,7 +419,7 @@ __global__ void __launch_bounds__(kGradWarps * 32) dense_grad_pass_kernel(const 
       const int64_t rr = r + u * kGradWarps;
       if (active && rr < r1) {
         d[u] = ld16(dy + rr * n + j0);
-        if constexpr (kGelu) x[u] = ld16(pre + rr * n + j0);
+        if constexpr (kScale) x[u] = ld16(scale + rr * n + j0);
       }
     }
 #pragma unroll
@@ -450,12 +428,12 @@ __global__ void __launch_bounds__(kGradWarps * 32) dense_grad_pass_kernel(const 
       if (!(active && rr < r1)) continue;
       float v[8];
       unpack8(d[u], v);
-      if constexpr (kGelu) {
+      if constexpr (kScale) {
 #pragma unroll
         for (int h = 0; h < 4; ++h) {
           const float2 f = to_f32x2(x[u].h[h]);
-          v[2 * h] *= gelu_grad_fn<kTanh>(f.x);
-          v[2 * h + 1] *= gelu_grad_fn<kTanh>(f.y);
+          v[2 * h] *= f.x;
+          v[2 * h + 1] *= f.y;
         }
         store8(dpre + rr * n + j0, v);
       }
@@ -483,50 +461,32 @@ __global__ void __launch_bounds__(kGradWarps * 32) dense_grad_pass_kernel(const 
 }  // namespace
 
 template <class T, bool kTanh>
-void gelu_forward_impl(const T* pre, T* y, int64_t count, bool wide, cudaStream_t stream) {
-  if (wide && aligned16(pre) && aligned16(y)) {
+void gelu_forward_impl(T* pre_grad, T* y, int64_t count, bool wide, cudaStream_t stream) {
+  if (wide && aligned16(pre_grad) && aligned16(y)) {
     const int64_t blocks = std::max<int64_t>(1, (count / 8 + kThreads * kWideVecs - 1) / (kThreads * kWideVecs));
     NOPAD_CHECK(blocks <= 0x7fffffff, "GELU forward over ", count, " elements: too many blocks");
-    gelu_forward_wide_kernel<T, kTanh><<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(pre, y, count);
+    gelu_forward_wide_kernel<T, kTanh><<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(pre_grad, y, count);
   } else {
     gelu_forward_kernel<T, kTanh><<<elementwise_blocks(count), kThreads, 0, stream>>>(
-        pre, y, count, aligned16(pre) && aligned16(y));
+        pre_grad, y, count, aligned16(pre_grad) && aligned16(y));
   }
 }
 
 template <class T>
-void launch_gelu_forward(const T* pre, T* y, int64_t count, bool wide, bool tanh, cudaStream_t stream) {
+void launch_gelu_forward(T* pre_grad, T* y, int64_t count, bool wide, bool tanh, cudaStream_t stream) {
   if (count <= 0) return;
   if (tanh)
-    gelu_forward_impl<T, true>(pre, y, count, wide, stream);
+    gelu_forward_impl<T, true>(pre_grad, y, count, wide, stream);
   else
-    gelu_forward_impl<T, false>(pre, y, count, wide, stream);
+    gelu_forward_impl<T, false>(pre_grad, y, count, wide, stream);
   NOPAD_CUDA_CHECK_LAUNCH();
 }
 
 template <class T>
-void launch_gelu_backward(const T* dy, const T* pre, T* dpre, int64_t count, bool tanh, cudaStream_t stream) {
+void launch_scale(const T* dy, const T* scale, T* out, int64_t count, cudaStream_t stream) {
   if (count <= 0) return;
-  const bool vec = aligned16(dy) && aligned16(pre) && aligned16(dpre);
-  if (tanh)
-    gelu_backward_kernel<T, true><<<elementwise_blocks(count), kThreads, 0, stream>>>(dy, pre, dpre, count, vec);
-  else
-    gelu_backward_kernel<T, false><<<elementwise_blocks(count), kThreads, 0, stream>>>(dy, pre, dpre, count, vec);
-  NOPAD_CUDA_CHECK_LAUNCH();
-}
-
-namespace {
-template <class T>
-__global__ void add_to_f32_kernel(const T* __restrict__ v, int32_t n, float* __restrict__ out) {
-  const int32_t i = static_cast<int32_t>(blockIdx.x * blockDim.x + threadIdx.x);
-  if (i < n) out[i] += to_f32(v[i]);
-}
-}  // namespace
-
-template <class T>
-void launch_add_to_f32(const T* v, int32_t n, float* out, cudaStream_t stream) {
-  if (n <= 0) return;
-  add_to_f32_kernel<T><<<static_cast<unsigned>(ceil_div(n, kThreads)), kThreads, 0, stream>>>(v, n, out);
+  const bool vec = aligned16(dy) && aligned16(scale) && aligned16(out);
+  scale_kernel<T><<<elementwise_blocks(count), kThreads, 0, stream>>>(dy, scale, out, count, vec);
   NOPAD_CUDA_CHECK_LAUNCH();
 }
 
@@ -556,26 +516,22 @@ int dense_grad_chunks(int64_t rows) {
 }
 
 template <class T>
-void launch_dense_grad_pass(const T* dy, const T* pre, T* dpre, int64_t rows, int32_t n, float* partial, bool tanh,
+void launch_dense_grad_pass(const T* dy, const T* scale, T* dpre, int64_t rows, int32_t n, float* partial,
                             cudaStream_t stream) {
   if (rows <= 0 || n <= 0) return;
-  NOPAD_CHECK(dense_grad_pass_supported(n, dy, pre, dpre), "dense gradient pass needs n % 8 == 0 (got ", n,
+  NOPAD_CHECK(dense_grad_pass_supported(n, dy, scale, dpre), "dense gradient pass needs n % 8 == 0 (got ", n,
               ") and 16-byte aligned pointers");
-  NOPAD_CHECK((pre == nullptr) == (dpre == nullptr), "dense gradient pass: pre_act and dpre go together");
+  NOPAD_CHECK((scale == nullptr) == (dpre == nullptr), "dense gradient pass: scale and dpre go together");
   const int chunks = dense_grad_chunks(rows);
   NOPAD_CHECK(chunks <= 65535, "dense gradient pass over ", rows, " rows: more than 65535 row chunks");
   const dim3 grid(static_cast<unsigned>(ceil_div(n, kGradCols)), static_cast<unsigned>(chunks));
   constexpr int kT = kGradWarps * 32;
-  if (pre && partial && tanh)
-    dense_grad_pass_kernel<T, true, true, true><<<grid, kT, 0, stream>>>(dy, pre, dpre, rows, n, partial);
-  else if (pre && partial)
-    dense_grad_pass_kernel<T, true, true, false><<<grid, kT, 0, stream>>>(dy, pre, dpre, rows, n, partial);
-  else if (pre && tanh)
-    dense_grad_pass_kernel<T, true, false, true><<<grid, kT, 0, stream>>>(dy, pre, dpre, rows, n, nullptr);
-  else if (pre)
-    dense_grad_pass_kernel<T, true, false, false><<<grid, kT, 0, stream>>>(dy, pre, dpre, rows, n, nullptr);
+  if (scale && partial)
+    dense_grad_pass_kernel<T, true, true><<<grid, kT, 0, stream>>>(dy, scale, dpre, rows, n, partial);
+  else if (scale)
+    dense_grad_pass_kernel<T, true, false><<<grid, kT, 0, stream>>>(dy, scale, dpre, rows, n, nullptr);
   else if (partial)
-    dense_grad_pass_kernel<T, false, true, false><<<grid, kT, 0, stream>>>(dy, nullptr, nullptr, rows, n, partial);
+    dense_grad_pass_kernel<T, false, true><<<grid, kT, 0, stream>>>(dy, nullptr, nullptr, rows, n, partial);
   else
     return;  // nothing asked for
   NOPAD_CUDA_CHECK_LAUNCH();
@@ -583,11 +539,10 @@ void launch_dense_grad_pass(const T* dy, const T* pre, T* dpre, int64_t rows, in
 
 // The launchers of both element types.
 #define NOPAD_DENSE_INSTANTIATE(T)                                                                                \
-  template void launch_gelu_forward<T>(const T*, T*, int64_t, bool, bool, cudaStream_t);                          \
-  template void launch_gelu_backward<T>(const T*, const T*, T*, int64_t, bool, cudaStream_t);                     \
+  template void launch_gelu_forward<T>(T*, T*, int64_t, bool, bool, cudaStream_t);                                \
+  template void launch_scale<T>(const T*, const T*, T*, int64_t, cudaStream_t);                                   \
   template void launch_column_sum_partial<T>(const T*, int64_t, int32_t, int64_t, int, float*, cudaStream_t);     \
-  template void launch_add_to_f32<T>(const T*, int32_t, float*, cudaStream_t);                                    \
-  template void launch_dense_grad_pass<T>(const T*, const T*, T*, int64_t, int32_t, float*, bool, cudaStream_t);
+  template void launch_dense_grad_pass<T>(const T*, const T*, T*, int64_t, int32_t, float*, cudaStream_t);
 NOPAD_DENSE_INSTANTIATE(bf)
 NOPAD_DENSE_INSTANTIATE(hf)
 #undef NOPAD_DENSE_INSTANTIATE

@@ -15,10 +15,9 @@
 //             CUBLAS_COMPUTE_32F is one of cuBLASLt's supported type combinations.)
 //             With bias_grad set, the BGRADB epilogue also writes (=, not +=) bias_grad[n] = sum over the k rows of
 //             op(B), i.e. the column sums of dpre: d_bias without a separate pass (the caller adds it into d_bias).
-//   GELU (tanh approximation): the forward's GELU_AUX_BIAS epilogue writes y and the pre-activation (aux) at once;
-//             the backward of the layer after the GELU can issue its dx product with DGELU_BGRAD, so that product
-//             writes d(pre-activation) = (dy W) * gelu'(aux) and the GELU layer's d_bias (row sums of D^T) directly
-//             (KernelVariants::dgelu_epilogue; off by default, measured slower).
+//   GELU: the forward saves gelu'(pre) for the backward (ops.h), which cuBLASLt's GELU epilogues cannot write (they
+//             save pre); the GELU products go through nopad's own GEMM (gemm_sm90.h) or the BIAS epilogue plus the
+//             GELU kernel (dense.cu).
 // Element types: A, B, a 16-bit D and the bias are all bf16 (CUDA_R_16BF) or all fp16 (CUDA_R_16F) (GemmProblem::
 // type); the weight-gradient D is fp32; accumulation is fp32 (CUBLAS_COMPUTE_32F) for both.
 // Algorithms are chosen once per problem (element type, shape, transposes, leading dimensions, output type, epilogue,
@@ -53,18 +52,7 @@ struct GemmProblem {
   bool d_fp32 = false;
   float beta = 0.0f;           // 0: D is written without being read (poisoned outputs stay safe)
   const void* bias = nullptr;  // 16-bit (type) [m], or null (16-bit D only)
-  float* bias_grad = nullptr;  // fp32 [n] written by the BGRADB epilogue (fp32 D only; not with bias); with dgelu:
-                               // fp32 [m] row sums of D written by the DGELU_BGRAD epilogue
-  // cuBLASLt's GELU epilogues (the tanh approximation, ops::Activation::kGeluTanh), 16-bit D only, aux of the D shape
-  // [m, n] with leading dimension ld_aux (a multiple of 8, >= m), element type `type`:
-  //   dgelu false: GELU_AUX_BIAS (bias required): gelu_aux = op(A) op(B) + bias (the pre-activation), D = gelu(that);
-  //   dgelu true:  DGELU: D = (op(A) op(B)) * gelu'(gelu_aux); with bias_grad, DGELU_BGRAD: also bias_grad[m] = the
-  //                row sums of D (fp32, written).
-  void* gelu_aux = nullptr;
-  int64_t ld_aux = 0;
-  bool dgelu = false;
-  bool bias_grad_16 = false;  // DGELU_BGRAD: bias_grad points to `type` elements instead of fp32 (cuBLASLt offers the
-                              // fp32 bias gradient with 16-bit D for fewer products than the D type)
+  float* bias_grad = nullptr;  // fp32 [n] written by the BGRADB epilogue (fp32 D only; not with bias)
 };
 
 // ------------------------------------------------------------------------------------------------ kernel variants
@@ -81,7 +69,7 @@ struct LnVariant {
 };
 enum class BiasGradPath {
   kSeparate,  // dGELU pass, then a separate column-sum pass over dpre (the first implementation)
-  kOnePass,   // one pass: dpre = dy * gelu'(pre) written and its column sums taken from registers (without GELU: the
+  kOnePass,   // one pass: dpre = dy * gelu' written and its column sums taken from registers (without GELU: the
               // column-sum pass alone, 16-byte loads)
   kEpilogue,  // the dW product's BGRADB epilogue (falls back to kOnePass where cuBLASLt has no algorithm for it)
 };
@@ -99,32 +87,21 @@ struct KernelVariants {
   BiasGradPath dense_bias_grad = BiasGradPath::kOnePass;
   bool softmax_ce_registers = true;  // softmax CE: one read of the logits row into registers (false: three passes)
   bool ce_backward_rows = true;      // CE backward: a block per row, 4-byte vectors (false: flat grid, scalar)
-  // kGeluTanh forward: cuBLASLt's GELU_AUX_BIAS epilogue where it has an algorithm (false: the BIAS epilogue and the
-  // wide tanh-GELU kernel). H200, T = 24,657, k=1024 n=4096: 0.376 ms vs 0.388 (erf: 0.400).
-  bool gelu_forward_epilogue = true;
-  // kGeluTanh backward (dense_backward_through_act): cuBLASLt's DGELU_BGRAD (DGELU + column sums for fp16) epilogue
-  // on the dx product (false: the plain product and the one-pass dGELU + d_bias kernel). Off: the epilogue's products
-  // are slower than the product plus the pass, H200 FFN backward 2.005 ms vs 1.356 (fp16 1.374 vs 1.242).
-  bool dgelu_epilogue = false;
-  // GELU forward: nopad's sm_90a GEMM (gemm_sm90.h) with the GELU in the epilogue (pre_act and y from one product)
-  // where the device and the shapes allow it (n % 256, k % 64); the tanh GELU only when gelu_forward_epilogue is off
-  // (cuBLASLt's GELU_AUX_BIAS is faster for it). H100, T = 24,657, k=1024 n=4096, erf: 0.409-0.416 ms vs 0.448-0.452
-  // for the cuBLASLt product + wide GELU kernel; tanh 0.417 vs GELU_AUX_BIAS 0.394.
+  // GELU forward: nopad's sm_90a GEMM (gemm_sm90.h) with the GELU in the epilogue (y and gelu' from one product)
+  // where the device and the shapes allow it (n % 256, k % 64), else the cuBLASLt product + the wide GELU kernel.
   bool gelu_gemm = true;
-  // Both GELUs, backward (dense_backward_through_act): the same GEMM with dGELU and the d_bias column partials in the
-  // FFN-out dx product's epilogue (the weight transposed first). Off: slower than the product + one-pass kernel
-  // (H100, FFN backward 1.469 ms vs 1.258).
-  bool dgelu_gemm = false;
+  // GELU backward (dense_backward_through_act): the same GEMM applying the saved gelu' and taking the d_bias column
+  // partials in the FFN-out dx product's epilogue (the weight transposed first), else the cuBLASLt product + the
+  // one-pass scale kernel. Measured in docs/performance.md ("the saved GELU derivative").
+  bool dgelu_gemm = true;
 };
 KernelVariants& kernel_variants();  // dense.cu
 // How the last dense_backward with a d_bias obtained it (set by CudaBackend; tests read it to see whether the
 // epilogue ran or fell back).
 BiasGradPath& last_bias_grad_path();
 // How the last dense_forward / dense_backward_through_act with a GELU applied it: kGemmSm90 (nopad's GEMM with the
-// GELU / dGELU epilogue, either GELU), kEpilogueBias (forward GELU_AUX_BIAS), kEpilogueBgrad (DGELU_BGRAD: dGELU and
-// d_bias in the product), kEpilogue (DGELU, d_bias by the column-sum pass), kKernel (elementwise kernels). Tests read
-// it to see which path ran.
-enum class GeluPath { kKernel, kEpilogue, kEpilogueBias, kEpilogueBgrad, kGemmSm90 };
+// GELU / scale epilogue), kKernel (the cuBLASLt product and elementwise kernels). Tests read it to see which path ran.
+enum class GeluPath { kKernel, kGemmSm90 };
 GeluPath& last_gelu_path();
 
 class LtGemm {
@@ -157,7 +134,7 @@ class LtGemm {
 
  private:
   static constexpr int kCandidates = 8;  // heuristic results timed on a shape's first use
-  using Key = std::array<int64_t, 22>;
+  using Key = std::array<int64_t, 17>;
   struct Plan {
     Key key{};  // the exact problem
     cublasLtMatmulDesc_t desc = nullptr;

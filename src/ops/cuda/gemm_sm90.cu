@@ -1,4 +1,4 @@
-// nopad's Hopper GEMM with GELU / dGELU epilogues (contract and requirements: gemm_sm90.h).
+// nopad's Hopper GEMM with GELU / scale epilogues (contract and requirements: gemm_sm90.h).
 //
 // Structure: persistent, one CTA per SM, 128 x 256 output tiles walked in row-major tile order with a stride of the
 // grid (consecutive CTAs share A's 128-row block in the L2; B, a weight of <= 8 MB, stays in the L2 throughout).
@@ -9,18 +9,22 @@
 // swizzled layout).
 // - kBias: the consumers store the staging themselves (TMA) and move on; warps 1-3 are idle and the producer
 //   warpgroup gives its registers to the consumers (setmaxnreg).
-// - kGelu / kDGelu: warps 1-3 are the epilogue warps. Per tile they wait for both halves to be staged ("staged"
-//   mbarriers), store pre (kGelu), compute y = gelu(pre) or dpre = g * gelu'(aux) in place, unit by unit (32 rows x
-//   64 columns; kDGelu's aux chunks arrive by TMA into a small ring, issued a few units ahead), TMA-store each 64 x 64
-//   box when complete, and release the staging ("freed", which also carries the next tile's bias for kGelu) while
-//   the consumers run the next tile's main loop. kGelu: the consumers take the last box column of their own half
-//   themselves, one unit per k-block of the next main loop, so that the two shares fit beside the products.
-//   Column sums (kDGelu): a thread's 8 columns over its rows, reduced over the warp by shuffles, the 3 warps' sums
+// - kGelu / kScale: warps 1-3 are the epilogue warps. Per tile they wait for both halves to be staged ("staged"
+//   mbarriers), then unit by unit (32 rows x 64 columns) compute y = gelu(pre) in place and store gelu'(pre) straight
+//   to global memory from registers (kGelu), or dpre = g * aux in place (kScale; aux chunks arrive by TMA into a
+//   small ring, issued a few units ahead), TMA-store each 64 x 64 box when complete, and release the staging
+//   ("freed", which also carries the next tile's bias for kGelu) while the consumers run the next tile's main loop.
+//   kGelu: the consumers take the last box column of their own half themselves, one unit per k-block of the next
+//   main loop, so that the two shares fit beside the products.
+//   Column sums (kScale): a thread's 8 columns over its rows, reduced over the warp by shuffles, the 3 warps' sums
 //   combined in a fixed order through shared memory.
-// Measured design history: docs/performance.md ("nopad's own GEMM with the GELU epilogue").
+// Measured design history: docs/performance.md ("nopad's own GEMM with the GELU epilogue", "the saved GELU
+// derivative").
 #include <cudaTypedefs.h>
 
 #include <algorithm>
+#include <cstdlib>
+#include <string_view>
 #include <type_traits>
 
 #include "core/error.h"
@@ -43,33 +47,25 @@ using fmha_detail::wgmma_fence;
 using fmha_detail::wgmma_wait;
 
 constexpr int kBM = 128, kBN = 256, kBK = 64, kStages = 3;
-// Warpgroup 0: the producer warp (and for kGelu / kDGelu three epilogue warps); warpgroups 1 and 2: consumers.
+// Warpgroup 0: the producer warp (and for kGelu three epilogue warps); warpgroups 1 and 2: consumers.
 constexpr int kThreads = 384;
 [[maybe_unused]] constexpr int kEpiThreads = 96;  // warps 1-3
 constexpr int kABytes = kBM * kBK * 2, kBBytes = kBN * kBK * 2, kStageBytes = kABytes + kBBytes;
 // Epilogue staging, per consumer warpgroup: its 64 rows x 256 columns of one 16-bit output as four 64 x 64 boxes in
-// the 128-byte-swizzled layout the TMA store reads.
+// the 128-byte-swizzled layout the TMA store reads. kScale: the tile's aux half arrives there by TMA during the main
+// loop and the product overwrites it in place.
 constexpr int kBoxBytes = 64 * 64 * 2, kStageOutBytes = 4 * kBoxBytes;
-constexpr int kRedBytes = 3 * kBN * 4;  // kDGelu: the 3 epilogue warps' column sums of a box column
-// kDGelu: the pre-activation chunk of an epilogue unit (32 rows x 64 columns, the 128-byte swizzle) arrives by TMA
-// into a ring of kAuxSlots slots, loaded kAuxSlots units ahead of its use.
-constexpr int kAuxRows = 32, kAuxBytes = kAuxRows * 64 * 2, kAuxSlots = 3;
-constexpr int kAuxRingBytes = kAuxSlots * kAuxBytes;
-constexpr int kBiasBytes = 2 * kBN * 2;  // kGelu: the bias of a CTA's next two tiles, by tile parity
-constexpr int kBarBytes = (2 * kStages + 5 + kAuxSlots) * 8;
-// kGelu: the consumers compute y of their own half's last box column (4 units of 16 rows, one per k-block of the
-// next tile's main loop), the epilogue warps that of the other three, so that their shares of the GELU's issue time
-// fit beside the products. (kDGelu: the epilogue warps do all 16 units; a consumer share would need its
-// pre-activation chunks in registers through the main loop, which spills at 168 registers.)
-constexpr int kConsumerBc = 3;
-template <int kEpi>
-constexpr int kEpiUnits = kEpi == 1 ? 4 * kConsumerBc : 16;
-constexpr int kSmemBytes = fmha_detail::kSmemAlign + kStages * kStageBytes + 2 * kStageOutBytes + kAuxRingBytes +
-                           kRedBytes + kBiasBytes + kBarBytes;
+constexpr int kRedBytes = 2 * 4 * kBN * 4;  // kScale: per consumer warpgroup, its 4 warps' column sums
+constexpr int kBiasBytes = 2 * kBN * 2;     // kGelu: the bias of a CTA's next two tiles, by tile parity
+constexpr int kBarBytes = (2 * kStages + 6) * 8;
+// kGelu: the consumers compute y and gelu' of the last gemm_sm90_consumer_columns() box columns of their own half
+// (units of 16 rows, one per k-block of the next tile's main loop), the epilogue warps those of the others, so that
+// their shares of the GELU's issue time fit beside the products.
+constexpr int kSmemBytes =
+    fmha_detail::kSmemAlign + kStages * kStageBytes + 2 * kStageOutBytes + kRedBytes + kBiasBytes + kBarBytes;
 static_assert(kSmemBytes <= 227 * 1024, "shared memory of one CTA");
-static_assert((kStages * kStageBytes + 2 * kStageOutBytes) % 1024 == 0, "the aux ring's 128-byte swizzle");
-// kBias: the producer warpgroup gives registers to the consumers (setmaxnreg, 128 x 40 + 256 x 232 <= 65,536); with
-// the epilogue warps in warpgroup 0 every thread keeps the launch's 168.
+// kBias / kScale: the producer warpgroup gives registers to the consumers (setmaxnreg, 128 x 40 + 256 x 232 <=
+// 65,536); with kGelu's epilogue warps in warpgroup 0 every thread keeps the launch's 168.
 [[maybe_unused]] constexpr int kProducerRegs = 40, kConsumerRegs = 232;
 
 // ------------------------------------------------------------------------------------------------ sm_90 primitives
@@ -179,8 +175,7 @@ __device__ __forceinline__ float fast_rcp(float x) {
   return r;
 }
 __device__ __forceinline__ float fast_exp(float x) { return fmha_detail::exp2_ftz(x * 1.4426950408889634f); }
-// Phi(x) and, through pdf, the normal density phi(x) = exp(-x^2 / 2) / sqrt(2 pi) (kGrad only).
-template <bool kGrad>
+// Phi(x) and the normal density pdf = phi(x) = exp(-x^2 / 2) / sqrt(2 pi).
 __device__ __forceinline__ float normal_cdf(float x, float& pdf) {
   const float z = fabsf(x) * 0.70710678118654752f;
   const float t = fast_rcp(fmaf(0.5f, z, 1.0f));
@@ -196,34 +191,46 @@ __device__ __forceinline__ float normal_cdf(float x, float& pdf) {
   p = fmaf(p, t, -1.26551223f);
   const float z2 = z * z;
   const float half_erfc = 0.5f * t * fast_exp(p - z2);
-  if constexpr (kGrad) pdf = fast_exp(-z2) * 0.39894228040143267794f;
+  pdf = fast_exp(-z2) * 0.39894228040143267794f;
   return x < 0.0f ? half_erfc : 1.0f - half_erfc;
 }
+// y = gelu(x) and grad = gelu'(x) = Phi(x) + x phi(x) (the tanh form: kernels.cuh's, as the CPU twin computes it).
 template <bool kTanh>
-__device__ __forceinline__ float gelu_unit(float x) {
+__device__ __forceinline__ float gelu_and_grad(float x, float& grad) {
   if constexpr (kTanh) {
+    grad = gelu_tanh_grad(x);
     return gelu_tanh(x);
   } else {
-    float unused;
-    return x * normal_cdf<false>(x, unused);
+    float pdf;
+    const float cdf = normal_cdf(x, pdf);
+    grad = fmaf(x, pdf, cdf);
+    return x * cdf;
   }
 }
-template <bool kTanh>
-__device__ __forceinline__ float gelu_grad_unit(float x) {
-  if constexpr (kTanh) {
-    return gelu_tanh_grad(x);
-  } else {
-    float pdf;
-    const float cdf = normal_cdf<true>(x, pdf);
-    return fmaf(x, pdf, cdf);
+// kGelu's unit work on one 16-byte chunk (8 columns of a row) of staged pre-activations: y in place, gelu' returned.
+template <bool kFp16, bool kTanh>
+__device__ __forceinline__ uint4 gelu_chunk(uint4& v) {
+  uint4 gv;
+  uint32_t* w = &v.x;
+  uint32_t* gw = &gv.x;
+#pragma unroll
+  for (int e = 0; e < 4; ++e) {
+    const float2 f = unpack2<kFp16>(w[e]);
+    float ga, gb;
+    const float ya = gelu_and_grad<kTanh>(f.x, ga), yb = gelu_and_grad<kTanh>(f.y, gb);
+    w[e] = fmha_detail::pack2<kFp16>(ya, yb);
+    gw[e] = fmha_detail::pack2<kFp16>(ga, gb);
   }
+  return gv;
 }
 
 struct Args {
   int32_t m, n, k;
   int32_t tiles_n, tiles;
   const uint16_t* bias;  // [n] or null
-  float* partial;        // kDGelu: [ceil(m / 128), n] or null
+  uint16_t* act_grad;    // kGelu: [m, n], gelu'(pre), stored from registers
+  float* partial;        // kScale: [ceil(m / 64), n] or null
+  int32_t consumer_bc;   // kGelu: box columns of each tile whose GELU the consumers compute (1 or 2)
 };
 
 // The 16-bit accumulator tile of one consumer warpgroup (64 rows x 256 columns, + bias) into its staging boxes:
@@ -250,6 +257,60 @@ __device__ __forceinline__ void stage_tile(uint8_t* stage_out, const float (&acc
   }
 }
 
+// kScale's staging: g = round(acc) times the aux pair that the TMA put at the same place of the staging, written
+// back rounded; this thread's column sums of the unrounded products over its two rows left in acc[nt][0] (column
+// 8 nt + 2 tq) and acc[nt][1] (the next column).
+template <bool kFp16>
+__device__ __forceinline__ void stage_scale(uint8_t* stage_out, float (&acc)[32][4], int warp, int g, int tq) {
+  const int rr0 = warp * 16 + g;
+#pragma unroll
+  for (int nt = 0; nt < 32; ++nt) {
+    const int off0 = (nt / 8) * kBoxBytes + rr0 * 128 + (((nt % 8) ^ g) * 16) + 4 * tq, off1 = off0 + 8 * 128;
+    uint32_t* q0 = reinterpret_cast<uint32_t*>(stage_out + off0);
+    uint32_t* q1 = reinterpret_cast<uint32_t*>(stage_out + off1);
+    const float2 x0 = unpack2<kFp16>(*q0), x1 = unpack2<kFp16>(*q1);
+    const float2 g0 = unpack2<kFp16>(fmha_detail::pack2<kFp16>(acc[nt][0], acc[nt][1]));
+    const float2 g1 = unpack2<kFp16>(fmha_detail::pack2<kFp16>(acc[nt][2], acc[nt][3]));
+    const float a0 = g0.x * x0.x, b0 = g0.y * x0.y, a1 = g1.x * x1.x, b1 = g1.y * x1.y;
+    *q0 = fmha_detail::pack2<kFp16>(a0, b0);
+    *q1 = fmha_detail::pack2<kFp16>(a1, b1);
+    acc[nt][0] = a0 + a1;
+    acc[nt][1] = b0 + b1;
+  }
+}
+
+// One halving step of warp_column_sums: entries 0 .. kHalf - 1 of w afterwards hold this lane's half (the upper
+// one where lane & kMask) summed with the partner lane's same half.
+template <int kHalf, int kMask>
+__device__ __forceinline__ void butterfly_step(float (&w)[64], int lane, int& base) {
+  const bool upper = (lane & kMask) != 0;
+#pragma unroll
+  for (int i = 0; i < kHalf; ++i) {
+    const float send = upper ? w[i] : w[i + kHalf];
+    const float recv = __shfl_xor_sync(0xffffffffu, send, kMask);
+    w[i] = (upper ? w[i + kHalf] : w[i]) + recv;
+  }
+  if (upper) base += kHalf;
+}
+// The column sums of a consumer warp's 16 rows: entry 2 nt + j (column 8 nt + 2 tq + j, in acc[nt][j]) summed over
+// the 8 lanes of equal tq by a halving butterfly (56 shuffles instead of 192): lane (g, tq) ends with the sums of
+// entries base .. base + 7 in v, base = 8 bitrev3(g) (fragments base / 2 .. + 3). Returns base.
+__device__ __forceinline__ int warp_column_sums(const float (&acc)[32][4], float (&v)[8], int lane) {
+  float w[64];
+#pragma unroll
+  for (int nt = 0; nt < 32; ++nt) {
+    w[2 * nt] = acc[nt][0];
+    w[2 * nt + 1] = acc[nt][1];
+  }
+  int base = 0;
+  butterfly_step<32, 16>(w, lane, base);
+  butterfly_step<16, 8>(w, lane, base);
+  butterfly_step<8, 4>(w, lane, base);
+#pragma unroll
+  for (int i = 0; i < 8; ++i) v[i] = w[i];
+  return base;
+}
+
 template <int kEpi, bool kFp16, bool kTanh>
 __global__ void __launch_bounds__(kThreads, 1)
     gemm_sm90_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_constant__ CUtensorMap map_b,
@@ -259,16 +320,15 @@ __global__ void __launch_bounds__(kThreads, 1)
   extern __shared__ uint8_t smem_raw[];
   uint8_t* smem = align_smem(smem_raw);
   uint8_t* staging = smem + kStages * kStageBytes;  // [2 consumers][kStageOutBytes]
-  uint8_t* aux_ring = staging + 2 * kStageOutBytes;  // [kAuxSlots][kAuxBytes]
-  float* red = reinterpret_cast<float*>(aux_ring + kAuxRingBytes);  // [3 epilogue warps][kBN]
-  uint16_t* bias_tile = reinterpret_cast<uint16_t*>(aux_ring + kAuxRingBytes + kRedBytes);  // [2][kBN]
-  uint64_t* full = reinterpret_cast<uint64_t*>(aux_ring + kAuxRingBytes + kRedBytes + kBiasBytes);
+  float* red = reinterpret_cast<float*>(staging + 2 * kStageOutBytes);  // kScale: [2 consumers][4 warps][kBN]
+  uint16_t* bias_tile = reinterpret_cast<uint16_t*>(staging + 2 * kStageOutBytes + kRedBytes);  // [2][kBN]
+  uint64_t* full = reinterpret_cast<uint64_t*>(staging + 2 * kStageOutBytes + kRedBytes + kBiasBytes);
   uint64_t* empty = full + kStages;
   uint64_t* staged = empty + kStages;  // [2]: consumer warpgroup cw's staging holds the tile (128 arrivals)
   uint64_t* freed = staged + 2;  // [2]: phase i: the consumers may stage the CTA's i-th tile (1 arrival)
-  uint64_t* pre_read = freed + 2;  // phase i: the CTA's i-th tile's pre_act stores have read the staging
-  uint64_t* aux_full = pre_read + 1;  // [kAuxSlots]
+  uint64_t* aux_full = freed + 2;  // [2]: kScale: phase i: consumer cw's staging holds the i-th tile's aux half
   const int wg = threadIdx.x / 128, tid = threadIdx.x % 128;
+  const int cb = args.consumer_bc;  // kGelu: box columns 4 - cb .. 3 are the consumers'
   if (threadIdx.x == 0) {
     for (int s = 0; s < kStages; ++s) {
       mbar_init(&full[s], 1);
@@ -277,14 +337,13 @@ __global__ void __launch_bounds__(kThreads, 1)
     for (int i = 0; i < 2; ++i) {
       mbar_init(&staged[i], 128);
       mbar_init(&freed[i], 1);
+      mbar_init(&aux_full[i], 1);
     }
-    mbar_init(pre_read, 1);
-    for (int i = 0; i < kAuxSlots; ++i) mbar_init(&aux_full[i], 1);
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
   }
   __syncthreads();
-  if (wg == 0 && (kEpi == 0 || tid < 32)) {  // -------------------------------------- producer
-    if constexpr (kEpi == 0) setmaxnreg_dec<kProducerRegs>();
+  if (wg == 0 && (kEpi != 1 || tid < 32)) {  // ------------------------------------ producer
+    if constexpr (kEpi != 1) setmaxnreg_dec<kProducerRegs>();
     if (tid != 0) return;
     asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(&map_a)) : "memory");
     asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(&map_b)) : "memory");
@@ -303,81 +362,36 @@ __global__ void __launch_bounds__(kThreads, 1)
     return;
   }
 
-  if constexpr (kEpi != 0) {
+  if constexpr (kEpi == 1) {
     if (wg == 0) {  // ---------------------------------------------------------- epilogue warps 1..3
-      const int et = tid - 32, ew = et / 32, lane = et % 32;  // epilogue thread 0..95, its warp 0..2
-      // 16 units per tile, unit q = 4 bc + 2 h + p: rows 64 h + 32 p .. + 31 of the tile, box column bc (64
-      // columns). Thread et takes the 16-byte chunk et % 8 of rows et / 8, et / 8 + 12, ... of the unit (the same
-      // 8 columns throughout, so its column sums need no exchange until the box column is done). Box (h, bc) is
-      // complete after its p = 1 unit and stored then; box column bc's column sums after q = 4 bc + 3.
-      // kDGelu's pre-activation chunk of unit q of this CTA's i-th tile is chunk j = 16 i + q of a TMA-fed ring.
-      // kGelu: units q >= kEpiUnits (box column kConsumerBc) are the consumers'.
-      [[maybe_unused]] int aux_next = 0, aux_used = 0;
-      auto issue_aux = [&]() {  // thread 0: the load of chunk aux_next if it belongs to one of this CTA's tiles
-        const int ti = blockIdx.x + (aux_next / 16) * static_cast<int>(gridDim.x), q = aux_next % 16;
-        if (ti < args.tiles) {
-          const int slot = aux_next % kAuxSlots;
-          const int am0 = (ti / args.tiles_n) * kBM, an0 = (ti % args.tiles_n) * kBN;
-          mbar_arrive_expect_tx(&aux_full[slot], kAuxBytes);
-          tma_load_2d(aux_ring + slot * kAuxBytes, &map_out1, an0 + 64 * (q / 4), am0 + 32 * (q % 4),
-                      &aux_full[slot]);
-        }
-        ++aux_next;
-      };
-      if constexpr (kEpi == 2) {
-        if (et == 0) {
-          asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(&map_out1)) : "memory");
-          for (int i = 0; i < kAuxSlots; ++i) issue_aux();
-        }
-      }
+      const int et = tid - 32;  // epilogue thread 0..95
+      // 4 (4 - cb) units per tile, unit q = 4 bc + 2 h + p: rows 64 h + 32 p .. + 31 of the tile, box column bc (64
+      // columns). Thread et takes the 16-byte chunk et % 8 of rows et / 8, et / 8 + 12, ... of the unit. Box (h, bc)
+      // is complete after its p = 1 unit and stored then.
       // Phase i of freed[cw] completes when the consumers may stage the CTA's i-th tile: the staging is free and
-      // (kGelu) that tile's bias is in bias_tile[i % 2].
+      // that tile's bias is in bias_tile[i % 2].
       auto release = [&](int ti, uint32_t parity) {
-        if constexpr (kEpi == 1) {
-          if (et < kBN / 8 && ti < args.tiles) {
-            const int bn0 = (ti % args.tiles_n) * kBN;
-            *reinterpret_cast<uint4*>(bias_tile + parity * kBN + 8 * et) =
-                args.bias ? __ldg(reinterpret_cast<const uint4*>(args.bias + bn0 + 8 * et)) : make_uint4(0, 0, 0, 0);
-          }
-          named_barrier_sync(4, kEpiThreads);
+        if (et < kBN / 8 && ti < args.tiles) {
+          const int bn0 = (ti % args.tiles_n) * kBN;
+          *reinterpret_cast<uint4*>(bias_tile + parity * kBN + 8 * et) =
+              args.bias ? __ldg(reinterpret_cast<const uint4*>(args.bias + bn0 + 8 * et)) : make_uint4(0, 0, 0, 0);
         }
+        named_barrier_sync(4, kEpiThreads);
         if (et == 0) {
           mbar_arrive(&freed[0]);
           mbar_arrive(&freed[1]);
         }
       };
       release(blockIdx.x, 0);
-      [[maybe_unused]] float csum[8] = {};
       uint32_t tile_parity = 0;
+      const int units = 4 * (4 - cb);
       for (int t = blockIdx.x; t < args.tiles; t += gridDim.x, tile_parity ^= 1) {
-        const int m_blk = t / args.tiles_n;
-        const int m0 = m_blk * kBM, n0 = (t % args.tiles_n) * kBN;
+        const int m0 = (t / args.tiles_n) * kBM, n0 = (t % args.tiles_n) * kBN;
         mbar_wait(&staged[0], tile_parity);
         mbar_wait(&staged[1], tile_parity);
-        if constexpr (kEpi == 1) {  // pre = the staged tile, stored as it is; y then overwrites the staging
-          if (et == 0) {
-            for (int h = 0; h < 2; ++h) {
-              if (m0 + 64 * h < args.m) {
-#pragma unroll
-                for (int box = 0; box < 4; ++box)
-                  tma_store_2d(&map_out0, staging + h * kStageOutBytes + box * kBoxBytes, n0 + 64 * box, m0 + 64 * h);
-              }
-            }
-            bulk_commit();
-            bulk_wait_read<0>();
-            mbar_arrive(pre_read);
-          }
-          named_barrier_sync(4, kEpiThreads);
-        }
-        for (int q = 0; q < kEpiUnits<kEpi>; ++q) {
+        for (int q = 0; q < units; ++q) {
           const int bc = q / 4, h = (q / 2) % 2, pp = q % 2;
           uint8_t* box = staging + h * kStageOutBytes + bc * kBoxBytes;
-          [[maybe_unused]] const uint8_t* chunk = nullptr;
-          if constexpr (kEpi == 2) {
-            const int slot = aux_used % kAuxSlots;
-            mbar_wait(&aux_full[slot], (aux_used / kAuxSlots) & 1);
-            chunk = aux_ring + slot * kAuxBytes;
-          }
 #pragma unroll
           for (int i = 0; i < 3; ++i) {
             const int ar = et / 8 + 12 * i;  // row in the unit
@@ -385,65 +399,20 @@ __global__ void __launch_bounds__(kThreads, 1)
               const int rr = 32 * pp + ar;  // row in the half
               uint4* ptr = reinterpret_cast<uint4*>(box + rr * 128 + (((et % 8) ^ (rr & 7)) * 16));
               uint4 v = *ptr;
-              uint32_t* w = &v.x;
-              if constexpr (kEpi == 1) {
-#pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                  const float2 f = unpack2<kFp16>(w[e]);
-                  w[e] = fmha_detail::pack2<kFp16>(gelu_unit<kTanh>(f.x), gelu_unit<kTanh>(f.y));
-                }
-              } else {
-                const uint4 x = *reinterpret_cast<const uint4*>(chunk + ar * 128 + (((et % 8) ^ (ar & 7)) * 16));
-                const uint32_t* xa = &x.x;
-                const bool ok = m0 + 64 * h + rr < args.m;
-#pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                  const float2 gf = unpack2<kFp16>(w[e]), xf = unpack2<kFp16>(xa[e]);
-                  float a = gf.x * gelu_grad_unit<kTanh>(xf.x), b = gf.y * gelu_grad_unit<kTanh>(xf.y);
-                  if (!ok) a = b = 0.0f;
-                  csum[2 * e] += a;
-                  csum[2 * e + 1] += b;
-                  w[e] = fmha_detail::pack2<kFp16>(a, b);
-                }
-              }
+              const uint4 gv = gelu_chunk<kFp16, kTanh>(v);
               *ptr = v;
+              const int row = m0 + 64 * h + rr;
+              if (row < args.m)
+                *reinterpret_cast<uint4*>(args.act_grad + static_cast<int64_t>(row) * args.n + n0 + 64 * bc +
+                                          8 * (et % 8)) = gv;
             }
-          }
-          if constexpr (kEpi == 2) {  // every thread has read the chunk: its slot takes chunk aux_used + kAuxSlots
-            ++aux_used;
-            named_barrier_sync(4, kEpiThreads);
-            if (et == 0) issue_aux();
           }
           if (pp == 1) {  // box (h, bc) complete
             fence_proxy_async();  // the generic-proxy writes of the box, visible to the TMA's reads
             named_barrier_sync(4, kEpiThreads);
             if (et == 0) {
-              if (m0 + 64 * h < args.m)
-                tma_store_2d(kEpi == 1 ? &map_out1 : &map_out0, box, n0 + 64 * bc, m0 + 64 * h);
+              if (m0 + 64 * h < args.m) tma_store_2d(&map_out1, box, n0 + 64 * bc, m0 + 64 * h);
               bulk_commit();
-            }
-          }
-          if constexpr (kEpi == 2) {
-            if (q % 4 == 3) {  // box column bc complete over the tile's 128 rows
-              if (args.partial) {  // lanes with equal et % 8 hold the same columns; then the 3 warps in order
-#pragma unroll
-                for (int e = 0; e < 8; ++e) {
-                  csum[e] += __shfl_xor_sync(0xffffffffu, csum[e], 8);
-                  csum[e] += __shfl_xor_sync(0xffffffffu, csum[e], 16);
-                }
-                if (lane < 8) {
-#pragma unroll
-                  for (int e = 0; e < 8; ++e) red[ew * kBN + 64 * bc + 8 * lane + e] = csum[e];
-                }
-                named_barrier_sync(4, kEpiThreads);
-                if (et < 64) {
-                  const int col = 64 * bc + et;
-                  args.partial[static_cast<int64_t>(m_blk) * args.n + n0 + col] =
-                      (red[col] + red[kBN + col]) + red[2 * kBN + col];
-                }
-              }
-#pragma unroll
-              for (int e = 0; e < 8; ++e) csum[e] = 0.0f;
             }
           }
         }
@@ -456,7 +425,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   }
 
   // ------------------------------------------------------------------------------------ consumers
-  if constexpr (kEpi == 0) setmaxnreg_inc<kConsumerRegs>();
+  if constexpr (kEpi != 1) setmaxnreg_inc<kConsumerRegs>();
   const int cw = wg - 1;  // consumer warpgroup: rows 64 cw .. 64 cw + 63 of the tile
   const int warp = tid / 32, lane = tid % 32, g = lane / 4, tq = lane % 4;
   uint8_t* stage_out = staging + cw * kStageOutBytes;  // this warpgroup's 64 rows x 256 columns: 4 boxes
@@ -464,33 +433,41 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int nk = args.k / kBK;
   uint32_t s = 0, ph = 0;  // ring slot and its lap's parity
   uint32_t tile_parity = 0;
-  // kGelu: this warpgroup's share of the previous tile's GELU (box column kConsumerBc of its half): unit u = rows
-  // 16 u .. 16 u + 15; thread tid takes row 16 u + tid / 8, 16-byte chunk tid % 8. The box (y) is stored after unit 3.
+  // kGelu: this warpgroup's share of the previous tile's GELU (box columns 4 - cb .. 3 of its half): unit u = rows
+  // 16 (u % 4) .. + 15 of box column 4 - cb + u / 4; thread tid takes row 16 (u % 4) + tid / 8, 16-byte chunk
+  // tid % 8. A box (y) is stored after its unit u % 4 == 3.
   [[maybe_unused]] bool pending = false;
   [[maybe_unused]] int pm0 = 0, pn0 = 0;
   [[maybe_unused]] uint32_t pending_parity = 0;
   [[maybe_unused]] auto consumer_unit = [&](int u) {
-    if (u == 0) mbar_wait(pre_read, pending_parity);  // pre_act's stores have read the staged tile
-    const int rr = 16 * u + tid / 8;
-    uint4* p = reinterpret_cast<uint4*>(stage_out + kConsumerBc * kBoxBytes + rr * 128 +
-                                        (((tid % 8) ^ (rr & 7)) * 16));
+    // Every thread of the warpgroup has staged the tile (its rows were written by other threads).
+    if (u == 0) mbar_wait(&staged[cw], pending_parity);
+    const int bc = 4 - cb + u / 4, rr = 16 * (u % 4) + tid / 8;
+    uint8_t* box = stage_out + bc * kBoxBytes;
+    uint4* p = reinterpret_cast<uint4*>(box + rr * 128 + (((tid % 8) ^ (rr & 7)) * 16));
     uint4 v = *p;
-    uint32_t* w = &v.x;
-#pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      const float2 f = unpack2<kFp16>(w[e]);
-      w[e] = fmha_detail::pack2<kFp16>(gelu_unit<kTanh>(f.x), gelu_unit<kTanh>(f.y));
-    }
+    const uint4 gv = gelu_chunk<kFp16, kTanh>(v);
     *p = v;
-    if (u == 3) {
+    const int row = pm0 + 64 * cw + rr;
+    if (row < args.m)
+      *reinterpret_cast<uint4*>(args.act_grad + static_cast<int64_t>(row) * args.n + pn0 + 64 * bc + 8 * (tid % 8)) =
+          gv;
+    if (u % 4 == 3) {
       fence_proxy_async();  // the generic-proxy writes of the box, visible to the TMA's reads
       named_barrier_sync(bar_wg, 128);
       if (tid == 0) {
-        if (pm0 + 64 * cw < args.m)
-          tma_store_2d(&map_out1, stage_out + kConsumerBc * kBoxBytes, pn0 + 64 * kConsumerBc, pm0 + 64 * cw);
+        if (pm0 + 64 * cw < args.m) tma_store_2d(&map_out1, box, pn0 + 64 * bc, pm0 + 64 * cw);
         bulk_commit();
       }
     }
+  };
+  // kScale: this warpgroup's aux half of tile t into its staging, once the previous tile's stores have read it.
+  [[maybe_unused]] auto load_aux = [&](int t) {
+    const int am0 = (t / args.tiles_n) * kBM + 64 * cw, an0 = (t % args.tiles_n) * kBN;
+    bulk_wait_read<0>();
+    mbar_arrive_expect_tx(&aux_full[cw], kStageOutBytes);
+#pragma unroll
+    for (int box = 0; box < 4; ++box) tma_load_2d(stage_out + box * kBoxBytes, &map_out1, an0 + 64 * box, am0, &aux_full[cw]);
   };
   for (int t = blockIdx.x; t < args.tiles; t += gridDim.x, tile_parity ^= 1) {
     const int m0 = (t / args.tiles_n) * kBM, n0 = (t % args.tiles_n) * kBN;
@@ -513,7 +490,10 @@ __global__ void __launch_bounds__(kThreads, 1)
       for (int kk = 0; kk < kBK / 16; ++kk) wgmma_256<kFp16>(acc, da + 2 * kk, db + 2 * kk, kb > 0 || kk > 0);
       wgmma_commit();
       if constexpr (kEpi == 1) {
-        if (pending && kb >= 1 && kb <= 4) consumer_unit(kb - 1);
+        if (pending && kb >= 1 && kb <= 4 * cb) consumer_unit(kb - 1);
+      }
+      if constexpr (kEpi == 2) {
+        if (tid == 0 && kb == (nk > 1 ? 1 : 0)) load_aux(t);
       }
       if (kb > 0) {
         wgmma_wait<1>();  // the previous k-block's products are done: its stage may be refilled
@@ -527,8 +507,8 @@ __global__ void __launch_bounds__(kThreads, 1)
     if (lane == 0) mbar_arrive(&empty[prev_s]);
     if constexpr (kEpi == 1) {
       if (pending) {
-        for (int u = nk - 1; u < 4; ++u) consumer_unit(u);  // k < 320: the units the main loop left
-        if (tid == 0) bulk_wait_read<0>();                  // y's store has read the staging
+        for (int u = min(nk - 1, 4 * cb); u < 4 * cb; ++u) consumer_unit(u);  // the units the main loop left
+        if (tid == 0) bulk_wait_read<0>();                                        // y's stores have read the staging
         named_barrier_sync(bar_wg, 128);
       }
     }
@@ -547,11 +527,38 @@ __global__ void __launch_bounds__(kThreads, 1)
         }
         bulk_commit();
       }
-    } else {  // the staged tile goes to the epilogue warps, once they are done with the previous one
+    } else if constexpr (kEpi == 2) {  // out0 = round(round(acc) * aux) in place of the aux, and the column sums
+      mbar_wait(&aux_full[cw], tile_parity);
+      stage_scale<kFp16>(stage_out, acc, warp, g, tq);
+      fence_proxy_async();
+      float* red_wg = red + cw * 4 * kBN;
+      if (args.partial) {
+        float v[8];
+        const int base = warp_column_sums(acc, v, lane);  // entries base .. base + 7: fragments base / 2 ..
+#pragma unroll
+        for (int i = 0; i < 8; ++i) red_wg[warp * kBN + 8 * ((base + i) / 2) + 2 * tq + (i % 2)] = v[i];
+      }
+      named_barrier_sync(bar_wg, 128);
+      const bool rows_here = m0 + 64 * cw < args.m;
+      if (tid == 0) {
+        if (rows_here) {
+#pragma unroll
+          for (int box = 0; box < 4; ++box)
+            tma_store_2d(&map_out0, stage_out + box * kBoxBytes, n0 + 64 * box, m0 + 64 * cw);
+        }
+        bulk_commit();
+      }
+      if (args.partial && rows_here) {  // the half's column sums, its 4 warps in order
+        float* out = args.partial + static_cast<int64_t>(m0 / 64 + cw) * args.n + n0;
+#pragma unroll
+        for (int c = tid; c < kBN; c += 128)
+          out[c] = ((red_wg[c] + red_wg[kBN + c]) + red_wg[2 * kBN + c]) + red_wg[3 * kBN + c];
+      }
+      named_barrier_sync(bar_wg, 128);  // red_wg is read before the next tile writes it
+    } else {  // kGelu: the staged tile goes to the epilogue warps, once they are done with the previous one
       mbar_wait(&freed[cw], tile_parity);
-      stage_tile<kFp16, kEpi == 1>(stage_out, acc,
-                                   reinterpret_cast<const uint32_t*>(bias_tile + tile_parity * kBN) + tq, 4, warp, g,
-                                   tq);
+      stage_tile<kFp16, true>(stage_out, acc, reinterpret_cast<const uint32_t*>(bias_tile + tile_parity * kBN) + tq,
+                              4, warp, g, tq);
       fence_proxy_async();
       mbar_arrive(&staged[cw]);
       pending = true;
@@ -562,7 +569,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   }
   if constexpr (kEpi == 1) {
     if (pending) {  // the last tile's share, with nothing left to hide behind
-      for (int u = 0; u < 4; ++u) consumer_unit(u);
+      for (int u = 0; u < 4 * cb; ++u) consumer_unit(u);
     }
   }
   if (tid == 0) bulk_wait<0>();  // the last stores have completed before the CTA's shared memory goes
@@ -643,7 +650,15 @@ bool gemm_sm90_supported(int64_t m, int64_t n, int64_t k, const void* a, const v
          al(aux) && al(bias) && gemm_sm90_available();
 }
 
-int gemm_sm90_row_chunks(int64_t m) { return static_cast<int>((m + gemm90::kBM - 1) / gemm90::kBM); }
+int gemm_sm90_row_chunks(int64_t m) { return static_cast<int>((m + 63) / 64); }
+
+int& gemm_sm90_consumer_columns() {
+  static int columns = [] {
+    const char* e = std::getenv("NOPAD_GEMM_CONSUMER_COLUMNS");
+    return e != nullptr && std::string_view(e) == "2" ? 2 : 1;
+  }();
+  return columns;
+}
 
 template <class T>
 void launch_gemm_sm90(GemmEpilogue epi, const T* a, const T* b, int64_t m, int32_t n, int32_t k, const T* bias,
@@ -653,24 +668,29 @@ void launch_gemm_sm90(GemmEpilogue epi, const T* a, const T* b, int64_t m, int32
               " n=", n, " k=", k,
               " (needs the sm_90a build on a 9.0 device, n % 256 == 0, k % 64 == 0, 16-byte alignment)");
   NOPAD_CHECK(out0 != nullptr && (epi != GemmEpilogue::kGelu || out1 != nullptr) &&
-                  (epi != GemmEpilogue::kDGelu || aux != nullptr),
-              "gemm_sm90: missing output or pre-activation");
+                  (epi != GemmEpilogue::kScale || aux != nullptr),
+              "gemm_sm90: missing output or scale");
   constexpr bool kFp16 = std::is_same_v<T, hf>;
   gemm90::Args args{};
   args.m = static_cast<int32_t>(m);
   args.n = n;
   args.k = k;
   args.tiles_n = n / gemm90::kBN;
-  const int64_t tiles = int64_t{gemm_sm90_row_chunks(m)} * args.tiles_n;
+  const int64_t tiles = (m + gemm90::kBM - 1) / gemm90::kBM * args.tiles_n;
   NOPAD_CHECK(tiles < (int64_t{1} << 31), "gemm_sm90: too many tiles (", tiles, ")");
   args.tiles = static_cast<int32_t>(tiles);
   args.bias = reinterpret_cast<const uint16_t*>(bias);
+  args.act_grad = epi == GemmEpilogue::kGelu ? reinterpret_cast<uint16_t*>(out0) : nullptr;
   args.partial = partial;
+  args.consumer_bc = gemm_sm90_consumer_columns();
+  NOPAD_CHECK(args.consumer_bc == 1 || args.consumer_bc == 2, "gemm_sm90: the consumers take 1 or 2 box columns, not ",
+              args.consumer_bc);
   const CUtensorMap ma = gemm90::tensor_map(a, m, k, gemm90::kBM, kFp16);
   const CUtensorMap mb = gemm90::tensor_map(b, n, k, gemm90::kBN, kFp16);
+  // kBias / kScale store out0 through the first output map; kGelu stores out0 (gelu') from registers and y (out1)
+  // through the second; kScale reads aux through the second (64 x 64 boxes into the staging).
   const CUtensorMap mo0 = gemm90::tensor_map(out0, m, n, 64, kFp16);
-  // kDGelu reads aux through the second map (its chunks: 16 rows x 64 columns); kGelu writes out1 through it.
-  const CUtensorMap mo1 = epi == GemmEpilogue::kDGelu ? gemm90::tensor_map(aux, m, n, gemm90::kAuxRows, kFp16)
+  const CUtensorMap mo1 = epi == GemmEpilogue::kScale ? gemm90::tensor_map(aux, m, n, 64, kFp16)
                           : out1                      ? gemm90::tensor_map(out1, m, n, 64, kFp16)
                                                       : mo0;
   switch (epi) {
@@ -681,12 +701,7 @@ void launch_gemm_sm90(GemmEpilogue epi, const T* a, const T* b, int64_t m, int32
       else
         gemm90::launch<1, kFp16, false>(ma, mb, mo0, mo1, args, sm_count, stream);
       break;
-    case GemmEpilogue::kDGelu:
-      if (tanh)
-        gemm90::launch<2, kFp16, true>(ma, mb, mo0, mo1, args, sm_count, stream);
-      else
-        gemm90::launch<2, kFp16, false>(ma, mb, mo0, mo1, args, sm_count, stream);
-      break;
+    case GemmEpilogue::kScale: gemm90::launch<2, kFp16, false>(ma, mb, mo0, mo1, args, sm_count, stream); break;
   }
 }
 

@@ -1,14 +1,14 @@
 // nopad's own Hopper GEMM (gemm_sm90.cu) for the two products whose outputs feed an elementwise GELU pass in the
-// cuBLASLt path: the FFN-in forward (bias + GELU in the epilogue, pre-activation and activation written at once) and
-// the FFN-out dx product (dGELU and the d_bias column partials in the epilogue). Exact erf GELU as well as the tanh
-// form, which cuBLASLt's GELU epilogues cannot do.
+// cuBLASLt path: the FFN-in forward (bias + GELU in the epilogue: the activation and its derivative written at once)
+// and the FFN-out dx product (the saved derivative applied and the d_bias column partials taken in the epilogue).
+// The exact erf GELU (which cuBLASLt's GELU epilogues do not offer) as well as the tanh form.
 //
 // Problem (row-major, K contiguous in both operands):  C[M, N] = A[M, K] B[N, K]^T, fp32 accumulation, then
 //   kBias:  out0 = round(C + bias)                                   (bias may be null)
-//   kGelu:  out0 = pre = round(C + bias);  out1 = round(gelu(pre))  (pre as stored, so the backward sees the same)
-//   kDGelu: g = round(C);  out0 = round(g * gelu'(aux));  partial[M/128 chunk][N] = column sums of the unrounded
-//           g * gelu'(aux) over the chunk's 128 rows (fixed order); launch_column_finish adds the chunks.
-// These are the values of the cuBLASLt product followed by the GELU / one-pass dGELU kernels (dense.cu), up to fp32
+//   kGelu:  pre = round(C + bias) (not stored);  out0 = round(gelu'(pre));  out1 = round(gelu(pre))
+//   kScale: g = round(C);  out0 = round(g * aux);  partial[M/64 chunk][N] = column sums of the unrounded g * aux over
+//           the chunk's 64 rows (fixed order); launch_column_finish adds the chunks.
+// These are the values of the cuBLASLt product followed by the GELU / one-pass scale kernels (dense.cu), up to fp32
 // summation order and, for the erf GELU, the normal CDF: a Chebyshev erfc fit (fractional error < 1.2e-7; every bf16
 // input's bf16 GELU equals the double-precision one) instead of erff. The CPU twins are dense_forward /
 // dense_backward_through_act (ops/cpu/cpu_backend.cpp).
@@ -22,18 +22,22 @@
 
 namespace nopad::cuda {
 
-enum class GemmEpilogue { kBias, kGelu, kDGelu };
+enum class GemmEpilogue { kBias, kGelu, kScale };
 
 bool gemm_sm90_available();  // sm_90a code in this build and a compute-capability 9.0 device
 bool gemm_sm90_supported(int64_t m, int64_t n, int64_t k, const void* a, const void* b, const void* out0,
                          const void* out1, const void* aux, const void* bias);
 
-// T = bf or hf (kernels.cuh). partial: kDGelu only, fp32 [ceil(m / 128), n], or null (no column sums). sm_count: the
-// device's multiprocessors (one persistent CTA each).
+// T = bf or hf (kernels.cuh). partial: kScale only, fp32 [ceil(m / 64), n], or null (no column sums). tanh: kGelu
+// only (the tanh GELU instead of erf). sm_count: the device's multiprocessors (one persistent CTA each).
 template <class T>
 void launch_gemm_sm90(GemmEpilogue epi, const T* a, const T* b, int64_t m, int32_t n, int32_t k, const T* bias,
                       T* out0, T* out1, const T* aux, float* partial, bool tanh, int sm_count, cudaStream_t stream);
-int gemm_sm90_row_chunks(int64_t m);  // rows of partial: ceil(m / 128)
+int gemm_sm90_row_chunks(int64_t m);  // rows of partial: ceil(m / 64)
+// kGelu: how many of a tile's four 64-column box columns the consumer warpgroups compute the GELU of themselves (one
+// 16-row unit per k-block of their next main loop), 1 or 2; the three epilogue warps take the others. Process-wide,
+// host-side; NOPAD_GEMM_CONSUMER_COLUMNS=2 sets 2 at start (the default is 1).
+int& gemm_sm90_consumer_columns();
 
 // out[cols, rows] = in[rows, cols]^T for 16-bit elements (the backward's B operand: W [n, k] -> W^T [k, n]).
 template <class T>

@@ -143,15 +143,7 @@ __device__ __forceinline__ float block_sum(float v, float* smem) {
   return r;
 }
 
-// Exact-erf GELU (BERT's "gelu") and its derivative, as the CPU twin computes them.
-__device__ __forceinline__ float gelu_erf(float x) { return 0.5f * x * (1.0f + erff(x * 0.70710678118654752440f)); }
-__device__ __forceinline__ float gelu_erf_grad(float x) {
-  const float cdf = 0.5f * (1.0f + erff(x * 0.70710678118654752440f));
-  const float pdf = expf(-0.5f * x * x) * 0.39894228040143267794f;
-  return cdf + x * pdf;
-}
-// The tanh approximation (Hugging Face "gelu_new") and its derivative, as the CPU twin computes them (accurate tanhf;
-// cuBLASLt's GELU epilogues compute the same function with their own rounding).
+// The tanh approximation (Hugging Face "gelu_new") and its derivative, as the CPU twin computes them (accurate tanhf).
 __device__ __forceinline__ float gelu_tanh(float x) {
   return 0.5f * x * (1.0f + tanhf(0.79788456080286535588f * (x + 0.044715f * x * x * x)));
 }
@@ -160,13 +152,21 @@ __device__ __forceinline__ float gelu_tanh_grad(float x) {
   const float th = tanhf(c * (x + 0.044715f * x * x * x));
   return 0.5f * (1.0f + th) + 0.5f * x * (1.0f - th * th) * c * (1.0f + 3.0f * 0.044715f * x * x);
 }
+// gelu(x), and gelu'(x) into grad, sharing the erf (tanh) evaluation, as the CPU twin computes them (ops/cpu/
+// cpu_gelu.h): the exact-erf GELU (BERT's "gelu") or the tanh form.
 template <bool kTanh>
-__device__ __forceinline__ float gelu_fn(float x) {
-  if constexpr (kTanh) return gelu_tanh(x); else return gelu_erf(x);
-}
-template <bool kTanh>
-__device__ __forceinline__ float gelu_grad_fn(float x) {
-  if constexpr (kTanh) return gelu_tanh_grad(x); else return gelu_erf_grad(x);
+__device__ __forceinline__ float gelu_and_grad_fn(float x, float& grad) {
+  if constexpr (kTanh) {
+    const float c = 0.79788456080286535588f;
+    const float th = tanhf(c * (x + 0.044715f * x * x * x));
+    grad = 0.5f * (1.0f + th) + 0.5f * x * (1.0f - th * th) * c * (1.0f + 3.0f * 0.044715f * x * x);
+    return 0.5f * x * (1.0f + th);
+  } else {
+    const float cdf = 0.5f * (1.0f + erff(x * 0.70710678118654752440f));
+    const float pdf = expf(-0.5f * x * x) * 0.39894228040143267794f;
+    grad = cdf + x * pdf;
+    return x * cdf;
+  }
 }
 
 // Dropout of one call (core/philox.h's 16-bit contract): the mixed stream key and p. The threshold ceil(p * 65536) and
@@ -276,26 +276,25 @@ void launch_column_finish(const float* partial, int blocks, int H, int nacc, flo
 
 // dense.cu: elementwise GELU and column sums (the d_bias reduction, first stage). tanh: the tanh approximation
 // (ops::Activation::kGeluTanh), else the exact erf GELU.
-// y = gelu(pre); wide: 4 vectors in flight per thread (KernelVariants::gelu_forward_wide), else the first kernel.
+// y = gelu(pre) and pre_grad = gelu'(pre) in place (pre_grad holds pre on entry); wide: 4 vectors in flight per
+// thread (KernelVariants::gelu_forward_wide), else the first kernel.
 template <class T>
-void launch_gelu_forward(const T* pre, T* y, int64_t count, bool wide, bool tanh, cudaStream_t stream);
+void launch_gelu_forward(T* pre_grad, T* y, int64_t count, bool wide, bool tanh, cudaStream_t stream);
+// out = dy * scale elementwise (the backward through a saved activation derivative).
 template <class T>
-void launch_gelu_backward(const T* dy, const T* pre, T* dpre, int64_t count, bool tanh, cudaStream_t stream);
-// out[i] += v[i] (a 16-bit vector into an fp32 one: the 16-bit bias gradient of a DGELU_BGRAD product).
-template <class T>
-void launch_add_to_f32(const T* v, int32_t n, float* out, cudaStream_t stream);
+void launch_scale(const T* dy, const T* scale, T* out, int64_t count, cudaStream_t stream);
 int column_sum_chunks(int64_t rows);
 // partial[c][j] = sum of m[r][j] over the rows r of chunk c (m is [rows, n], rows ld >= n elements apart).
 template <class T>
 void launch_column_sum_partial(const T* m, int64_t rows, int32_t n, int64_t ld, int chunks, float* partial,
                                cudaStream_t stream);
-// The one-pass kernel over dy [rows, n]: with pre (and dpre) it writes dpre = dy * gelu'(pre); with partial it writes
-// partial[c][j] = sum over the rows of chunk c of dpre (or dy) [r][j], c < dense_grad_chunks(rows). Needs
-// dense_grad_pass_supported (n % 8 == 0, 16-byte aligned pointers).
-bool dense_grad_pass_supported(int32_t n, const void* dy, const void* pre, const void* dpre);
+// The one-pass kernel over dy [rows, n]: with scale (and dpre) it writes dpre = dy * scale (scale: the saved
+// activation derivative); with partial it writes partial[c][j] = sum over the rows of chunk c of dpre (or dy) [r][j],
+// c < dense_grad_chunks(rows). Needs dense_grad_pass_supported (n % 8 == 0, 16-byte aligned pointers).
+bool dense_grad_pass_supported(int32_t n, const void* dy, const void* scale, const void* dpre);
 int dense_grad_chunks(int64_t rows);
 template <class T>
-void launch_dense_grad_pass(const T* dy, const T* pre, T* dpre, int64_t rows, int32_t n, float* partial, bool tanh,
+void launch_dense_grad_pass(const T* dy, const T* scale, T* dpre, int64_t rows, int32_t n, float* partial,
                             cudaStream_t stream);
 
 // heads.cu
