@@ -483,6 +483,46 @@ void CudaBackendT<P>::column_sums_accumulate(const A* m, int64_t rows, int32_t n
   launch_column_finish(partial, chunks, n, 1, out, nullptr, nullptr, stream_);
 }
 
+namespace {
+// The two backward products of a dense layer in dense.h's column-major mapping, dy [rows, n] with row stride ld_dy:
+//   dx^T[k, rows] (+)= W^T[k, n] dy^T[n, rows]           (16-bit dx, beta 1 when accumulating)
+//   dW^T[k, n] += x^T[k, rows] op_T(dy^T[n, rows])        (fp32 dW, beta 1)
+GemmProblem dx_product(cudaDataType_t type, const void* weight, const void* dy, int64_t ld_dy, int64_t rows, int32_t k,
+                       int32_t n, void* dx, bool accumulate) {
+  GemmProblem p;
+  p.type = type;
+  p.m = k;
+  p.n = rows;
+  p.k = n;
+  p.a = weight;
+  p.lda = k;
+  p.b = dy;
+  p.ldb = ld_dy;
+  p.d = dx;
+  p.ldd = k;
+  p.beta = accumulate ? 1.0f : 0.0f;
+  return p;
+}
+GemmProblem dw_product(cudaDataType_t type, const void* x, const void* dy, int64_t ld_dy, int64_t rows, int32_t k,
+                       int32_t n, float* d_weight) {
+  GemmProblem p;
+  p.type = type;
+  p.trans_b = true;
+  p.m = k;
+  p.n = n;
+  p.k = rows;
+  p.a = x;
+  p.lda = k;
+  p.b = dy;
+  p.ldb = ld_dy;
+  p.d = d_weight;
+  p.ldd = k;
+  p.d_fp32 = true;
+  p.beta = 1.0f;
+  return p;
+}
+}  // namespace
+
 // d_bias (and dpre for GELU) along KernelVariants::dense_bias_grad (dense.h):
 //  kSeparate: scale pass (dpre = dy * act_grad), products, column-sum pass over dpre;
 //  kOnePass:  one pass writes dpre and its column partials (without GELU: the column-sum pass reads dy), then the
@@ -524,36 +564,9 @@ void CudaBackendT<P>::dense_backward_ld(const A* dy, const A* x, const W* weight
       launch_scale(dev(dy), dev(act_grad), dev(buf), rows * n, stream_);
     }
   }
-  if (dx) {  // dx^T[k, rows] = W^T[k, n] dpre^T[n, rows]
-    GemmProblem p;
-    p.type = gemm_type<A>();
-    p.m = k;
-    p.n = rows;
-    p.k = n;
-    p.a = weight;
-    p.lda = k;
-    p.b = dpre;
-    p.ldb = ld_dpre;
-    p.d = dx;
-    p.ldd = k;
-    p.beta = accumulate_dx ? 1.0f : 0.0f;
-    gemm_->run(p, stream_);
-  }
-  if (d_weight) {  // dW^T[k, n] += x^T[k, rows] op_T(dpre^T[n, rows]), fp32 output
-    GemmProblem p;
-    p.type = gemm_type<A>();
-    p.trans_b = true;
-    p.m = k;
-    p.n = n;
-    p.k = rows;
-    p.a = x;
-    p.lda = k;
-    p.b = dpre;
-    p.ldb = ld_dpre;
-    p.d = d_weight;
-    p.ldd = k;
-    p.d_fp32 = true;
-    p.beta = 1.0f;
+  if (dx) gemm_->run(dx_product(gemm_type<A>(), weight, dpre, ld_dpre, rows, k, n, dx, accumulate_dx), stream_);
+  if (d_weight) {
+    GemmProblem p = dw_product(gemm_type<A>(), x, dpre, ld_dpre, rows, k, n, d_weight);
     bool ran = false;
     if (path == BiasGradPath::kEpilogue && !bias_done) {
       p.bias_grad = static_cast<float*>(scratch(kBiasGrad, sizeof(float) * static_cast<size_t>(n)));
@@ -609,19 +622,8 @@ void CudaBackendT<P>::dense_backward_through_act(const A* dy, const A* x, const 
     if (d_x_bias) launch_column_finish(partial, chunks, k, 1, d_x_bias, nullptr, nullptr, stream_);
     last_gelu_path() = GeluPath::kGemmSm90;
   } else {  // dy W into scratch, then the scale (+ column sums) into dx_pre
-    GemmProblem p;  // dx^T[k, rows] = W^T[k, n] dy^T[n, rows]
-    p.type = gemm_type<A>();
-    p.m = k;
-    p.n = rows;
-    p.k = n;
-    p.a = weight;
-    p.lda = k;
-    p.b = dy;
-    p.ldb = n;
-    p.ldd = k;
     A* buf = static_cast<A*>(scratch(kDpre, sizeof(A) * static_cast<size_t>(rows) * k));
-    p.d = buf;
-    gemm_->run(p, stream_);
+    gemm_->run(dx_product(gemm_type<A>(), weight, dy, n, rows, k, n, buf, false), stream_);
     if (dense_grad_pass_supported(k, buf, x_act_grad, dx_pre)) {
       float* partial = nullptr;
       const int chunks = dense_grad_chunks(rows);
@@ -635,23 +637,7 @@ void CudaBackendT<P>::dense_backward_through_act(const A* dy, const A* x, const 
     }
     last_gelu_path() = GeluPath::kKernel;
   }
-  if (d_weight) {  // as in dense_backward: dW^T[k, n] += x^T[k, rows] op_T(dy^T[n, rows]), fp32
-    GemmProblem w;
-    w.type = gemm_type<A>();
-    w.trans_b = true;
-    w.m = k;
-    w.n = n;
-    w.k = rows;
-    w.a = x;
-    w.lda = k;
-    w.b = dy;
-    w.ldb = n;
-    w.d = d_weight;
-    w.ldd = k;
-    w.d_fp32 = true;
-    w.beta = 1.0f;
-    gemm_->run(w, stream_);
-  }
+  if (d_weight) gemm_->run(dw_product(gemm_type<A>(), x, dy, n, rows, k, n, d_weight), stream_);
 }
 
 // ------------------------------------------------------------------------------------------------ attention
