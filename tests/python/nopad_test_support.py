@@ -1,6 +1,7 @@
 """Helpers shared by the Python tests that launch nopad under mpiexec or a torchrun-style environment: the mpiexec
 command line, the bert-tiny-sized dataset they train on (MLPerf's wiki sample prepared at 64 tokens), the short
-bert-tiny `nopad train` / `nopad bench model` runs on it, a free TCP port and a run's per-step losses."""
+bert-tiny `nopad train` / `nopad bench model` runs on it (and the single-process reference run), a free TCP port and a
+run's per-step losses."""
 import json
 import os
 import shutil
@@ -36,6 +37,11 @@ def tiny_train_cmd(run_dir, data, extra=()):
             "--set", "train.device=cpu", "--set", "train.threads=1", "--set", "train.global_batch=8",
             "--set", "train.max_steps=6", "--set", "log.interval_steps=1", "--set", "checkpoint.interval_steps=0",
             *extra]
+
+
+def run_tiny_train(run_dir, data, extra=(), env=None):
+    """tiny_train_cmd run as one process from the source directory. Returns the CompletedProcess."""
+    return subprocess.run(tiny_train_cmd(run_dir, data, extra), capture_output=True, text=True, cwd=SRC, env=env)
 
 
 def tiny_bench_cmd(data, batch):

@@ -27,7 +27,7 @@ import tempfile
 import threading
 import time
 
-from nopad_test_support import (NOPAD, SRC, free_port, losses, prepare_sample, tiny_bench_cmd,
+from nopad_test_support import (NOPAD, SRC, free_port, losses, prepare_sample, run_tiny_train, tiny_bench_cmd,
                                 tiny_train_cmd)
 
 failures = []
@@ -324,7 +324,7 @@ def main():
     r = prepare_sample(data)
     check(r.returncode == 0, f"prepare: {r.stderr}")
     one = os.path.join(tmp, "one")
-    r = subprocess.run(tiny_train_cmd(one, data), capture_output=True, text=True, cwd=SRC, env=clean_env())
+    r = run_tiny_train(one, data, env=clean_env())
     check(r.returncode == 0, f"single process: {r.stderr[-500:]}")
     ref = losses(one) if r.returncode == 0 else []
     print(f"  one process: losses {['%.5f' % x for x in ref]}")

@@ -12,7 +12,7 @@ import subprocess
 import sys
 import tempfile
 
-from nopad_test_support import (NOPAD, SRC, free_port, losses, prepare_sample, tiny_bench_cmd,
+from nopad_test_support import (NOPAD, SRC, free_port, losses, prepare_sample, run_tiny_train, tiny_bench_cmd,
                                 tiny_train_cmd)
 failures = []
 
@@ -58,7 +58,7 @@ def main():
     r = prepare_sample(data)
     check(r.returncode == 0, f"prepare: {r.stderr}")
     one = os.path.join(tmp, "one")
-    r = subprocess.run(tiny_train_cmd(one, data), capture_output=True, text=True, cwd=SRC)
+    r = run_tiny_train(one, data)
     check(r.returncode == 0, f"single process: {r.stderr[-500:]}")
     ref = losses(one) if r.returncode == 0 else []
 
@@ -83,7 +83,7 @@ def main():
                         "2"], capture_output=True, text=True)
     check(r.returncode == 0, f"partition-shards.sh: {r.stderr}")
     one_multi = os.path.join(tmp, "one-multi")
-    r = subprocess.run(tiny_train_cmd(one_multi, multi), capture_output=True, text=True, cwd=SRC)
+    r = run_tiny_train(one_multi, multi)
     check(r.returncode == 0, f"single process on the 4-shard data: {r.stderr[-500:]}")
     part_dir = os.path.join(tmp, "two-partitioned")
     res = launch(part_dir, None, [2, 2], tiny_train_cmd(part_dir, os.path.join(tmp, "part", "rank{rank}"),
