@@ -194,12 +194,11 @@ __device__ __forceinline__ float normal_cdf(float x, float& pdf) {
   pdf = fast_exp(-z2) * 0.39894228040143267794f;
   return x < 0.0f ? half_erfc : 1.0f - half_erfc;
 }
-// y = gelu(x) and grad = gelu'(x) = Phi(x) + x phi(x) (the tanh form: kernels.cuh's, as the CPU twin computes it).
+// y = gelu(x) and grad = gelu'(x) = Phi(x) + x phi(x) (the tanh form: kernels.cuh's gelu_and_grad_fn).
 template <bool kTanh>
 __device__ __forceinline__ float gelu_and_grad(float x, float& grad) {
   if constexpr (kTanh) {
-    grad = gelu_tanh_grad(x);
-    return gelu_tanh(x);
+    return gelu_and_grad_fn<true>(x, grad);
   } else {
     float pdf;
     const float cdf = normal_cdf(x, pdf);

@@ -143,17 +143,8 @@ __device__ __forceinline__ float block_sum(float v, float* smem) {
   return r;
 }
 
-// The tanh approximation (Hugging Face "gelu_new") and its derivative, as the CPU twin computes them (accurate tanhf).
-__device__ __forceinline__ float gelu_tanh(float x) {
-  return 0.5f * x * (1.0f + tanhf(0.79788456080286535588f * (x + 0.044715f * x * x * x)));
-}
-__device__ __forceinline__ float gelu_tanh_grad(float x) {
-  const float c = 0.79788456080286535588f;
-  const float th = tanhf(c * (x + 0.044715f * x * x * x));
-  return 0.5f * (1.0f + th) + 0.5f * x * (1.0f - th * th) * c * (1.0f + 3.0f * 0.044715f * x * x);
-}
 // gelu(x), and gelu'(x) into grad, sharing the erf (tanh) evaluation, as the CPU twin computes them (ops/cpu/
-// cpu_gelu.h): the exact-erf GELU (BERT's "gelu") or the tanh form.
+// cpu_gelu.h): the exact-erf GELU (BERT's "gelu") or the tanh approximation (Hugging Face "gelu_new", accurate tanhf).
 template <bool kTanh>
 __device__ __forceinline__ float gelu_and_grad_fn(float x, float& grad) {
   if constexpr (kTanh) {
