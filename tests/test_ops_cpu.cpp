@@ -266,9 +266,24 @@ TEST(OpsCpu, AttentionVarlenGradientWithDropout) {
   };
   loss();
   Vec dqkv = poison(kT * 3 * kH);
-  be.attention_backward(R.data(), qkv.data(), ctx.data(), lse.data(), s.view(), kHeads, kHeadDim, d, dqkv.data());
+  // The bias gradient accumulates (+=) the column sums of d_qkv: start from a known offset per column.
+  Vec d_bias(3 * kH);
+  for (int j = 0; j < 3 * kH; ++j) d_bias[j] = 0.25 * j - 1.0;
+  be.attention_backward(R.data(), qkv.data(), ctx.data(), lse.data(), s.view(), kHeads, kHeadDim, d, dqkv.data(),
+                        d_bias.data());
   EXPECT_TRUE(all_finite(dqkv));
   check_gradient("dqkv", qkv, dqkv, loss);
+  for (int j = 0; j < 3 * kH; ++j) {
+    double sum = 0.25 * j - 1.0;
+    for (int t = 0; t < kT; ++t) sum += dqkv[t * 3 * kH + j];
+    EXPECT_NEAR(d_bias[j], sum, 1e-12) << "column " << j;
+  }
+  // Without it, d_qkv is the same (ctx and lse again from the unperturbed qkv: check_gradient left them perturbed).
+  loss();
+  Vec dqkv2 = poison(kT * 3 * kH);
+  be.attention_backward(R.data(), qkv.data(), ctx.data(), lse.data(), s.view(), kHeads, kHeadDim, d, dqkv2.data(),
+                        nullptr);
+  EXPECT_EQ(dqkv, dqkv2);
 }
 
 TEST(OpsCpu, AttentionSequencesOnlySeeThemselves) {

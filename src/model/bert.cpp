@@ -464,10 +464,11 @@ void BertModel<P>::backward(double loss_scale) {
                                                       g + L.off_ln1_beta);
     backend_.dense_backward(d_tmp_, L.ctx, L.w_attn_out, nullptr, T, H, H, ops::Activation::kNone, d_ctx_, false,
                             g + L.off_w_attn_out, nullptr);
+    // d(b_qkv) comes out of the attention backward (the column sums of d_qkv as it writes them).
     backend_.attention_backward(d_ctx_, L.qkv, L.ctx, L.lse, seqs_, NH, config_.head_dim(),
-                                dropout(p_attn, op_id_attention_probs(l)), d_qkv_);
+                                dropout(p_attn, op_id_attention_probs(l)), d_qkv_, g + L.off_b_qkv);
     backend_.dense_backward(d_qkv_, h_in, L.w_qkv, nullptr, T, H, 3 * H, ops::Activation::kNone, d_hidden_,
-                            /*accumulate_dx=*/true, g + L.off_w_qkv, g + L.off_b_qkv);
+                            /*accumulate_dx=*/true, g + L.off_w_qkv, nullptr);
     // Layer l's gradients are final once this is enqueued: its bucket can be reduced while backward goes on.
     if (grad_hook_ && grad_hook_armed_ && layer_buckets_) {
       const auto& b = grad_buckets_[static_cast<size_t>(config_.num_hidden_layers - 1 - l)];

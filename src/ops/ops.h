@@ -236,9 +236,12 @@ class Backend {
   // Dropout on the probabilities, element key (head, query pos, key pos) within the sequence.
   virtual void attention_forward(const A* qkv, const SeqView& seqs, int32_t num_heads, int32_t head_dim,
                                  const Dropout& drop, A* ctx, St* lse) = 0;
-  // Writes d_qkv[T, 3H] (every element). Uses ctx and lse from forward.
+  // Writes d_qkv[T, 3H] (every element). Uses ctx and lse from forward. With d_qkv_bias (may be null) it also
+  // accumulates (+=) the column sums of d_qkv as written into d_qkv_bias[3H]: the gradient of the bias of the
+  // projection that made qkv, so that the dense backward does not read d_qkv once more for it.
   virtual void attention_backward(const A* d_ctx, const A* qkv, const A* ctx, const St* lse, const SeqView& seqs,
-                                  int32_t num_heads, int32_t head_dim, const Dropout& drop, A* d_qkv) = 0;
+                                  int32_t num_heads, int32_t head_dim, const Dropout& drop, A* d_qkv,
+                                  G* d_qkv_bias) = 0;
 
   // ---- residual block ----
   // out[T, H] = LN(dropout(x + bias) + residual) * gamma + beta. Saves ln_mean[T], ln_rstd[T]; backward recomputes

@@ -822,12 +822,38 @@ TYPED_TEST(CudaOps, Attention) {
       Vec dctx = rand_vec<E>(rng, static_cast<size_t>(T) * H, -1, 1);
       auto d_dctx = up16<E>(dctx);
       Vec dqkv_c(static_cast<size_t>(T) * 3 * H);
+      // The QKV bias gradient accumulates (+=) the column sums of d_qkv: both start from the same values.
+      Vec bias0 = rand_vec<E>(rng, static_cast<size_t>(3) * H, -1, 1), d_bias_c = bias0;
       cpu().attention_backward(dctx.data(), qkv.data(), ctx_c.data(), lse_c.data(), b.host(), heads, hd, drop,
-                               dqkv_c.data());
+                               dqkv_c.data(), d_bias_c.data());
       DBuf<E> dqkv_g(static_cast<size_t>(T) * 3 * H);
       dqkv_g.poison();
-      gpu<E>().attention_backward(d_dctx->p, d_qkv_in->p, ctx_g.p, lse_g.p, b.device(), heads, hd, drop, dqkv_g.p);
+      auto d_bias_g = up(bias0);
+      gpu<E>().attention_backward(d_dctx->p, d_qkv_in->p, ctx_g.p, lse_g.p, b.device(), heads, hd, drop, dqkv_g.p,
+                                  d_bias_g->p);
       const Vec dqkv = down(dqkv_g);
+      // The GPU's bias gradient is the column sums of the d_qkv it wrote (fp32 atomics: any order), and so close
+      // to the CPU twin's as d_qkv is; from the FMHA kernels (the default) and from the column-sum pass.
+      const auto check_bias = [&](const char* how, const DBuf<float>& bias_g, const Vec& dqkv_h) {
+        const Vec got = down(bias_g);
+        Vec want = bias0;
+        for (int32_t t = 0; t < T; ++t)
+          for (int32_t j = 0; j < 3 * H; ++j) want[j] += dqkv_h[static_cast<size_t>(t) * 3 * H + j];
+        expect_close(std::string("d_qkv_bias ") + how + " (vs its own d_qkv)", got, want, kTolF32);
+        expect_close(std::string("d_qkv_bias ") + how + " (vs the CPU twin)", got, d_bias_c, kTolDeep<E>);
+      };
+      check_bias("in the kernels", *d_bias_g, dqkv);
+      {
+        cuda::KernelVariants pass = cuda::kernel_variants();
+        pass.qkv_bias_in_attention = false;
+        const VariantScope scope(pass);
+        DBuf<E> dqkv2(static_cast<size_t>(T) * 3 * H);
+        dqkv2.poison();
+        auto d_bias2 = up(bias0);
+        gpu<E>().attention_backward(d_dctx->p, d_qkv_in->p, ctx_g.p, lse_g.p, b.device(), heads, hd, drop, dqkv2.p,
+                                    d_bias2->p);
+        check_bias("by the column-sum pass", *d_bias2, down(dqkv2));
+      }
       // q, k and v blocks separately, so a wrong block is named.
       for (int part = 0; part < 3; ++part) {
         Vec g, c;

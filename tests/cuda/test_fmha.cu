@@ -235,14 +235,14 @@ Out cpu_twin(const Problem& pr) {
   o.dqkv.resize(static_cast<size_t>(pr.T) * 3 * pr.H());
   cpu.attention_forward(pr.qkv.data(), seqs, pr.heads, pr.hd, drop, o.ctx.data(), o.lse.data());
   cpu.attention_backward(pr.dctx.data(), pr.qkv.data(), o.ctx.data(), o.lse.data(), seqs, pr.heads, pr.hd, drop,
-                         o.dqkv.data());
+                         o.dqkv.data(), nullptr);
   return o;
 }
 
 // ------------------------------------------------------------------------------------------ GPU
 struct GpuRun {
   DevBuf<uint16_t> qkv, ctx, dctx, dqkv;
-  DevBuf<float> lse;
+  DevBuf<float> lse, bias;  // bias: FmhaParams::d_qkv_bias [3H] when a test sets it
   DevBuf<int32_t> cu, idx;
   DevBuf<uint64_t> sid;
   DevBuf<unsigned char> ws;
@@ -253,6 +253,7 @@ struct GpuRun {
         dctx(static_cast<size_t>(pr.T) * pr.H()),
         dqkv(pr.qkv16.size()),
         lse(static_cast<size_t>(pr.heads) * pr.T),
+        bias(static_cast<size_t>(3) * pr.H()),
         cu(pr.cu.size()),
         idx(pr.lens.size()),
         sid(pr.sample_ids.size()),
@@ -279,7 +280,9 @@ struct GpuRun {
     p.op_id = pr.op_id;
     p.fp16 = pr.fp16;
   }
-  bool ok() const { return qkv.ptr && ctx.ptr && dctx.ptr && dqkv.ptr && lse.ptr && cu.ptr && idx.ptr && sid.ptr && ws.ptr; }
+  bool ok() const {
+    return qkv.ptr && ctx.ptr && dctx.ptr && dqkv.ptr && lse.ptr && bias.ptr && cu.ptr && idx.ptr && sid.ptr && ws.ptr;
+  }
 };
 
 void upload(GpuRun& g, const Problem& pr) {
@@ -308,6 +311,42 @@ Out download(GpuRun& g, const Problem& pr) {
   for (size_t i = 0; i < c.size(); ++i) o.ctx[i] = from16(c[i], pr.fp16);
   for (size_t i = 0; i < d.size(); ++i) o.dqkv[i] = from16(d[i], pr.fp16);
   return o;
+}
+
+// The bias gradient (FmhaParams::d_qkv_bias) accumulates: it starts at bias_start(j) and must end at that plus the
+// column sums of the d_qkv the same launch wrote (the downloaded 16-bit values, summed in double). fp32 atomics in
+// any order: within a few fp32 roundings of the sum of the magnitudes.
+double bias_start(int j) { return 0.5 - 0.01 * j; }
+void arm_bias(GpuRun& g) {
+  std::vector<float> b(g.bias.count);
+  for (size_t j = 0; j < b.size(); ++j) b[j] = static_cast<float>(bias_start(static_cast<int>(j)));
+  CK(cudaMemcpy(g.bias.ptr, b.data(), g.bias.bytes(), cudaMemcpyHostToDevice));
+  g.p.d_qkv_bias = g.bias.ptr;
+}
+void check_bias(GpuRun& g, const Problem& pr, const Out& o, const std::string& what) {
+  std::vector<float> got(g.bias.count);
+  CK(cudaMemcpy(got.data(), g.bias.ptr, g.bias.bytes(), cudaMemcpyDeviceToHost));
+  const int n = 3 * pr.H();
+  size_t bad = 0;
+  double worst = 0;
+  for (int j = 0; j < n; ++j) {
+    double want = bias_start(j), mag = std::fabs(want);
+    for (int t = 0; t < pr.T; ++t) {
+      const double v = o.dqkv[static_cast<size_t>(t) * n + j];
+      want += v;
+      mag += std::fabs(v);
+    }
+    const double err = std::fabs(got[j] - want) / (mag + 1e-30);
+    worst = std::max(worst, err);
+    if (!(err <= 1e-5)) {
+      if (bad < 5)
+        ADD_FAILURE() << what << ": d_qkv_bias[" << j << "] = " << got[j] << ", column sum " << want
+                      << " (sum of magnitudes " << mag << ")";
+      ++bad;
+    }
+  }
+  std::printf("  [%s] d_qkv_bias: worst error %.3e of the column's sum of magnitudes, %zu of %d columns bad\n",
+              what.c_str(), worst, bad, n);
 }
 
 // Splits d_qkv [T, 3H] into its q, k, v blocks.
@@ -388,18 +427,24 @@ void run_case(const std::vector<int32_t>& lens, int heads, int hd, float p, bool
   GpuRun g(pr);
   upload(g, pr);
   const int nf = fmha_forward_variant_count(), nb = fmha_backward_variant_count();
-  for (int v = 0; v < std::max(nf, nb); ++v) {
-    g.p.fwd_variant = v % nf;
-    g.p.bwd_variant = v % nb;
-    const std::string label = std::string(what) + " [" + variant_label(g.p.fwd_variant, g.p.bwd_variant) + "]";
-    SCOPED_TRACE(label);
-    poison(g);
-    fmha_forward(g.p, nullptr);
-    fmha_backward(g.p, nullptr);
-    CK(cudaDeviceSynchronize());
-    const Out gpu = download(g, pr);
-    compare_all(pr, gpu, cpu, ref, label.c_str());
-  }
+  for (int v = 0; v < std::max(nf, nb); ++v)
+    for (int with_bias = 0; with_bias < 2; ++with_bias) {  // the dQ kernel differs with the bias gradient
+      g.p.fwd_variant = v % nf;
+      g.p.bwd_variant = v % nb;
+      const std::string label = std::string(what) + " [" + variant_label(g.p.fwd_variant, g.p.bwd_variant) +
+                                (with_bias ? ", d_qkv_bias" : "") + "]";
+      SCOPED_TRACE(label);
+      poison(g);
+      g.p.d_qkv_bias = nullptr;
+      if (with_bias) arm_bias(g);
+      fmha_forward(g.p, nullptr);
+      fmha_backward(g.p, nullptr);
+      CK(cudaDeviceSynchronize());
+      const Out gpu = download(g, pr);
+      compare_all(pr, gpu, cpu, ref, label.c_str());
+      if (with_bias) check_bias(g, pr, gpu, label);
+      g.p.d_qkv_bias = nullptr;
+    }
 }
 
 const std::vector<int32_t> kMixedLens = {1, 2, 17, 63, 64, 65, 127, 128, 129, 255, 511, 512, 700};
@@ -557,10 +602,13 @@ TEST(Fmha, PlannedLaunchesMatchOneLaunch) {
     SCOPED_TRACE(label);
     if (c.mode == ops::AttentionMode::kGrouped && c.streams > 1) EXPECT_GT(plan.num_streams, 1);
     poison(g);
+    arm_bias(g);  // every group adds its rows' column sums (from its own stream)
     fmha_forward_planned(g.p, g.idx.ptr, plan, streams, stream);
     fmha_backward_planned(g.p, g.idx.ptr, plan, streams, stream);
     CK(cudaStreamSynchronize(stream));  // the join must have made the caller's stream wait for the side streams
+    g.p.d_qkv_bias = nullptr;
     const Out two = download(g, pr);
+    check_bias(g, pr, two, label);
     ASSERT_EQ(count_nonfinite(two.ctx) + count_nonfinite(two.lse) + count_nonfinite(two.dqkv), 0u)
         << "planned launches left elements unwritten";
     EXPECT_EQ(0, std::memcmp(one.ctx.data(), two.ctx.data(), one.ctx.size() * sizeof(float))) << "ctx differs";
@@ -577,7 +625,7 @@ TEST(Fmha, PlannedLaunchesMatchOneLaunch) {
           bad_q += std::fabs(a - b) > std::fabs(a) * (1.0f / 128) + 1e-6f;
         }
       }
-    EXPECT_EQ(bad_kv, 0u) << "dk/dv differ from one plain launch";
+    EXPECT_EQ(bad_kv, 0u) << "dk/dv differ from one plain launch (which ran without the bias gradient)";
     EXPECT_EQ(bad_q, 0u) << "dq differs from one plain launch by more than one bf16 ulp";
     std::printf("  planned launches OK: %s\n", label.c_str());
   }

@@ -360,7 +360,8 @@ void CpuBackend<P>::attention_forward(const S* qkv, const SeqView& seqs, int32_t
 
 template <class P>
 void CpuBackend<P>::attention_backward(const S* d_ctx, const S* qkv, const S* ctx, const S* lse, const SeqView& seqs,
-                                       int32_t num_heads, int32_t head_dim, const Dropout& drop, S* d_qkv) {
+                                       int32_t num_heads, int32_t head_dim, const Dropout& drop, S* d_qkv,
+                                       S* d_qkv_bias) {
   row_to_seq(seqs);
   const int32_t H = num_heads * head_dim, T = seqs.num_tokens;
   const int64_t ld = 3 * int64_t{H};
@@ -402,6 +403,7 @@ void CpuBackend<P>::attention_backward(const S* d_ctx, const S* qkv, const S* ct
       }
     }
   });
+  if (d_qkv_bias) add_column_sums(d_qkv, T, static_cast<int32_t>(ld), d_qkv_bias, threads_);
 }
 
 // ---------------------------------------------------------------------------------------------- residual + LN

@@ -47,7 +47,8 @@ class CpuBackend final : public Backend<P> {
   void attention_forward(const S* qkv, const SeqView& seqs, int32_t num_heads, int32_t head_dim, const Dropout& drop,
                          S* ctx, S* lse) override;
   void attention_backward(const S* d_ctx, const S* qkv, const S* ctx, const S* lse, const SeqView& seqs,
-                          int32_t num_heads, int32_t head_dim, const Dropout& drop, S* d_qkv) override;
+                          int32_t num_heads, int32_t head_dim, const Dropout& drop, S* d_qkv,
+                          S* d_qkv_bias) override;
   void bias_dropout_residual_layernorm_forward(const S* x, const S* bias, const S* residual, const S* ln_gamma,
                                                const S* ln_beta, const SeqView& seqs, int32_t hidden, double ln_eps,
                                                const Dropout& drop, S* out, S* ln_mean, S* ln_rstd) override;

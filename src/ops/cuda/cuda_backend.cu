@@ -687,8 +687,9 @@ void CudaBackendT<P>::attention_forward(const A* qkv, const ops::SeqView& seqs, 
 template <class P>
 void CudaBackendT<P>::attention_backward(const A* d_ctx, const A* qkv, const A* ctx, const St* lse,
                                      const ops::SeqView& seqs, int32_t num_heads, int32_t head_dim,
-                                     const ops::Dropout& drop, A* d_qkv) {
+                                     const ops::Dropout& drop, A* d_qkv, G* d_qkv_bias) {
   OpScope timed(*this, "attention_bwd");
+  static_assert(std::is_same_v<G, float>, "FmhaParams::d_qkv_bias is fp32");
   check_seqs(seqs, drop.p > 0.0f);
   if (seqs.num_tokens == 0) return;
   FmhaParams p = fmha_params(seqs, num_heads, head_dim, drop, std::is_same_v<A, nopad::f16>);
@@ -697,6 +698,10 @@ void CudaBackendT<P>::attention_backward(const A* d_ctx, const A* qkv, const A* 
   p.lse = const_cast<St*>(lse);   // likewise
   p.d_ctx = d_ctx;
   p.d_qkv = d_qkv;
+  // The bias gradient from the kernels' registers (up to H = 2048, fmha_backward), else by the column-sum pass after.
+  const int64_t H3 = 3 * int64_t{num_heads} * head_dim;
+  const bool bias_in_kernels = kernel_variants().qkv_bias_in_attention && H3 <= 3 * 2048;
+  p.d_qkv_bias = bias_in_kernels ? d_qkv_bias : nullptr;
   // The workspace is ours, grown once to the largest size seen. fmha_backward initialises the part of it that its
   // launch uses (fmha.h), so it needs no memset here.
   p.workspace_bytes = fmha_backward_workspace_bytes(seqs.num_tokens, num_heads, head_dim);
@@ -705,6 +710,18 @@ void CudaBackendT<P>::attention_backward(const A* d_ctx, const A* qkv, const A* 
     fmha_backward_planned(p, seqs.by_length, attn_plan_, *attn_streams_, stream_);
   } else {
     fmha_backward(p, stream_);
+  }
+  if (d_qkv_bias && !bias_in_kernels) {
+    const int64_t rows = seqs.num_tokens;
+    const int32_t n = static_cast<int32_t>(H3);
+    if (dense_grad_pass_supported(n, d_qkv, nullptr, nullptr)) {  // dense_backward's kOnePass column sums
+      const int chunks = dense_grad_chunks(rows);
+      float* partial = static_cast<float*>(scratch(kColPartials, sizeof(float) * chunks * static_cast<size_t>(n)));
+      launch_dense_grad_pass<device_t<A>>(dev(d_qkv), nullptr, nullptr, rows, n, partial, stream_);
+      launch_column_finish(partial, chunks, n, 1, d_qkv_bias, nullptr, nullptr, stream_);
+    } else {
+      column_sums_accumulate(d_qkv, rows, n, d_qkv_bias, n);
+    }
   }
 }
 

@@ -116,7 +116,8 @@ class CudaBackendT final : public ops::Backend<P> {
   void attention_forward(const A* qkv, const ops::SeqView& seqs, int32_t num_heads, int32_t head_dim,
                          const ops::Dropout& drop, A* ctx, St* lse) override;
   void attention_backward(const A* d_ctx, const A* qkv, const A* ctx, const St* lse, const ops::SeqView& seqs,
-                          int32_t num_heads, int32_t head_dim, const ops::Dropout& drop, A* d_qkv) override;
+                          int32_t num_heads, int32_t head_dim, const ops::Dropout& drop, A* d_qkv,
+                          G* d_qkv_bias) override;
   void bias_dropout_residual_layernorm_forward(const A* x, const W* bias, const A* residual, const W* ln_gamma,
                                                const W* ln_beta, const ops::SeqView& seqs, int32_t hidden,
                                                double ln_eps, const ops::Dropout& drop, A* out, St* ln_mean,

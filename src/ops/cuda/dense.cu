@@ -265,13 +265,15 @@ bool LtGemm::try_run(const GemmProblem& p, cudaStream_t stream) {
 
 // ------------------------------------------------------------------------------------------------ variants
 
-// The process-wide variants: the defaults of dense.h, except that NOPAD_GELU_GEMM=0|1 and NOPAD_DGELU_GEMM=0|1 set
-// gelu_gemm / dgelu_gemm (so one build can time the model both ways, scripts/bench.sh VARIANT_RUNS).
+// The process-wide variants: the defaults of dense.h, except that NOPAD_GELU_GEMM=0|1, NOPAD_DGELU_GEMM=0|1 and
+// NOPAD_QKV_BIAS_IN_ATTENTION=0|1 set gelu_gemm / dgelu_gemm / qkv_bias_in_attention (so one build can time the
+// model both ways, scripts/bench.sh VARIANT_RUNS).
 KernelVariants& kernel_variants() {
   static KernelVariants v = [] {
     KernelVariants k;
     if (const char* e = std::getenv("NOPAD_GELU_GEMM")) k.gelu_gemm = std::string_view(e) != "0";
     if (const char* e = std::getenv("NOPAD_DGELU_GEMM")) k.dgelu_gemm = std::string_view(e) != "0";
+    if (const char* e = std::getenv("NOPAD_QKV_BIAS_IN_ATTENTION")) k.qkv_bias_in_attention = std::string_view(e) != "0";
     return k;
   }();
   return v;

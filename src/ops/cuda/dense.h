@@ -94,6 +94,9 @@ struct KernelVariants {
   // partials in the FFN-out dx product's epilogue (the weight transposed first), else the cuBLASLt product + the
   // one-pass scale kernel. Measured in docs/performance.md ("the saved GELU derivative").
   bool dgelu_gemm = true;
+  // attention_backward's d_qkv_bias: the FMHA kernels sum the columns of d_qkv as they write it (FmhaParams::
+  // d_qkv_bias), else the one-pass column-sum kernel reads d_qkv afterwards (what dense_backward's d_bias costs).
+  bool qkv_bias_in_attention = true;
 };
 KernelVariants& kernel_variants();  // dense.cu
 // How the last dense_backward with a d_bias obtained it (set by CudaBackend; tests read it to see whether the

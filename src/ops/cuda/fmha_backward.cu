@@ -88,6 +88,59 @@ __global__ void __launch_bounds__(32 * kPreRows) fmha_bwd_dq_kernel(const Kernel
   }
 }
 
+// With the bias gradient (p.d_qkv_bias): the same conversion over kDqBiasRows rows per CTA (each warp kDqBiasRows / 8
+// rows, lane chunks c = lane + 32 i of 8 columns, i < kIters), summing the rounded values per column in registers,
+// then over the warps by shared-memory atomics (red: H floats of dynamic shared memory) and into d_qkv_bias[0, H) by
+// one fp32 atomic per column and CTA.
+constexpr int kDqBiasRows = 64;
+template <bool kFp16, int kIters>
+__global__ void __launch_bounds__(32 * kPreRows) fmha_bwd_dq_bias_kernel(const KernelArgs args, const float* dq_acc) {
+  const FmhaParams& p = args.p;
+  int b, s0, L;
+  launch_sequence(p, static_cast<int>(blockIdx.y), b, s0, L);
+  const int row0 = static_cast<int>(blockIdx.x) * kDqBiasRows;
+  if (row0 >= L) return;  // CTA-uniform: a tile past this sequence's end
+  extern __shared__ float red[];
+  const int tid = static_cast<int>(threadIdx.x), warp = tid >> 5, lane = tid & 31;
+  const int H = p.num_heads * p.head_dim, chunks = H / 8;
+  for (int c = tid; c < H; c += 32 * kPreRows) red[c] = 0.0f;
+  float sum[kIters][8];
+#pragma unroll
+  for (int i = 0; i < kIters; ++i)
+#pragma unroll
+    for (int e = 0; e < 8; ++e) sum[i][e] = 0.0f;
+  for (int row = row0 + warp; row < min(L, row0 + kDqBiasRows); row += kPreRows) {  // warp-uniform
+    const int64_t tok = s0 + row;
+    const float4* src = reinterpret_cast<const float4*>(dq_acc + tok * H);
+    uint4* dst = reinterpret_cast<uint4*>(static_cast<uint16_t*>(p.d_qkv) + tok * 3 * H);
+#pragma unroll
+    for (int i = 0; i < kIters; ++i) {
+      const int c = lane + 32 * i;
+      if (c < chunks) {
+        const float4 a = src[2 * c], bb = src[2 * c + 1];
+        const uint32_t w[4] = {pack2<kFp16>(a.x, a.y), pack2<kFp16>(a.z, a.w), pack2<kFp16>(bb.x, bb.y),
+                               pack2<kFp16>(bb.z, bb.w)};
+        dst[c] = make_uint4(w[0], w[1], w[2], w[3]);
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          sum[i][2 * e] += to_f32<kFp16>(static_cast<uint16_t>(w[e]));
+          sum[i][2 * e + 1] += to_f32<kFp16>(static_cast<uint16_t>(w[e] >> 16));
+        }
+      }
+    }
+  }
+  __syncthreads();  // red zeroed
+#pragma unroll
+  for (int i = 0; i < kIters; ++i) {
+    const int c = lane + 32 * i;
+    if (c < chunks)
+#pragma unroll
+      for (int e = 0; e < 8; ++e) atomicAdd(red + 8 * c + e, sum[i][e]);
+  }
+  __syncthreads();
+  for (int c = tid; c < H; c += 32 * kPreRows) atomicAdd(p.d_qkv_bias + c, red[c]);
+}
+
 // ------------------------------------------------------------------------------------------------ per-warp steps
 // What both backward kernels (mma.sync and wgmma) do with one warp's 16 keys x 64 queries of a query tile, in the
 // transposed orientation (rows = keys g, g + 8; columns = queries 8 nt + 2t + {0, 1}; g = lane / 4, t = lane % 4).
@@ -182,27 +235,79 @@ __device__ __forceinline__ void add_dq(const FmhaParams& p, float* dq_acc, const
 }
 
 // dK * dk_scale and dV * dv_scale (KernelArgs::grad_scale, keep_scale) of keys kr0 = k + g and kr0 + 8 (m16n8 C
-// fragments over the head dims) into d_qkv's k and v blocks; keys past the end are not stored.
+// fragments over the head dims) into d_qkv's k and v blocks; keys past the end are not stored. colsum[n] receives
+// this thread's share of the bias gradient: the stored (16-bit) values of its rows summed per column, {dK column
+// 8n + 2t, dK 8n + 2t + 1, dV 8n + 2t, dV 8n + 2t + 1} (0 for rows past the end).
 template <int HD, bool kFp16>
 __device__ __forceinline__ void store_dk_dv(const FmhaParams& p, const float (&dk)[HD / 8][4],
                                             const float (&dv)[HD / 8][4], float dk_scale, float dv_scale, int s0,
-                                            int kr0, int L, int head, int t) {
+                                            int kr0, int L, int head, int t, float (&colsum)[HD / 8][4]) {
   uint16_t* dqkv = static_cast<uint16_t*>(p.d_qkv);
   const int H = p.num_heads * HD, kr1 = kr0 + 8;
   const int64_t ld = 3 * int64_t{H};
+  const auto lo = [](uint32_t x) { return to_f32<kFp16>(static_cast<uint16_t>(x)); };
+  const auto hi = [](uint32_t x) { return to_f32<kFp16>(static_cast<uint16_t>(x >> 16)); };
 #pragma unroll
   for (int n = 0; n < HD / 8; ++n) {
     const int col = head * HD + n * 8 + 2 * t;
+    colsum[n][0] = colsum[n][1] = colsum[n][2] = colsum[n][3] = 0.0f;
     if (kr0 < L) {
       uint16_t* row = dqkv + int64_t{s0 + kr0} * ld;
-      *reinterpret_cast<uint32_t*>(row + H + col) = pack2<kFp16>(dk[n][0] * dk_scale, dk[n][1] * dk_scale);
-      *reinterpret_cast<uint32_t*>(row + 2 * H + col) = pack2<kFp16>(dv[n][0] * dv_scale, dv[n][1] * dv_scale);
+      const uint32_t k2 = pack2<kFp16>(dk[n][0] * dk_scale, dk[n][1] * dk_scale);
+      const uint32_t v2 = pack2<kFp16>(dv[n][0] * dv_scale, dv[n][1] * dv_scale);
+      *reinterpret_cast<uint32_t*>(row + H + col) = k2;
+      *reinterpret_cast<uint32_t*>(row + 2 * H + col) = v2;
+      colsum[n][0] = lo(k2);
+      colsum[n][1] = hi(k2);
+      colsum[n][2] = lo(v2);
+      colsum[n][3] = hi(v2);
     }
     if (kr1 < L) {
       uint16_t* row = dqkv + int64_t{s0 + kr1} * ld;
-      *reinterpret_cast<uint32_t*>(row + H + col) = pack2<kFp16>(dk[n][2] * dk_scale, dk[n][3] * dk_scale);
-      *reinterpret_cast<uint32_t*>(row + 2 * H + col) = pack2<kFp16>(dv[n][2] * dv_scale, dv[n][3] * dv_scale);
+      const uint32_t k2 = pack2<kFp16>(dk[n][2] * dk_scale, dk[n][3] * dk_scale);
+      const uint32_t v2 = pack2<kFp16>(dv[n][2] * dv_scale, dv[n][3] * dv_scale);
+      *reinterpret_cast<uint32_t*>(row + H + col) = k2;
+      *reinterpret_cast<uint32_t*>(row + 2 * H + col) = v2;
+      colsum[n][0] += lo(k2);
+      colsum[n][1] += hi(k2);
+      colsum[n][2] += lo(v2);
+      colsum[n][3] += hi(v2);
     }
+  }
+}
+
+// The CTA's dK / dV bias gradient (p.d_qkv_bias set): every thread's colsum from store_dk_dv, summed over the 8 rows g
+// of each warp by shuffles, then over the warps through shared memory (red: kWarps x 2 HD floats, free for this use;
+// the caller has passed a barrier after the last read of it), then one fp32 atomic per column. Collective: every
+// thread of the CTA calls it.
+template <int HD, int kWarps>
+__device__ __forceinline__ void add_dk_dv_bias(const FmhaParams& p, float (&colsum)[HD / 8][4], float* red, int head,
+                                               int tid) {
+  const int warp = tid >> 5, lane = tid & 31, t = lane & 3;
+#pragma unroll
+  for (int n = 0; n < HD / 8; ++n)
+#pragma unroll
+    for (int e = 0; e < 4; ++e)
+#pragma unroll
+      for (int off = 4; off < 32; off <<= 1) colsum[n][e] += __shfl_xor_sync(0xffffffffu, colsum[n][e], off);
+  if (lane < 4) {  // g == 0: the warp's sums of columns 8n + 2t, + 1
+    float* k = red + warp * 2 * HD;
+#pragma unroll
+    for (int n = 0; n < HD / 8; ++n) {
+      k[n * 8 + 2 * t] = colsum[n][0];
+      k[n * 8 + 2 * t + 1] = colsum[n][1];
+      k[HD + n * 8 + 2 * t] = colsum[n][2];
+      k[HD + n * 8 + 2 * t + 1] = colsum[n][3];
+    }
+  }
+  __syncthreads();
+  const int H = p.num_heads * HD;
+  for (int c = tid; c < 2 * HD; c += 32 * kWarps) {  // c < HD: dK column c; else dV column c - HD
+    float sum = 0.0f;
+#pragma unroll
+    for (int w = 0; w < kWarps; ++w) sum += red[w * 2 * HD + c];
+    const int col = c < HD ? H + head * HD + c : 2 * H + head * HD + (c - HD);
+    atomicAdd(p.d_qkv_bias + col, sum);
   }
 }
 
@@ -406,9 +511,15 @@ __global__ void __launch_bounds__(32 * kWarps, kMinCtas)
     }
   }
 
-  // dK (scaled) and dV into d_qkv's k and v blocks, rows of this warp's keys that exist.
-  if (!keys_live) return;
-  store_dk_dv<HD, kFp16>(p, dk, dv, args.grad_scale, args.keep_scale, s0, k0 + wrow + g, L, head, t);
+  // dK (scaled) and dV into d_qkv's k and v blocks, rows of this warp's keys that exist (a dead warp stores nothing
+  // and adds zeros to the bias gradient).
+  float colsum[kDTiles][4];
+  store_dk_dv<HD, kFp16>(p, dk, dv, args.grad_scale, args.keep_scale, s0, k0 + wrow + g, L, head, t, colsum);
+  if (p.d_qkv_bias != nullptr) {  // CTA-uniform
+    __syncthreads();              // every warp done reading sdS (the last tile's dQ)
+    static_assert(kWarps * 2 * HD * 4 <= Sh::kBlockN * kTile * 2, "the bias reduction fits in sdS");
+    add_dk_dv_bias<HD, kWarps>(p, colsum, reinterpret_cast<float*>(sdS), head, tid);
+  }
 }
 
 // ------------------------------------------------------------------------------------------------ Hopper (wgmma)
@@ -615,7 +726,13 @@ __global__ void __launch_bounds__(128, kMinCtas)
   }
 
   // dK (scaled) and dV into d_qkv's k and v blocks, rows of keys that exist.
-  store_dk_dv<HD, kFp16>(p, dk, dv, args.grad_scale, args.keep_scale, s0, k0 + wrow + g, L, head, t);
+  float colsum[kDTiles][4];
+  store_dk_dv<HD, kFp16>(p, dk, dv, args.grad_scale, args.keep_scale, s0, k0 + wrow + g, L, head, t, colsum);
+  if (p.d_qkv_bias != nullptr) {  // CTA-uniform
+    if constexpr (!kBulkDq) __syncthreads();  // every warp done with sdS (kBulkDq passed a barrier after the loop)
+    static_assert(4 * 2 * HD * 4 <= Sh::kBlockN * kTile * 2, "the bias reduction fits in sdS");
+    add_dk_dv_bias<HD, 4>(p, colsum, reinterpret_cast<float*>(sdS), head, tid);
+  }
   if constexpr (kBulkDq) {
     if (tid < kTile) bulk_wait_read<0>();  // the stage stays valid until the copy engine has read it
   }
@@ -709,7 +826,23 @@ void launch_backward(const KernelArgs& args, int variant, int32_t n, cudaStream_
       break;
     default: fail("fmha_backward: no variant ", variant);
   }
-  fmha_bwd_dq_kernel<kFp16><<<row_grid, 32 * kPreRows, 0, stream>>>(args, dq_acc);
+  if (p.d_qkv_bias == nullptr) {
+    fmha_bwd_dq_kernel<kFp16><<<row_grid, 32 * kPreRows, 0, stream>>>(args, dq_acc);
+  } else {
+    const dim3 grid((p.max_seqlen + kDqBiasRows - 1) / kDqBiasRows, n);
+    const int H = p.num_heads * HD;
+    const size_t smem = sizeof(float) * static_cast<size_t>(H);
+    // Chunks of 8 columns per lane: H / 256 rounded up to a power of two (fmha_backward checks H <= 2048).
+    if (H <= 256) {
+      fmha_bwd_dq_bias_kernel<kFp16, 1><<<grid, 32 * kPreRows, smem, stream>>>(args, dq_acc);
+    } else if (H <= 512) {
+      fmha_bwd_dq_bias_kernel<kFp16, 2><<<grid, 32 * kPreRows, smem, stream>>>(args, dq_acc);
+    } else if (H <= 1024) {
+      fmha_bwd_dq_bias_kernel<kFp16, 4><<<grid, 32 * kPreRows, smem, stream>>>(args, dq_acc);
+    } else {
+      fmha_bwd_dq_bias_kernel<kFp16, 8><<<grid, 32 * kPreRows, smem, stream>>>(args, dq_acc);
+    }
+  }
   NOPAD_CUDA_CHECK_LAUNCH();
 }
 static_assert(kNumBwdVariants == 6, "launch_backward dispatches every variant");
@@ -757,6 +890,9 @@ void fmha_backward(const FmhaParams& p, cudaStream_t stream) {
   const size_t need = fmha_backward_workspace_bytes(p.num_tokens, p.num_heads, p.head_dim);
   NOPAD_CHECK(p.workspace_bytes >= need, "fmha_backward: workspace of ", p.workspace_bytes, " bytes is too small, ",
               "need ", need, " (fmha_backward_workspace_bytes)");
+  NOPAD_CHECK(p.d_qkv_bias == nullptr || int64_t{p.num_heads} * p.head_dim <= 2048, "fmha_backward: the bias ",
+              "gradient supports num_heads * head_dim <= 2048, got ", int64_t{p.num_heads} * p.head_dim,
+              " (leave d_qkv_bias null and sum the columns of d_qkv separately)");
   const int variant = fmha_backward_variant(p);
   if (n == 0 || p.max_seqlen == 0) return;
   const KernelArgs args = make_args(p);
