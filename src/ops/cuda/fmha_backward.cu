@@ -88,57 +88,68 @@ __global__ void __launch_bounds__(32 * kPreRows) fmha_bwd_dq_kernel(const Kernel
   }
 }
 
-// With the bias gradient (p.d_qkv_bias): the same conversion over kDqBiasRows rows per CTA (each warp kDqBiasRows / 8
-// rows, lane chunks c = lane + 32 i of 8 columns, i < kIters), summing the rounded values per column in registers,
-// then over the warps by shared-memory atomics (red: H floats of dynamic shared memory) and into d_qkv_bias[0, H) by
-// one fp32 atomic per column and CTA.
+// With the bias gradient (p.d_qkv_bias): the same conversion over kDqBiasRows rows per CTA, column-major: thread i
+// owns the 8-column chunk i % (H / 8) and every (256 / (H / 8))-th row from i / (H / 8) on (the threads of one phase
+// read consecutive chunks of one row: coalesced), four rows' loads issued before their use; it sums the rounded
+// values of its rows per column in registers, the phases' sums meet in shared memory, and one fp32 atomic per column
+// and CTA adds them into d_qkv_bias[0, H). No shared-memory atomics. Needs H <= 2048 (fmha_backward checks).
 constexpr int kDqBiasRows = 64;
-template <bool kFp16, int kIters>
-__global__ void __launch_bounds__(32 * kPreRows) fmha_bwd_dq_bias_kernel(const KernelArgs args, const float* dq_acc) {
+constexpr int kDqBiasThreads = 256;
+template <bool kFp16>
+__global__ void __launch_bounds__(kDqBiasThreads) fmha_bwd_dq_bias_kernel(const KernelArgs args,
+                                                                          const float* __restrict__ dq_acc) {
   const FmhaParams& p = args.p;
   int b, s0, L;
   launch_sequence(p, static_cast<int>(blockIdx.y), b, s0, L);
   const int row0 = static_cast<int>(blockIdx.x) * kDqBiasRows;
   if (row0 >= L) return;  // CTA-uniform: a tile past this sequence's end
-  extern __shared__ float red[];
-  const int tid = static_cast<int>(threadIdx.x), warp = tid >> 5, lane = tid & 31;
-  const int H = p.num_heads * p.head_dim, chunks = H / 8;
-  for (int c = tid; c < H; c += 32 * kPreRows) red[c] = 0.0f;
-  float sum[kIters][8];
+  __shared__ __align__(16) float red[kDqBiasThreads * 8];  // [phase][H]
+  const int tid = static_cast<int>(threadIdx.x);
+  const int H = p.num_heads * p.head_dim, chunks = H / 8, phases = kDqBiasThreads / chunks;
+  const int chunk = tid % chunks, phase = tid / chunks;
+  const int row_end = min(L, row0 + kDqBiasRows);
+  float sum[8];
 #pragma unroll
-  for (int i = 0; i < kIters; ++i)
+  for (int e = 0; e < 8; ++e) sum[e] = 0.0f;
+  uint16_t* __restrict__ d_qkv = static_cast<uint16_t*>(p.d_qkv);
+  if (phase < phases) {
+    constexpr int kBatch = 4;  // rows whose loads are in flight together
+    for (int r = row0 + phase; r < row_end; r += kBatch * phases) {
+      float4 v[kBatch][2];
 #pragma unroll
-    for (int e = 0; e < 8; ++e) sum[i][e] = 0.0f;
-  for (int row = row0 + warp; row < min(L, row0 + kDqBiasRows); row += kPreRows) {  // warp-uniform
-    const int64_t tok = s0 + row;
-    const float4* src = reinterpret_cast<const float4*>(dq_acc + tok * H);
-    uint4* dst = reinterpret_cast<uint4*>(static_cast<uint16_t*>(p.d_qkv) + tok * 3 * H);
+      for (int j = 0; j < kBatch; ++j) {
+        const int row = r + j * phases;
+        if (row < row_end) {
+          const float4* src = reinterpret_cast<const float4*>(dq_acc + int64_t{s0 + row} * H) + 2 * chunk;
+          v[j][0] = src[0];
+          v[j][1] = src[1];
+        }
+      }
 #pragma unroll
-    for (int i = 0; i < kIters; ++i) {
-      const int c = lane + 32 * i;
-      if (c < chunks) {
-        const float4 a = src[2 * c], bb = src[2 * c + 1];
-        const uint32_t w[4] = {pack2<kFp16>(a.x, a.y), pack2<kFp16>(a.z, a.w), pack2<kFp16>(bb.x, bb.y),
-                               pack2<kFp16>(bb.z, bb.w)};
-        dst[c] = make_uint4(w[0], w[1], w[2], w[3]);
+      for (int j = 0; j < kBatch; ++j) {
+        const int row = r + j * phases;
+        if (row < row_end) {
+          const uint32_t w[4] = {pack2<kFp16>(v[j][0].x, v[j][0].y), pack2<kFp16>(v[j][0].z, v[j][0].w),
+                                 pack2<kFp16>(v[j][1].x, v[j][1].y), pack2<kFp16>(v[j][1].z, v[j][1].w)};
+          *reinterpret_cast<uint4*>(d_qkv + int64_t{s0 + row} * 3 * H + 8 * chunk) = make_uint4(w[0], w[1], w[2], w[3]);
 #pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          sum[i][2 * e] += to_f32<kFp16>(static_cast<uint16_t>(w[e]));
-          sum[i][2 * e + 1] += to_f32<kFp16>(static_cast<uint16_t>(w[e] >> 16));
+          for (int e = 0; e < 4; ++e) {
+            sum[2 * e] += to_f32<kFp16>(static_cast<uint16_t>(w[e]));
+            sum[2 * e + 1] += to_f32<kFp16>(static_cast<uint16_t>(w[e] >> 16));
+          }
         }
       }
     }
-  }
-  __syncthreads();  // red zeroed
-#pragma unroll
-  for (int i = 0; i < kIters; ++i) {
-    const int c = lane + 32 * i;
-    if (c < chunks)
-#pragma unroll
-      for (int e = 0; e < 8; ++e) atomicAdd(red + 8 * c + e, sum[i][e]);
+    float4* mine = reinterpret_cast<float4*>(red + phase * H + 8 * chunk);
+    mine[0] = make_float4(sum[0], sum[1], sum[2], sum[3]);
+    mine[1] = make_float4(sum[4], sum[5], sum[6], sum[7]);
   }
   __syncthreads();
-  for (int c = tid; c < H; c += 32 * kPreRows) atomicAdd(p.d_qkv_bias + c, red[c]);
+  for (int c = tid; c < H; c += kDqBiasThreads) {
+    float total = 0.0f;
+    for (int ph = 0; ph < phases; ++ph) total += red[ph * H + c];
+    atomicAdd(p.d_qkv_bias + c, total);
+  }
 }
 
 // ------------------------------------------------------------------------------------------------ per-warp steps
@@ -830,18 +841,7 @@ void launch_backward(const KernelArgs& args, int variant, int32_t n, cudaStream_
     fmha_bwd_dq_kernel<kFp16><<<row_grid, 32 * kPreRows, 0, stream>>>(args, dq_acc);
   } else {
     const dim3 grid((p.max_seqlen + kDqBiasRows - 1) / kDqBiasRows, n);
-    const int H = p.num_heads * HD;
-    const size_t smem = sizeof(float) * static_cast<size_t>(H);
-    // Chunks of 8 columns per lane: H / 256 rounded up to a power of two (fmha_backward checks H <= 2048).
-    if (H <= 256) {
-      fmha_bwd_dq_bias_kernel<kFp16, 1><<<grid, 32 * kPreRows, smem, stream>>>(args, dq_acc);
-    } else if (H <= 512) {
-      fmha_bwd_dq_bias_kernel<kFp16, 2><<<grid, 32 * kPreRows, smem, stream>>>(args, dq_acc);
-    } else if (H <= 1024) {
-      fmha_bwd_dq_bias_kernel<kFp16, 4><<<grid, 32 * kPreRows, smem, stream>>>(args, dq_acc);
-    } else {
-      fmha_bwd_dq_bias_kernel<kFp16, 8><<<grid, 32 * kPreRows, smem, stream>>>(args, dq_acc);
-    }
+    fmha_bwd_dq_bias_kernel<kFp16><<<grid, kDqBiasThreads, 0, stream>>>(args, dq_acc);
   }
   NOPAD_CUDA_CHECK_LAUNCH();
 }
