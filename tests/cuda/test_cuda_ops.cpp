@@ -725,18 +725,25 @@ TYPED_TEST(CudaOps, GemmSm90Epilogues) {
           grad[i] = r16(gelu_grad(pre, tanh));
           y[i] = r16(gelu(pre, tanh));
         }
-        for (const int columns : {1, 2}) {  // the consumers' share of the GELU: one or two box columns per tile
-          SCOPED_TRACE("consumer columns " + std::to_string(columns));
-          const int saved = std::exchange(cuda::gemm_sm90_consumer_columns(), columns);
-          out0.poison();
-          out1.poison();
-          cuda::launch_gemm_sm90<D>(cuda::GemmEpilogue::kGelu, cdev(da->p), cdev(db->p), c.m, c.n, c.k,
-                                    cdev(dbias->p), dev(out0.p), dev(out1.p), nullptr, nullptr, tanh,
-                                    gpu<E>().multiprocessors(), current().stream);
-          cuda::gemm_sm90_consumer_columns() = saved;
-          check("gelu: act_grad", out0, grad, kTolChain<E>);
-          check("gelu: y", out1, y, kTolChain<E>);
-        }
+        // The consumers' share of the GELU (one or two box columns per tile), and the stage release before or
+        // after that share (gemm_sm90_early_release).
+        for (const int columns : {1, 2})
+          for (const bool early : {true, false}) {
+            if (columns == 2 && !early) continue;
+            SCOPED_TRACE("consumer columns " + std::to_string(columns) + (early ? ", early" : ", late") +
+                         " stage release");
+            const int saved = std::exchange(cuda::gemm_sm90_consumer_columns(), columns);
+            const bool saved_early = std::exchange(cuda::gemm_sm90_early_release(), early);
+            out0.poison();
+            out1.poison();
+            cuda::launch_gemm_sm90<D>(cuda::GemmEpilogue::kGelu, cdev(da->p), cdev(db->p), c.m, c.n, c.k,
+                                      cdev(dbias->p), dev(out0.p), dev(out1.p), nullptr, nullptr, tanh,
+                                      gpu<E>().multiprocessors(), current().stream);
+            cuda::gemm_sm90_consumer_columns() = saved;
+            cuda::gemm_sm90_early_release() = saved_early;
+            check("gelu: act_grad", out0, grad, kTolChain<E>);
+            check("gelu: y", out1, y, kTolChain<E>);
+          }
       }
       if (!tanh) {  // kScale with column partials (no activation of its own: run once)
         Vec dpre(mn), sums(size_t(chunks) * c.n, 0.0f);
@@ -747,13 +754,18 @@ TYPED_TEST(CudaOps, GemmSm90Epilogues) {
           sums_d[(i / c.n) / 64 * c.n + i % c.n] += v;
         }
         for (size_t i = 0; i < sums.size(); ++i) sums[i] = static_cast<float>(sums_d[i]);
-        out0.poison();
-        partial.poison();
-        cuda::launch_gemm_sm90<D>(cuda::GemmEpilogue::kScale, cdev(da->p), cdev(db->p), c.m, c.n, c.k, nullptr,
-                                  dev(out0.p), nullptr, cdev(daux->p), partial.p, false, gpu<E>().multiprocessors(),
-                                  current().stream);
-        check("scale: dpre", out0, dpre, kTolChain<E>);
-        expect_close("scale: column partials", down(partial), sums, kTolOut<E>);
+        for (const bool early : {true, false}) {
+          SCOPED_TRACE(early ? "early stage release" : "late stage release");
+          const bool saved_early = std::exchange(cuda::gemm_sm90_early_release(), early);
+          out0.poison();
+          partial.poison();
+          cuda::launch_gemm_sm90<D>(cuda::GemmEpilogue::kScale, cdev(da->p), cdev(db->p), c.m, c.n, c.k, nullptr,
+                                    dev(out0.p), nullptr, cdev(daux->p), partial.p, false, gpu<E>().multiprocessors(),
+                                    current().stream);
+          cuda::gemm_sm90_early_release() = saved_early;
+          check("scale: dpre", out0, dpre, kTolChain<E>);
+          expect_close("scale: column partials", down(partial), sums, kTolOut<E>);
+        }
       }
     }
     ASSERT_EQ(cudaGetLastError(), cudaSuccess);

@@ -230,6 +230,7 @@ struct Args {
   uint16_t* act_grad;    // kGelu: [m, n], gelu'(pre), stored from registers
   float* partial;        // kScale: [ceil(m / 64), n] or null
   int32_t consumer_bc;   // kGelu: box columns of each tile whose GELU the consumers compute (1 or 2)
+  int32_t early_release;  // 1: a k-block's stage is released before the epilogue work of the next k-block's slot
 };
 
 // The 16-bit accumulator tile of one consumer warpgroup (64 rows x 256 columns, + bias) into its staging boxes:
@@ -488,14 +489,22 @@ __global__ void __launch_bounds__(kThreads, 1)
 #pragma unroll
       for (int kk = 0; kk < kBK / 16; ++kk) wgmma_256<kFp16>(acc, da + 2 * kk, db + 2 * kk, kb > 0 || kk > 0);
       wgmma_commit();
+      // The previous k-block's products are done: its stage may be refilled. With early_release before this
+      // k-block's share of the epilogue work (a GELU unit, the aux load that may wait for the last tile's stores),
+      // so that the producer refills the slot while that work runs; otherwise after it.
+      const bool release_now = kb > 0 && args.early_release;
+      if (release_now) {
+        wgmma_wait<1>();
+        if (lane == 0) mbar_arrive(&empty[prev_s]);
+      }
       if constexpr (kEpi == 1) {
         if (pending && kb >= 1 && kb <= 4 * cb) consumer_unit(kb - 1);
       }
       if constexpr (kEpi == 2) {
         if (tid == 0 && kb == (nk > 1 ? 1 : 0)) load_aux(t);
       }
-      if (kb > 0) {
-        wgmma_wait<1>();  // the previous k-block's products are done: its stage may be refilled
+      if (kb > 0 && !release_now) {
+        wgmma_wait<1>();
         if (lane == 0) mbar_arrive(&empty[prev_s]);
       }
       prev_s = s;
@@ -651,6 +660,14 @@ bool gemm_sm90_supported(int64_t m, int64_t n, int64_t k, const void* a, const v
 
 int gemm_sm90_row_chunks(int64_t m) { return static_cast<int>((m + 63) / 64); }
 
+bool& gemm_sm90_early_release() {
+  static bool early = [] {
+    const char* e = std::getenv("NOPAD_GEMM_EARLY_RELEASE");
+    return e == nullptr || std::string_view(e) != "0";
+  }();
+  return early;
+}
+
 int& gemm_sm90_consumer_columns() {
   static int columns = [] {
     const char* e = std::getenv("NOPAD_GEMM_CONSUMER_COLUMNS");
@@ -682,6 +699,7 @@ void launch_gemm_sm90(GemmEpilogue epi, const T* a, const T* b, int64_t m, int32
   args.act_grad = epi == GemmEpilogue::kGelu ? reinterpret_cast<uint16_t*>(out0) : nullptr;
   args.partial = partial;
   args.consumer_bc = gemm_sm90_consumer_columns();
+  args.early_release = gemm_sm90_early_release() ? 1 : 0;
   NOPAD_CHECK(args.consumer_bc == 1 || args.consumer_bc == 2, "gemm_sm90: the consumers take 1 or 2 box columns, not ",
               args.consumer_bc);
   const CUtensorMap ma = gemm90::tensor_map(a, m, k, gemm90::kBM, kFp16);

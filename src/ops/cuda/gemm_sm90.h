@@ -38,6 +38,10 @@ int gemm_sm90_row_chunks(int64_t m);  // rows of partial: ceil(m / 64)
 // 16-row unit per k-block of their next main loop), 1 or 2; the three epilogue warps take the others. Process-wide,
 // host-side; NOPAD_GEMM_CONSUMER_COLUMNS=2 sets 2 at start (the default is 1).
 int& gemm_sm90_consumer_columns();
+// Whether the consumers release a k-block's stage (the wgmma wait and the `empty` arrival) before the epilogue work
+// they do between k-blocks (kGelu's units, kScale's aux load) rather than after it. Process-wide, host-side;
+// NOPAD_GEMM_EARLY_RELEASE=0 sets false at start (the default is true).
+bool& gemm_sm90_early_release();
 
 // out[cols, rows] = in[rows, cols]^T for 16-bit elements (the backward's B operand: W [n, k] -> W^T [k, n]).
 template <class T>
