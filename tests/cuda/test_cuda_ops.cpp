@@ -754,15 +754,24 @@ TYPED_TEST(CudaOps, GemmSm90Epilogues) {
           sums_d[(i / c.n) / 64 * c.n + i % c.n] += v;
         }
         for (size_t i = 0; i < sums.size(); ++i) sums[i] = static_cast<float>(sums_d[i]);
-        for (const bool early : {true, false}) {
-          SCOPED_TRACE(early ? "early stage release" : "late stage release");
-          const bool saved_early = std::exchange(cuda::gemm_sm90_early_release(), early);
+        // Stage release before / after the aux load; the aux load half-way (-1), at the first k-block, past the
+        // last (clamped to it).
+        struct Order {
+          bool early;
+          int aux_kb;
+        };
+        for (const Order o : {Order{true, -1}, Order{false, -1}, Order{true, 0}, Order{true, 1000}}) {
+          SCOPED_TRACE(std::string(o.early ? "early" : "late") + " stage release, aux k-block " +
+                       std::to_string(o.aux_kb));
+          const bool saved_early = std::exchange(cuda::gemm_sm90_early_release(), o.early);
+          const int saved_kb = std::exchange(cuda::gemm_sm90_aux_kblock(), o.aux_kb);
           out0.poison();
           partial.poison();
           cuda::launch_gemm_sm90<D>(cuda::GemmEpilogue::kScale, cdev(da->p), cdev(db->p), c.m, c.n, c.k, nullptr,
                                     dev(out0.p), nullptr, cdev(daux->p), partial.p, false, gpu<E>().multiprocessors(),
                                     current().stream);
           cuda::gemm_sm90_early_release() = saved_early;
+          cuda::gemm_sm90_aux_kblock() = saved_kb;
           check("scale: dpre", out0, dpre, kTolChain<E>);
           expect_close("scale: column partials", down(partial), sums, kTolOut<E>);
         }

@@ -231,6 +231,7 @@ struct Args {
   float* partial;        // kScale: [ceil(m / 64), n] or null
   int32_t consumer_bc;   // kGelu: box columns of each tile whose GELU the consumers compute (1 or 2)
   int32_t early_release;  // 1: a k-block's stage is released before the epilogue work of the next k-block's slot
+  int32_t aux_kb;         // kScale: the k-block of the main loop during which a consumer issues its aux load
 };
 
 // The 16-bit accumulator tile of one consumer warpgroup (64 rows x 256 columns, + bias) into its staging boxes:
@@ -501,7 +502,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         if (pending && kb >= 1 && kb <= 4 * cb) consumer_unit(kb - 1);
       }
       if constexpr (kEpi == 2) {
-        if (tid == 0 && kb == (nk > 1 ? 1 : 0)) load_aux(t);
+        if (tid == 0 && kb == min(args.aux_kb, nk - 1)) load_aux(t);
       }
       if (kb > 0 && !release_now) {
         wgmma_wait<1>();
@@ -660,6 +661,14 @@ bool gemm_sm90_supported(int64_t m, int64_t n, int64_t k, const void* a, const v
 
 int gemm_sm90_row_chunks(int64_t m) { return static_cast<int>((m + 63) / 64); }
 
+int& gemm_sm90_aux_kblock() {
+  static int kb = [] {
+    const char* e = std::getenv("NOPAD_GEMM_AUX_KB");
+    return e != nullptr ? std::atoi(e) : -1;
+  }();
+  return kb;
+}
+
 bool& gemm_sm90_early_release() {
   static bool early = [] {
     const char* e = std::getenv("NOPAD_GEMM_EARLY_RELEASE");
@@ -700,6 +709,7 @@ void launch_gemm_sm90(GemmEpilogue epi, const T* a, const T* b, int64_t m, int32
   args.partial = partial;
   args.consumer_bc = gemm_sm90_consumer_columns();
   args.early_release = gemm_sm90_early_release() ? 1 : 0;
+  args.aux_kb = gemm_sm90_aux_kblock() >= 0 ? gemm_sm90_aux_kblock() : k / gemm90::kBK / 2;
   NOPAD_CHECK(args.consumer_bc == 1 || args.consumer_bc == 2, "gemm_sm90: the consumers take 1 or 2 box columns, not ",
               args.consumer_bc);
   const CUtensorMap ma = gemm90::tensor_map(a, m, k, gemm90::kBM, kFp16);

@@ -42,6 +42,11 @@ int& gemm_sm90_consumer_columns();
 // they do between k-blocks (kGelu's units, kScale's aux load) rather than after it. Process-wide, host-side;
 // NOPAD_GEMM_EARLY_RELEASE=0 sets false at start (the default is true).
 bool& gemm_sm90_early_release();
+// kScale: the k-block of each tile's main loop at which a consumer warpgroup loads its aux half into its staging (its
+// thread 0 first waits there for the previous tile's stores to have read the staging, holding its warp, and with it
+// the warpgroup's next products, until then). -1: half-way through the main loop (the default), else the k-block
+// (clamped to the last). Process-wide, host-side; NOPAD_GEMM_AUX_KB sets it at start.
+int& gemm_sm90_aux_kblock();
 
 // out[cols, rows] = in[rows, cols]^T for 16-bit elements (the backward's B operand: W [n, k] -> W^T [k, n]).
 template <class T>
