@@ -9,15 +9,19 @@
 // swizzled layout).
 // - kBias: the consumers store the staging themselves (TMA) and move on; warps 1-3 are idle and the producer
 //   warpgroup gives its registers to the consumers (setmaxnreg).
-// - kGelu / kScale: warps 1-3 are the epilogue warps. Per tile they wait for both halves to be staged ("staged"
-//   mbarriers), then unit by unit (32 rows x 64 columns) compute y = gelu(pre) in place and store gelu'(pre) straight
-//   to global memory from registers (kGelu), or dpre = g * aux in place (kScale; aux chunks arrive by TMA into a
-//   small ring, issued a few units ahead), TMA-store each 64 x 64 box when complete, and release the staging
-//   ("freed", which also carries the next tile's bias for kGelu) while the consumers run the next tile's main loop.
-//   kGelu: the consumers take the last box column of their own half themselves, one unit per k-block of the next
-//   main loop, so that the two shares fit beside the products.
-//   Column sums (kScale): a thread's 8 columns over its rows, reduced over the warp by shuffles, the 3 warps' sums
-//   combined in a fixed order through shared memory.
+// - kGelu: warps 1-3 are the epilogue warps. Per tile they wait for both halves to be staged ("staged" mbarriers),
+//   then unit by unit (32 rows x 64 columns) compute y = gelu(pre) in place and store gelu'(pre) straight to global
+//   memory from registers, TMA-store each 64 x 64 box of y when complete, and release the staging ("freed", which
+//   also carries the next tile's bias) while the consumers run the next tile's main loop. The consumers take the
+//   last box column of their own half themselves, one unit per k-block of the next main loop, so that the two
+//   shares fit beside the products.
+// - kScale: no epilogue warps (the producer warpgroup gives its registers away). Each consumer warpgroup TMA-loads
+//   its half of the tile's aux into its staging half-way through the main loop (its thread 0 first waits for the
+//   previous tile's stores to have read the staging: late enough that this rarely holds the warpgroup), multiplies
+//   in place at staging time, and stores by TMA. Column sums: a thread's columns over its two rows, summed over the
+//   warp by a halving shuffle butterfly, the 4 warps' sums combined in a fixed order through shared memory.
+// Between k-blocks the consumers first release the previous k-block's stage (wgmma wait, `empty` arrival), then do
+// their epilogue share of that k-block (a GELU unit, the aux load), so the producer refills the stage meanwhile.
 // Measured design history: docs/performance.md ("nopad's own GEMM with the GELU epilogue", "the saved GELU
 // derivative").
 #include <cudaTypedefs.h>
