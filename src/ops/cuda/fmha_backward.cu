@@ -7,7 +7,8 @@
 //      fmha_bwd_kernel (mma.sync, any GPU; tile shapes per variant) or fmha_bwd_wgmma_kernel (head_dim 64 on sm_90a;
 //      dQ by float4 atomics, or by one bulk reduction per query row from shared memory). The variants of kBwdVariants
 //      are instantiated and chosen per call (fmha.h).
-//   3. fmha_bwd_dq_kernel:  dq_accum -> d_qkv's q block (bf16/fp16).
+//   3. fmha_bwd_dq_kernel:  dq_accum -> d_qkv's q block (bf16/fp16); with FmhaParams::d_qkv_bias,
+//      fmha_bwd_dq_bias_kernel, which also adds the q block's column sums (the main kernels add the k and v blocks').
 // Workspace: D [heads, T] fp32, lse2 [heads, T] fp32, then (256-byte aligned) dq_accum [T, H] fp32. Design:
 // docs/fmha.md.
 #include <cmath>
