@@ -6,7 +6,8 @@
 #   PEER_BATCHES="32 64"  batch sizes of the compiled PyTorch peer (each on the workload of the same nopad batch)
 #   HF_BATCH=32           batch of the Hugging Face peer (none: skip it)
 #   PEER_ATTENTION=1      the attention-only peer (varlen_attn, 64 sequences) on the last batch's workload (0: skip)
-#   VARIANT_RUNS="A=0 B=1"  the last nopad batch again under each environment setting (kernel variants, dense.cu)
+#   VARIANT_RUNS="A=0 B=1"  the last nopad batch again under each environment setting (kernel variants, dense.cu),
+#                         then the default once more, and a table of each variant against the two defaults' mean
 #   PROFILE_BATCH=B       also profile the compiled PyTorch peer at batch B (scripts/profile_peer.py: its kernel time
 #                         per step by category, to compare with nopad's --breakdown); unset: skip
 #   HIDDEN_ACTS="gelu"    nopad activations to time at every batch: gelu (exact erf, the standard workload's) and/or
@@ -57,6 +58,34 @@ for V in ${VARIANT_RUNS:-}; do
   env "$V" "$NOPAD" bench model --model data/configs/bert-large-mlperf.json --data "$SHARDS" --batch "$LAST_BATCH" \
     --steps 20 --warmup 5 | sed "s/^{/variant $V: {/"
 done
+# After the variants, the default once more: a GPU whose clocks sag during the run shows here (one instance went from
+# 225 to 241 ms over a call), and each variant is compared with the mean of the two default runs.
+if [ -n "${VARIANT_RUNS:-}" ]; then
+  echo "== nopad bench model batch $LAST_BATCH, the default again (drift check)"
+  "$NOPAD" bench model --model data/configs/bert-large-mlperf.json --data "$SHARDS" --batch "$LAST_BATCH" \
+    --steps 20 --warmup 5 | sed "s/^{/variant default-again: {/"
+  python3 - "$LOG" "$LAST_BATCH" <<'EOF'
+import json, sys
+first, variants = None, []
+for line in open(sys.argv[1]):
+    line = line.strip()
+    if line.startswith("variant ") and ": {" in line:
+        name, _, js = line[len("variant "):].partition(": ")
+        variants.append((name, json.loads(js)["step_ms"]))
+    elif first is None and line.startswith('{"bench":"model"'):
+        r = json.loads(line)
+        if r.get("batch") == int(sys.argv[2]) and r.get("hidden_act", "gelu") == "gelu":
+            first = r["step_ms"]
+again = dict(variants).get("default-again")
+if first is None or again is None:
+    sys.exit("variant table: the default runs are missing")
+base = (first + again) / 2
+print(f"variant table (batch {sys.argv[2]}): default {first:.2f} ms, again {again:.2f} ms (drift {again - first:+.2f})")
+for name, ms in variants:
+    if name != "default-again":
+        print(f"  {name:40s} {ms:8.2f} ms  {ms - base:+6.2f} vs the defaults' mean {base:.2f}")
+EOF
+fi
 
 echo "== fmha PerfSmoke (dropout 0 vs 0.1)"
 build-gpu/nopad_cuda_tests --gtest_filter='Fmha.PerfSmoke' || echo "fmha PerfSmoke failed"
