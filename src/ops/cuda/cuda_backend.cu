@@ -475,6 +475,15 @@ void CudaBackendT<P>::dense_forward_ld(const A* x, const W* weight, const W* bia
 }
 
 template <class P>
+void CudaBackendT<P>::grad_pass(const A* dy, const A* scale, A* dpre, int64_t rows, int32_t n, G* d_bias) {
+  const int chunks = dense_grad_chunks(rows);
+  float* partial =
+      d_bias ? static_cast<float*>(scratch(kColPartials, sizeof(float) * chunks * static_cast<size_t>(n))) : nullptr;
+  launch_dense_grad_pass<device_t<A>>(dev(dy), dev(scale), dev(dpre), rows, n, partial, stream_);
+  if (d_bias) launch_column_finish(partial, chunks, n, 1, d_bias, nullptr, nullptr, stream_);
+}
+
+template <class P>
 void CudaBackendT<P>::column_sums_accumulate(const A* m, int64_t rows, int32_t n, G* out, int64_t ld) {
   if (rows == 0 || n == 0) return;
   const int chunks = column_sum_chunks(rows);
@@ -553,13 +562,10 @@ void CudaBackendT<P>::dense_backward_ld(const A* dy, const A* x, const W* weight
 
   if (gelu) {
     if (path == BiasGradPath::kOnePass && d_bias) {
-      const int chunks = dense_grad_chunks(rows);
-      float* partial = static_cast<float*>(scratch(kColPartials, sizeof(float) * chunks * static_cast<size_t>(n)));
-      launch_dense_grad_pass(dev(dy), dev(act_grad), dev(buf), rows, n, partial, stream_);
-      launch_column_finish(partial, chunks, n, 1, d_bias, nullptr, nullptr, stream_);
+      grad_pass(dy, act_grad, buf, rows, n, d_bias);
       bias_done = true;
     } else if (path != BiasGradPath::kSeparate && one_pass_ok) {  // dpre alone
-      launch_dense_grad_pass(dev(dy), dev(act_grad), dev(buf), rows, n, nullptr, stream_);
+      grad_pass(dy, act_grad, buf, rows, n, nullptr);
     } else {
       launch_scale(dev(dy), dev(act_grad), dev(buf), rows * n, stream_);
     }
@@ -584,10 +590,7 @@ void CudaBackendT<P>::dense_backward_ld(const A* dy, const A* x, const W* weight
   }
   if (!bias_done) {
     if (path == BiasGradPath::kOnePass) {  // column sums of dpre (or dy) alone
-      const int chunks = dense_grad_chunks(rows);
-      float* partial = static_cast<float*>(scratch(kColPartials, sizeof(float) * chunks * static_cast<size_t>(n)));
-      launch_dense_grad_pass<device_t<A>>(dev(dpre), nullptr, nullptr, rows, n, partial, stream_);
-      launch_column_finish(partial, chunks, n, 1, d_bias, nullptr, nullptr, stream_);
+      grad_pass(dpre, nullptr, nullptr, rows, n, d_bias);
     } else {
       column_sums_accumulate(dpre, rows, n, d_bias, ld_dpre);
       path = BiasGradPath::kSeparate;
@@ -625,12 +628,7 @@ void CudaBackendT<P>::dense_backward_through_act(const A* dy, const A* x, const 
     A* buf = static_cast<A*>(scratch(kDpre, sizeof(A) * static_cast<size_t>(rows) * k));
     gemm_->run(dx_product(gemm_type<A>(), weight, dy, n, rows, k, n, buf, false), stream_);
     if (dense_grad_pass_supported(k, buf, x_act_grad, dx_pre)) {
-      float* partial = nullptr;
-      const int chunks = dense_grad_chunks(rows);
-      if (d_x_bias)
-        partial = static_cast<float*>(scratch(kColPartials, sizeof(float) * chunks * static_cast<size_t>(k)));
-      launch_dense_grad_pass(dev(buf), dev(x_act_grad), dev(dx_pre), rows, k, partial, stream_);
-      if (d_x_bias) launch_column_finish(partial, chunks, k, 1, d_x_bias, nullptr, nullptr, stream_);
+      grad_pass(buf, x_act_grad, dx_pre, rows, k, d_x_bias);
     } else {
       launch_scale(dev(buf), dev(x_act_grad), dev(dx_pre), rows * int64_t{k}, stream_);
       if (d_x_bias) column_sums_accumulate(dx_pre, rows, k, d_x_bias);
@@ -698,9 +696,9 @@ void CudaBackendT<P>::attention_backward(const A* d_ctx, const A* qkv, const A* 
   p.lse = const_cast<St*>(lse);   // likewise
   p.d_ctx = d_ctx;
   p.d_qkv = d_qkv;
-  // The bias gradient from the kernels' registers (up to H = 2048, fmha_backward), else by the column-sum pass after.
-  const int64_t H3 = 3 * int64_t{num_heads} * head_dim;
-  const bool bias_in_kernels = kernel_variants().qkv_bias_in_attention && H3 <= 3 * 2048;
+  // The bias gradient from the kernels' registers where they take it, else by the column-sum pass after.
+  const bool bias_in_kernels =
+      kernel_variants().qkv_bias_in_attention && fmha_backward_bias_supported(num_heads, head_dim);
   p.d_qkv_bias = bias_in_kernels ? d_qkv_bias : nullptr;
   // The workspace is ours, grown once to the largest size seen. fmha_backward initialises the part of it that its
   // launch uses (fmha.h), so it needs no memset here.
@@ -712,15 +710,11 @@ void CudaBackendT<P>::attention_backward(const A* d_ctx, const A* qkv, const A* 
     fmha_backward(p, stream_);
   }
   if (d_qkv_bias && !bias_in_kernels) {
-    const int64_t rows = seqs.num_tokens;
-    const int32_t n = static_cast<int32_t>(H3);
+    const int32_t n = 3 * num_heads * head_dim;
     if (dense_grad_pass_supported(n, d_qkv, nullptr, nullptr)) {  // dense_backward's kOnePass column sums
-      const int chunks = dense_grad_chunks(rows);
-      float* partial = static_cast<float*>(scratch(kColPartials, sizeof(float) * chunks * static_cast<size_t>(n)));
-      launch_dense_grad_pass<device_t<A>>(dev(d_qkv), nullptr, nullptr, rows, n, partial, stream_);
-      launch_column_finish(partial, chunks, n, 1, d_qkv_bias, nullptr, nullptr, stream_);
+      grad_pass(d_qkv, nullptr, nullptr, seqs.num_tokens, n, d_qkv_bias);
     } else {
-      column_sums_accumulate(d_qkv, rows, n, d_qkv_bias, n);
+      column_sums_accumulate(d_qkv, seqs.num_tokens, n, d_qkv_bias);
     }
   }
 }

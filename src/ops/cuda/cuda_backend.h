@@ -153,6 +153,9 @@ class CudaBackendT final : public ops::Backend<P> {
   void layernorm_plain_backward(const A* dy, const A* x, const St* mean, const St* rstd, const W* gamma, int64_t rows,
                                 int32_t H, A* dz, G* d_gamma, G* d_beta);
   void column_sums_accumulate(const A* m, int64_t rows, int32_t n, G* out, int64_t ld = 0);  // ld 0: n
+  // The one-pass kernel over dy [rows, n] (contiguous; dense_grad_pass_supported): dpre = dy * scale when scale is
+  // set, and d_bias += the column sums of dpre (of dy without scale) when d_bias is set.
+  void grad_pass(const A* dy, const A* scale, A* dpre, int64_t rows, int32_t n, G* d_bias);
   // dense_forward / dense_backward with y / dy rows ld apart (ld >= n, no activation): the MLM decoder's padded logits.
   void dense_forward_ld(const A* x, const W* weight, const W* bias, int64_t rows, int32_t k, int32_t n,
                         ops::Activation act, A* y, A* act_grad, int64_t ld_y);

@@ -68,6 +68,10 @@ const char* fmha_backward_variant_name(int variant);
 int fmha_forward_variant(const FmhaParams& p);
 int fmha_backward_variant(const FmhaParams& p);
 
+// Whether fmha_backward can take FmhaParams::d_qkv_bias at these sizes (num_heads * head_dim <= 2048: its dQ
+// conversion keeps one 8-column chunk per thread of a 256-thread block); elsewhere the caller sums d_qkv's columns.
+bool fmha_backward_bias_supported(int32_t num_heads, int32_t head_dim);
+
 // Bytes of scratch fmha_backward needs for these sizes.
 size_t fmha_backward_workspace_bytes(int32_t num_tokens, int32_t num_heads, int32_t head_dim);
 // Throws nopad::Error for unsupported head_dim/sizes; launch errors are checked.

@@ -93,7 +93,8 @@ __global__ void __launch_bounds__(32 * kPreRows) fmha_bwd_dq_kernel(const Kernel
 // owns the 8-column chunk i % (H / 8) and every (256 / (H / 8))-th row from i / (H / 8) on (the threads of one phase
 // read consecutive chunks of one row: coalesced), four rows' loads issued before their use; it sums the rounded
 // values of its rows per column in registers, the phases' sums meet in shared memory, and one fp32 atomic per column
-// and CTA adds them into d_qkv_bias[0, H). No shared-memory atomics. Needs H <= 2048 (fmha_backward checks).
+// and CTA adds them into d_qkv_bias[0, H). No shared-memory atomics. Needs H <= 8 * kDqBiasThreads
+// (fmha_backward_bias_supported).
 constexpr int kDqBiasRows = 64;
 constexpr int kDqBiasThreads = 256;
 template <bool kFp16>
@@ -874,6 +875,10 @@ int fmha_backward_variant(const FmhaParams& p) {
   return choose_variant(p.bwd_variant, env, fallback, kNumBwdVariants, "FmhaParams::bwd_variant");
 }
 
+bool fmha_backward_bias_supported(int32_t num_heads, int32_t head_dim) {
+  return int64_t{num_heads} * head_dim <= 8 * fmha_detail::kDqBiasThreads;
+}
+
 size_t fmha_backward_workspace_bytes(int32_t num_tokens, int32_t num_heads, int32_t head_dim) {
   NOPAD_CHECK(num_tokens >= 0 && num_heads >= 0 && head_dim >= 0, "fmha_backward_workspace_bytes: negative size");
   return fmha_detail::dq_accum_offset(num_tokens, num_heads) +
@@ -891,9 +896,9 @@ void fmha_backward(const FmhaParams& p, cudaStream_t stream) {
   const size_t need = fmha_backward_workspace_bytes(p.num_tokens, p.num_heads, p.head_dim);
   NOPAD_CHECK(p.workspace_bytes >= need, "fmha_backward: workspace of ", p.workspace_bytes, " bytes is too small, ",
               "need ", need, " (fmha_backward_workspace_bytes)");
-  NOPAD_CHECK(p.d_qkv_bias == nullptr || int64_t{p.num_heads} * p.head_dim <= 2048, "fmha_backward: the bias ",
-              "gradient supports num_heads * head_dim <= 2048, got ", int64_t{p.num_heads} * p.head_dim,
-              " (leave d_qkv_bias null and sum the columns of d_qkv separately)");
+  NOPAD_CHECK(p.d_qkv_bias == nullptr || fmha_backward_bias_supported(p.num_heads, p.head_dim), "fmha_backward: ",
+              "the bias gradient supports num_heads * head_dim <= ", 8 * fmha_detail::kDqBiasThreads, ", got ",
+              int64_t{p.num_heads} * p.head_dim, " (leave d_qkv_bias null and sum the columns of d_qkv separately)");
   const int variant = fmha_backward_variant(p);
   if (n == 0 || p.max_seqlen == 0) return;
   const KernelArgs args = make_args(p);

@@ -497,21 +497,18 @@ __global__ void __launch_bounds__(kThreads, 1)
       // The previous k-block's products are done: its stage may be refilled. With early_release before this
       // k-block's share of the epilogue work (a GELU unit, the aux load that may wait for the last tile's stores),
       // so that the producer refills the slot while that work runs; otherwise after it.
-      const bool release_now = kb > 0 && args.early_release;
-      if (release_now) {
+      const auto release_prev = [&] {
         wgmma_wait<1>();
         if (lane == 0) mbar_arrive(&empty[prev_s]);
-      }
+      };
+      if (kb > 0 && args.early_release) release_prev();
       if constexpr (kEpi == 1) {
         if (pending && kb >= 1 && kb <= 4 * cb) consumer_unit(kb - 1);
       }
       if constexpr (kEpi == 2) {
         if (tid == 0 && kb == min(args.aux_kb, nk - 1)) load_aux(t);
       }
-      if (kb > 0 && !release_now) {
-        wgmma_wait<1>();
-        if (lane == 0) mbar_arrive(&empty[prev_s]);
-      }
+      if (kb > 0 && !args.early_release) release_prev();
       prev_s = s;
       s = s + 1 == kStages ? 0 : s + 1;
       ph ^= s == 0;
