@@ -164,7 +164,9 @@ TEST(OpsCpu, DenseGradientWithAndWithoutGelu) {
       y = poison(rows * n), act_grad = poison(rows * n);
       be.dense_forward(x.data(), W.data(), b.data(), rows, k, n, act, y.data(), act_grad.data());
       EXPECT_TRUE(all_finite(y));
-      if (act != Activation::kNone) EXPECT_TRUE(all_finite(act_grad));
+      if (act != Activation::kNone) {
+        EXPECT_TRUE(all_finite(act_grad));
+      }
       return dot(y, R);
     };
     loss();
