@@ -43,9 +43,17 @@ constexpr uint32_t kMul0 = 0xD2511F53u, kMul1 = 0xCD9E8D57u;    // round multipl
 constexpr uint32_t kWeyl0 = 0x9E3779B9u, kWeyl1 = 0xBB67AE85u;  // key schedule increments (golden ratio, sqrt(3)-1)
 
 NOPAD_HOST_DEVICE inline void mulhilo(uint32_t a, uint32_t b, uint32_t& hi, uint32_t& lo) {
+#if defined(__CUDA_ARCH__)
+  // One 32 x 32 -> 64-bit multiply whose halves are a register pair: the portable form below reaches the device
+  // code as 64-bit arithmetic and costs an extra add per multiply there.
+  uint64_t p;
+  asm("mul.wide.u32 %0, %1, %2;" : "=l"(p) : "r"(a), "r"(b));
+  asm("mov.b64 {%0, %1}, %2;" : "=r"(lo), "=r"(hi) : "l"(p));
+#else
   const uint64_t p = static_cast<uint64_t>(a) * b;
   hi = static_cast<uint32_t>(p >> 32);
   lo = static_cast<uint32_t>(p);
+#endif
 }
 }  // namespace philox_detail
 

@@ -280,9 +280,11 @@ cuda::KernelVariants first_variants() {
   return v;
 }
 
-// LayerNorm implementations checked against the twin: the warp-per-row kernels, the row-group defaults, and the other
-// row-group shapes (16-byte vectors per thread 1/2/4 in the forward, 1/2 in the backward) with grids of 1 and 2 blocks
-// per SM, where each block walks many rows (long prefetch chains, sequence boundaries inside a block).
+// LayerNorm implementations checked against the twin: the warp-per-row kernels, the row-group defaults, the other
+// row-group shapes (16-byte vectors per thread 1/2/4 in the forward, 1/2 in the backward) and the pipelined residual
+// kernels (row group 2-4 stages, warp-per-row forward) with grids of 1 and 2 blocks per SM, where each block walks
+// many rows (long prefetch chains, sequence boundaries inside a block; the tiny batch gives blocks fewer rows than
+// pipeline stages). The embedding LayerNorm runs the other kernels under a pipelined variant.
 struct LnCase {
   const char* name;
   cuda::LnVariant fwd, bwd;
@@ -293,6 +295,10 @@ const LnCase kLnCases[] = {
     {"row-group fwd v1, bwd v2", {true, 1, 0}, {true, 2, 0}},
     {"row-group fwd v2, bwd v1, 1 block/SM", {true, 2, 1}, {true, 1, 1}},
     {"row-group fwd v4, bwd v2, 2 blocks/SM", {true, 4, 2}, {true, 2, 2}},
+    {"pipelined, 4 stages", {true, 1, 0, 4}, {true, 1, 0, 4}},
+    {"pipelined fwd 2 stages, bwd 3 stages, 1 block/SM", {true, 1, 1, 2}, {true, 1, 1, 3}},
+    {"pipelined warp-per-row fwd, pipelined bwd 2 stages", {false, 0, 0, 2}, {true, 1, 0, 2}},
+    {"pipelined warp-per-row fwd, 1 block/SM", {false, 0, 1, 2}, {true, 1, 2, 2}},
 };
 cuda::KernelVariants ln_variants(const LnCase& c) {
   cuda::KernelVariants v;
@@ -1243,9 +1249,10 @@ Batch perf_batch() {
 }
 
 std::string ln_name(const cuda::LnVariant& v) {
-  if (!v.row_group) return "warp-per-row (first)";
+  if (!v.row_group) return v.stages ? "warp-per-row pipelined" : "warp-per-row (first)";
   std::string s = "row-group v" + (v.vectors ? std::to_string(v.vectors) : std::string("auto"));
   s += v.blocks_per_sm ? ", " + std::to_string(v.blocks_per_sm) + " blocks/SM" : ", default grid";
+  if (v.stages) s = "pipelined " + std::to_string(v.stages) + " stages" + s.substr(s.find(','));
   return s;
 }
 
@@ -1272,7 +1279,9 @@ TYPED_TEST(CudaPerf, LayerNorm) {
   std::printf("  LayerNorm perf: T=%d H=%d p=0.1, %d SMs (bdrln: 48 calls per BERT-large step)\n", T, H,
               gpu<E>().multiprocessors());
   for (const cuda::LnVariant& v : {cuda::LnVariant{false, 0, 0}, cuda::LnVariant{true, 1, 0},
-                                   cuda::LnVariant{true, 2, 0}, cuda::LnVariant{true, 4, 0}}) {
+                                   cuda::LnVariant{true, 2, 0}, cuda::LnVariant{true, 4, 0},
+                                   cuda::LnVariant{true, 1, 0, 2}, cuda::LnVariant{true, 1, 0, 3},
+                                   cuda::LnVariant{true, 1, 0, 4}, cuda::LnVariant{false, 0, 0, 2}}) {
     cuda::KernelVariants kv;
     kv.ln_forward = v;
     VariantScope scope(kv);
@@ -1287,7 +1296,8 @@ TYPED_TEST(CudaPerf, LayerNorm) {
   for (const cuda::LnVariant& v :
        {cuda::LnVariant{false, 0, 0}, cuda::LnVariant{true, 1, 0}, cuda::LnVariant{true, 1, 2},
         cuda::LnVariant{true, 1, 4}, cuda::LnVariant{true, 1, 5}, cuda::LnVariant{true, 2, 0},
-        cuda::LnVariant{true, 2, 4}}) {
+        cuda::LnVariant{true, 2, 4}, cuda::LnVariant{true, 1, 0, 2}, cuda::LnVariant{true, 1, 0, 3},
+        cuda::LnVariant{true, 1, 0, 4}}) {
     cuda::KernelVariants kv;
     kv.ln_backward = v;
     VariantScope scope(kv);

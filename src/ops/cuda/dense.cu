@@ -266,11 +266,33 @@ bool LtGemm::try_run(const GemmProblem& p, cudaStream_t stream) {
 // ------------------------------------------------------------------------------------------------ variants
 
 // The process-wide variants: the defaults of dense.h, except that NOPAD_GELU_GEMM=0|1, NOPAD_DGELU_GEMM=0|1 and
-// NOPAD_QKV_BIAS_IN_ATTENTION=0|1 set gelu_gemm / dgelu_gemm / qkv_bias_in_attention (so one build can time the
-// model both ways, scripts/bench.sh VARIANT_RUNS).
+// NOPAD_QKV_BIAS_IN_ATTENTION=0|1 set gelu_gemm / dgelu_gemm / qkv_bias_in_attention, and NOPAD_LN_FWD_STAGES /
+// NOPAD_LN_BWD_STAGES = 0|2|3|4 pick the residual LayerNorm's forward / backward kernel (the pipelined row-group
+// kernel with that many stages; 0: the forward's default, the backward's register-prefetch row-group kernel),
+// NOPAD_LN_FWD_WARP_PIPE=0|1 the warp-per-row forward without / with its pipeline (so one build can time the model
+// both ways, scripts/bench.sh VARIANT_RUNS). A malformed value stops the run with a message.
+namespace {
+int ln_stages_from_env(const char* name) {
+  const char* e = std::getenv(name);
+  const std::string_view s = e != nullptr ? std::string_view(e) : std::string_view();
+  NOPAD_CHECK(s == "0" || s == "2" || s == "3" || s == "4", name, "=", s,
+              ": expected 0 (see ops/cuda/dense.cu) or 2, 3, 4 (pipeline stages of the pipelined LayerNorm kernel)");
+  return s[0] - '0';
+}
+}  // namespace
 KernelVariants& kernel_variants() {
   static KernelVariants v = [] {
     KernelVariants k;
+    if (std::getenv("NOPAD_LN_FWD_STAGES") != nullptr) {
+      const int stages = ln_stages_from_env("NOPAD_LN_FWD_STAGES");
+      if (stages != 0) k.ln_forward = LnVariant{true, 1, 0, stages};
+    }
+    if (const char* e = std::getenv("NOPAD_LN_FWD_WARP_PIPE"))  // 0: the warp-per-row kernel without the pipeline
+      k.ln_forward = LnVariant{false, 0, 0, std::string_view(e) != "0" ? 2 : 0};
+    if (std::getenv("NOPAD_LN_BWD_STAGES") != nullptr) {
+      const int stages = ln_stages_from_env("NOPAD_LN_BWD_STAGES");
+      k.ln_backward = LnVariant{true, 1, 0, stages};  // 0: the register-prefetch row-group kernel
+    }
     if (const char* e = std::getenv("NOPAD_GELU_GEMM")) k.gelu_gemm = std::string_view(e) != "0";
     if (const char* e = std::getenv("NOPAD_DGELU_GEMM")) k.dgelu_gemm = std::string_view(e) != "0";
     if (const char* e = std::getenv("NOPAD_QKV_BIAS_IN_ATTENTION")) k.qkv_bias_in_attention = std::string_view(e) != "0";

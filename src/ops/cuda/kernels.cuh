@@ -179,6 +179,18 @@ __device__ __forceinline__ float dropout_scale(const DropoutArgs& d, uint64_t sa
 }
 // Eight consecutive features j0..j0+7 of one row, j0 % 8 == 0: exactly one Philox block (element_hidden(pos, j0) >> 3
 // covers features j0..j0+7), feature j0 + i taking 16-bit field i. Same values as dropout_scale per element.
+// The same with the threshold (> 0) and keep-scale already computed (dropout_threshold, dropout_keep_scale): kernels
+// that draw once per row in a loop take them out of it.
+__device__ __forceinline__ void dropout_scale8(uint64_t stream_key, uint32_t threshold, float scale,
+                                               uint64_t sample_id, uint32_t pos, uint32_t j0, float s[8]) {
+  const Philox4x32 r =
+      dropout_philox(stream_key, sample_id, dropout_block_index(element_hidden(pos, j0)), kPhiloxRounds);
+#pragma unroll
+  for (int w = 0; w < 4; ++w) {
+    s[2 * w] = (r.v[w] & 0xFFFFu) >= threshold ? scale : 0.0f;  // low half: feature j0 + 2w
+    s[2 * w + 1] = (r.v[w] >> 16) >= threshold ? scale : 0.0f;  // high half: feature j0 + 2w + 1
+  }
+}
 __device__ __forceinline__ void dropout_scale8(const DropoutArgs& d, uint64_t sample_id, uint32_t pos, uint32_t j0,
                                                float s[8]) {
   const uint32_t threshold = dropout_threshold(d.p);
@@ -187,14 +199,7 @@ __device__ __forceinline__ void dropout_scale8(const DropoutArgs& d, uint64_t sa
     for (int i = 0; i < 8; ++i) s[i] = 1.0f;
     return;
   }
-  const float scale = dropout_keep_scale(threshold);
-  const Philox4x32 r =
-      dropout_philox(d.stream_key, sample_id, dropout_block_index(element_hidden(pos, j0)), kPhiloxRounds);
-#pragma unroll
-  for (int w = 0; w < 4; ++w) {
-    s[2 * w] = (r.v[w] & 0xFFFFu) >= threshold ? scale : 0.0f;  // low half: feature j0 + 2w
-    s[2 * w + 1] = (r.v[w] >> 16) >= threshold ? scale : 0.0f;  // high half: feature j0 + 2w + 1
-  }
+  dropout_scale8(d.stream_key, threshold, dropout_keep_scale(threshold), sample_id, pos, j0, s);
 }
 
 // Sequence b holding row t: the last b with cu_seqlens[b] <= t (binary search over B+1 entries; B is small).

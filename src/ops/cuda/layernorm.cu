@@ -17,6 +17,12 @@
 //    is a cursor that moves forward (no binary search per row). The dropout mask is drawn once per row and kept as
 //    bits. Fewer accumulators per thread than the warp kernel (8V features instead of 32) leave room for more
 //    resident warps.
+//  - Pipelined (bias + dropout + residual LayerNorm only, LnVariant::stages = S): the row-group kernel with V = 1
+//    whose row inputs are copied into a shared-memory ring by cp.async S - 1 rows ahead, so a block has S - 1 rows in
+//    flight instead of one, at no register cost (the backward's default); and a pipelined warp-per-row forward.
+//    Both kernels were issue-bound as much as latency-bound (ncu: ~65% of issue slots busy), so they also keep per-row
+//    instructions down: dropout threshold and scale hoisted, gamma / beta / bias converted to fp32 once into shared
+//    memory, row sums scaled by 1/H.
 //
 // Backward is deterministic except the embedding-table scatter. Column gradients (d_gamma, d_beta, and d_bias for
 // kResidual) are per-thread register sums over the rows a block visits in increasing order, written per block to
@@ -599,6 +605,361 @@ __global__ void __launch_bounds__(128 / V, ln_backward_min_blocks<K, V>())
     }
 }
 
+// ------------------------------------------------------------------------------------------------ pipelined rows
+
+// The bias + dropout + residual LayerNorm with its row inputs copied global -> shared memory by cp.async, S - 1 rows
+// ahead of the row being computed (LnVariant::stages = S), one 16-byte vector (8 features) per thread, T = 32 *
+// ceil(H / 256) threads per row (the whole block, as the row-group kernel with V = 1). The register-prefetch kernel
+// keeps one row in flight per block, so a block waits out a memory latency per row; here S - 1 rows are in flight
+// and the copies need no registers. Each thread copies and later reads only its own vectors (and, in the backward, its
+// own copy of the row's mean and rstd), so cp.async.wait_group alone orders them: no barrier beyond the row sums'.
+// The same arithmetic, dropout draws and column-partial layout as the row-group kernel with V = 1.
+constexpr int kPipeThreads = 128;  // T for H = 1024, the largest H
+
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  const uint32_t s = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(s), "l"(gmem) : "memory");
+#else
+  *reinterpret_cast<uint4*>(smem) = *reinterpret_cast<const uint4*>(gmem);
+#endif
+}
+__device__ __forceinline__ void cp_async4(void* smem, const void* gmem) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  const uint32_t s = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(s), "l"(gmem) : "memory");
+#else
+  *reinterpret_cast<float*>(smem) = *reinterpret_cast<const float*>(gmem);
+#endif
+}
+// Closes the group of copies issued since the last commit (an empty group is allowed: every iteration commits one,
+// so the group count stays aligned with the rows).
+__device__ __forceinline__ void cp_async_commit() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile("cp.async.commit_group;\n" ::: "memory");
+#endif
+}
+// Waits until at most N of this thread's groups are still pending.
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+#endif
+}
+template <class E>
+__device__ __forceinline__ Vec8<E> smem_vec(const uint4& u) {
+  const uint4 v = u;  // one 128-bit shared load
+  Vec8<E> x;
+  memcpy(&x, &v, sizeof x);
+  return x;
+}
+
+// row_sum for blocks of at most kPipeThreads threads: the warps' sums added in warp order in an unrolled loop.
+template <bool kTwo>
+__device__ __forceinline__ void pipe_row_sum(float& x, float& y, float (*red)[2][32], int& parity) {
+  x = warp_sum(x);
+  if constexpr (kTwo) y = warp_sum(y);
+  const int nwarps = blockDim.x >> 5;
+  if (nwarps == 1) return;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  if (lane == 0) {
+    red[parity][0][warp] = x;
+    if constexpr (kTwo) red[parity][1][warp] = y;
+  }
+  __syncthreads();
+  float sx = red[parity][0][0], sy = kTwo ? red[parity][1][0] : 0.0f;
+#pragma unroll
+  for (int w = 1; w < kPipeThreads / 32; ++w)
+    if (w < nwarps) {
+      sx += red[parity][0][w];
+      if constexpr (kTwo) sy += red[parity][1][w];
+    }
+  x = sx;
+  if constexpr (kTwo) y = sy;
+  parity ^= 1;
+}
+
+template <class E, int S>
+__global__ void __launch_bounds__(kPipeThreads) ln_forward_pipe_kernel(const LnArgs<E> a, int64_t rows_per_block) {
+  __shared__ uint4 ring[S][2][kPipeThreads];  // x, residual
+  __shared__ float red[2][2][32];
+  int parity = 0;
+  const int t = threadIdx.x, H = a.H, j0 = t * 8;
+  const bool owns = j0 < H;
+  const int64_t r0 = static_cast<int64_t>(blockIdx.x) * rows_per_block;
+  const int64_t r1 = r0 + rows_per_block < a.rows ? r0 + rows_per_block : a.rows;
+  if (r0 >= r1) return;  // the whole block
+  const uint32_t threshold = dropout_threshold(a.drop.p);
+  const bool keyed = threshold != 0;
+  const float keep_scale = keyed ? dropout_keep_scale(threshold) : 1.0f;
+  auto issue = [&](int64_t row, int slot) {
+    if (row < r1 && owns) {
+      cp_async16(&ring[slot][0][t], a.x + row * H + j0);
+      cp_async16(&ring[slot][1][t], a.residual + row * H + j0);
+    }
+    cp_async_commit();
+  };
+#pragma unroll
+  for (int k = 0; k < S - 1; ++k) issue(r0 + k, k);
+  SeqCursor seq;
+  if (keyed) seq_cursor_init(a, r0, seq);
+  int slot = 0;
+  for (int64_t row = r0; row < r1; ++row) {
+    issue(row + S - 1, slot == 0 ? S - 1 : slot - 1);  // the slot row - 1 used, already read into registers
+    cp_async_wait<S - 1>();                            // this row's copies have landed
+    float z[8];
+    float sum = 0.0f, unused = 0.0f;
+    if (owns) {
+      float r[8], b[8], s[8];
+      if (keyed) {
+        const RowKey key = seq_cursor_key(a, row, seq);
+        dropout_scale8(a.drop.stream_key, threshold, keep_scale, key.sample, key.pos, static_cast<uint32_t>(j0), s);
+      }
+      unpack8(smem_vec<E>(ring[slot][0][t]), z);
+      unpack8(smem_vec<E>(ring[slot][1][t]), r);
+      load8(a.bias + j0, b);
+#pragma unroll
+      for (int i = 0; i < 8; ++i) {
+        z[i] = keyed ? (z[i] + b[i]) * s[i] + r[i] : (z[i] + b[i]) + r[i];
+        sum += z[i];
+      }
+    }
+    pipe_row_sum<false>(sum, unused, red, parity);
+    const float mean = sum / static_cast<float>(H);
+    float sq = 0.0f;
+    if (owns)
+#pragma unroll
+      for (int i = 0; i < 8; ++i) sq += (z[i] - mean) * (z[i] - mean);
+    pipe_row_sum<false>(sq, unused, red, parity);
+    const float rstd = 1.0f / sqrtf(sq / static_cast<float>(H) + a.eps);
+    if (owns) {
+      float g[8], b[8], o[8];
+      load8(a.gamma + j0, g);
+      load8(a.beta + j0, b);
+#pragma unroll
+      for (int i = 0; i < 8; ++i) o[i] = (z[i] - mean) * rstd * g[i] + b[i];
+      store8(a.out + row * H + j0, o);
+    }
+    if (t == 0) {
+      a.mean_out[row] = mean;
+      a.rstd_out[row] = rstd;
+    }
+    slot = slot + 1 == S ? 0 : slot + 1;
+  }
+}
+
+// Warp per row, pipelined (bias + dropout + residual LayerNorm forward; LnVariant{false, 0, bps, 2}): the warp-per-row
+// arithmetic (a lane owns the 8-feature groups j0 = (c*32 + lane)*8, c < VPL), but each block walks a contiguous range
+// of rows, warp w taking rows r0 + w, r0 + w + 4, ..., with the next row's x and residual copied into the warp's
+// shared-memory ring (cp.async) while this one is computed; gamma, beta and bias are converted to fp32 once per block
+// into shared memory; the row -> sequence lookup is a per-warp cursor. No barrier after the parameters' one.
+template <class E, int VPL>
+__global__ void __launch_bounds__(kWarps * 32) ln_forward_pipe_warp_kernel(const LnArgs<E> a, int64_t rows_per_block) {
+  __shared__ uint4 ring[2][kWarps][2][VPL * 32];  // [stage][warp][x, residual][lane vectors]
+  __shared__ float4 params[3][VPL * 64];          // gamma, beta, bias as fp32 (two float4 per 8-feature group)
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int H = a.H;
+  for (int v = threadIdx.x; v < H / 8; v += blockDim.x) {
+    const E* src[3] = {a.gamma, a.beta, a.bias};
+#pragma unroll
+    for (int q = 0; q < 3; ++q) {
+      float f[8];
+      load8(src[q] + v * 8, f);
+      params[q][2 * v] = make_float4(f[0], f[1], f[2], f[3]);
+      params[q][2 * v + 1] = make_float4(f[4], f[5], f[6], f[7]);
+    }
+  }
+  __syncthreads();
+  const int64_t r0 = static_cast<int64_t>(blockIdx.x) * rows_per_block;
+  const int64_t r1 = r0 + rows_per_block < a.rows ? r0 + rows_per_block : a.rows;
+  const uint32_t threshold = dropout_threshold(a.drop.p);
+  const bool keyed = threshold != 0;
+  const float keep_scale = keyed ? dropout_keep_scale(threshold) : 1.0f;
+  const float inv_h = 1.0f / static_cast<float>(H);
+  auto issue = [&](int64_t row, int stage) {
+    if (row < r1) {
+#pragma unroll
+      for (int c = 0; c < VPL; ++c) {
+        const int j0 = (c * 32 + lane) * 8;
+        if (j0 < H) {
+          cp_async16(&ring[stage][warp][0][c * 32 + lane], a.x + row * H + j0);
+          cp_async16(&ring[stage][warp][1][c * 32 + lane], a.residual + row * H + j0);
+        }
+      }
+    }
+    cp_async_commit();
+  };
+  SeqCursor seq;
+  if (keyed && r0 + warp < r1) seq_cursor_init(a, r0 + warp, seq);
+  issue(r0 + warp, 0);
+  int stage = 0;
+  for (int64_t row = r0 + warp; row < r1; row += kWarps) {
+    issue(row + kWarps, stage ^ 1);  // the stage the previous row used, already read into registers
+    cp_async_wait<1>();
+    RowKey key;
+    if (keyed) key = seq_cursor_key(a, row, seq);
+    float z[VPL][8];
+    float sum = 0.0f;
+#pragma unroll
+    for (int c = 0; c < VPL; ++c) {
+      const int j0 = (c * 32 + lane) * 8;
+      if (j0 >= H) continue;
+      float r[8], s[8];
+      unpack8(smem_vec<E>(ring[stage][warp][0][c * 32 + lane]), z[c]);
+      unpack8(smem_vec<E>(ring[stage][warp][1][c * 32 + lane]), r);
+      const float4 b0 = params[2][2 * (c * 32 + lane)], b1 = params[2][2 * (c * 32 + lane) + 1];
+      const float b[8] = {b0.x, b0.y, b0.z, b0.w, b1.x, b1.y, b1.z, b1.w};
+      if (keyed) {
+        dropout_scale8(a.drop.stream_key, threshold, keep_scale, key.sample, key.pos, static_cast<uint32_t>(j0), s);
+#pragma unroll
+        for (int i = 0; i < 8; ++i) z[c][i] = (z[c][i] + b[i]) * s[i] + r[i];
+      } else {
+#pragma unroll
+        for (int i = 0; i < 8; ++i) z[c][i] = (z[c][i] + b[i]) + r[i];
+      }
+#pragma unroll
+      for (int i = 0; i < 8; ++i) sum += z[c][i];
+    }
+    const float mean = warp_sum(sum) * inv_h;  // the twin divides by H: the same for H a power of two
+    float sq = 0.0f;
+#pragma unroll
+    for (int c = 0; c < VPL; ++c)
+      if ((c * 32 + lane) * 8 < H)
+#pragma unroll
+        for (int i = 0; i < 8; ++i) sq += (z[c][i] - mean) * (z[c][i] - mean);
+    const float rstd = 1.0f / sqrtf(warp_sum(sq) * inv_h + a.eps);
+#pragma unroll
+    for (int c = 0; c < VPL; ++c) {
+      const int j0 = (c * 32 + lane) * 8;
+      if (j0 >= H) continue;
+      const int v = c * 32 + lane;
+      const float4 g0 = params[0][2 * v], g1 = params[0][2 * v + 1], e0 = params[1][2 * v], e1 = params[1][2 * v + 1];
+      const float g[8] = {g0.x, g0.y, g0.z, g0.w, g1.x, g1.y, g1.z, g1.w};
+      const float be[8] = {e0.x, e0.y, e0.z, e0.w, e1.x, e1.y, e1.z, e1.w};
+      float o[8];
+#pragma unroll
+      for (int i = 0; i < 8; ++i) o[i] = (z[c][i] - mean) * rstd * g[i] + be[i];
+      store8(a.out + row * H + j0, o);
+    }
+    if (lane == 0) {
+      a.mean_out[row] = mean;
+      a.rstd_out[row] = rstd;
+    }
+    stage ^= 1;
+  }
+  cp_async_wait<0>();
+}
+
+// The backward keeps per-row work to what the arithmetic needs: gamma and bias are converted to fp32 once into the
+// thread's own shared-memory slots, pointers are the thread's base plus one row offset, and the row sums are scaled
+// by 1/H (the twin divides by H: the same value for H a power of two, within an ulp otherwise).
+template <class E, int S>
+__global__ void __launch_bounds__(kPipeThreads, 5) ln_backward_pipe_kernel(const LnArgs<E> a, int64_t rows_per_block) {
+  __shared__ uint4 ring[S][3][kPipeThreads];  // x, residual, d_out
+  __shared__ float stat[S][2][kPipeThreads];  // mean, rstd: each thread's own copy
+  __shared__ float4 params[4][kPipeThreads];  // gamma[0:4], gamma[4:8], bias[0:4], bias[4:8] of each thread
+  __shared__ float red[2][2][32];
+  int parity = 0;
+  const int t = threadIdx.x, H = a.H, j0 = t * 8;
+  const bool owns = j0 < H;
+  const float inv_h = 1.0f / static_cast<float>(H);
+  const int64_t r0 = static_cast<int64_t>(blockIdx.x) * rows_per_block;
+  const int64_t r1 = r0 + rows_per_block < a.rows ? r0 + rows_per_block : a.rows;
+  const uint32_t threshold = dropout_threshold(a.drop.p);
+  const bool keyed = threshold != 0;
+  const float keep_scale = keyed ? dropout_keep_scale(threshold) : 1.0f;
+  // Element offsets of the thread's vector in the row whose copies are issued next, and in the row being computed.
+  int64_t next_off = r0 * H + j0, row_off = next_off;
+  float acc[3][8];  // d_gamma, d_beta, d_bias
+#pragma unroll
+  for (int q = 0; q < 3; ++q)
+#pragma unroll
+    for (int i = 0; i < 8; ++i) acc[q][i] = 0.0f;
+  if (owns) {
+    float g[8], b[8];
+    load8(a.gamma + j0, g);
+    load8(a.bias + j0, b);
+    params[0][t] = make_float4(g[0], g[1], g[2], g[3]);
+    params[1][t] = make_float4(g[4], g[5], g[6], g[7]);
+    params[2][t] = make_float4(b[0], b[1], b[2], b[3]);
+    params[3][t] = make_float4(b[4], b[5], b[6], b[7]);
+  }
+  auto issue = [&](int64_t row, int slot) {  // rows are issued in order: the offset steps one row each time
+    if (row < r1 && owns) {
+      cp_async16(&ring[slot][0][t], a.x + next_off);
+      cp_async16(&ring[slot][1][t], a.residual + next_off);
+      cp_async16(&ring[slot][2][t], a.d_out + next_off);
+      cp_async4(&stat[slot][0][t], a.mean + row);
+      cp_async4(&stat[slot][1][t], a.rstd + row);
+    }
+    next_off += H;
+    cp_async_commit();
+  };
+#pragma unroll
+  for (int k = 0; k < S - 1; ++k) issue(r0 + k, k);
+  SeqCursor seq;
+  if (keyed && r0 < r1) seq_cursor_init(a, r0, seq);
+  int slot = 0;
+  for (int64_t row = r0; row < r1; ++row) {
+    issue(row + S - 1, slot == 0 ? S - 1 : slot - 1);
+    cp_async_wait<S - 1>();
+    float gdy[8], xhat[8], s[8];  // dy * gamma, the normalised input and the keep-scales, kept across the row sum
+    float sum_g = 0.0f, sum_gx = 0.0f, rstd = 0.0f;
+    if (owns) {
+      if (keyed) {
+        const RowKey key = seq_cursor_key(a, row, seq);
+        dropout_scale8(a.drop.stream_key, threshold, keep_scale, key.sample, key.pos, static_cast<uint32_t>(j0), s);
+      } else {
+#pragma unroll
+        for (int i = 0; i < 8; ++i) s[i] = 1.0f;
+      }
+      const float mean = stat[slot][0][t];
+      rstd = stat[slot][1][t];
+      float dy[8], r[8];
+      const float4 g0 = params[0][t], g1 = params[1][t], b0 = params[2][t], b1 = params[3][t];
+      const float g[8] = {g0.x, g0.y, g0.z, g0.w, g1.x, g1.y, g1.z, g1.w};
+      const float b[8] = {b0.x, b0.y, b0.z, b0.w, b1.x, b1.y, b1.z, b1.w};
+      unpack8(smem_vec<E>(ring[slot][0][t]), xhat);  // becomes the LN input z, then xhat
+      unpack8(smem_vec<E>(ring[slot][1][t]), r);
+      unpack8(smem_vec<E>(ring[slot][2][t]), dy);
+#pragma unroll
+      for (int i = 0; i < 8; ++i) {
+        xhat[i] = ((xhat[i] + b[i]) * s[i] + r[i] - mean) * rstd;
+        gdy[i] = dy[i] * g[i];
+        sum_g += gdy[i];
+        sum_gx += gdy[i] * xhat[i];
+        acc[0][i] += dy[i] * xhat[i];
+        acc[1][i] += dy[i];
+      }
+    }
+    pipe_row_sum<true>(sum_g, sum_gx, red, parity);
+    sum_g *= inv_h;
+    sum_gx *= inv_h;
+    if (owns) {
+      float dz[8], dx[8];
+#pragma unroll
+      for (int i = 0; i < 8; ++i) {
+        dz[i] = rstd * (gdy[i] - sum_g - xhat[i] * sum_gx);
+        dx[i] = dz[i] * s[i];
+        acc[2][i] += dx[i];  // d_bias from the unrounded dx, as the twin
+      }
+      store8(a.dz + row_off, dz);
+      store8(a.d_x + row_off, dx);
+    }
+    row_off += H;
+    slot = slot + 1 == S ? 0 : slot + 1;
+  }
+  cp_async_wait<0>();  // no copy outlives the block (a block with fewer rows than S - 1 issued only empty groups)
+  // This block's column sums (zeros for a block without rows), as the row-group kernel writes them.
+  if (!owns) return;
+  float* out = a.partial + static_cast<int64_t>(blockIdx.x) * 3 * H;
+#pragma unroll
+  for (int q = 0; q < 3; ++q) {
+    *reinterpret_cast<float4*>(out + q * H + j0) = make_float4(acc[q][0], acc[q][1], acc[q][2], acc[q][3]);
+    *reinterpret_cast<float4*>(out + q * H + j0 + 4) = make_float4(acc[q][4], acc[q][5], acc[q][6], acc[q][7]);
+  }
+}
+
 // ------------------------------------------------------------------------------------------------ column finish
 
 // out_q[j] += sum over b < blocks of partial[b][q][j]. Block: 32 columns x kFinishSplit row slices; slice s sums the
@@ -767,12 +1128,122 @@ void launch_row_group(LnKind kind, const LnArgs<E>& a, int vec, int blocks, bool
   }
 }
 
+// --- pipelined launch geometry (kResidual only)
+
+bool use_pipe(LnKind kind, const LnVariant& v) {
+  if (!v.row_group || v.stages == 0 || kind != LnKind::kResidual) return false;
+  NOPAD_CHECK(v.stages >= 2 && v.stages <= 4, "pipelined LayerNorm kernel: stages must be 2, 3 or 4, got ", v.stages);
+  NOPAD_CHECK(v.vectors == 0 || v.vectors == 1, "pipelined LayerNorm kernel: one vector per thread, got ", v.vectors);
+  return true;
+}
+template <class E>
+const void* pipe_kernel(int stages, bool backward) {
+  switch (stages) {
+    case 2: return backward ? reinterpret_cast<const void*>(&ln_backward_pipe_kernel<E, 2>)
+                            : reinterpret_cast<const void*>(&ln_forward_pipe_kernel<E, 2>);
+    case 3: return backward ? reinterpret_cast<const void*>(&ln_backward_pipe_kernel<E, 3>)
+                            : reinterpret_cast<const void*>(&ln_forward_pipe_kernel<E, 3>);
+    default: return backward ? reinterpret_cast<const void*>(&ln_backward_pipe_kernel<E, 4>)
+                             : reinterpret_cast<const void*>(&ln_forward_pipe_kernel<E, 4>);
+  }
+}
+// Resident blocks per SM of a pipelined kernel at `threads` (host queries, once per kernel and block size; the
+// shared-memory carveout is set to its maximum first, since the rings are what limits residency).
+template <class E>
+int pipe_occupancy(int stages, bool backward, int threads) {
+  static std::atomic<int> cache[3][2][5] = {};  // per E: stages - 2, backward, threads / 32
+  std::atomic<int>& slot = cache[stages - 2][backward ? 1 : 0][threads / 32];
+  int n = slot.load(std::memory_order_relaxed);
+  if (n > 0) return n;
+  const void* fn = pipe_kernel<E>(stages, backward);
+  NOPAD_CUDA_CHECK(cudaFuncSetAttribute(fn, cudaFuncAttributePreferredSharedMemoryCarveout,
+                                        static_cast<int>(cudaSharedmemCarveoutMaxShared)));
+  NOPAD_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, fn, threads, 0));
+  n = n > 0 ? n : 1;
+  slot.store(n, std::memory_order_relaxed);
+  return n;
+}
+// Blocks: as many as fit (the backward at most 8 per SM, as the row-group kernel: few partials), or the variant's
+// blocks_per_sm; at most one per row, and no block without rows.
+template <class E>
+int pipe_blocks(int32_t H, int64_t rows, const LnVariant& v, int sm_count, bool backward) {
+  if (rows <= 0) return 1;
+  const int occ = pipe_occupancy<E>(v.stages, backward, rg_threads(H, 1));
+  const int per_sm = v.blocks_per_sm > 0 ? std::min(v.blocks_per_sm, occ) : (backward ? std::min(occ, 8) : occ);
+  const int64_t cap = static_cast<int64_t>(per_sm) * (sm_count > 0 ? sm_count : 1);
+  const int64_t blocks = std::min<int64_t>(rows, cap);
+  const int64_t rows_per_block = (rows + blocks - 1) / blocks;
+  return static_cast<int>((rows + rows_per_block - 1) / rows_per_block);
+}
+template <class E, int S>
+void launch_pipe_s(const LnArgs<E>& a, int blocks, bool backward, cudaStream_t stream) {
+  const int threads = rg_threads(a.H, 1);
+  const int64_t rows_per_block = (a.rows + blocks - 1) / blocks;
+  if (backward)
+    ln_backward_pipe_kernel<E, S><<<blocks, threads, 0, stream>>>(a, rows_per_block);
+  else
+    ln_forward_pipe_kernel<E, S><<<blocks, threads, 0, stream>>>(a, rows_per_block);
+  NOPAD_CUDA_CHECK_LAUNCH();
+}
+// The pipelined warp-per-row forward (kResidual, LnVariant{false, 0, blocks_per_sm, 2}).
+bool use_pipe_warp(LnKind kind, const LnVariant& v) {
+  if (v.row_group || v.stages == 0 || kind != LnKind::kResidual) return false;
+  NOPAD_CHECK(v.stages == 2, "pipelined warp-per-row LayerNorm kernel: 2 stages only, got ", v.stages);
+  return true;
+}
+template <class E, int VPL>
+void launch_pipe_warp_vpl(const LnArgs<E>& a, const LnVariant& v, int sm_count, cudaStream_t stream) {
+  static std::atomic<int> occupancy{0};  // per E and VPL: resident blocks per SM (host query, once)
+  int occ = occupancy.load(std::memory_order_relaxed);
+  if (occ == 0) {
+    const void* fn = reinterpret_cast<const void*>(&ln_forward_pipe_warp_kernel<E, VPL>);
+    NOPAD_CUDA_CHECK(cudaFuncSetAttribute(fn, cudaFuncAttributePreferredSharedMemoryCarveout,
+                                          static_cast<int>(cudaSharedmemCarveoutMaxShared)));
+    NOPAD_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&occ, fn, kWarps * 32, 0));
+    occ = occ > 0 ? occ : 1;
+    occupancy.store(occ, std::memory_order_relaxed);
+  }
+  const int per_sm = v.blocks_per_sm > 0 ? std::min(v.blocks_per_sm, occ) : occ;
+  const int64_t cap = static_cast<int64_t>(per_sm) * (sm_count > 0 ? sm_count : 1);
+  const int64_t blocks = std::min<int64_t>(ceil_div(a.rows, kWarps), cap);  // at least one row per warp
+  const int64_t rows_per_block = (a.rows + blocks - 1) / blocks;
+  ln_forward_pipe_warp_kernel<E, VPL><<<ceil_div(a.rows, rows_per_block), kWarps * 32, 0, stream>>>(a, rows_per_block);
+  NOPAD_CUDA_CHECK_LAUNCH();
+}
+template <class E>
+void launch_pipe_warp(const LnArgs<E>& a, const LnVariant& v, int sm_count, cudaStream_t stream) {
+  if (a.H <= 256)
+    launch_pipe_warp_vpl<E, 1>(a, v, sm_count, stream);
+  else if (a.H <= 512)
+    launch_pipe_warp_vpl<E, 2>(a, v, sm_count, stream);
+  else
+    launch_pipe_warp_vpl<E, 4>(a, v, sm_count, stream);
+}
+
+template <class E>
+void launch_pipe(const LnArgs<E>& a, int stages, int blocks, bool backward, cudaStream_t stream) {
+  if (stages == 2)
+    launch_pipe_s<E, 2>(a, blocks, backward, stream);
+  else if (stages == 3)
+    launch_pipe_s<E, 3>(a, blocks, backward, stream);
+  else
+    launch_pipe_s<E, 4>(a, blocks, backward, stream);
+}
+
 }  // namespace
 
 template <class E>
 void launch_ln_forward(LnKind kind, const LnArgs<E>& a, const LnVariant& v, int sm_count, cudaStream_t stream) {
   check_hidden(a.H);
   if (a.rows <= 0) return;
+  if (use_pipe(kind, v)) {
+    launch_pipe(a, v.stages, pipe_blocks<E>(a.H, a.rows, v, sm_count, false), false, stream);
+    return;
+  }
+  if (use_pipe_warp(kind, v)) {
+    launch_pipe_warp(a, v, sm_count, stream);
+    return;
+  }
   if (v.row_group) {
     launch_row_group(kind, a, rg_vectors(v, a.H, false), rg_blocks<E>(kind, a.H, a.rows, v, sm_count, false), false,
                      stream);
@@ -788,6 +1259,7 @@ void launch_ln_forward(LnKind kind, const LnArgs<E>& a, const LnVariant& v, int 
 template <class E>
 int ln_backward_blocks(LnKind kind, int32_t H, int64_t rows, const LnVariant& v, int sm_count) {
   check_hidden(H);
+  if (use_pipe(kind, v)) return pipe_blocks<E>(H, rows, v, sm_count, true);
   if (v.row_group) return rg_blocks<E>(kind, H, rows, v, sm_count, true);
   const int64_t wanted = (rows + kWarps - 1) / kWarps;
   const int64_t cap = 2 * static_cast<int64_t>(sm_count > 0 ? sm_count : 1);  // a few rows per warp, small partials
@@ -797,6 +1269,11 @@ int ln_backward_blocks(LnKind kind, int32_t H, int64_t rows, const LnVariant& v,
 template <class E>
 void launch_ln_backward(LnKind kind, const LnArgs<E>& a, const LnVariant& v, int blocks, cudaStream_t stream) {
   check_hidden(a.H);
+  if (use_pipe(kind, v)) {
+    NOPAD_CHECK(blocks >= 1, "LayerNorm backward with ", blocks, " blocks");
+    launch_pipe(a, v.stages, blocks, true, stream);
+    return;
+  }
   if (v.row_group) {
     NOPAD_CHECK(blocks >= 1, "LayerNorm backward with ", blocks, " blocks");
     launch_row_group(kind, a, rg_vectors(v, a.H, true), blocks, true, stream);
