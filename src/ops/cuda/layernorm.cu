@@ -613,7 +613,8 @@ __global__ void __launch_bounds__(128 / V, ln_backward_min_blocks<K, V>())
 // keeps one row in flight per block, so a block waits out a memory latency per row; here S - 1 rows are in flight
 // and the copies need no registers. Each thread copies and later reads only its own vectors (and, in the backward, its
 // own copy of the row's mean and rstd), so cp.async.wait_group alone orders them: no barrier beyond the row sums'.
-// The same arithmetic, dropout draws and column-partial layout as the row-group kernel with V = 1.
+// The same dropout draws and column-partial layout as the row-group kernel with V = 1; the backward's row sums are
+// scaled by 1/H (see ln_backward_pipe_kernel).
 constexpr int kPipeThreads = 128;  // T for H = 1024, the largest H
 
 __device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
