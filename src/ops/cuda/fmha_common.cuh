@@ -13,6 +13,7 @@
 #include "core/error.h"
 #include "core/philox.h"
 #include "ops/cuda/check.h"
+#include "ops/cuda/cp_async.cuh"
 #include "ops/cuda/fmha.h"
 #include "ops/cuda/fmha_dropout.h"
 
@@ -36,27 +37,12 @@ __device__ __forceinline__ int swz(int row, int chunk) {
   }
 }
 
-__device__ __forceinline__ uint32_t smem_u32(const void* p) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
-
-// 16-byte global -> shared copy; when !valid the 16 bytes are zero-filled and src is not read (src-size 0).
-__device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool valid) {
-  const int src_bytes = valid ? 16 : 0;
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_u32(smem)), "l"(gmem), "r"(src_bytes)
-               : "memory");
-}
-// 4-byte global -> shared copy (cp.async.ca: the only size below 16 that cp.async takes); zero-filled when !valid.
-__device__ __forceinline__ void cp_async4(void* smem, const void* gmem, bool valid) {
-  const int src_bytes = valid ? 4 : 0;
-  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(smem_u32(smem)), "l"(gmem), "r"(src_bytes)
-               : "memory");
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
-template <int N>
-__device__ __forceinline__ void cp_async_wait() {
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
-}
+// The cp.async helpers (ops/cuda/cp_async.cuh), also under this namespace for the files that name them so.
+using nopad::cuda::cp_async16;
+using nopad::cuda::cp_async4;
+using nopad::cuda::cp_async_commit;
+using nopad::cuda::cp_async_wait;
+using nopad::cuda::smem_u32;
 
 // The 16-byte copies of a kRows x HD tile of a row-major global matrix (leading dimension ld elements) into a
 // swizzled shared tile, planned once per thread: thread tid copies chunk tid % (HD/8) of rows row0 + k * kStep

@@ -36,6 +36,7 @@
 #include <atomic>
 
 #include "ops/cuda/check.h"
+#include "ops/cuda/cp_async.cuh"
 #include "ops/cuda/dense.h"
 #include "ops/cuda/kernels.cuh"
 
@@ -340,9 +341,11 @@ __device__ __forceinline__ float keep_scale(uint32_t bits, int bit, float scale)
   return (bits >> bit) & 1u ? scale : 0.0f;
 }
 
-// Sums over the row (the whole block). kTwo: x and y together. Every thread gets the same bits (xor butterfly, then
-// the warps' sums added in warp order). red is [2][2][32]; `parity` alternates the halves, so one barrier suffices:
-// a half is rewritten only after the next reduction's barrier, which every reader of it has passed.
+// Sums over the row (the whole block of at most kMaxRowWarps warps: rg_threads <= 128 for H <= 1024). kTwo: x and y
+// together. Every thread gets the same bits (xor butterfly, then the warps' sums added in warp order, in an unrolled
+// loop). red is [2][2][32]; `parity` alternates the halves, so one barrier suffices: a half is rewritten only after
+// the next reduction's barrier, which every reader of it has passed.
+constexpr int kMaxRowWarps = 4;
 template <bool kTwo>
 __device__ __forceinline__ void row_sum(float& x, float& y, float (*red)[2][32], int& parity) {
   x = warp_sum(x);
@@ -355,11 +358,13 @@ __device__ __forceinline__ void row_sum(float& x, float& y, float (*red)[2][32],
     if constexpr (kTwo) red[parity][1][warp] = y;
   }
   __syncthreads();
-  float sx = 0.0f, sy = 0.0f;
-  for (int w = 0; w < nwarps; ++w) {
-    sx += red[parity][0][w];
-    if constexpr (kTwo) sy += red[parity][1][w];
-  }
+  float sx = red[parity][0][0], sy = kTwo ? red[parity][1][0] : 0.0f;
+#pragma unroll
+  for (int w = 1; w < kMaxRowWarps; ++w)
+    if (w < nwarps) {
+      sx += red[parity][0][w];
+      if constexpr (kTwo) sy += red[parity][1][w];
+    }
   x = sx;
   if constexpr (kTwo) y = sy;
   parity ^= 1;
@@ -615,69 +620,14 @@ __global__ void __launch_bounds__(128 / V, ln_backward_min_blocks<K, V>())
 // own copy of the row's mean and rstd), so cp.async.wait_group alone orders them: no barrier beyond the row sums'.
 // The same dropout draws and column-partial layout as the row-group kernel with V = 1; the backward's row sums are
 // scaled by 1/H (see ln_backward_pipe_kernel).
-constexpr int kPipeThreads = 128;  // T for H = 1024, the largest H
+constexpr int kPipeThreads = 32 * kMaxRowWarps;  // T for H = 1024, the largest H
 
-__device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-  const uint32_t s = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(s), "l"(gmem) : "memory");
-#else
-  *reinterpret_cast<uint4*>(smem) = *reinterpret_cast<const uint4*>(gmem);
-#endif
-}
-__device__ __forceinline__ void cp_async4(void* smem, const void* gmem) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-  const uint32_t s = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
-  asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(s), "l"(gmem) : "memory");
-#else
-  *reinterpret_cast<float*>(smem) = *reinterpret_cast<const float*>(gmem);
-#endif
-}
-// Closes the group of copies issued since the last commit (an empty group is allowed: every iteration commits one,
-// so the group count stays aligned with the rows).
-__device__ __forceinline__ void cp_async_commit() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-  asm volatile("cp.async.commit_group;\n" ::: "memory");
-#endif
-}
-// Waits until at most N of this thread's groups are still pending.
-template <int N>
-__device__ __forceinline__ void cp_async_wait() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
-#endif
-}
 template <class E>
 __device__ __forceinline__ Vec8<E> smem_vec(const uint4& u) {
   const uint4 v = u;  // one 128-bit shared load
   Vec8<E> x;
   memcpy(&x, &v, sizeof x);
   return x;
-}
-
-// row_sum for blocks of at most kPipeThreads threads: the warps' sums added in warp order in an unrolled loop.
-template <bool kTwo>
-__device__ __forceinline__ void pipe_row_sum(float& x, float& y, float (*red)[2][32], int& parity) {
-  x = warp_sum(x);
-  if constexpr (kTwo) y = warp_sum(y);
-  const int nwarps = blockDim.x >> 5;
-  if (nwarps == 1) return;
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  if (lane == 0) {
-    red[parity][0][warp] = x;
-    if constexpr (kTwo) red[parity][1][warp] = y;
-  }
-  __syncthreads();
-  float sx = red[parity][0][0], sy = kTwo ? red[parity][1][0] : 0.0f;
-#pragma unroll
-  for (int w = 1; w < kPipeThreads / 32; ++w)
-    if (w < nwarps) {
-      sx += red[parity][0][w];
-      if constexpr (kTwo) sy += red[parity][1][w];
-    }
-  x = sx;
-  if constexpr (kTwo) y = sy;
-  parity ^= 1;
 }
 
 template <class E, int S>
@@ -725,13 +675,13 @@ __global__ void __launch_bounds__(kPipeThreads) ln_forward_pipe_kernel(const LnA
         sum += z[i];
       }
     }
-    pipe_row_sum<false>(sum, unused, red, parity);
+    row_sum<false>(sum, unused, red, parity);
     const float mean = sum / static_cast<float>(H);
     float sq = 0.0f;
     if (owns)
 #pragma unroll
       for (int i = 0; i < 8; ++i) sq += (z[i] - mean) * (z[i] - mean);
-    pipe_row_sum<false>(sq, unused, red, parity);
+    row_sum<false>(sq, unused, red, parity);
     const float rstd = 1.0f / sqrtf(sq / static_cast<float>(H) + a.eps);
     if (owns) {
       float g[8], b[8], o[8];
@@ -933,7 +883,7 @@ __global__ void __launch_bounds__(kPipeThreads, 5) ln_backward_pipe_kernel(const
         acc[1][i] += dy[i];
       }
     }
-    pipe_row_sum<true>(sum_g, sum_gx, red, parity);
+    row_sum<true>(sum_g, sum_gx, red, parity);
     sum_g *= inv_h;
     sum_gx *= inv_h;
     if (owns) {
@@ -1067,34 +1017,50 @@ const void* rg_kernel_for(LnKind kind, int vec, bool backward) {
   return nullptr;
 }
 
-// Resident blocks per SM of a row-group kernel (cudaOccupancy*, a host query; cached per kernel and block size; the
-// element types' kernels are separate entries, as their register counts may differ).
-template <class E>
-int rg_occupancy(LnKind kind, int vec, bool backward, int threads) {
-  static std::atomic<int> cache[3][3][2][5] = {};  // per E: kind, log2 vec, backward, threads / 32
-  const int vi = vec == 1 ? 0 : (vec == 2 ? 1 : 2);
-  std::atomic<int>& slot = cache[static_cast<int>(kind)][vi][backward ? 1 : 0][threads / 32];
+// Resident blocks per SM of `fn` at `threads` (cudaOccupancy*, a host query, cached in `slot`: once per kernel and
+// block size); max_shared: the shared-memory carveout is set to its maximum first (kernels whose rings limit
+// residency).
+int cached_occupancy(std::atomic<int>& slot, const void* fn, int threads, bool max_shared) {
   int n = slot.load(std::memory_order_relaxed);
   if (n > 0) return n;
-  NOPAD_CUDA_CHECK(
-      cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, rg_kernel_for<E>(kind, vec, backward), threads, 0));
+  if (max_shared)
+    NOPAD_CUDA_CHECK(cudaFuncSetAttribute(fn, cudaFuncAttributePreferredSharedMemoryCarveout,
+                                          static_cast<int>(cudaSharedmemCarveoutMaxShared)));
+  NOPAD_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, fn, threads, 0));
   n = n > 0 ? n : 1;
   slot.store(n, std::memory_order_relaxed);
   return n;
 }
+// Most blocks of a grid whose blocks walk row ranges: blocks_per_sm x SMs, capped by residency `occ`; by default as
+// many as fit, the backward at most 8 per SM (enough rows in flight, few partials).
+int64_t block_cap(const LnVariant& v, int occ, bool backward, int sm_count) {
+  const int per_sm = v.blocks_per_sm > 0 ? std::min(v.blocks_per_sm, occ) : (backward ? std::min(occ, 8) : occ);
+  return static_cast<int64_t>(per_sm) * (sm_count > 0 ? sm_count : 1);
+}
+// Blocks of such a grid: at most max_blocks, each ceil(rows / blocks) rows, none without rows (rows > 0).
+int row_range_grid(int64_t rows, int64_t max_blocks) {
+  const int64_t blocks = std::min<int64_t>(rows, std::max<int64_t>(max_blocks, 1));
+  const int64_t rows_per_block = (rows + blocks - 1) / blocks;
+  return static_cast<int>((rows + rows_per_block - 1) / rows_per_block);
+}
 
-// Blocks of a row-group grid: blocks_per_sm x SMs (capped by residency; the backward's default caps at 8 blocks per
-// SM, enough rows in flight, few partials), at most one per row, and no block without rows.
+// Resident blocks per SM of a row-group kernel (the element types' kernels are separate entries, as their register
+// counts may differ).
+template <class E>
+int rg_occupancy(LnKind kind, int vec, bool backward, int threads) {
+  static std::atomic<int> cache[3][3][2][5] = {};  // per E: kind, log2 vec, backward, threads / 32
+  const int vi = vec == 1 ? 0 : (vec == 2 ? 1 : 2);
+  return cached_occupancy(cache[static_cast<int>(kind)][vi][backward ? 1 : 0][threads / 32],
+                          rg_kernel_for<E>(kind, vec, backward), threads, false);
+}
+
+// Blocks of a row-group grid (block_cap, row_range_grid).
 template <class E>
 int rg_blocks(LnKind kind, int32_t H, int64_t rows, const LnVariant& v, int sm_count, bool backward) {
   if (rows <= 0) return 1;
   const int vec = rg_vectors(v, H, backward);
   const int occ = rg_occupancy<E>(kind, vec, backward, rg_threads(H, vec));
-  int per_sm = v.blocks_per_sm > 0 ? std::min(v.blocks_per_sm, occ) : (backward ? std::min(occ, 8) : occ);
-  const int64_t cap = static_cast<int64_t>(per_sm) * (sm_count > 0 ? sm_count : 1);
-  const int64_t blocks = std::min<int64_t>(rows, cap);
-  const int64_t rows_per_block = (rows + blocks - 1) / blocks;
-  return static_cast<int>((rows + rows_per_block - 1) / rows_per_block);
+  return row_range_grid(rows, block_cap(v, occ, backward, sm_count));
 }
 
 template <LnKind K, int V, class E>
@@ -1148,33 +1114,15 @@ const void* pipe_kernel(int stages, bool backward) {
                              : reinterpret_cast<const void*>(&ln_forward_pipe_kernel<E, 4>);
   }
 }
-// Resident blocks per SM of a pipelined kernel at `threads` (host queries, once per kernel and block size; the
-// shared-memory carveout is set to its maximum first, since the rings are what limits residency).
-template <class E>
-int pipe_occupancy(int stages, bool backward, int threads) {
-  static std::atomic<int> cache[3][2][5] = {};  // per E: stages - 2, backward, threads / 32
-  std::atomic<int>& slot = cache[stages - 2][backward ? 1 : 0][threads / 32];
-  int n = slot.load(std::memory_order_relaxed);
-  if (n > 0) return n;
-  const void* fn = pipe_kernel<E>(stages, backward);
-  NOPAD_CUDA_CHECK(cudaFuncSetAttribute(fn, cudaFuncAttributePreferredSharedMemoryCarveout,
-                                        static_cast<int>(cudaSharedmemCarveoutMaxShared)));
-  NOPAD_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, fn, threads, 0));
-  n = n > 0 ? n : 1;
-  slot.store(n, std::memory_order_relaxed);
-  return n;
-}
-// Blocks: as many as fit (the backward at most 8 per SM, as the row-group kernel: few partials), or the variant's
-// blocks_per_sm; at most one per row, and no block without rows.
+// Blocks of a pipelined row-group grid (block_cap, row_range_grid; the rings are what limits residency).
 template <class E>
 int pipe_blocks(int32_t H, int64_t rows, const LnVariant& v, int sm_count, bool backward) {
   if (rows <= 0) return 1;
-  const int occ = pipe_occupancy<E>(v.stages, backward, rg_threads(H, 1));
-  const int per_sm = v.blocks_per_sm > 0 ? std::min(v.blocks_per_sm, occ) : (backward ? std::min(occ, 8) : occ);
-  const int64_t cap = static_cast<int64_t>(per_sm) * (sm_count > 0 ? sm_count : 1);
-  const int64_t blocks = std::min<int64_t>(rows, cap);
-  const int64_t rows_per_block = (rows + blocks - 1) / blocks;
-  return static_cast<int>((rows + rows_per_block - 1) / rows_per_block);
+  static std::atomic<int> cache[3][2][5] = {};  // per E: stages - 2, backward, threads / 32
+  const int threads = rg_threads(H, 1);
+  const int occ = cached_occupancy(cache[v.stages - 2][backward ? 1 : 0][threads / 32],
+                                   pipe_kernel<E>(v.stages, backward), threads, true);
+  return row_range_grid(rows, block_cap(v, occ, backward, sm_count));
 }
 template <class E, int S>
 void launch_pipe_s(const LnArgs<E>& a, int blocks, bool backward, cudaStream_t stream) {
@@ -1194,21 +1142,14 @@ bool use_pipe_warp(LnKind kind, const LnVariant& v) {
 }
 template <class E, int VPL>
 void launch_pipe_warp_vpl(const LnArgs<E>& a, const LnVariant& v, int sm_count, cudaStream_t stream) {
-  static std::atomic<int> occupancy{0};  // per E and VPL: resident blocks per SM (host query, once)
-  int occ = occupancy.load(std::memory_order_relaxed);
-  if (occ == 0) {
-    const void* fn = reinterpret_cast<const void*>(&ln_forward_pipe_warp_kernel<E, VPL>);
-    NOPAD_CUDA_CHECK(cudaFuncSetAttribute(fn, cudaFuncAttributePreferredSharedMemoryCarveout,
-                                          static_cast<int>(cudaSharedmemCarveoutMaxShared)));
-    NOPAD_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&occ, fn, kWarps * 32, 0));
-    occ = occ > 0 ? occ : 1;
-    occupancy.store(occ, std::memory_order_relaxed);
-  }
-  const int per_sm = v.blocks_per_sm > 0 ? std::min(v.blocks_per_sm, occ) : occ;
-  const int64_t cap = static_cast<int64_t>(per_sm) * (sm_count > 0 ? sm_count : 1);
-  const int64_t blocks = std::min<int64_t>(ceil_div(a.rows, kWarps), cap);  // at least one row per warp
+  static std::atomic<int> occupancy{0};  // per E and VPL
+  const int occ = cached_occupancy(occupancy, reinterpret_cast<const void*>(&ln_forward_pipe_warp_kernel<E, VPL>),
+                                   kWarps * 32, true);
+  // At least one row per warp.
+  const int64_t cap = std::min<int64_t>(ceil_div(a.rows, kWarps), block_cap(v, occ, false, sm_count));
+  const int blocks = row_range_grid(a.rows, cap);
   const int64_t rows_per_block = (a.rows + blocks - 1) / blocks;
-  ln_forward_pipe_warp_kernel<E, VPL><<<ceil_div(a.rows, rows_per_block), kWarps * 32, 0, stream>>>(a, rows_per_block);
+  ln_forward_pipe_warp_kernel<E, VPL><<<blocks, kWarps * 32, 0, stream>>>(a, rows_per_block);
   NOPAD_CUDA_CHECK_LAUNCH();
 }
 template <class E>
