@@ -3,7 +3,8 @@
 # each of the bias epilogue and the erf-GELU epilogue (CudaPerf.GeluForward, T = 24,657, k=1024 n=4096) and of the
 # scale epilogue (the saved GELU derivative, CudaPerf.FfnBackward; profile name bwd-dgelu): speed of light, warp
 # states, memory, and per-instruction stall samples (SASS CSV) into $OUT. Usage: OUT=... bash scripts/ncu-gemm.sh
-#   PROFILES="fwd-bias fwd-gelu bwd-dgelu"   which of the three launches to profile (default: all)
+#   PROFILES="fwd-bias fwd-gelu bwd-dgelu"   which launches to profile (default: these three; also fwd-gelu-cb0, the
+#                                            table with no consumer share, and fwd-gelu-arith, the arithmetic GELU)
 set -u
 cd "$(dirname "$0")/.."
 OUT=${OUT:-out/ncu-gemm}
@@ -19,8 +20,13 @@ prof() {  # name filter skip
   grep -E "Duration|Throughput|Eligible|Issue Slots|Warp Cycles Per|No Eligible" $OUT/$1.txt | head -20
 }
 PROFILES=${PROFILES:-fwd-bias fwd-gelu bwd-dgelu}
+# Launch indices of gemm_sm90_kernel in CudaPerf/bf16.GeluForward: 28 per configuration (3 warm-up + 25 timed), the
+# bias product first (0-27), then the GELU configurations in the test's order: table with 0, 1, 2 consumer box columns
+# (erf, tanh each: 28-195), then the arithmetic GELU likewise (196-363). fwd-gelu = table, 1 column, erf (the default).
 [[ " $PROFILES " == *" fwd-bias "* ]] && prof fwd-bias 'CudaPerf/bf16.GeluForward' 3
-[[ " $PROFILES " == *" fwd-gelu "* ]] && prof fwd-gelu 'CudaPerf/bf16.GeluForward' 31
+[[ " $PROFILES " == *" fwd-gelu "* ]] && prof fwd-gelu 'CudaPerf/bf16.GeluForward' 87
+[[ " $PROFILES " == *" fwd-gelu-cb0 "* ]] && prof fwd-gelu-cb0 'CudaPerf/bf16.GeluForward' 31
+[[ " $PROFILES " == *" fwd-gelu-arith "* ]] && prof fwd-gelu-arith 'CudaPerf/bf16.GeluForward' 255
 [[ " $PROFILES " == *" bwd-dgelu "* ]] && prof bwd-dgelu 'CudaPerf/bf16.FfnBackward' 3
 rm -f $OUT/fwd-bias-sass.csv
 ls -la $OUT

@@ -37,6 +37,7 @@
 #include "ops/cuda/cuda_backend.h"
 #include "ops/cuda/dense.h"  // KernelVariants: which implementation of each memory-bound op runs
 #include "ops/cuda/gemm_sm90.h"
+#include "ops/gelu_table.h"
 
 namespace nopad {
 namespace {
@@ -662,25 +663,29 @@ TYPED_TEST(CudaOps, GemmSm90Epilogues) {
   struct Case {
     int64_t m;
     int32_t n, k;
+    float bias_range = 0.5f;
   };
   // The last two have more tiles than an H100 or H200 has SMs (200 and 144): CTAs take 2-3 tiles, so the deferred
-  // epilogue work of one tile runs inside the next tile's main loop (the others only reach the final flush).
+  // epilogue work of one tile runs inside the next tile's main loop (the others only reach the final flush). The
+  // wide-bias case puts pre-activations beyond the GELU table's |x| < 16 in most chunks (its other end, |x| < 2^-12,
+  // occurs in every case at random).
   const Case cases[] = {{1, 256, 64},    {63, 256, 128},   {64, 512, 64},    {65, 256, 192},
                         {127, 768, 64},  {128, 256, 1024}, {129, 512, 256},  {1000, 256, 320},
-                        {12800, 512, 256}, {4500, 1024, 1024}};
+                        {12800, 512, 256}, {4500, 1024, 1024}, {700, 512, 128, 24.0f}};
   auto r16 = [](double x) { return to_float(convert<E>(static_cast<float>(x))); };
   // The CPU twin's activations, in double
   auto gelu = [](double x, bool tanh) { return tanh ? ops::cpu::gelu_tanh(x) : ops::cpu::gelu(x); };
   auto gelu_grad = [](double x, bool tanh) { return tanh ? ops::cpu::gelu_tanh_grad(x) : ops::cpu::gelu_grad(x); };
   for (const Case& c : cases) {
-    const std::string tag = "m=" + std::to_string(c.m) + " n=" + std::to_string(c.n) + " k=" + std::to_string(c.k);
+    const std::string tag = "m=" + std::to_string(c.m) + " n=" + std::to_string(c.n) + " k=" + std::to_string(c.k) +
+                            (c.bias_range != 0.5f ? " bias +-" + std::to_string(c.bias_range) : "");
     SCOPED_TRACE(tag);
     std::printf("  gemm_sm90 %s\n", tag.c_str());
     Rng rng({31u, static_cast<uint64_t>(c.m), static_cast<uint64_t>(c.n), static_cast<uint64_t>(c.k)});
     const float ws = 2.0f / std::sqrt(static_cast<float>(c.k));
     const size_t mn = static_cast<size_t>(c.m) * c.n, padded = mn + size_t{3} * c.n;
     Vec a = rand_vec<E>(rng, size_t(c.m) * c.k, -1, 1), b = rand_vec<E>(rng, size_t(c.n) * c.k, -ws, ws),
-        bias = rand_vec<E>(rng, c.n, -0.5f, 0.5f), aux = rand_vec<E>(rng, mn, -0.17f, 1.13f);
+        bias = rand_vec<E>(rng, c.n, -c.bias_range, c.bias_range), aux = rand_vec<E>(rng, mn, -0.17f, 1.13f);
     std::vector<double> acc(mn);
     {
       const int nthreads = std::max(1u, std::thread::hardware_concurrency());
@@ -731,25 +736,34 @@ TYPED_TEST(CudaOps, GemmSm90Epilogues) {
           grad[i] = r16(gelu_grad(pre, tanh));
           y[i] = r16(gelu(pre, tanh));
         }
-        // The consumers' share of the GELU (one or two box columns per tile), and the stage release before or
-        // after that share (gemm_sm90_early_release).
-        for (const int columns : {1, 2})
-          for (const bool early : {true, false}) {
-            if (columns == 2 && !early) continue;
-            SCOPED_TRACE("consumer columns " + std::to_string(columns) + (early ? ", early" : ", late") +
-                         " stage release");
-            const int saved = std::exchange(cuda::gemm_sm90_consumer_columns(), columns);
-            const bool saved_early = std::exchange(cuda::gemm_sm90_early_release(), early);
-            out0.poison();
-            out1.poison();
-            cuda::launch_gemm_sm90<D>(cuda::GemmEpilogue::kGelu, cdev(da->p), cdev(db->p), c.m, c.n, c.k,
-                                      cdev(dbias->p), dev(out0.p), dev(out1.p), nullptr, nullptr, tanh,
-                                      gpu<E>().multiprocessors(), current().stream);
-            cuda::gemm_sm90_consumer_columns() = saved;
-            cuda::gemm_sm90_early_release() = saved_early;
-            check("gelu: act_grad", out0, grad, kTolChain<E>);
-            check("gelu: y", out1, y, kTolChain<E>);
-          }
+        // The consumers' share of the GELU (none, one or two box columns per tile), the stage release before or
+        // after that share (gemm_sm90_early_release), and with bf16 the lookup table or the arithmetic GELU.
+        struct Config {
+          int columns;
+          bool early, table;
+        };
+        const std::vector<Config> configs =
+            std::is_same_v<E, bf16>
+                ? std::vector<Config>{{0, true, true}, {1, true, true}, {1, false, true}, {2, true, true},
+                                      {0, true, false}, {1, true, false}}
+                : std::vector<Config>{{0, true, false}, {1, true, false}, {1, false, false}, {2, true, false}};
+        for (const Config& cf : configs) {
+          SCOPED_TRACE("consumer columns " + std::to_string(cf.columns) + (cf.early ? ", early" : ", late") +
+                       " stage release" + (cf.table ? ", table" : ", arithmetic"));
+          const int saved = std::exchange(cuda::gemm_sm90_consumer_columns(), cf.columns);
+          const bool saved_early = std::exchange(cuda::gemm_sm90_early_release(), cf.early);
+          const bool saved_table = std::exchange(cuda::gemm_sm90_gelu_table(), cf.table);
+          out0.poison();
+          out1.poison();
+          cuda::launch_gemm_sm90<D>(cuda::GemmEpilogue::kGelu, cdev(da->p), cdev(db->p), c.m, c.n, c.k,
+                                    cdev(dbias->p), dev(out0.p), dev(out1.p), nullptr, nullptr, tanh,
+                                    gpu<E>().multiprocessors(), current().stream);
+          cuda::gemm_sm90_consumer_columns() = saved;
+          cuda::gemm_sm90_early_release() = saved_early;
+          cuda::gemm_sm90_gelu_table() = saved_table;
+          check("gelu: act_grad", out0, grad, kTolChain<E>);
+          check("gelu: y", out1, y, kTolChain<E>);
+        }
       }
       if (!tanh) {  // kScale with column partials (no activation of its own: run once)
         Vec dpre(mn), sums(size_t(chunks) * c.n, 0.0f);
@@ -784,6 +798,102 @@ TYPED_TEST(CudaOps, GemmSm90Epilogues) {
       }
     }
     ASSERT_EQ(cudaGetLastError(), cudaSuccess);
+  }
+}
+
+// The bf16 GELU epilogue on every bf16 pre-activation, bit for bit: with A one-hot (row r has 1 at column r) and no
+// bias, the product is exact and pre(r, j) = B[j][r], so B can hold every 16-bit pattern once (256 x 256; NaN and Inf
+// patterns replaced by 0, which would otherwise poison whole columns through 0 x Inf). Inside the table's range
+// (2^-12 <= |pre| < 16) y and gelu' must be the table's correctly rounded values exactly; outside it (the arithmetic
+// GELU) within one bf16 step of the exact values, or below 1e-30 in magnitude. Two layouts: pattern r * 256 + j (a
+// row holds one sign and two binades, so whole warps fall inside the range and take the all-table path) and
+// j * 256 + r (most chunks straddle the range: the per-element mixed path). Table and arithmetic GELU, erf and tanh,
+// the consumers' share 0, 1 and 2 box columns.
+TEST(CudaGemmSm90, GeluEpilogueOnEveryBf16Input) {
+  using E = bf16;
+  using D = __nv_bfloat16;
+  use_backend<E>();
+  if (!cuda::gemm_sm90_available()) GTEST_SKIP() << "needs the sm_90a build on a compute-capability 9.0 GPU";
+  constexpr int kN = 256;
+  std::vector<E> a(kN * kN, E{0});
+  for (int r = 0; r < kN; ++r) a[r * kN + r] = convert<E>(1.0f);
+  auto da = up(a);
+  DBuf<E> out0(kN * kN), out1(kN * kN);
+  auto usable = [](uint16_t h) { return (h & 0x7F80u) != 0x7F80u; };  // finite
+  for (const bool by_row : {true, false}) {
+    auto pattern = [&](int r, int j) { return static_cast<uint16_t>(by_row ? r * kN + j : j * kN + r); };
+    std::vector<E> b(kN * kN);  // b[j][q]: pre(r, j) = b[j][r]
+    for (int j = 0; j < kN; ++j)
+      for (int r = 0; r < kN; ++r) b[j * kN + r] = E{usable(pattern(r, j)) ? pattern(r, j) : uint16_t{0}};
+    auto db = up(b);
+    for (const bool tanh : {false, true}) {
+      const std::vector<uint32_t> table = ops::gelu_table_bf16(tanh);
+      for (const bool use_table : {true, false})
+        for (const int columns : {0, 1, 2}) {
+          if (!use_table && columns == 2) continue;
+          SCOPED_TRACE(std::string(by_row ? "row" : "column") + " layout, " + (tanh ? "tanh" : "erf") +
+                       (use_table ? ", table" : ", arithmetic") + ", consumer columns " + std::to_string(columns));
+          const int saved = std::exchange(cuda::gemm_sm90_consumer_columns(), columns);
+          const bool saved_table = std::exchange(cuda::gemm_sm90_gelu_table(), use_table);
+          out0.poison();
+          out1.poison();
+          cuda::launch_gemm_sm90<D>(cuda::GemmEpilogue::kGelu, reinterpret_cast<const D*>(da->p),
+                                    reinterpret_cast<const D*>(db->p), kN, kN, kN, nullptr,
+                                    reinterpret_cast<D*>(out0.p), reinterpret_cast<D*>(out1.p), nullptr, nullptr, tanh,
+                                    gpu<E>().multiprocessors(), current().stream);
+          cuda::gemm_sm90_consumer_columns() = saved;
+          cuda::gemm_sm90_gelu_table() = saved_table;
+          std::vector<E> g(kN * kN), y(kN * kN);
+          ASSERT_EQ(cudaMemcpyAsync(g.data(), out0.p, g.size() * 2, cudaMemcpyDeviceToHost, current().stream),
+                    cudaSuccess);
+          ASSERT_EQ(cudaMemcpyAsync(y.data(), out1.p, y.size() * 2, cudaMemcpyDeviceToHost, current().stream),
+                    cudaSuccess);
+          ASSERT_EQ(cudaStreamSynchronize(current().stream), cudaSuccess);
+          int table_checked = 0, table_wrong = 0, outside_checked = 0, outside_wrong = 0;
+          for (int r = 0; r < kN; ++r)
+            for (int j = 0; j < kN; ++j) {
+              const uint16_t h = b[j * kN + r].bits;
+              const uint16_t gy = y[r * kN + j].bits, gg = g[r * kN + j].bits;
+              if (use_table && ops::gelu_table_covers(h)) {
+                const uint32_t want = table[ops::gelu_table_index(h)];
+                ++table_checked;
+                if (gy != (want & 0xFFFFu) || gg != (want >> 16)) {
+                  if (table_wrong++ < 5) {
+                    ADD_FAILURE() << "pre bits " << std::hex << h << ": y " << gy << " gelu' " << gg << ", table "
+                                  << want;
+                  }
+                }
+              } else {
+                const double x = to_float(E{h});
+                ++outside_checked;
+                const double wy = ops::gelu_exact(x, tanh), wg = ops::gelu_grad_exact(x, tanh);
+                const double ey = std::fabs(to_float(E{gy}) - wy), eg = std::fabs(to_float(E{gg}) - wg);
+                // The arithmetic forms' absolute error: erf ~1e-7 (gelu' near its root at -0.75 has no relative
+                // accuracy); tanh ~1e-6 (the twin's fp32 1 + tanh u and 1 - tanh^2 u cancel for u << 0).
+                const double abs_tol = tanh ? 1e-5 : 1e-6;
+                const bool ok_y = ey <= std::max(std::fabs(wy) * std::ldexp(1.0, -7), 1e-30) || (tanh && ey <= abs_tol);
+                // gelu' of |x| >= 2^60: the tanh form's x^2 overflows fp32 (NaN, as in the twin); not compared.
+                const bool ok_g = std::fabs(x) >= std::ldexp(1.0, 60) ||
+                                  eg <= std::max(std::fabs(wg) * std::ldexp(1.0, -7), 1e-30) || eg <= abs_tol;
+                if (!ok_y || !ok_g) {
+                  if (outside_wrong++ < 5) {
+                    ADD_FAILURE() << "pre " << x << " (bits " << std::hex << h << std::dec << "): y "
+                                  << to_float(E{gy}) << " want " << wy << ", gelu' " << to_float(E{gg}) << " want "
+                                  << wg;
+                  }
+                }
+              }
+            }
+          EXPECT_EQ(table_wrong, 0);
+          EXPECT_EQ(outside_wrong, 0);
+          std::printf("  gelu epilogue, %s layout, %s, %s, consumers %d: %d table entries exact, %d outside within a step\n",
+                      by_row ? "row" : "column", tanh ? "tanh" : "erf", use_table ? "table" : "arithmetic", columns,
+                      table_checked - table_wrong, outside_checked - outside_wrong);
+          if (use_table) {
+            EXPECT_EQ(table_checked, ops::kGeluTableEntries);  // every entry met once
+          }
+        }
+    }
   }
 }
 
@@ -1361,23 +1471,30 @@ TYPED_TEST(CudaPerf, GeluForward) {
                                 current().stream);
     });
     perf_line("dense_fwd", "k=1024 n=4096, no activation (nopad GEMM)", own, 0);
-    for (const int columns : {1, 2})
-      for (bool tanh : {false, true}) {
-        cuda::KernelVariants kv;
-        kv.gelu_gemm = true;
-        VariantScope scope(kv);
-        const int saved = std::exchange(cuda::gemm_sm90_consumer_columns(), columns);
-        const double ms = median_ms([&] {
-          gpu<E>().dense_forward(x->p, w->p, bias->p, T, k, n,
-                                 tanh ? ops::Activation::kGeluTanh : ops::Activation::kGelu, y.p, pre.p);
-        });
-        cuda::gemm_sm90_consumer_columns() = saved;
-        perf_line("dense_fwd",
-                  std::string("k=1024 n=4096 GELU") + (tanh ? " tanh" : "") + ", " +
-                      (cuda::last_gelu_path() == cuda::GeluPath::kGemmSm90 ? "nopad GEMM epilogue" : "(fell back)") +
-                      ", consumers " + std::to_string(columns) + " box column" + (columns > 1 ? "s" : ""),
-                  ms, 0);
-      }
+    // The GELU epilogue: lookup table (bf16 only) or arithmetic, the consumers' share 0-2 box columns, both GELUs.
+    for (const bool table : {true, false}) {
+      if (table && !std::is_same_v<E, bf16>) continue;
+      for (const int columns : {0, 1, 2})
+        for (bool tanh : {false, true}) {
+          cuda::KernelVariants kv;
+          kv.gelu_gemm = true;
+          VariantScope scope(kv);
+          const int saved = std::exchange(cuda::gemm_sm90_consumer_columns(), columns);
+          const bool saved_table = std::exchange(cuda::gemm_sm90_gelu_table(), table);
+          const double ms = median_ms([&] {
+            gpu<E>().dense_forward(x->p, w->p, bias->p, T, k, n,
+                                   tanh ? ops::Activation::kGeluTanh : ops::Activation::kGelu, y.p, pre.p);
+          });
+          cuda::gemm_sm90_consumer_columns() = saved;
+          cuda::gemm_sm90_gelu_table() = saved_table;
+          perf_line("dense_fwd",
+                    std::string("k=1024 n=4096 GELU") + (tanh ? " tanh" : "") + ", " +
+                        (cuda::last_gelu_path() == cuda::GeluPath::kGemmSm90 ? "nopad GEMM epilogue" : "(fell back)") +
+                        (table ? ", table" : ", arithmetic") + ", consumers " + std::to_string(columns) + " box col" +
+                        (columns == 1 ? "" : "s"),
+                    ms, 0);
+        }
+    }
   }
   for (bool wide : {false, true}) {
     cuda::KernelVariants kv;

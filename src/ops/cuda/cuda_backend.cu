@@ -78,6 +78,7 @@ CudaBackendT<P>::CudaBackendT(int device) : device_(device) {
   for (cudaEvent_t& e : fences_) NOPAD_CUDA_CHECK(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
   NOPAD_CUDA_CHECK(cudaEventCreateWithFlags(&uploads_done_, cudaEventDisableTiming));
   gemm_ = std::make_unique<LtGemm>();
+  gemm_sm90_prepare();  // the GELU epilogue's lookup tables, uploaded now rather than inside the first step
   attn_schedule_ = ops::attention_schedule_from_env();
   attn_streams_ = std::make_unique<FmhaStreams>(ops::AttentionSchedule::kMaxStreams);
 }

@@ -14,7 +14,9 @@
 //   memory from registers, TMA-store each 64 x 64 box of y when complete, and release the staging ("freed", which
 //   also carries the next tile's bias) while the consumers run the next tile's main loop. The consumers take the
 //   last box column of their own half themselves, one unit per k-block of the next main loop, so that the two
-//   shares fit beside the products.
+//   shares fit beside the products (gemm_sm90_consumer_columns). With bf16, a unit reads y and gelu' of each element
+//   from a 16 KB table copied into shared memory at the start (ops/gelu_table.h; the arithmetic GELU only for the
+//   rare elements outside its range), about a sixth of the arithmetic form's instructions.
 // - kScale: no epilogue warps (the producer warpgroup gives its registers away). Each consumer warpgroup TMA-loads
 //   its half of the tile's aux into its staging half-way through the main loop (its thread 0 first waits for the
 //   previous tile's stores to have read the staging: late enough that this rarely holds the warpgroup), multiplies
@@ -27,15 +29,19 @@
 #include <cudaTypedefs.h>
 
 #include <algorithm>
+#include <array>
 #include <cstdlib>
+#include <mutex>
 #include <string_view>
 #include <type_traits>
+#include <vector>
 
 #include "core/error.h"
 #include "ops/cuda/check.h"
 #include "ops/cuda/fmha_wgmma.cuh"
 #include "ops/cuda/gemm_sm90.h"
 #include "ops/cuda/kernels.cuh"
+#include "ops/gelu_table.h"
 
 namespace nopad::cuda {
 namespace gemm90 {
@@ -60,13 +66,16 @@ constexpr int kABytes = kBM * kBK * 2, kBBytes = kBN * kBK * 2, kStageBytes = kA
 // loop and the product overwrites it in place.
 constexpr int kBoxBytes = 64 * 64 * 2, kStageOutBytes = 4 * kBoxBytes;
 constexpr int kRedBytes = 2 * 4 * kBN * 4;  // kScale: per consumer warpgroup, its 4 warps' column sums
+// kGelu (bf16): the GELU table (ops/gelu_table.h) in the same region, which kScale alone uses for its sums.
+constexpr int kTabBytes = ops::kGeluTableBytes;
+constexpr int kRegionBytes = kRedBytes > kTabBytes ? kRedBytes : kTabBytes;
 constexpr int kBiasBytes = 2 * kBN * 2;     // kGelu: the bias of a CTA's next two tiles, by tile parity
 constexpr int kBarBytes = (2 * kStages + 6) * 8;
 // kGelu: the consumers compute y and gelu' of the last gemm_sm90_consumer_columns() box columns of their own half
 // (units of 16 rows, one per k-block of the next tile's main loop), the epilogue warps those of the others, so that
 // their shares of the GELU's issue time fit beside the products.
 constexpr int kSmemBytes =
-    fmha_detail::kSmemAlign + kStages * kStageBytes + 2 * kStageOutBytes + kRedBytes + kBiasBytes + kBarBytes;
+    fmha_detail::kSmemAlign + kStages * kStageBytes + 2 * kStageOutBytes + kRegionBytes + kBiasBytes + kBarBytes;
 static_assert(kSmemBytes <= 227 * 1024, "shared memory of one CTA");
 // kBias / kScale: the producer warpgroup gives registers to the consumers (setmaxnreg, 128 x 40 + 256 x 232 <=
 // 65,536); with kGelu's epilogue warps in warpgroup 0 every thread keeps the launch's 168.
@@ -227,13 +236,85 @@ __device__ __forceinline__ uint4 gelu_chunk(uint4& v) {
   return gv;
 }
 
+// kGelu, bf16, from the table in shared memory (ops/gelu_table.h): tab = the shared address of entry 0 minus
+// 8 kGeluTableAbsLo, so that the entry of bf16 bits h sits at tab + (a << 3 | s << 2). The range test works on both
+// halves of a word at once: with a = the half's magnitude bits (<= 0x7fff), a + 0x8000 - bound has bit 15 set exactly
+// when a >= bound, and no carry reaches the other half. Where every element of the warp's chunks is in range (the
+// common case: the vote is warp-uniform, so is the branch) an element costs two shifts, a merge, an add, one
+// shared-memory load and one byte permute; otherwise each element outside the range takes the arithmetic GELU.
+__device__ __forceinline__ uint32_t lds32(uint32_t addr) {
+  uint32_t v;
+  asm volatile("ld.shared.u32 %0, [%1];\n" : "=r"(v) : "r"(addr));
+  return v;
+}
+[[maybe_unused]] constexpr uint32_t kGeLo = (0x8000u - ops::kGeluTableAbsLo) * 0x10001u;  // bit 15 / 31: half >= lo
+[[maybe_unused]] constexpr uint32_t kGeHi = (0x8000u - ops::kGeluTableAbsHi) * 0x10001u;  // bit 15 / 31: half >= hi
+// The rare chunks with an element outside the table's range.
+template <bool kTanh>
+__device__ __forceinline__ uint4 gelu_chunk_mixed(uint4& v, uint32_t tab) {
+  uint4 gv;
+  uint32_t* w = &v.x;
+  uint32_t* gw = &gv.x;
+#pragma unroll
+  for (int e = 0; e < 4; ++e) {
+    const uint32_t x = w[e], a = x & 0x7fff7fffu;
+    const uint32_t inside = (a + kGeLo) & ~(a + kGeHi) & 0x80008000u;  // bit 15 / 31: that half has an entry
+    const uint32_t keep = (inside >> 15) * 0xffffu;                      // 0xffff per such half
+    constexpr uint32_t kSafe = 8 * ops::kGeluTableAbsLo;                // a valid entry's offset for the others
+    const uint32_t e0 = lds32(tab + ((inside & 0x8000u) ? (((x << 3) & 0x3fff8u) | ((x >> 13) & 4u)) : kSafe));
+    const uint32_t e1 = lds32(tab + ((inside & 0x80000000u) ? (((x >> 13) & 0x3fff8u) | ((x >> 29) & 4u)) : kSafe));
+    const float2 f = unpack2<false>(x);
+    float ga, gb;
+    const float ya = gelu_and_grad<kTanh>(f.x, ga), yb = gelu_and_grad<kTanh>(f.y, gb);
+    w[e] = (__byte_perm(e0, e1, 0x5410) & keep) | (fmha_detail::pack2<false>(ya, yb) & ~keep);
+    gw[e] = (__byte_perm(e0, e1, 0x7632) & keep) | (fmha_detail::pack2<false>(ga, gb) & ~keep);
+  }
+  return gv;
+}
+template <bool kTanh>
+__device__ __forceinline__ uint4 gelu_chunk_table(uint4& v, uint32_t tab) {
+  uint32_t* w = &v.x;
+  uint32_t all_ge_lo = 0xffffffffu, any_ge_hi = 0;
+#pragma unroll
+  for (int e = 0; e < 4; ++e) {
+    const uint32_t a = w[e] & 0x7fff7fffu;
+    all_ge_lo &= a + kGeLo;
+    any_ge_hi |= a + kGeHi;
+  }
+  const bool in = (all_ge_lo & 0x80008000u) == 0x80008000u && (any_ge_hi & 0x80008000u) == 0;
+  uint4 gv;
+  uint32_t* gw = &gv.x;
+  if (__all_sync(0xffffffffu, in)) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const uint32_t x = w[e];
+      const uint32_t e0 = lds32(tab + (((x << 3) & 0x3fff8u) | ((x >> 13) & 4u)));
+      const uint32_t e1 = lds32(tab + (((x >> 13) & 0x3fff8u) | ((x >> 29) & 4u)));
+      w[e] = __byte_perm(e0, e1, 0x5410);   // y of both columns
+      gw[e] = __byte_perm(e0, e1, 0x7632);  // gelu'
+    }
+  } else {
+    gv = gelu_chunk_mixed<kTanh>(v, tab);
+  }
+  return gv;
+}
+// One chunk of kGelu's unit work: from the table where the launch has one (bf16), else arithmetic.
+template <bool kFp16, bool kTanh>
+__device__ __forceinline__ uint4 gelu_unit_chunk(uint4& v, bool table, uint32_t tab) {
+  if constexpr (!kFp16) {
+    if (table) return gelu_chunk_table<kTanh>(v, tab);
+  }
+  return gelu_chunk<kFp16, kTanh>(v);
+}
+
 struct Args {
   int32_t m, n, k;
   int32_t tiles_n, tiles;
   const uint16_t* bias;  // [n] or null
   uint16_t* act_grad;    // kGelu: [m, n], gelu'(pre), stored from registers
   float* partial;        // kScale: [ceil(m / 64), n] or null
-  int32_t consumer_bc;   // kGelu: box columns of each tile whose GELU the consumers compute (1 or 2)
+  const uint32_t* gelu_table;  // kGelu, bf16: the table in global memory (copied to shared memory), or null
+  int32_t consumer_bc;   // kGelu: box columns of each tile whose GELU the consumers compute (0, 1 or 2)
   int32_t early_release;  // 1: a k-block's stage is released before the epilogue work of the next k-block's slot
   int32_t aux_kb;         // kScale: the k-block of the main loop during which a consumer issues its aux load
 };
@@ -326,14 +407,26 @@ __global__ void __launch_bounds__(kThreads, 1)
   uint8_t* smem = align_smem(smem_raw);
   uint8_t* staging = smem + kStages * kStageBytes;  // [2 consumers][kStageOutBytes]
   float* red = reinterpret_cast<float*>(staging + 2 * kStageOutBytes);  // kScale: [2 consumers][4 warps][kBN]
-  uint16_t* bias_tile = reinterpret_cast<uint16_t*>(staging + 2 * kStageOutBytes + kRedBytes);  // [2][kBN]
-  uint64_t* full = reinterpret_cast<uint64_t*>(staging + 2 * kStageOutBytes + kRedBytes + kBiasBytes);
+  uint16_t* bias_tile = reinterpret_cast<uint16_t*>(staging + 2 * kStageOutBytes + kRegionBytes);  // [2][kBN]
+  uint64_t* full = reinterpret_cast<uint64_t*>(staging + 2 * kStageOutBytes + kRegionBytes + kBiasBytes);
   uint64_t* empty = full + kStages;
   uint64_t* staged = empty + kStages;  // [2]: consumer warpgroup cw's staging holds the tile (128 arrivals)
   uint64_t* freed = staged + 2;  // [2]: phase i: the consumers may stage the CTA's i-th tile (1 arrival)
   uint64_t* aux_full = freed + 2;  // [2]: kScale: phase i: consumer cw's staging holds the i-th tile's aux half
   const int wg = threadIdx.x / 128, tid = threadIdx.x % 128;
   const int cb = args.consumer_bc;  // kGelu: box columns 4 - cb .. 3 are the consumers'
+  // kGelu, bf16: the GELU table into shared memory (16 KB from the L2, once per CTA), read by the epilogue warps and
+  // the consumers' units after the barrier below.
+  [[maybe_unused]] const bool table = kEpi == 1 && !kFp16 && args.gelu_table != nullptr;
+  [[maybe_unused]] uint32_t tab = 0;
+  if constexpr (kEpi == 1 && !kFp16) {
+    if (table) {
+      uint4* dst = reinterpret_cast<uint4*>(red);
+      const uint4* src = reinterpret_cast<const uint4*>(args.gelu_table);
+      for (int i = threadIdx.x; i < kTabBytes / 16; i += kThreads) dst[i] = __ldg(src + i);
+      tab = smem_u32(red) - 8 * ops::kGeluTableAbsLo;  // wraps; every entry's offset brings it back in range
+    }
+  }
   if (threadIdx.x == 0) {
     for (int s = 0; s < kStages; ++s) {
       mbar_init(&full[s], 1);
@@ -404,7 +497,7 @@ __global__ void __launch_bounds__(kThreads, 1)
               const int rr = 32 * pp + ar;  // row in the half
               uint4* ptr = reinterpret_cast<uint4*>(box + rr * 128 + (((et % 8) ^ (rr & 7)) * 16));
               uint4 v = *ptr;
-              const uint4 gv = gelu_chunk<kFp16, kTanh>(v);
+              const uint4 gv = gelu_unit_chunk<kFp16, kTanh>(v, table, tab);
               *ptr = v;
               const int row = m0 + 64 * h + rr;
               if (row < args.m)
@@ -451,7 +544,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     uint8_t* box = stage_out + bc * kBoxBytes;
     uint4* p = reinterpret_cast<uint4*>(box + rr * 128 + (((tid % 8) ^ (rr & 7)) * 16));
     uint4 v = *p;
-    const uint4 gv = gelu_chunk<kFp16, kTanh>(v);
+    const uint4 gv = gelu_unit_chunk<kFp16, kTanh>(v, table, tab);
     *p = v;
     const int row = pm0 + 64 * cw + rr;
     if (row < args.m)
@@ -642,7 +735,52 @@ __global__ void transpose16_kernel(const T* __restrict__ in, int32_t rows, int32
   }
 }
 
+// The bf16 GELU tables ([0] erf, [1] tanh), filled once per device by gemm_sm90_prepare.
+__device__ uint32_t g_gelu_tables[2][ops::kGeluTableEntries];
+
+constexpr int kMaxDevices = 64;
+struct DeviceTables {
+  std::once_flag once;
+  const uint32_t* tables = nullptr;  // device address of g_gelu_tables on that device
+};
+std::array<DeviceTables, kMaxDevices>& device_tables() {
+  static std::array<DeviceTables, kMaxDevices> d;
+  return d;
+}
+
+// The current device's copy of the tables, uploaded the first time (a synchronous copy: gemm_sm90_prepare does it at
+// setup so that no training step pays it).
+const uint32_t* gelu_tables() {
+  int device = 0;
+  NOPAD_CUDA_CHECK(cudaGetDevice(&device));
+  NOPAD_CHECK(device >= 0 && device < kMaxDevices, "gemm_sm90: device index ", device, " beyond ", kMaxDevices);
+  DeviceTables& d = device_tables()[device];
+  std::call_once(d.once, [&] {
+    for (int tanh = 0; tanh < 2; ++tanh) {
+      const std::vector<uint32_t> t = ops::gelu_table_bf16(tanh != 0);
+      NOPAD_CUDA_CHECK(cudaMemcpyToSymbol(g_gelu_tables, t.data(), ops::kGeluTableBytes,
+                                          static_cast<size_t>(tanh) * ops::kGeluTableBytes, cudaMemcpyHostToDevice));
+    }
+    void* p = nullptr;
+    NOPAD_CUDA_CHECK(cudaGetSymbolAddress(&p, g_gelu_tables));
+    d.tables = static_cast<const uint32_t*>(p);
+  });
+  return d.tables;
+}
+
 }  // namespace gemm90
+
+void gemm_sm90_prepare() {
+  if (gemm_sm90_available()) (void)gemm90::gelu_tables();
+}
+
+bool& gemm_sm90_gelu_table() {
+  static bool on = [] {
+    const char* e = std::getenv("NOPAD_GELU_TABLE");
+    return e == nullptr || std::string_view(e) != "0";
+  }();
+  return on;
+}
 
 bool gemm_sm90_available() {
 #ifdef NOPAD_CUDA_SM90A
@@ -681,7 +819,9 @@ bool& gemm_sm90_early_release() {
 int& gemm_sm90_consumer_columns() {
   static int columns = [] {
     const char* e = std::getenv("NOPAD_GEMM_CONSUMER_COLUMNS");
-    return e != nullptr && std::string_view(e) == "2" ? 2 : 1;
+    if (e == nullptr) return 1;
+    const std::string_view v(e);
+    return v == "0" ? 0 : v == "2" ? 2 : 1;
   }();
   return columns;
 }
@@ -708,10 +848,12 @@ void launch_gemm_sm90(GemmEpilogue epi, const T* a, const T* b, int64_t m, int32
   args.bias = reinterpret_cast<const uint16_t*>(bias);
   args.act_grad = epi == GemmEpilogue::kGelu ? reinterpret_cast<uint16_t*>(out0) : nullptr;
   args.partial = partial;
+  args.gelu_table = epi == GemmEpilogue::kGelu && !kFp16 && gemm_sm90_gelu_table() ? gemm90::gelu_tables() + (tanh ? ops::kGeluTableEntries : 0)
+                                                                                  : nullptr;
   args.consumer_bc = gemm_sm90_consumer_columns();
   args.early_release = gemm_sm90_early_release() ? 1 : 0;
   args.aux_kb = gemm_sm90_aux_kblock() >= 0 ? gemm_sm90_aux_kblock() : k / gemm90::kBK / 2;
-  NOPAD_CHECK(args.consumer_bc == 1 || args.consumer_bc == 2, "gemm_sm90: the consumers take 1 or 2 box columns, not ",
+  NOPAD_CHECK(args.consumer_bc >= 0 && args.consumer_bc <= 2, "gemm_sm90: the consumers take 0, 1 or 2 box columns, not ",
               args.consumer_bc);
   const CUtensorMap ma = gemm90::tensor_map(a, m, k, gemm90::kBM, kFp16);
   const CUtensorMap mb = gemm90::tensor_map(b, n, k, gemm90::kBN, kFp16);

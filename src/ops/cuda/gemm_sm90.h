@@ -10,8 +10,9 @@
 //           the chunk's 64 rows (fixed order); launch_column_finish adds the chunks.
 // These are the values of the cuBLASLt product followed by the GELU / one-pass scale kernels (dense.cu), up to fp32
 // summation order and, for the erf GELU, the normal CDF: a Chebyshev erfc fit (fractional error < 1.2e-7; every bf16
-// input's bf16 GELU equals the double-precision one) instead of erff. The CPU twins are dense_forward /
-// dense_backward_through_act (ops/cpu/cpu_backend.cpp).
+// input's bf16 GELU equals the double-precision one) instead of erff; with bf16 and gemm_sm90_gelu_table(), y and gelu'
+// of 2^-12 <= |pre| < 16 are looked up (the exact values, correctly rounded: ops/gelu_table.h). The CPU twins are
+// dense_forward / dense_backward_through_act (ops/cpu/cpu_backend.cpp).
 //
 // Requirements (gemm_sm90_supported): the sm_90a build on a compute-capability 9.0 device, N % 256 == 0, K % 64 == 0,
 // 1 <= M < 2^31, every pointer 16-byte aligned. The caller falls back to cuBLASLt otherwise.
@@ -35,9 +36,17 @@ void launch_gemm_sm90(GemmEpilogue epi, const T* a, const T* b, int64_t m, int32
                       T* out0, T* out1, const T* aux, float* partial, bool tanh, int sm_count, cudaStream_t stream);
 int gemm_sm90_row_chunks(int64_t m);  // rows of partial: ceil(m / 64)
 // kGelu: how many of a tile's four 64-column box columns the consumer warpgroups compute the GELU of themselves (one
-// 16-row unit per k-block of their next main loop), 1 or 2; the three epilogue warps take the others. Process-wide,
-// host-side; NOPAD_GEMM_CONSUMER_COLUMNS=2 sets 2 at start (the default is 1).
+// 16-row unit per k-block of their next main loop), 0, 1 or 2; the three epilogue warps take the others.
+// Process-wide, host-side; NOPAD_GEMM_CONSUMER_COLUMNS=0|1|2 sets it at start (the default is 1).
 int& gemm_sm90_consumer_columns();
+// kGelu with bf16: y and gelu' from the lookup table of ops/gelu_table.h (one shared-memory load per element for
+// 2^-12 <= |pre| < 16, the arithmetic GELU outside) instead of the arithmetic GELU everywhere. The table's values are
+// the exact activations correctly rounded; the arithmetic form's agree with them except in the last bit of a few
+// gelu' values. Process-wide, host-side; NOPAD_GELU_TABLE=0 turns it off at start (the default is on).
+bool& gemm_sm90_gelu_table();
+// Uploads the GELU tables to the current device (once per device; a synchronous copy). The CUDA backend calls it at
+// setup; a launch that finds the tables missing uploads them itself.
+void gemm_sm90_prepare();
 // Whether the consumers release a k-block's stage (the wgmma wait and the `empty` arrival) before the epilogue work
 // they do between k-blocks (kGelu's units, kScale's aux load) rather than after it. Process-wide, host-side;
 // NOPAD_GEMM_EARLY_RELEASE=0 sets false at start (the default is true).
