@@ -10,8 +10,8 @@
 // - kBias: the consumers store the staging themselves (TMA) and move on; warps 1-3 are idle and the producer
 //   warpgroup gives its registers to the consumers (setmaxnreg).
 // - kGelu: warps 1-3 are the epilogue warps. Per tile they wait for both halves to be staged ("staged" mbarriers),
-//   then unit by unit (32 rows x 64 columns) compute y = gelu(pre) in place and store gelu'(pre) straight to global
-//   memory from registers, TMA-store each 64 x 64 box of y when complete, and release the staging ("freed", which
+//   then box by box (64 rows x 64 columns) compute y = gelu(pre) in place and store gelu'(pre) straight to global
+//   memory from registers, TMA-store each box of y when complete, and release the staging ("freed", which
 //   also carries the next tile's bias) while the consumers run the next tile's main loop. The consumers take the
 //   last box column of their own half themselves, one unit per k-block of the next main loop, so that the two
 //   shares fit beside the products (gemm_sm90_consumer_columns). With bf16, a unit reads y and gelu' of each element
@@ -239,72 +239,125 @@ __device__ __forceinline__ uint4 gelu_chunk(uint4& v) {
 // kGelu, bf16, from the table in shared memory (ops/gelu_table.h): tab = the shared address of entry 0 minus
 // 8 kGeluTableAbsLo, so that the entry of bf16 bits h sits at tab + (a << 3 | s << 2). The range test works on both
 // halves of a word at once: with a = the half's magnitude bits (<= 0x7fff), a + 0x8000 - bound has bit 15 set exactly
-// when a >= bound, and no carry reaches the other half. Where every element of the warp's chunks is in range (the
-// common case: the vote is warp-uniform, so is the branch) an element costs two shifts, a merge, an add, one
-// shared-memory load and one byte permute; otherwise each element outside the range takes the arithmetic GELU.
+// when a >= bound, and no carry reaches the other half. Every element is looked up (an element outside the range reads
+// a valid entry instead and is replaced afterwards), so the loads of all of a thread's chunks are in flight together;
+// a chunk with an element outside the range anywhere in the warp (rare: the vote is warp-uniform, so is the branch)
+// then takes the arithmetic GELU for those elements.
 __device__ __forceinline__ uint32_t lds32(uint32_t addr) {
   uint32_t v;
-  asm volatile("ld.shared.u32 %0, [%1];\n" : "=r"(v) : "r"(addr));
+  asm("ld.shared.u32 %0, [%1];\n" : "=r"(v) : "r"(addr));  // the table is read-only after the first barrier
   return v;
 }
 [[maybe_unused]] constexpr uint32_t kGeLo = (0x8000u - ops::kGeluTableAbsLo) * 0x10001u;  // bit 15 / 31: half >= lo
 [[maybe_unused]] constexpr uint32_t kGeHi = (0x8000u - ops::kGeluTableAbsHi) * 0x10001u;  // bit 15 / 31: half >= hi
-// The rare chunks with an element outside the table's range.
+// Bits 15 and 31: which halves of x (two bf16) have a table entry.
+__device__ __forceinline__ uint32_t table_halves(uint32_t x) {
+  const uint32_t a = x & 0x7fff7fffu;
+  return (a + kGeLo) & ~(a + kGeHi) & 0x80008000u;
+}
+// The elements of chunk v outside the table's range (halves not in `inside` of each word), arithmetic, merged into
+// y (in place of the looked-up values) and g.
 template <bool kTanh>
-__device__ __forceinline__ uint4 gelu_chunk_mixed(uint4& v, uint32_t tab) {
-  uint4 gv;
-  uint32_t* w = &v.x;
-  uint32_t* gw = &gv.x;
+__device__ __forceinline__ void gelu_fix_outside(const uint4& v, uint4& y, uint4& g) {
+  const uint32_t* w = &v.x;
+  uint32_t* yw = &y.x;
+  uint32_t* gw = &g.x;
 #pragma unroll
   for (int e = 0; e < 4; ++e) {
-    const uint32_t x = w[e], a = x & 0x7fff7fffu;
-    const uint32_t inside = (a + kGeLo) & ~(a + kGeHi) & 0x80008000u;  // bit 15 / 31: that half has an entry
-    const uint32_t keep = (inside >> 15) * 0xffffu;                      // 0xffff per such half
-    constexpr uint32_t kSafe = 8 * ops::kGeluTableAbsLo;                // a valid entry's offset for the others
-    const uint32_t e0 = lds32(tab + ((inside & 0x8000u) ? (((x << 3) & 0x3fff8u) | ((x >> 13) & 4u)) : kSafe));
-    const uint32_t e1 = lds32(tab + ((inside & 0x80000000u) ? (((x >> 13) & 0x3fff8u) | ((x >> 29) & 4u)) : kSafe));
-    const float2 f = unpack2<false>(x);
+    const uint32_t keep = (table_halves(w[e]) >> 15) * 0xffffu;  // 0xffff per half with an entry
+    const float2 f = unpack2<false>(w[e]);
     float ga, gb;
     const float ya = gelu_and_grad<kTanh>(f.x, ga), yb = gelu_and_grad<kTanh>(f.y, gb);
-    w[e] = (__byte_perm(e0, e1, 0x5410) & keep) | (fmha_detail::pack2<false>(ya, yb) & ~keep);
-    gw[e] = (__byte_perm(e0, e1, 0x7632) & keep) | (fmha_detail::pack2<false>(ga, gb) & ~keep);
+    yw[e] = (yw[e] & keep) | (fmha_detail::pack2<false>(ya, yb) & ~keep);
+    gw[e] = (gw[e] & keep) | (fmha_detail::pack2<false>(ga, gb) & ~keep);
   }
-  return gv;
 }
-template <bool kTanh>
-__device__ __forceinline__ uint4 gelu_chunk_table(uint4& v, uint32_t tab) {
-  uint32_t* w = &v.x;
-  uint32_t all_ge_lo = 0xffffffffu, any_ge_hi = 0;
+// kN >= 2 chunks (8 bf16 each) of pre-activations -> y in place, gelu' into g: every element looked up (those outside
+// the range read entry 0 and are replaced afterwards), so all of a thread's loads are in flight together. Chunks
+// i >= n_valid (n_valid warp-uniform, >= kN - 1) are left alone.
+template <bool kTanh, int kN>
+__device__ __forceinline__ void gelu_chunks_table_batch(uint4 (&v)[kN], uint4 (&g)[kN], int n_valid, uint32_t tab) {
+  constexpr uint32_t kSafe = 8 * ops::kGeluTableAbsLo;
+  uint4 y[kN];
+  bool outside[kN];
 #pragma unroll
-  for (int e = 0; e < 4; ++e) {
-    const uint32_t a = w[e] & 0x7fff7fffu;
-    all_ge_lo &= a + kGeLo;
-    any_ge_hi |= a + kGeHi;
-  }
-  const bool in = (all_ge_lo & 0x80008000u) == 0x80008000u && (any_ge_hi & 0x80008000u) == 0;
-  uint4 gv;
-  uint32_t* gw = &gv.x;
-  if (__all_sync(0xffffffffu, in)) {
+  for (int i = 0; i < kN; ++i) {
+    if (i + 1 < kN || i < n_valid) {
+      const uint32_t* w = &v[i].x;
+      uint32_t* yw = &y[i].x;
+      uint32_t* gw = &g[i].x;
+      uint32_t missing = 0;
 #pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      const uint32_t x = w[e];
-      const uint32_t e0 = lds32(tab + (((x << 3) & 0x3fff8u) | ((x >> 13) & 4u)));
-      const uint32_t e1 = lds32(tab + (((x >> 13) & 0x3fff8u) | ((x >> 29) & 4u)));
-      w[e] = __byte_perm(e0, e1, 0x5410);   // y of both columns
-      gw[e] = __byte_perm(e0, e1, 0x7632);  // gelu'
+      for (int e = 0; e < 4; ++e) {
+        const uint32_t x = w[e], in = table_halves(x);
+        missing |= in ^ 0x80008000u;
+        const uint32_t e0 = lds32(tab + ((in & 0x8000u) ? (((x << 3) & 0x3fff8u) | ((x >> 13) & 4u)) : kSafe));
+        const uint32_t e1 = lds32(tab + ((in & 0x80000000u) ? (((x >> 13) & 0x3fff8u) | ((x >> 29) & 4u)) : kSafe));
+        yw[e] = __byte_perm(e0, e1, 0x5410);  // y of both columns
+        gw[e] = __byte_perm(e0, e1, 0x7632);  // gelu'
+      }
+      outside[i] = missing != 0;
     }
-  } else {
-    gv = gelu_chunk_mixed<kTanh>(v, tab);
   }
-  return gv;
+#pragma unroll
+  for (int i = 0; i < kN; ++i) {
+    if (i + 1 < kN || i < n_valid) {
+      if (__any_sync(0xffffffffu, outside[i])) gelu_fix_outside<kTanh>(v[i], y[i], g[i]);
+      v[i] = y[i];
+    }
+  }
 }
-// One chunk of kGelu's unit work: from the table where the launch has one (bf16), else arithmetic.
-template <bool kFp16, bool kTanh>
-__device__ __forceinline__ uint4 gelu_unit_chunk(uint4& v, bool table, uint32_t tab) {
-  if constexpr (!kFp16) {
-    if (table) return gelu_chunk_table<kTanh>(v, tab);
+// kN chunks of pre-activations -> y in place, gelu' into g, from the table. One chunk (the consumers' units, between
+// two k-blocks, beside 128 accumulator registers): the lean form when the whole warp is in range, else looked-up and
+// arithmetic halves merged word by word (this shape keeps the consumers free of spills).
+template <bool kTanh, int kN>
+__device__ __forceinline__ void gelu_chunks_table(uint4 (&v)[kN], uint4 (&g)[kN], int n_valid, uint32_t tab) {
+  if constexpr (kN == 1) {
+    constexpr uint32_t kSafe = 8 * ops::kGeluTableAbsLo;
+    uint32_t* w = &v[0].x;
+    uint32_t* gw = &g[0].x;
+    uint32_t missing = 0;
+#pragma unroll
+    for (int e = 0; e < 4; ++e) missing |= table_halves(w[e]) ^ 0x80008000u;
+    if (!__any_sync(0xffffffffu, missing != 0)) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const uint32_t x = w[e];
+        const uint32_t e0 = lds32(tab + (((x << 3) & 0x3fff8u) | ((x >> 13) & 4u)));
+        const uint32_t e1 = lds32(tab + (((x >> 13) & 0x3fff8u) | ((x >> 29) & 4u)));
+        w[e] = __byte_perm(e0, e1, 0x5410);
+        gw[e] = __byte_perm(e0, e1, 0x7632);
+      }
+    } else {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const uint32_t x = w[e], in = table_halves(x), keep = (in >> 15) * 0xffffu;
+        const uint32_t e0 = lds32(tab + ((in & 0x8000u) ? (((x << 3) & 0x3fff8u) | ((x >> 13) & 4u)) : kSafe));
+        const uint32_t e1 = lds32(tab + ((in & 0x80000000u) ? (((x >> 13) & 0x3fff8u) | ((x >> 29) & 4u)) : kSafe));
+        const float2 f = unpack2<false>(x);
+        float ga, gb;
+        const float ya = gelu_and_grad<kTanh>(f.x, ga), yb = gelu_and_grad<kTanh>(f.y, gb);
+        w[e] = (__byte_perm(e0, e1, 0x5410) & keep) | (fmha_detail::pack2<false>(ya, yb) & ~keep);
+        gw[e] = (__byte_perm(e0, e1, 0x7632) & keep) | (fmha_detail::pack2<false>(ga, gb) & ~keep);
+      }
+    }
+    (void)n_valid;
+  } else {
+    gelu_chunks_table_batch<kTanh, kN>(v, g, n_valid, tab);
   }
-  return gelu_chunk<kFp16, kTanh>(v);
+}
+// kN chunks of kGelu's unit work: from the table where the launch has one (bf16), else arithmetic.
+template <bool kFp16, bool kTanh, int kN>
+__device__ __forceinline__ void gelu_unit_chunks(uint4 (&v)[kN], uint4 (&g)[kN], int n_valid, bool table, uint32_t tab) {
+  if constexpr (!kFp16) {
+    if (table) {
+      gelu_chunks_table<kTanh, kN>(v, g, n_valid, tab);
+      return;
+    }
+  }
+#pragma unroll
+  for (int i = 0; i < kN; ++i)
+    if (i + 1 < kN || i < n_valid) g[i] = gelu_chunk<kFp16, kTanh>(v[i]);
 }
 
 struct Args {
@@ -463,9 +516,9 @@ __global__ void __launch_bounds__(kThreads, 1)
   if constexpr (kEpi == 1) {
     if (wg == 0) {  // ---------------------------------------------------------- epilogue warps 1..3
       const int et = tid - 32;  // epilogue thread 0..95
-      // 4 (4 - cb) units per tile, unit q = 4 bc + 2 h + p: rows 64 h + 32 p .. + 31 of the tile, box column bc (64
-      // columns). Thread et takes the 16-byte chunk et % 8 of rows et / 8, et / 8 + 12, ... of the unit. Box (h, bc)
-      // is complete after its p = 1 unit and stored then.
+      // 2 (4 - cb) boxes per tile, box q = 2 bc + h: rows 64 h .. + 63 of the tile, box column bc (64 columns).
+      // Thread et takes the 16-byte chunk et % 8 of rows et / 8 + 12 i, i < 6 (warp 1: 6 rows, warps 2 and 3: 5), all
+      // at once (their table loads in flight together); the box is stored when the three warps are done with it.
       // Phase i of freed[cw] completes when the consumers may stage the CTA's i-th tile: the staging is free and
       // that tile's bias is in bias_tile[i % 2].
       auto release = [&](int ti, uint32_t parity) {
@@ -482,36 +535,40 @@ __global__ void __launch_bounds__(kThreads, 1)
       };
       release(blockIdx.x, 0);
       uint32_t tile_parity = 0;
-      const int units = 4 * (4 - cb);
+      const int boxes = 2 * (4 - cb);
+      constexpr int kRows = 6;
+      const int n_valid = et / 8 + 12 * (kRows - 1) < 64 ? kRows : kRows - 1;  // warp-uniform
       for (int t = blockIdx.x; t < args.tiles; t += gridDim.x, tile_parity ^= 1) {
         const int m0 = (t / args.tiles_n) * kBM, n0 = (t % args.tiles_n) * kBN;
         mbar_wait(&staged[0], tile_parity);
         mbar_wait(&staged[1], tile_parity);
-        for (int q = 0; q < units; ++q) {
-          const int bc = q / 4, h = (q / 2) % 2, pp = q % 2;
+        for (int q = 0; q < boxes; ++q) {
+          const int bc = q / 2, h = q % 2;
           uint8_t* box = staging + h * kStageOutBytes + bc * kBoxBytes;
+          uint4 v[kRows], gv[kRows];
+          uint4* ptr[kRows];
 #pragma unroll
-          for (int i = 0; i < 3; ++i) {
-            const int ar = et / 8 + 12 * i;  // row in the unit
-            if (ar < 32) {
-              const int rr = 32 * pp + ar;  // row in the half
-              uint4* ptr = reinterpret_cast<uint4*>(box + rr * 128 + (((et % 8) ^ (rr & 7)) * 16));
-              uint4 v = *ptr;
-              const uint4 gv = gelu_unit_chunk<kFp16, kTanh>(v, table, tab);
-              *ptr = v;
-              const int row = m0 + 64 * h + rr;
+          for (int i = 0; i < kRows; ++i) {
+            const int rr = et / 8 + 12 * i;  // row in the half
+            ptr[i] = reinterpret_cast<uint4*>(box + rr * 128 + (((et % 8) ^ (rr & 7)) * 16));
+            if (i + 1 < kRows || i < n_valid) v[i] = *ptr[i];
+          }
+          gelu_unit_chunks<kFp16, kTanh, kRows>(v, gv, n_valid, table, tab);
+#pragma unroll
+          for (int i = 0; i < kRows; ++i) {
+            if (i + 1 < kRows || i < n_valid) {
+              *ptr[i] = v[i];
+              const int row = m0 + 64 * h + et / 8 + 12 * i;
               if (row < args.m)
                 *reinterpret_cast<uint4*>(args.act_grad + static_cast<int64_t>(row) * args.n + n0 + 64 * bc +
-                                          8 * (et % 8)) = gv;
+                                          8 * (et % 8)) = gv[i];
             }
           }
-          if (pp == 1) {  // box (h, bc) complete
-            fence_proxy_async();  // the generic-proxy writes of the box, visible to the TMA's reads
-            named_barrier_sync(4, kEpiThreads);
-            if (et == 0) {
-              if (m0 + 64 * h < args.m) tma_store_2d(&map_out1, box, n0 + 64 * bc, m0 + 64 * h);
-              bulk_commit();
-            }
+          fence_proxy_async();  // the generic-proxy writes of the box, visible to the TMA's reads
+          named_barrier_sync(4, kEpiThreads);
+          if (et == 0) {
+            if (m0 + 64 * h < args.m) tma_store_2d(&map_out1, box, n0 + 64 * bc, m0 + 64 * h);
+            bulk_commit();
           }
         }
         if (et == 0) bulk_wait_read<0>();  // the stores have read the staging
@@ -543,13 +600,13 @@ __global__ void __launch_bounds__(kThreads, 1)
     const int bc = 4 - cb + u / 4, rr = 16 * (u % 4) + tid / 8;
     uint8_t* box = stage_out + bc * kBoxBytes;
     uint4* p = reinterpret_cast<uint4*>(box + rr * 128 + (((tid % 8) ^ (rr & 7)) * 16));
-    uint4 v = *p;
-    const uint4 gv = gelu_unit_chunk<kFp16, kTanh>(v, table, tab);
-    *p = v;
+    uint4 v[1] = {*p}, gv[1];
+    gelu_unit_chunks<kFp16, kTanh, 1>(v, gv, 1, table, tab);
+    *p = v[0];
     const int row = pm0 + 64 * cw + rr;
     if (row < args.m)
       *reinterpret_cast<uint4*>(args.act_grad + static_cast<int64_t>(row) * args.n + pn0 + 64 * bc + 8 * (tid % 8)) =
-          gv;
+          gv[0];
     if (u % 4 == 3) {
       fence_proxy_async();  // the generic-proxy writes of the box, visible to the TMA's reads
       named_barrier_sync(bar_wg, 128);
@@ -819,7 +876,7 @@ bool& gemm_sm90_early_release() {
 int& gemm_sm90_consumer_columns() {
   static int columns = [] {
     const char* e = std::getenv("NOPAD_GEMM_CONSUMER_COLUMNS");
-    if (e == nullptr) return 1;
+    if (e == nullptr) return -1;  // by the GELU's form: launch_gemm_sm90
     const std::string_view v(e);
     return v == "0" ? 0 : v == "2" ? 2 : 1;
   }();
@@ -850,7 +907,9 @@ void launch_gemm_sm90(GemmEpilogue epi, const T* a, const T* b, int64_t m, int32
   args.partial = partial;
   args.gelu_table = epi == GemmEpilogue::kGelu && !kFp16 && gemm_sm90_gelu_table() ? gemm90::gelu_tables() + (tanh ? ops::kGeluTableEntries : 0)
                                                                                   : nullptr;
-  args.consumer_bc = gemm_sm90_consumer_columns();
+  // The consumers' share: 2 box columns with the table (the epilogue warps alone, even at a few instructions per
+  // element, hold the consumers at `freed`), 1 with the arithmetic GELU (docs/performance.md, 2026-11-25 midday).
+  args.consumer_bc = gemm_sm90_consumer_columns() >= 0 ? gemm_sm90_consumer_columns() : args.gelu_table ? 2 : 1;
   args.early_release = gemm_sm90_early_release() ? 1 : 0;
   args.aux_kb = gemm_sm90_aux_kblock() >= 0 ? gemm_sm90_aux_kblock() : k / gemm90::kBK / 2;
   NOPAD_CHECK(args.consumer_bc >= 0 && args.consumer_bc <= 2, "gemm_sm90: the consumers take 0, 1 or 2 box columns, not ",
