@@ -13,10 +13,10 @@
 //   then box by box (64 rows x 64 columns) compute y = gelu(pre) in place and store gelu'(pre) straight to global
 //   memory from registers, TMA-store each box of y when complete, and release the staging ("freed", which
 //   also carries the next tile's bias) while the consumers run the next tile's main loop. The consumers take the
-//   last box column of their own half themselves, one unit per k-block of the next main loop, so that the two
-//   shares fit beside the products (gemm_sm90_consumer_columns). With bf16, a unit reads y and gelu' of each element
-//   from a 16 KB table copied into shared memory at the start (ops/gelu_table.h; the arithmetic GELU only for the
-//   rare elements outside its range), about a sixth of the arithmetic form's instructions.
+//   last one or two box columns of their own half themselves, one 16-row unit per k-block of the next main loop, so
+//   that the two shares fit beside the products (gemm_sm90_consumer_columns). With bf16, y and gelu' of each element
+//   come from a 16 KB table copied into shared memory at the start (ops/gelu_table.h; the arithmetic GELU only for
+//   the rare elements outside its range), about a sixth of the arithmetic form's instructions.
 // - kScale: no epilogue warps (the producer warpgroup gives its registers away). Each consumer warpgroup TMA-loads
 //   its half of the tile's aux into its staging half-way through the main loop (its thread 0 first waits for the
 //   previous tile's stores to have read the staging: late enough that this rarely holds the warpgroup), multiplies
