@@ -255,46 +255,41 @@ __device__ __forceinline__ uint32_t table_halves(uint32_t x) {
   const uint32_t a = x & 0x7fff7fffu;
   return (a + kGeLo) & ~(a + kGeHi) & 0x80008000u;
 }
-// The elements of chunk v outside the table's range (halves not in `inside` of each word), arithmetic, merged into
-// y (in place of the looked-up values) and g.
-template <bool kTanh>
-__device__ __forceinline__ void gelu_fix_outside(const uint4& v, uint4& y, uint4& g) {
-  const uint32_t* w = &v.x;
-  uint32_t* yw = &y.x;
-  uint32_t* gw = &g.x;
-#pragma unroll
-  for (int e = 0; e < 4; ++e) {
-    const uint32_t keep = (table_halves(w[e]) >> 15) * 0xffffu;  // 0xffff per half with an entry
-    const float2 f = unpack2<false>(w[e]);
-    float ga, gb;
-    const float ya = gelu_and_grad<kTanh>(f.x, ga), yb = gelu_and_grad<kTanh>(f.y, gb);
-    yw[e] = (yw[e] & keep) | (fmha_detail::pack2<false>(ya, yb) & ~keep);
-    gw[e] = (gw[e] & keep) | (fmha_detail::pack2<false>(ga, gb) & ~keep);
-  }
+// y and gelu' of the two bf16 in x from the table (the halves `in` marks; the others read entry 0, a valid address,
+// and are replaced by merge_arith_word). in = 0x80008000 when both halves are known to have entries.
+__device__ __forceinline__ void lookup_word(uint32_t tab, uint32_t x, uint32_t in, uint32_t& y, uint32_t& g) {
+  constexpr uint32_t kEntry0 = 8 * ops::kGeluTableAbsLo;
+  const uint32_t e0 = lds32(tab + ((in & 0x8000u) ? (((x << 3) & 0x3fff8u) | ((x >> 13) & 4u)) : kEntry0));
+  const uint32_t e1 = lds32(tab + ((in & 0x80000000u) ? (((x >> 13) & 0x3fff8u) | ((x >> 29) & 4u)) : kEntry0));
+  y = __byte_perm(e0, e1, 0x5410);  // y of both columns
+  g = __byte_perm(e0, e1, 0x7632);  // gelu'
 }
-// kN >= 2 chunks (8 bf16 each) of pre-activations -> y in place, gelu' into g: every element looked up (those outside
-// the range read entry 0 and are replaced afterwards), so all of a thread's loads are in flight together. Chunks
-// i >= n_valid (n_valid warp-uniform, >= kN - 1) are left alone.
+// The halves of x without a table entry: the arithmetic GELU, merged into y and g.
+template <bool kTanh>
+__device__ __forceinline__ void merge_arith_word(uint32_t x, uint32_t& y, uint32_t& g) {
+  const uint32_t keep = (table_halves(x) >> 15) * 0xffffu;  // 0xffff per half with an entry
+  const float2 f = unpack2<false>(x);
+  float ga, gb;
+  const float ya = gelu_and_grad<kTanh>(f.x, ga), yb = gelu_and_grad<kTanh>(f.y, gb);
+  y = (y & keep) | (fmha_detail::pack2<false>(ya, yb) & ~keep);
+  g = (g & keep) | (fmha_detail::pack2<false>(ga, gb) & ~keep);
+}
+// kN >= 2 chunks (8 bf16 each) of pre-activations -> y in place, gelu' into g: every element looked up first, so all
+// of a thread's loads are in flight together, then the chunks with an element outside the range anywhere in the warp
+// fixed up. Chunks i >= n_valid (n_valid warp-uniform, >= kN - 1) are left alone.
 template <bool kTanh, int kN>
 __device__ __forceinline__ void gelu_chunks_table_batch(uint4 (&v)[kN], uint4 (&g)[kN], int n_valid, uint32_t tab) {
-  constexpr uint32_t kSafe = 8 * ops::kGeluTableAbsLo;
   uint4 y[kN];
   bool outside[kN];
 #pragma unroll
   for (int i = 0; i < kN; ++i) {
     if (i + 1 < kN || i < n_valid) {
-      const uint32_t* w = &v[i].x;
-      uint32_t* yw = &y[i].x;
-      uint32_t* gw = &g[i].x;
       uint32_t missing = 0;
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
-        const uint32_t x = w[e], in = table_halves(x);
+        const uint32_t x = (&v[i].x)[e], in = table_halves(x);
         missing |= in ^ 0x80008000u;
-        const uint32_t e0 = lds32(tab + ((in & 0x8000u) ? (((x << 3) & 0x3fff8u) | ((x >> 13) & 4u)) : kSafe));
-        const uint32_t e1 = lds32(tab + ((in & 0x80000000u) ? (((x >> 13) & 0x3fff8u) | ((x >> 29) & 4u)) : kSafe));
-        yw[e] = __byte_perm(e0, e1, 0x5410);  // y of both columns
-        gw[e] = __byte_perm(e0, e1, 0x7632);  // gelu'
+        lookup_word(tab, x, in, (&y[i].x)[e], (&g[i].x)[e]);
       }
       outside[i] = missing != 0;
     }
@@ -302,7 +297,10 @@ __device__ __forceinline__ void gelu_chunks_table_batch(uint4 (&v)[kN], uint4 (&
 #pragma unroll
   for (int i = 0; i < kN; ++i) {
     if (i + 1 < kN || i < n_valid) {
-      if (__any_sync(0xffffffffu, outside[i])) gelu_fix_outside<kTanh>(v[i], y[i], g[i]);
+      if (__any_sync(0xffffffffu, outside[i])) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) merge_arith_word<kTanh>((&v[i].x)[e], (&y[i].x)[e], (&g[i].x)[e]);
+      }
       v[i] = y[i];
     }
   }
@@ -313,7 +311,6 @@ __device__ __forceinline__ void gelu_chunks_table_batch(uint4 (&v)[kN], uint4 (&
 template <bool kTanh, int kN>
 __device__ __forceinline__ void gelu_chunks_table(uint4 (&v)[kN], uint4 (&g)[kN], int n_valid, uint32_t tab) {
   if constexpr (kN == 1) {
-    constexpr uint32_t kSafe = 8 * ops::kGeluTableAbsLo;
     uint32_t* w = &v[0].x;
     uint32_t* gw = &g[0].x;
     uint32_t missing = 0;
@@ -321,24 +318,13 @@ __device__ __forceinline__ void gelu_chunks_table(uint4 (&v)[kN], uint4 (&g)[kN]
     for (int e = 0; e < 4; ++e) missing |= table_halves(w[e]) ^ 0x80008000u;
     if (!__any_sync(0xffffffffu, missing != 0)) {
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const uint32_t x = w[e];
-        const uint32_t e0 = lds32(tab + (((x << 3) & 0x3fff8u) | ((x >> 13) & 4u)));
-        const uint32_t e1 = lds32(tab + (((x >> 13) & 0x3fff8u) | ((x >> 29) & 4u)));
-        w[e] = __byte_perm(e0, e1, 0x5410);
-        gw[e] = __byte_perm(e0, e1, 0x7632);
-      }
+      for (int e = 0; e < 4; ++e) lookup_word(tab, w[e], 0x80008000u, w[e], gw[e]);
     } else {
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
-        const uint32_t x = w[e], in = table_halves(x), keep = (in >> 15) * 0xffffu;
-        const uint32_t e0 = lds32(tab + ((in & 0x8000u) ? (((x << 3) & 0x3fff8u) | ((x >> 13) & 4u)) : kSafe));
-        const uint32_t e1 = lds32(tab + ((in & 0x80000000u) ? (((x >> 13) & 0x3fff8u) | ((x >> 29) & 4u)) : kSafe));
-        const float2 f = unpack2<false>(x);
-        float ga, gb;
-        const float ya = gelu_and_grad<kTanh>(f.x, ga), yb = gelu_and_grad<kTanh>(f.y, gb);
-        w[e] = (__byte_perm(e0, e1, 0x5410) & keep) | (fmha_detail::pack2<false>(ya, yb) & ~keep);
-        gw[e] = (__byte_perm(e0, e1, 0x7632) & keep) | (fmha_detail::pack2<false>(ga, gb) & ~keep);
+        const uint32_t x = w[e];
+        lookup_word(tab, x, table_halves(x), w[e], gw[e]);
+        merge_arith_word<kTanh>(x, w[e], gw[e]);
       }
     }
     (void)n_valid;
