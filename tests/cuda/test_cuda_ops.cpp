@@ -738,23 +738,21 @@ TYPED_TEST(CudaOps, GemmSm90Epilogues) {
         }
         // The consumers' share of the GELU (none, one or two box columns per tile), the stage release before or
         // after that share (gemm_sm90_early_release), and with bf16 the lookup table or the arithmetic GELU.
-        // With bf16 and the table also the direct epilogue (the consumers alone, gemm_sm90_gelu_direct).
         struct Config {
           int columns;
-          bool early, table, direct = false;
+          bool early, table;
         };
         const std::vector<Config> configs =
             std::is_same_v<E, bf16>
                 ? std::vector<Config>{{0, true, true}, {1, true, true}, {1, false, true}, {2, true, true},
-                                      {0, true, false}, {1, true, false}, {0, true, true, true}, {0, false, true, true}}
+                                      {0, true, false}, {1, true, false}}
                 : std::vector<Config>{{0, true, false}, {1, true, false}, {1, false, false}, {2, true, false}};
         for (const Config& cf : configs) {
           SCOPED_TRACE("consumer columns " + std::to_string(cf.columns) + (cf.early ? ", early" : ", late") +
-                       " stage release" + (cf.table ? ", table" : ", arithmetic") + (cf.direct ? ", direct" : ""));
+                       " stage release" + (cf.table ? ", table" : ", arithmetic"));
           const int saved = std::exchange(cuda::gemm_sm90_consumer_columns(), cf.columns);
           const bool saved_early = std::exchange(cuda::gemm_sm90_early_release(), cf.early);
           const bool saved_table = std::exchange(cuda::gemm_sm90_gelu_table(), cf.table);
-          const bool saved_direct = std::exchange(cuda::gemm_sm90_gelu_direct(), cf.direct);
           out0.poison();
           out1.poison();
           cuda::launch_gemm_sm90<D>(cuda::GemmEpilogue::kGelu, cdev(da->p), cdev(db->p), c.m, c.n, c.k,
@@ -763,7 +761,6 @@ TYPED_TEST(CudaOps, GemmSm90Epilogues) {
           cuda::gemm_sm90_consumer_columns() = saved;
           cuda::gemm_sm90_early_release() = saved_early;
           cuda::gemm_sm90_gelu_table() = saved_table;
-          cuda::gemm_sm90_gelu_direct() = saved_direct;
           check("gelu: act_grad", out0, grad, kTolChain<E>);
           check("gelu: y", out1, y, kTolChain<E>);
         }
@@ -832,14 +829,12 @@ TEST(CudaGemmSm90, GeluEpilogueOnEveryBf16Input) {
     for (const bool tanh : {false, true}) {
       const std::vector<uint32_t> table = ops::gelu_table_bf16(tanh);
       for (const bool use_table : {true, false})
-        for (const int columns : {0, 1, 2, -1}) {  // -1: the direct epilogue (consumers alone; table only)
-          if (!use_table && (columns == 2 || columns == -1)) continue;
+        for (const int columns : {0, 1, 2}) {
+          if (!use_table && columns == 2) continue;
           SCOPED_TRACE(std::string(by_row ? "row" : "column") + " layout, " + (tanh ? "tanh" : "erf") +
-                       (use_table ? ", table" : ", arithmetic") +
-                       (columns < 0 ? std::string(", direct") : ", consumer columns " + std::to_string(columns)));
-          const int saved = std::exchange(cuda::gemm_sm90_consumer_columns(), std::max(columns, 0));
+                       (use_table ? ", table" : ", arithmetic") + ", consumer columns " + std::to_string(columns));
+          const int saved = std::exchange(cuda::gemm_sm90_consumer_columns(), columns);
           const bool saved_table = std::exchange(cuda::gemm_sm90_gelu_table(), use_table);
-          const bool saved_direct = std::exchange(cuda::gemm_sm90_gelu_direct(), columns < 0);
           out0.poison();
           out1.poison();
           cuda::launch_gemm_sm90<D>(cuda::GemmEpilogue::kGelu, reinterpret_cast<const D*>(da->p),
@@ -848,7 +843,6 @@ TEST(CudaGemmSm90, GeluEpilogueOnEveryBf16Input) {
                                     gpu<E>().multiprocessors(), current().stream);
           cuda::gemm_sm90_consumer_columns() = saved;
           cuda::gemm_sm90_gelu_table() = saved_table;
-          cuda::gemm_sm90_gelu_direct() = saved_direct;
           std::vector<E> g(kN * kN), y(kN * kN);
           ASSERT_EQ(cudaMemcpyAsync(g.data(), out0.p, g.size() * 2, cudaMemcpyDeviceToHost, current().stream),
                     cudaSuccess);
@@ -892,7 +886,7 @@ TEST(CudaGemmSm90, GeluEpilogueOnEveryBf16Input) {
             }
           EXPECT_EQ(table_wrong, 0);
           EXPECT_EQ(outside_wrong, 0);
-          std::printf("  gelu epilogue, %s layout, %s, %s, consumers %d (-1: direct): %d table entries exact, %d outside within a step\n",
+          std::printf("  gelu epilogue, %s layout, %s, %s, consumers %d: %d table entries exact, %d outside within a step\n",
                       by_row ? "row" : "column", tanh ? "tanh" : "erf", use_table ? "table" : "arithmetic", columns,
                       table_checked - table_wrong, outside_checked - outside_wrong);
           if (use_table) {
@@ -1500,21 +1494,6 @@ TYPED_TEST(CudaPerf, GeluForward) {
                         (columns == 1 ? "" : "s"),
                     ms, 0);
         }
-    }
-    if (std::is_same_v<E, bf16>) {  // the direct epilogue: the consumers alone, from their accumulators
-      for (bool tanh : {false, true}) {
-        cuda::KernelVariants kv;
-        kv.gelu_gemm = true;
-        VariantScope scope(kv);
-        const bool saved = std::exchange(cuda::gemm_sm90_gelu_direct(), true);
-        const double ms = median_ms([&] {
-          gpu<E>().dense_forward(x->p, w->p, bias->p, T, k, n,
-                                 tanh ? ops::Activation::kGeluTanh : ops::Activation::kGelu, y.p, pre.p);
-        });
-        cuda::gemm_sm90_gelu_direct() = saved;
-        perf_line("dense_fwd", std::string("k=1024 n=4096 GELU") + (tanh ? " tanh" : "") + ", direct epilogue (table)",
-                  ms, 0);
-      }
     }
   }
   for (bool wide : {false, true}) {

@@ -436,42 +436,6 @@ __device__ __forceinline__ int warp_column_sums(const float (&acc)[32][4], float
   return base;
 }
 
-// kGeluDirect (bf16, table): the consumer warpgroup's 64 x 256 accumulator tile -> pre = round(acc + bias) -> y and
-// gelu' from the table, y into the staging boxes (stage_tile's layout, for the TMA store) and gelu' straight to
-// act_grad rows r0 = row0 + 16 warp + g and r0 + 8 (4-byte stores; the next n-tile's fill the rest of each 32-byte
-// sector). Elements outside the table's range take the arithmetic GELU (a warp-uniform branch per n-tile).
-template <bool kTanh>
-__device__ __forceinline__ void stage_gelu_direct(uint8_t* stage_out, const float (&acc)[32][4], const uint32_t* bias2,
-                                                  uint32_t tab, uint16_t* act_grad, int m, int n, int row0, int n0,
-                                                  int warp, int g, int tq) {
-  const int rr0 = warp * 16 + g;
-  const int r0 = row0 + rr0, r1 = r0 + 8;
-  uint16_t* g0 = act_grad + static_cast<int64_t>(r0) * n + n0 + 2 * tq;
-  uint16_t* g1 = act_grad + static_cast<int64_t>(r1) * n + n0 + 2 * tq;
-#pragma unroll
-  for (int nt = 0; nt < 32; ++nt) {
-    const int off0 = (nt / 8) * kBoxBytes + rr0 * 128 + (((nt % 8) ^ g) * 16) + 4 * tq, off1 = off0 + 8 * 128;
-    const float2 b = unpack2<false>(bias2[nt]);
-    const uint32_t x[2] = {fmha_detail::pack2<false>(acc[nt][0] + b.x, acc[nt][1] + b.y),
-                           fmha_detail::pack2<false>(acc[nt][2] + b.x, acc[nt][3] + b.y)};
-    uint32_t y[2], gr[2], missing = 0;
-#pragma unroll
-    for (int j = 0; j < 2; ++j) {
-      const uint32_t in = table_halves(x[j]);
-      missing |= in ^ 0x80008000u;
-      lookup_word(tab, x[j], in, y[j], gr[j]);
-    }
-    if (__any_sync(0xffffffffu, missing != 0)) {
-#pragma unroll
-      for (int j = 0; j < 2; ++j) merge_arith_word<kTanh>(x[j], y[j], gr[j]);
-    }
-    *reinterpret_cast<uint32_t*>(stage_out + off0) = y[0];
-    *reinterpret_cast<uint32_t*>(stage_out + off1) = y[1];
-    if (r0 < m) *reinterpret_cast<uint32_t*>(g0 + 8 * nt) = gr[0];
-    if (r1 < m) *reinterpret_cast<uint32_t*>(g1 + 8 * nt) = gr[1];
-  }
-}
-
 template <int kEpi, bool kFp16, bool kTanh>
 __global__ void __launch_bounds__(kThreads, 1)
     gemm_sm90_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_constant__ CUtensorMap map_b,
@@ -492,9 +456,9 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int cb = args.consumer_bc;  // kGelu: box columns 4 - cb .. 3 are the consumers'
   // kGelu, bf16: the GELU table into shared memory (16 KB from the L2, once per CTA), read by the epilogue warps and
   // the consumers' units after the barrier below.
-  [[maybe_unused]] const bool table = (kEpi == 1 || kEpi == 3) && !kFp16 && args.gelu_table != nullptr;
+  [[maybe_unused]] const bool table = kEpi == 1 && !kFp16 && args.gelu_table != nullptr;
   [[maybe_unused]] uint32_t tab = 0;
-  if constexpr ((kEpi == 1 || kEpi == 3) && !kFp16) {
+  if constexpr (kEpi == 1 && !kFp16) {
     if (table) {
       uint4* dst = reinterpret_cast<uint4*>(red);
       const uint4* src = reinterpret_cast<const uint4*>(args.gelu_table);
@@ -648,9 +612,8 @@ __global__ void __launch_bounds__(kThreads, 1)
   };
   for (int t = blockIdx.x; t < args.tiles; t += gridDim.x, tile_parity ^= 1) {
     const int m0 = (t / args.tiles_n) * kBM, n0 = (t % args.tiles_n) * kBN;
-    uint32_t bias2[kEpi == 0 || kEpi == 3 ? 32 : 1];  // kBias, kGeluDirect: this thread's bias pairs, for after the
-                                                      // main loop
-    if constexpr (kEpi == 0 || kEpi == 3) {
+    uint32_t bias2[kEpi == 0 ? 32 : 1];  // kBias: this thread's bias pairs, loaded now, used after the main loop
+    if constexpr (kEpi == 0) {
 #pragma unroll
       for (int nt = 0; nt < 32; ++nt)
         bias2[nt] = args.bias ? __ldg(reinterpret_cast<const unsigned int*>(args.bias + n0 + 8 * nt + 2 * tq)) : 0u;
@@ -707,21 +670,6 @@ __global__ void __launch_bounds__(kThreads, 1)
 #pragma unroll
           for (int box = 0; box < 4; ++box)
             tma_store_2d(&map_out0, stage_out + box * kBoxBytes, n0 + 64 * box, m0 + 64 * cw);
-        }
-        bulk_commit();
-      }
-    } else if constexpr (kEpi == 3) {  // y staged and stored by this warpgroup, gelu' from registers (bf16 + table)
-      if (tid == 0) bulk_wait_read<0>();  // the previous stores have read the staging
-      named_barrier_sync(bar_wg, 128);
-      stage_gelu_direct<kTanh>(stage_out, acc, bias2, tab, args.act_grad, args.m, args.n, m0 + 64 * cw, n0, warp, g,
-                               tq);
-      fence_proxy_async();
-      named_barrier_sync(bar_wg, 128);
-      if (tid == 0) {
-        if (m0 + 64 * cw < args.m) {
-#pragma unroll
-          for (int box = 0; box < 4; ++box)
-            tma_store_2d(&map_out1, stage_out + box * kBoxBytes, n0 + 64 * box, m0 + 64 * cw);
         }
         bulk_commit();
       }
@@ -869,14 +817,6 @@ void gemm_sm90_prepare() {
   if (gemm_sm90_available()) (void)gemm90::gelu_tables();
 }
 
-bool& gemm_sm90_gelu_direct() {
-  static bool on = [] {
-    const char* e = std::getenv("NOPAD_GELU_DIRECT");
-    return e != nullptr && std::string_view(e) == "1";
-  }();
-  return on;
-}
-
 bool& gemm_sm90_gelu_table() {
   static bool on = [] {
     const char* e = std::getenv("NOPAD_GELU_TABLE");
@@ -971,15 +911,6 @@ void launch_gemm_sm90(GemmEpilogue epi, const T* a, const T* b, int64_t m, int32
   switch (epi) {
     case GemmEpilogue::kBias: gemm90::launch<0, kFp16, false>(ma, mb, mo0, mo1, args, sm_count, stream); break;
     case GemmEpilogue::kGelu:
-      if constexpr (!kFp16) {
-        if (args.gelu_table != nullptr && gemm_sm90_gelu_direct()) {  // the consumers do the whole epilogue
-          if (tanh)
-            gemm90::launch<3, false, true>(ma, mb, mo0, mo1, args, sm_count, stream);
-          else
-            gemm90::launch<3, false, false>(ma, mb, mo0, mo1, args, sm_count, stream);
-          break;
-        }
-      }
       if (tanh)
         gemm90::launch<1, kFp16, true>(ma, mb, mo0, mo1, args, sm_count, stream);
       else

@@ -45,10 +45,6 @@ int& gemm_sm90_consumer_columns();
 // the exact activations correctly rounded; the arithmetic form's agree with them except in the last bit of a few
 // gelu' values. Process-wide, host-side; NOPAD_GELU_TABLE=0 turns it off at start (the default is on).
 bool& gemm_sm90_gelu_table();
-// kGelu with bf16 and the table: the consumer warpgroups look y and gelu' up from their accumulators at staging time,
-// stage y for its TMA store and write gelu' from registers; no epilogue warps (the producer warpgroup gives its
-// registers to the consumers). Process-wide, host-side; NOPAD_GELU_DIRECT=1 turns it on at start (default off).
-bool& gemm_sm90_gelu_direct();
 // Uploads the GELU tables to the current device (once per device; a synchronous copy). The CUDA backend calls it at
 // setup; a launch that finds the tables missing uploads them itself.
 void gemm_sm90_prepare();
