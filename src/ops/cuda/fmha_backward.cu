@@ -30,8 +30,7 @@ inline size_t dq_accum_offset(int32_t num_tokens, int32_t num_heads) {
 
 constexpr int kPreRows = 8;  // rows per CTA of the pre/post kernels (one warp each)
 
-// D[h, t] = sum_d dO[t, h*hd + d] * O[t, h*hd + d] / keep_scale; lse2[h, t] = lse[h, t] * log2(e); dq_accum[t, :] = 0
-// (unless dq_acc is null).
+// D[h, t] = sum_d dO[t, h*hd + d] * O[t, h*hd + d] / keep_scale; lse2[h, t] = lse[h, t] * log2(e); dq_accum[t, :] = 0.
 // One warp per token row; lanes take 16-byte chunks, the hd/8 lanes of one head reduce with shuffles. D is divided by
 // the keep-scale c (an exact multiplication by (65536 - threshold) / 65536) so that p_and_ds can leave c out of every
 // score: the main kernel applies it once to dK, dV and dQ.
@@ -66,7 +65,6 @@ __global__ void __launch_bounds__(32 * kPreRows) fmha_bwd_pre_kernel(const Kerne
       D[lse2_offset(p.num_tokens, p.num_heads) + i] = p.lse[i] * kLog2e;
     }
   }
-  if (dq_acc == nullptr) return;  // the cluster-dQ kernel writes dQ itself
   float4* dq = reinterpret_cast<float4*>(dq_acc + tok * H);
   for (int c = lane; c < H / 4; c += 32) dq[c] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
 }
@@ -295,11 +293,9 @@ __device__ __forceinline__ void store_dk_dv(const FmhaParams& p, const float (&d
 // of each warp by shuffles, then over the warps through shared memory (red: kWarps x 2 HD floats, free for this use;
 // the caller has passed a barrier after the last read of it), then one fp32 atomic per column. Collective: every
 // thread of the CTA calls it.
-// with_q (the cluster-dQ kernel): the q block's column sums too, which the caller has put at red[kWarps 2 HD +
-// warp HD + c] (column c) before the call.
 template <int HD, int kWarps>
 __device__ __forceinline__ void add_dk_dv_bias(const FmhaParams& p, float (&colsum)[HD / 8][4], float* red, int head,
-                                               int tid, bool with_q = false) {
+                                               int tid) {
   const int warp = tid >> 5, lane = tid & 31, t = lane & 3;
 #pragma unroll
   for (int n = 0; n < HD / 8; ++n)
@@ -325,14 +321,6 @@ __device__ __forceinline__ void add_dk_dv_bias(const FmhaParams& p, float (&cols
     for (int w = 0; w < kWarps; ++w) sum += red[w * 2 * HD + c];
     const int col = c < HD ? H + head * HD + c : 2 * H + head * HD + (c - HD);
     atomicAdd(p.d_qkv_bias + col, sum);
-  }
-  if (with_q) {
-    for (int c = tid; c < HD; c += 32 * kWarps) {
-      float sum = 0.0f;
-#pragma unroll
-      for (int w = 0; w < kWarps; ++w) sum += red[kWarps * 2 * HD + w * HD + c];
-      atomicAdd(p.d_qkv_bias + head * HD + c, sum);
-    }
   }
 }
 
@@ -583,22 +571,12 @@ __device__ __forceinline__ void stage_dq(float* sdQ, const float (&dq)[8][4], fl
   }
 }
 
-// How dQ leaves the wgmma kernel (its kDq parameter).
-enum BwdDq : int {
-  kDqAtomics = 0,  // per-thread float4 atomics into dq_accum
-  kDqBulk = 1,     // staged in shared memory, one bulk reduction per query row into dq_accum (threads 0..63, after the
-                   // next barrier)
-  kDqCluster = 2,  // the launch's clusters span a sequence's key tiles (grid.x <= 8 CTAs): each CTA stages its partial
-                   // dQ tile in shared memory; after a cluster barrier the key-tile CTAs each sum a share of the tile's
-                   // rows over all of them (distributed shared memory, fixed order) and write dQ, rounded to 16 bits,
-                   // straight into d_qkv's q block: no dq_accum, no atomics, no conversion pass, deterministic
-};
-
-template <int kMinCtas, bool kFp16, bool kDrop, int kDq>
+// kBulkDq: dQ leaves through the stage in shared memory as one bulk reduction per query row (issued by threads 0..63
+// after the next barrier), instead of per-thread float4 atomics.
+template <int kMinCtas, bool kFp16, bool kDrop, bool kBulkDq>
 __global__ void __launch_bounds__(128, kMinCtas)
     fmha_bwd_wgmma_kernel(const __grid_constant__ KernelArgs args, const float* D, float* dq_acc) {
 #if NOPAD_FMHA_WGMMA
-  constexpr bool kBulkDq = kDq == kDqBulk, kClusterDq = kDq == kDqCluster;
   constexpr int HD = 64;
   using Sh = BwdWgShape;
   constexpr int kNTiles = kTile / 8;
@@ -608,8 +586,6 @@ __global__ void __launch_bounds__(128, kMinCtas)
   int b, s0, L;
   launch_sequence(p, static_cast<int>(blockIdx.z), b, s0, L);
   const int k0 = static_cast<int>(blockIdx.x) * Sh::kBlockN;
-  // kClusterDq: a CTA past the end exits too (an exited thread counts as arrived at the cluster barrier); the first
-  // (L + 63) / 64 ranks of the cluster, those with keys, are the ones that stage and sum.
   if (k0 >= L) return;
   const int head = static_cast<int>(blockIdx.y);
   const int H = p.num_heads * HD, T = p.num_tokens;
@@ -628,37 +604,9 @@ __global__ void __launch_bounds__(128, kMinCtas)
   uint16_t* sdS = sdO + 2 * kTile * HD;                               // [64 keys][64 queries]
   float* sLse = reinterpret_cast<float*>(sdS + Sh::kBlockN * kTile);  // [2][64], lse * log2(e); 0 past the end
   float* sD = sLse + 2 * kTile;                                       // [2][64]
-  float* sdQ = sD + 2 * kTile;  // kBulkDq: [64][kDqStageLd] fp32; kClusterDq: two of them (tiles i even, odd)
+  float* sdQ = sD + 2 * kTile;  // kBulkDq: [64][kDqStageLd] fp32
 
   const int tid = static_cast<int>(threadIdx.x);
-  // kClusterDq: thread tid of rank r sums the float4 items j = 128 r + tid, + 128 n_key_ctas, ... of the staged tile
-  // (item j: row j / 16, columns 4 (j % 16) .. + 3, so a thread's columns are fixed: qsum holds their bias sums).
-  [[maybe_unused]] const int n_key_ctas = (L + Sh::kBlockN - 1) / Sh::kBlockN;
-  [[maybe_unused]] const int rank = kClusterDq ? static_cast<int>(cluster_rank()) : 0;
-  [[maybe_unused]] float qsum[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-  [[maybe_unused]] const auto reduce_dq_tile = [&](const float* stage, int qs_staged) {
-    const int items = min(kTile, L - qs_staged) * (HD / 4);
-    uint16_t* dq_out = static_cast<uint16_t*>(p.d_qkv) + int64_t{s0 + qs_staged} * ld + head * HD;
-    for (int j = rank * Sh::kThreads + tid; j < items; j += n_key_ctas * Sh::kThreads) {
-      const int row = j >> 4, c4 = j & 15;
-      const float* src = stage + row * Sh::kDqStageLd + 4 * c4;
-      float4 part[8];
-#pragma unroll
-      for (int c = 0; c < 8; ++c)  // all loads in flight, then the sum in rank order
-        if (c < n_key_ctas) part[c] = ld_cluster_f4(cluster_map(src, static_cast<uint32_t>(c)));
-      float4 sum = part[0];
-#pragma unroll
-      for (int c = 1; c < 8; ++c)
-        if (c < n_key_ctas)
-          sum = make_float4(sum.x + part[c].x, sum.y + part[c].y, sum.z + part[c].z, sum.w + part[c].w);
-      const uint32_t w0 = pack2<kFp16>(sum.x, sum.y), w1 = pack2<kFp16>(sum.z, sum.w);
-      *reinterpret_cast<uint2*>(dq_out + row * ld + 4 * c4) = make_uint2(w0, w1);
-      qsum[0] += to_f32<kFp16>(static_cast<uint16_t>(w0));
-      qsum[1] += to_f32<kFp16>(static_cast<uint16_t>(w0 >> 16));
-      qsum[2] += to_f32<kFp16>(static_cast<uint16_t>(w1));
-      qsum[3] += to_f32<kFp16>(static_cast<uint16_t>(w1 >> 16));
-    }
-  };
   // kBulkDq: thread tid < 64 sends row tid of the staged tile that starts at query qs_staged.
   const auto send_dq_row = [&](int qs_staged) {
     if (tid < kTile && qs_staged + tid < L) {
@@ -758,16 +706,6 @@ __global__ void __launch_bounds__(128, kMinCtas)
 #pragma unroll
     for (int kk = 0; kk < kTile / 16; ++kk) wgmma_rs<kFp16, 1>(dk, da[kk], desc_q + kk * kDescStepMN);
     wgmma_commit();
-    if constexpr (kClusterDq) {
-      // Tile i-1's dQ, while dV and dK run: every key-tile CTA staged its partial before arriving (A_{i-1}), so after
-      // the wait it is summed from the cluster's stages. The cluster barrier's phases alternate arrive / wait, one pair
-      // per tile: a CTA that arrives at A_i has finished summing tile i-1, so the stage a CTA writes at tile i + 1
-      // (its tile i-1 buffer) is free once it has passed A_i.
-      if (i > 0) {
-        cluster_wait_acquire();  // A_{i-1}
-        reduce_dq_tile(sdQ + ((i - 1) & 1) * kTile * Sh::kDqStageLd, qs - kTile);
-      }
-    }
     fence_proxy_async();  // this thread's dS^T stores, visible to the tensor cores after the barrier
     if constexpr (kBulkDq) {
       if (tid < kTile) bulk_wait_read<0>();  // the dQ stage is free again after the barrier
@@ -788,10 +726,7 @@ __global__ void __launch_bounds__(128, kMinCtas)
     fence_regs(pa);
     fence_regs(da);
 
-    if constexpr (kClusterDq) {
-      stage_dq(sdQ + (i & 1) * kTile * Sh::kDqStageLd, dq, args.grad_scale, wrow, g, t);
-      cluster_arrive_release();  // A_i
-    } else if constexpr (kBulkDq) {
+    if constexpr (kBulkDq) {
       stage_dq(sdQ, dq, args.grad_scale, wrow, g, t);
     } else {
       add_dq<kDTiles>(p, dq_acc, dq, args.grad_scale, s0, qs + wrow + g, L, head * HD, t);
@@ -802,32 +737,18 @@ __global__ void __launch_bounds__(128, kMinCtas)
     __syncthreads();
     send_dq_row((num_qt - 1) * kTile);
   }
-  if constexpr (kClusterDq) {  // the last tile's dQ, then B: every CTA done reading the stages
-    cluster_wait_acquire();
-    reduce_dq_tile(sdQ + ((num_qt - 1) & 1) * kTile * Sh::kDqStageLd, (num_qt - 1) * kTile);
-    cluster_arrive_release();
-  }
 
   // dK (scaled) and dV into d_qkv's k and v blocks, rows of keys that exist.
   float colsum[kDTiles][4];
   store_dk_dv<HD, kFp16>(p, dk, dv, args.grad_scale, args.keep_scale, s0, k0 + wrow + g, L, head, t, colsum);
   if (p.d_qkv_bias != nullptr) {  // CTA-uniform
     if constexpr (!kBulkDq) __syncthreads();  // every warp done with sdS (kBulkDq passed a barrier after the loop)
-    static_assert((4 * 2 * HD + 4 * HD) * 4 <= Sh::kBlockN * kTile * 2, "the bias reduction fits in sdS");
-    float* red = reinterpret_cast<float*>(sdS);
-    if constexpr (kClusterDq) {  // the q block's column sums of the dQ this thread wrote, over lanes l and l ^ 16
-#pragma unroll
-      for (int e = 0; e < 4; ++e) qsum[e] += __shfl_xor_sync(0xffffffffu, qsum[e], 16);
-      if ((tid & 31) < 16)
-        *reinterpret_cast<float4*>(red + 4 * 2 * HD + (tid >> 5) * HD + 4 * (tid & 15)) =
-            make_float4(qsum[0], qsum[1], qsum[2], qsum[3]);
-    }
-    add_dk_dv_bias<HD, 4>(p, colsum, red, head, tid, kClusterDq);
+    static_assert(4 * 2 * HD * 4 <= Sh::kBlockN * kTile * 2, "the bias reduction fits in sdS");
+    add_dk_dv_bias<HD, 4>(p, colsum, reinterpret_cast<float*>(sdS), head, tid);
   }
   if constexpr (kBulkDq) {
     if (tid < kTile) bulk_wait_read<0>();  // the stage stays valid until the copy engine has read it
   }
-  if constexpr (kClusterDq) cluster_wait_acquire();  // B: the others have read this CTA's stages
 #else
   __trap();  // never launched: the host selects this kernel only where fmha_wgmma_available()
 #endif
@@ -848,8 +769,6 @@ constexpr BwdVariant kBwdVariants[] = {
     {"wg64", 4, 3, true},     // 3: wgmma, one warpgroup x 64 keys, 3 CTAs per SM (168 registers)
     {"wg64r", 4, 2, true},    // 4: the same with 2 CTAs per SM and no register cap
     {"wg64b", 4, 3, true},    // 5: wg64 with dQ sent as bulk reductions of whole rows from shared memory
-    {"wg64c", 4, 2, true},    // 6: wg64 with dQ summed across the sequence's key-tile CTAs of a cluster (kDqCluster,
-                              //    two dQ stages: 92 KB, 2 CTAs per SM); launches with max_seqlen > 512 run 5 or 3
 };
 constexpr int kNumBwdVariants = static_cast<int>(sizeof(kBwdVariants) / sizeof(kBwdVariants[0]));
 constexpr int kDefaultBwdVariant = 0;    // where the wgmma kernel cannot run
@@ -873,48 +792,21 @@ void launch_backward_main(const KernelArgs& args, const float* D, float* dq_acc,
   NOPAD_CUDA_CHECK_LAUNCH();
 }
 
-// kDqCluster: one cluster per (head, sequence) spanning grid.x key tiles (at most kMaxClusterKeyTiles, the portable
-// cluster size, i.e. launches whose longest sequence has <= 512 tokens).
-constexpr int kMaxClusterKeyTiles = 8;
-
-template <auto kKernel, int kDq, int kBytes>
-void launch_backward_wgmma_kernel(const dim3 grid, const KernelArgs& args, const float* D, float* dq_acc,
-                                  cudaStream_t stream) {
-  ensure_smem<kKernel>(kBytes);
-  if constexpr (kDq == kDqCluster) {
-    NOPAD_CHECK(grid.x >= 1 && static_cast<int>(grid.x) <= kMaxClusterKeyTiles, "fmha_backward: a cluster of ", grid.x,
-                " key tiles (the cluster-dQ kernel takes max_seqlen <= ", 64 * kMaxClusterKeyTiles, ")");
-    cudaLaunchConfig_t cfg = {};
-    cfg.gridDim = grid;
-    cfg.blockDim = dim3(BwdWgShape::kThreads);
-    cfg.dynamicSmemBytes = kBytes;
-    cfg.stream = stream;
-    cudaLaunchAttribute attr[1];
-    attr[0].id = cudaLaunchAttributeClusterDimension;
-    attr[0].val.clusterDim.x = grid.x;
-    attr[0].val.clusterDim.y = 1;
-    attr[0].val.clusterDim.z = 1;
-    cfg.attrs = attr;
-    cfg.numAttrs = 1;
-    NOPAD_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kKernel, args, D, dq_acc));
-  } else {
-    kKernel<<<grid, BwdWgShape::kThreads, kBytes, stream>>>(args, D, dq_acc);
-  }
-  NOPAD_CUDA_CHECK_LAUNCH();
-}
-
-template <int kMinCtas, bool kFp16, int kDq>
+template <int kMinCtas, bool kFp16, bool kBulkDq>
 void launch_backward_wgmma(const KernelArgs& args, const float* D, float* dq_acc, int32_t n, cudaStream_t stream) {
   using Sh = BwdWgShape;
-  constexpr int kBytes = Sh::kSmemBytes + (kDq == kDqBulk ? 1 : kDq == kDqCluster ? 2 : 0) * Sh::kDqStageBytes;
+  constexpr int kBytes = Sh::kSmemBytes + (kBulkDq ? Sh::kDqStageBytes : 0);
   const dim3 grid((args.p.max_seqlen + Sh::kBlockN - 1) / Sh::kBlockN, args.p.num_heads, n);
   if (args.dropout) {
-    launch_backward_wgmma_kernel<fmha_bwd_wgmma_kernel<kMinCtas, kFp16, true, kDq>, kDq, kBytes>(grid, args, D, dq_acc,
-                                                                                                stream);
+    constexpr auto kernel = fmha_bwd_wgmma_kernel<kMinCtas, kFp16, true, kBulkDq>;
+    ensure_smem<kernel>(kBytes);
+    kernel<<<grid, Sh::kThreads, kBytes, stream>>>(args, D, dq_acc);
   } else {
-    launch_backward_wgmma_kernel<fmha_bwd_wgmma_kernel<kMinCtas, kFp16, false, kDq>, kDq, kBytes>(grid, args, D,
-                                                                                                 dq_acc, stream);
+    constexpr auto kernel = fmha_bwd_wgmma_kernel<kMinCtas, kFp16, false, kBulkDq>;
+    ensure_smem<kernel>(kBytes);
+    kernel<<<grid, Sh::kThreads, kBytes, stream>>>(args, D, dq_acc);
   }
+  NOPAD_CUDA_CHECK_LAUNCH();
 }
 
 template <int HD, bool kFp16>
@@ -924,16 +816,12 @@ void launch_backward(const KernelArgs& args, int variant, int32_t n, cudaStream_
   float* dq_acc =
       reinterpret_cast<float*>(static_cast<char*>(p.workspace) + dq_accum_offset(p.num_tokens, p.num_heads));
   const dim3 row_grid((p.max_seqlen + kPreRows - 1) / kPreRows, n);
+  fmha_bwd_pre_kernel<kFp16><<<row_grid, 32 * kPreRows, 0, stream>>>(args, D, dq_acc);
+  NOPAD_CUDA_CHECK_LAUNCH();
   // At HD = 128 the register cap makes no difference (never capped there), so variant 1 runs variant 0's kernel.
   if (HD > 64 && variant == 1) variant = 0;
   // The wgmma kernel exists for head_dim 64 on sm_90a; elsewhere its variant runs the default mma.sync kernel.
   if (kBwdVariants[variant].wgmma && (HD != 64 || !fmha_wgmma_available())) variant = kDefaultBwdVariant;
-  // The cluster-dQ kernel spans a sequence's key tiles with one cluster: longer launches take the bulk or atomic one.
-  if (variant == 6 && (p.max_seqlen + 63) / 64 > kMaxClusterKeyTiles)
-    variant = args.dropout ? kDefaultBwdVariantWg : kDefaultBwdVariantWgNoDrop;
-  const bool dq_direct = variant == 6;  // dQ written by the main kernel: no dq_accum to zero or convert
-  fmha_bwd_pre_kernel<kFp16><<<row_grid, 32 * kPreRows, 0, stream>>>(args, D, dq_direct ? nullptr : dq_acc);
-  NOPAD_CUDA_CHECK_LAUNCH();
   switch (variant) {
     case 0: launch_backward_main<HD, 4, 3, kFp16>(args, D, dq_acc, n, stream); break;
     case 1:
@@ -941,20 +829,16 @@ void launch_backward(const KernelArgs& args, int variant, int32_t n, cudaStream_
       break;
     case 2: launch_backward_main<HD, 8, 1, kFp16>(args, D, dq_acc, n, stream); break;
     case 3:
-      if constexpr (HD == 64) launch_backward_wgmma<3, kFp16, kDqAtomics>(args, D, dq_acc, n, stream);
+      if constexpr (HD == 64) launch_backward_wgmma<3, kFp16, false>(args, D, dq_acc, n, stream);
       break;
     case 4:
-      if constexpr (HD == 64) launch_backward_wgmma<2, kFp16, kDqAtomics>(args, D, dq_acc, n, stream);
+      if constexpr (HD == 64) launch_backward_wgmma<2, kFp16, false>(args, D, dq_acc, n, stream);
       break;
     case 5:
-      if constexpr (HD == 64) launch_backward_wgmma<3, kFp16, kDqBulk>(args, D, dq_acc, n, stream);
-      break;
-    case 6:
-      if constexpr (HD == 64) launch_backward_wgmma<2, kFp16, kDqCluster>(args, D, dq_acc, n, stream);
+      if constexpr (HD == 64) launch_backward_wgmma<3, kFp16, true>(args, D, dq_acc, n, stream);
       break;
     default: fail("fmha_backward: no variant ", variant);
   }
-  if (dq_direct) return;
   if (p.d_qkv_bias == nullptr) {
     fmha_bwd_dq_kernel<kFp16><<<row_grid, 32 * kPreRows, 0, stream>>>(args, dq_acc);
   } else {
@@ -963,7 +847,7 @@ void launch_backward(const KernelArgs& args, int variant, int32_t n, cudaStream_
   }
   NOPAD_CUDA_CHECK_LAUNCH();
 }
-static_assert(kNumBwdVariants == 7, "launch_backward dispatches every variant");
+static_assert(kNumBwdVariants == 6, "launch_backward dispatches every variant");
 
 template <int HD>
 void launch_backward_hd(const KernelArgs& args, int variant, int32_t n, cudaStream_t stream) {

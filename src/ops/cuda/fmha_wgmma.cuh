@@ -103,48 +103,6 @@ __device__ __forceinline__ void bulk_wait_read() {
 #endif
 }
 
-// Thread block clusters (sm_90): this CTA's rank, the cluster barrier (every thread arrives, then waits; threads that
-// have exited count as arrived), and fp32 loads from another CTA's shared memory at the same offset as `p` here.
-__device__ __forceinline__ uint32_t cluster_rank() {
-  uint32_t r = 0;
-#if NOPAD_FMHA_WGMMA
-  asm volatile("mov.u32 %0, %%cluster_ctarank;\n" : "=r"(r));
-#endif
-  return r;
-}
-__device__ __forceinline__ void cluster_arrive_release() {
-#if NOPAD_FMHA_WGMMA
-  asm volatile("barrier.cluster.arrive.release.aligned;\n" ::: "memory");
-#endif
-}
-__device__ __forceinline__ void cluster_wait_acquire() {
-#if NOPAD_FMHA_WGMMA
-  asm volatile("barrier.cluster.wait.acquire.aligned;\n" ::: "memory");
-#endif
-}
-// The shared::cluster address of `p` (this CTA's shared memory) in the CTA of rank `rank`.
-__device__ __forceinline__ uint32_t cluster_map(const void* p, uint32_t rank) {
-  uint32_t r = 0;
-#if NOPAD_FMHA_WGMMA
-  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(r) : "r"(smem_u32(p)), "r"(rank));
-#else
-  (void)p, (void)rank;
-#endif
-  return r;
-}
-__device__ __forceinline__ float4 ld_cluster_f4(uint32_t addr) {
-  float4 v = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-#if NOPAD_FMHA_WGMMA
-  asm volatile("ld.shared::cluster.v4.f32 {%0, %1, %2, %3}, [%4];\n"
-               : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w)
-               : "r"(addr)
-               : "memory");
-#else
-  (void)addr;
-#endif
-  return v;
-}
-
 // Keeps the compiler from moving reads or writes of registers that an in-flight wgmma owns across the wait (or the
 // issue): an empty volatile asm that "modifies" them.
 template <int N>
