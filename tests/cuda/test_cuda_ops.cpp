@@ -269,6 +269,20 @@ struct VariantScope {
   VariantScope& operator=(const VariantScope&) = delete;
 };
 
+// One process-wide host switch (the gemm_sm90_* settings) set to a value for the scope's lifetime.
+template <class T>
+class SwitchScope {
+ public:
+  SwitchScope(T& sw, T value) : sw_(sw), saved_(std::exchange(sw, value)) {}
+  ~SwitchScope() { sw_ = saved_; }
+  SwitchScope(const SwitchScope&) = delete;
+  SwitchScope& operator=(const SwitchScope&) = delete;
+
+ private:
+  T& sw_;
+  T saved_;
+};
+
 // The first implementation of every memory-bound op (what the backend ran before the variants existed).
 cuda::KernelVariants first_variants() {
   cuda::KernelVariants v;
@@ -750,17 +764,14 @@ TYPED_TEST(CudaOps, GemmSm90Epilogues) {
         for (const Config& cf : configs) {
           SCOPED_TRACE("consumer columns " + std::to_string(cf.columns) + (cf.early ? ", early" : ", late") +
                        " stage release" + (cf.table ? ", table" : ", arithmetic"));
-          const int saved = std::exchange(cuda::gemm_sm90_consumer_columns(), cf.columns);
-          const bool saved_early = std::exchange(cuda::gemm_sm90_early_release(), cf.early);
-          const bool saved_table = std::exchange(cuda::gemm_sm90_gelu_table(), cf.table);
+          const SwitchScope columns(cuda::gemm_sm90_consumer_columns(), cf.columns);
+          const SwitchScope early(cuda::gemm_sm90_early_release(), cf.early);
+          const SwitchScope table(cuda::gemm_sm90_gelu_table(), cf.table);
           out0.poison();
           out1.poison();
           cuda::launch_gemm_sm90<D>(cuda::GemmEpilogue::kGelu, cdev(da->p), cdev(db->p), c.m, c.n, c.k,
                                     cdev(dbias->p), dev(out0.p), dev(out1.p), nullptr, nullptr, tanh,
                                     gpu<E>().multiprocessors(), current().stream);
-          cuda::gemm_sm90_consumer_columns() = saved;
-          cuda::gemm_sm90_early_release() = saved_early;
-          cuda::gemm_sm90_gelu_table() = saved_table;
           check("gelu: act_grad", out0, grad, kTolChain<E>);
           check("gelu: y", out1, y, kTolChain<E>);
         }
@@ -783,15 +794,13 @@ TYPED_TEST(CudaOps, GemmSm90Epilogues) {
         for (const Order o : {Order{true, -1}, Order{false, -1}, Order{true, 0}, Order{true, 1000}}) {
           SCOPED_TRACE(std::string(o.early ? "early" : "late") + " stage release, aux k-block " +
                        std::to_string(o.aux_kb));
-          const bool saved_early = std::exchange(cuda::gemm_sm90_early_release(), o.early);
-          const int saved_kb = std::exchange(cuda::gemm_sm90_aux_kblock(), o.aux_kb);
+          const SwitchScope early(cuda::gemm_sm90_early_release(), o.early);
+          const SwitchScope aux_kb(cuda::gemm_sm90_aux_kblock(), o.aux_kb);
           out0.poison();
           partial.poison();
           cuda::launch_gemm_sm90<D>(cuda::GemmEpilogue::kScale, cdev(da->p), cdev(db->p), c.m, c.n, c.k, nullptr,
                                     dev(out0.p), nullptr, cdev(daux->p), partial.p, false, gpu<E>().multiprocessors(),
                                     current().stream);
-          cuda::gemm_sm90_early_release() = saved_early;
-          cuda::gemm_sm90_aux_kblock() = saved_kb;
           check("scale: dpre", out0, dpre, kTolChain<E>);
           expect_close("scale: column partials", down(partial), sums, kTolOut<E>);
         }
@@ -833,16 +842,14 @@ TEST(CudaGemmSm90, GeluEpilogueOnEveryBf16Input) {
           if (!use_table && columns == 2) continue;
           SCOPED_TRACE(std::string(by_row ? "row" : "column") + " layout, " + (tanh ? "tanh" : "erf") +
                        (use_table ? ", table" : ", arithmetic") + ", consumer columns " + std::to_string(columns));
-          const int saved = std::exchange(cuda::gemm_sm90_consumer_columns(), columns);
-          const bool saved_table = std::exchange(cuda::gemm_sm90_gelu_table(), use_table);
+          const SwitchScope consumer_columns(cuda::gemm_sm90_consumer_columns(), columns);
+          const SwitchScope table_on(cuda::gemm_sm90_gelu_table(), use_table);
           out0.poison();
           out1.poison();
           cuda::launch_gemm_sm90<D>(cuda::GemmEpilogue::kGelu, reinterpret_cast<const D*>(da->p),
                                     reinterpret_cast<const D*>(db->p), kN, kN, kN, nullptr,
                                     reinterpret_cast<D*>(out0.p), reinterpret_cast<D*>(out1.p), nullptr, nullptr, tanh,
                                     gpu<E>().multiprocessors(), current().stream);
-          cuda::gemm_sm90_consumer_columns() = saved;
-          cuda::gemm_sm90_gelu_table() = saved_table;
           std::vector<E> g(kN * kN), y(kN * kN);
           ASSERT_EQ(cudaMemcpyAsync(g.data(), out0.p, g.size() * 2, cudaMemcpyDeviceToHost, current().stream),
                     cudaSuccess);
@@ -1479,14 +1486,12 @@ TYPED_TEST(CudaPerf, GeluForward) {
           cuda::KernelVariants kv;
           kv.gelu_gemm = true;
           VariantScope scope(kv);
-          const int saved = std::exchange(cuda::gemm_sm90_consumer_columns(), columns);
-          const bool saved_table = std::exchange(cuda::gemm_sm90_gelu_table(), table);
+          const SwitchScope consumer_columns(cuda::gemm_sm90_consumer_columns(), columns);
+          const SwitchScope table_on(cuda::gemm_sm90_gelu_table(), table);
           const double ms = median_ms([&] {
             gpu<E>().dense_forward(x->p, w->p, bias->p, T, k, n,
                                    tanh ? ops::Activation::kGeluTanh : ops::Activation::kGelu, y.p, pre.p);
           });
-          cuda::gemm_sm90_consumer_columns() = saved;
-          cuda::gemm_sm90_gelu_table() = saved_table;
           perf_line("dense_fwd",
                     std::string("k=1024 n=4096 GELU") + (tanh ? " tanh" : "") + ", " +
                         (cuda::last_gelu_path() == cuda::GeluPath::kGemmSm90 ? "nopad GEMM epilogue" : "(fell back)") +
