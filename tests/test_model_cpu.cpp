@@ -4,7 +4,9 @@
 // independence from the batch split, gradient accumulation, and a bert-tiny step timing.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <chrono>
+#include <cstddef>
 #include <cmath>
 #include <limits>
 #include <random>
@@ -574,6 +576,62 @@ void expect_split_invariance(double tol) {
 }
 TEST(ModelCpu, GradientDoesNotDependOnBatchSplitDouble) { expect_split_invariance<ops::CpuF64>(1e-12); }
 TEST(ModelCpu, GradientDoesNotDependOnBatchSplitFloat) { expect_split_invariance<ops::CpuF32>(1e-5); }
+
+// The sparse last layer (bert.h) against the dense one: same losses, correct counts and gradients, with dropout on
+// (the kept rows draw the full rows' masks). The batch has a masked row at a [CLS] row (kept once), a sequence with
+// no masked row, a one-token sequence, and masked positions out of row order; backward follows its forward's choice
+// even when the switch changes in between.
+TEST(ModelCpu, SparseLastLayerEqualsDenseLastLayer) {
+  const BertConfig c = small_config();
+  ops::CpuBackend<ops::CpuF64> be(2);
+  HostBatch batch = make_batch({6, 1, 9, 4, 7}, {11, 12, 13, 14, 15}, c.vocab_size, 8, 0.35);
+  batch.mlm_positions.push_back(batch.cu_seqlens[2]);  // sequence 2's [CLS] row, masked too
+  batch.mlm_labels.push_back(3);
+  // sequence 3 (rows 16..19) keeps no masked row: drop its masked positions
+  for (size_t i = batch.mlm_positions.size(); i-- > 0;)
+    if (batch.mlm_positions[i] >= batch.cu_seqlens[3] && batch.mlm_positions[i] < batch.cu_seqlens[4]) {
+      batch.mlm_positions.erase(batch.mlm_positions.begin() + static_cast<std::ptrdiff_t>(i));
+      batch.mlm_labels.erase(batch.mlm_labels.begin() + static_cast<std::ptrdiff_t>(i));
+    }
+  std::reverse(batch.mlm_positions.begin(), batch.mlm_positions.end());
+  std::reverse(batch.mlm_labels.begin(), batch.mlm_labels.end());
+  ASSERT_GT(batch.num_masked(), 4);
+  BertModel<ops::CpuF64> model(c, be, 32, 8, 32);
+  model.init_params(5);
+  ASSERT_TRUE(model.sparse_last_layer());  // the default
+  const size_t n = model.num_params();
+  std::vector<double> g_dense(n), g_sparse(n);
+  for (const bool train : {true, false}) {
+    model.set_sparse_last_layer(false);
+    model.zero_grad();
+    const StepResult rd = model.forward(batch, train, 77, 3);
+    model.backward();
+    model.get_grads(g_dense.data());
+    model.set_sparse_last_layer(true);
+    model.zero_grad();
+    const StepResult rs = model.forward(batch, train, 77, 3);
+    model.set_sparse_last_layer(false);  // backward must still run the forward's sparse layer
+    model.backward();
+    model.get_grads(g_sparse.data());
+    EXPECT_NEAR(rs.mlm_loss, rd.mlm_loss, 1e-12 * std::fabs(rd.mlm_loss)) << "train " << train;
+    EXPECT_NEAR(rs.nsp_loss, rd.nsp_loss, 1e-12 * std::fabs(rd.nsp_loss)) << "train " << train;
+    EXPECT_EQ(rs.mlm_correct, rd.mlm_correct);
+    EXPECT_EQ(rs.nsp_correct, rd.nsp_correct);
+    double max_g = 0;
+    for (size_t i = 0; i < n; ++i) max_g = std::max(max_g, std::fabs(g_dense[i]));
+    ASSERT_GT(max_g, 0);
+    int bad = 0;
+    for (size_t i = 0; i < n; ++i)
+      if (!(std::fabs(g_sparse[i] - g_dense[i]) <= 1e-12 * max_g) && bad++ < 8)
+        ADD_FAILURE() << "param " << i << ": sparse " << g_sparse[i] << " dense " << g_dense[i];
+    EXPECT_EQ(bad, 0) << "train " << train;
+  }
+  // A batch whose sequences are inconsistent with its token count is an error, not a read past the rows.
+  model.set_sparse_last_layer(true);
+  HostBatch broken = batch;
+  broken.cu_seqlens[2] = broken.cu_seqlens[1];  // an empty sequence
+  EXPECT_THROW(model.forward(broken, true, 1, 1), Error);
+}
 
 TEST(ModelCpu, GradientsAccumulateAndEvalHasNoDropout) {
   const BertConfig c = small_config();

@@ -7,6 +7,7 @@
 // factor, a dropped row) gives errors of order the gradient itself.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <functional>
 #include <limits>
@@ -333,6 +334,95 @@ TEST(OpsCpu, BiasDropoutResidualLayernormGradient) {
   check_gradient("dbias", bias, dbias, loss);
   check_gradient("dgamma", gamma, dgamma, loss);
   check_gradient("dbeta", beta, dbeta, loss);
+}
+
+// A view of a subset of each sequence's rows with row_positions (the sparse last layer's view) computes, row for
+// row, what the full view computes on those rows: outputs, statistics, both gradients (its dropout masks are the
+// full rows'), and the parameter gradients are the full view's restricted to the kept rows' contributions.
+TEST(OpsCpu, ResidualLayernormOnARowSubsetMatchesTheFullRows) {
+  CpuBackend<CpuF64> be(2);
+  Seqs s;
+  std::mt19937_64 rng(16);
+  const Vec x = random_vec(kT * kH, rng), bias = random_vec(kH, rng), res = random_vec(kT * kH, rng);
+  const Vec gamma = random_vec(kH, rng), beta = random_vec(kH, rng);
+  Vec d_out = random_vec(kT * kH, rng);
+  // Kept rows: sequence 0's only row; positions 0, 2, 3 of sequence 1 (rows 1, 3, 4); positions 0 and 8 of
+  // sequence 2 (rows 6 and 14).
+  const std::vector<int32_t> rows{0, 1, 3, 4, 6, 14}, positions{0, 0, 2, 3, 0, 8}, cu{0, 1, 4, 6};
+  const int32_t N = static_cast<int32_t>(rows.size());
+  for (int32_t t = 0; t < kT; ++t)  // the rows left out carry no gradient, as in the model
+    if (std::find(rows.begin(), rows.end(), t) == rows.end())
+      for (int32_t j = 0; j < kH; ++j) d_out[t * kH + j] = 0;
+  SeqView sub{N, 3, 3, cu.data(), s.sample_ids.data()};
+  sub.row_positions = positions.data();
+  const Dropout d = drop(0.3f, 5);
+
+  Vec out = poison(kT * kH), mean = poison(kT), rstd = poison(kT);
+  be.bias_dropout_residual_layernorm_forward(x.data(), bias.data(), res.data(), gamma.data(), beta.data(), s.view(),
+                                             kH, 1e-12, d, out.data(), mean.data(), rstd.data());
+  Vec dx = poison(kT * kH), dres = poison(kT * kH), dbias(kH, 0), dgamma(kH, 0), dbeta(kH, 0);
+  be.bias_dropout_residual_layernorm_backward(d_out.data(), x.data(), bias.data(), res.data(), gamma.data(),
+                                              mean.data(), rstd.data(), s.view(), kH, d, dx.data(), dres.data(),
+                                              dbias.data(), dgamma.data(), dbeta.data());
+
+  Vec xs(N * kH), res_s(N * kH), d_out_s(N * kH);
+  be.gather_rows(x.data(), kT, rows.data(), N, kH, xs.data());
+  be.gather_rows(res.data(), kT, rows.data(), N, kH, res_s.data());
+  be.gather_rows(d_out.data(), kT, rows.data(), N, kH, d_out_s.data());
+  Vec out_s = poison(N * kH), mean_s = poison(N), rstd_s = poison(N);
+  be.bias_dropout_residual_layernorm_forward(xs.data(), bias.data(), res_s.data(), gamma.data(), beta.data(), sub, kH,
+                                             1e-12, d, out_s.data(), mean_s.data(), rstd_s.data());
+  Vec dx_s = poison(N * kH), dres_s = poison(N * kH), dbias_s(kH, 0), dgamma_s(kH, 0), dbeta_s(kH, 0);
+  be.bias_dropout_residual_layernorm_backward(d_out_s.data(), xs.data(), bias.data(), res_s.data(), gamma.data(),
+                                              mean_s.data(), rstd_s.data(), sub, kH, d, dx_s.data(), dres_s.data(),
+                                              dbias_s.data(), dgamma_s.data(), dbeta_s.data());
+  int dropped = 0;
+  for (int32_t i = 0; i < N; ++i) {
+    const int32_t t = rows[i];
+    EXPECT_EQ(mean_s[i], mean[t]) << "row " << t;
+    EXPECT_EQ(rstd_s[i], rstd[t]) << "row " << t;
+    for (int32_t j = 0; j < kH; ++j) {
+      EXPECT_EQ(out_s[i * kH + j], out[t * kH + j]) << "row " << t << " feature " << j;
+      EXPECT_EQ(dx_s[i * kH + j], dx[t * kH + j]) << "row " << t << " feature " << j;
+      EXPECT_EQ(dres_s[i * kH + j], dres[t * kH + j]) << "row " << t << " feature " << j;
+      dropped += dx[t * kH + j] == 0.0;
+    }
+  }
+  EXPECT_GT(dropped, 0);  // the masks were on (p = 0.3 over 48 elements)
+  for (int32_t j = 0; j < kH; ++j) {
+    EXPECT_NEAR(dbias_s[j], dbias[j], 1e-12 * (1 + std::fabs(dbias[j])));
+    EXPECT_NEAR(dgamma_s[j], dgamma[j], 1e-12 * (1 + std::fabs(dgamma[j])));
+    EXPECT_NEAR(dbeta_s[j], dbeta[j], 1e-12 * (1 + std::fabs(dbeta[j])));
+  }
+  // Attention and embeddings need whole sequences.
+  Vec qkv = random_vec(N * 3 * kH, rng), ctx(N * kH), lse(kHeads * N);
+  EXPECT_THROW(be.attention_forward(qkv.data(), sub, kHeads, kHeadDim, drop(0.0f, 1), ctx.data(), lse.data()), Error);
+}
+
+TEST(OpsCpu, GatherAndScatterRows) {
+  CpuBackend<CpuF32> be(1);
+  const int32_t T = 6, W = 3;
+  std::vector<float> src(T * W);
+  for (int i = 0; i < T * W; ++i) src[i] = static_cast<float>(i) + 0.5f;
+  const std::vector<int32_t> rows{4, 0, 5};
+  std::vector<float> g(3 * W, std::nanf(""));
+  be.gather_rows(src.data(), T, rows.data(), 3, W, g.data());
+  for (int i = 0; i < 3; ++i)
+    for (int j = 0; j < W; ++j) EXPECT_EQ(g[i * W + j], src[rows[i] * W + j]);
+  std::vector<float> dst(T * W, -1.0f);
+  be.scatter_rows(g.data(), rows.data(), 3, W, dst.data(), T, /*accumulate=*/false);
+  for (int t = 0; t < T; ++t)
+    for (int j = 0; j < W; ++j)
+      EXPECT_EQ(dst[t * W + j], (t == 0 || t == 4 || t == 5) ? src[t * W + j] : -1.0f) << t;
+  be.scatter_rows(g.data(), rows.data(), 3, W, dst.data(), T, /*accumulate=*/true);
+  for (int t = 0; t < T; ++t)
+    for (int j = 0; j < W; ++j)
+      EXPECT_EQ(dst[t * W + j], (t == 0 || t == 4 || t == 5) ? 2 * src[t * W + j] : -1.0f) << t;
+  // Rows outside the matrix, or a row twice in a scatter, are errors.
+  const std::vector<int32_t> bad{1, 6}, twice{2, 2};
+  EXPECT_THROW(be.gather_rows(src.data(), T, bad.data(), 2, W, g.data()), Error);
+  EXPECT_THROW(be.scatter_rows(g.data(), bad.data(), 2, W, dst.data(), T, false), Error);
+  EXPECT_THROW(be.scatter_rows(g.data(), twice.data(), 2, W, dst.data(), T, true), Error);
 }
 
 TEST(OpsCpu, MlmHeadLossGradient) {

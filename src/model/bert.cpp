@@ -2,6 +2,8 @@
 #include "model/bert.h"
 
 #include <algorithm>
+#include <cstdlib>
+#include <cstring>
 #include <vector>
 
 #include "core/error.h"
@@ -117,6 +119,24 @@ BertModel<P>::BertModel(const BertConfig& config, ops::Backend<P>& backend, int3
     }
   }
 
+  // Rows of the sparse last layer: each sequence's [CLS] row and masked rows, at most T.
+  const size_t N = std::min(T, B + M);
+  if (const char* v = std::getenv("NOPAD_SPARSE_LAST_LAYER"); v != nullptr && std::strcmp(v, "0") == 0)
+    sparse_last_layer_ = false;
+  for (BatchSlot& slot : slots_) {
+    slot.last_rows = alloc<int32_t>(N);
+    slot.last_positions = alloc<int32_t>(N);
+    slot.last_cu_seqlens = alloc<int32_t>(B + 1);
+    slot.last_mlm_positions = alloc<int32_t>(M);
+    slot.host_last_rows.reserve(N);
+    slot.host_last_positions.reserve(N);
+    slot.host_last_cu_seqlens.reserve(B + 1);
+    slot.host_last_mlm_positions.reserve(M);
+  }
+  host_row_mark_.reserve(T);
+  last_ctx_ = alloc<A>(N * H);
+  last_h_ = alloc<A>(N * H);
+  d_last_h_ = alloc<A>(N * H);
   for (BatchSlot& slot : slots_) {
     slot.tokens = alloc<int32_t>(T);
     slot.positions = alloc<int32_t>(T);
@@ -283,6 +303,51 @@ void BertModel<P>::set_result_capacity(size_t n) {
   results_.assign(n, PendingResult{});
 }
 
+// The rows the heads read from the last layer (bert.h, sparse last layer): each sequence's first row ([CLS], what
+// the NSP head reads) and its masked rows, in row order, so each sequence's rows stay together and its [CLS] row
+// comes first (the NSP head finds it at last_cu_seqlens[b]). O(T) on the host, no allocation (capacities are fixed
+// in the constructor).
+template <class P>
+void BertModel<P>::last_layer_rows(const HostBatch& batch, BatchSlot& slot) {
+  const int32_t T = batch.num_tokens(), B = batch.num_seqs(), M = batch.num_masked();
+  NOPAD_CHECK(batch.cu_seqlens[0] == 0 && batch.cu_seqlens[B] == T, "inconsistent batch: cu_seqlens run from ",
+              batch.cu_seqlens[0], " to ", batch.cu_seqlens[B], ", not from 0 to the ", T, " tokens");
+  for (int32_t b = 0; b < B; ++b)
+    NOPAD_CHECK(batch.cu_seqlens[b + 1] > batch.cu_seqlens[b], "inconsistent batch: sequence ", b, " is empty");
+  std::vector<int32_t>& mark = host_row_mark_;  // -1: not kept; else the row's index among the kept rows
+  mark.assign(static_cast<size_t>(T), -1);
+  for (int32_t b = 0; b < B; ++b) mark[batch.cu_seqlens[b]] = 0;
+  for (int32_t i = 0; i < M; ++i) mark[batch.mlm_positions[i]] = 0;
+  slot.host_last_rows.clear();
+  slot.host_last_positions.clear();
+  slot.host_last_cu_seqlens.assign(1, 0);
+  int32_t max_rows = 0;
+  for (int32_t b = 0; b < B; ++b) {
+    const int32_t s0 = batch.cu_seqlens[b], s1 = batch.cu_seqlens[b + 1];
+    for (int32_t r = s0; r < s1; ++r) {
+      if (mark[r] < 0) continue;
+      mark[r] = static_cast<int32_t>(slot.host_last_rows.size());
+      slot.host_last_rows.push_back(r);
+      slot.host_last_positions.push_back(r - s0);
+    }
+    const int32_t n = static_cast<int32_t>(slot.host_last_rows.size());
+    max_rows = std::max(max_rows, n - slot.host_last_cu_seqlens.back());
+    slot.host_last_cu_seqlens.push_back(n);
+  }
+  slot.host_last_mlm_positions.resize(static_cast<size_t>(M));
+  for (int32_t i = 0; i < M; ++i) slot.host_last_mlm_positions[i] = mark[batch.mlm_positions[i]];
+  const int32_t N = static_cast<int32_t>(slot.host_last_rows.size());
+  backend_.upload_bytes_async(slot.last_rows, slot.host_last_rows.data(), sizeof(int32_t) * N);
+  backend_.upload_bytes_async(slot.last_positions, slot.host_last_positions.data(), sizeof(int32_t) * N);
+  backend_.upload_bytes_async(slot.last_cu_seqlens, slot.host_last_cu_seqlens.data(), sizeof(int32_t) * (B + 1));
+  backend_.upload_bytes_async(slot.last_mlm_positions, slot.host_last_mlm_positions.data(), sizeof(int32_t) * M);
+  num_last_rows_ = N;
+  last_seqs_ = ops::SeqView{N, B, max_rows, slot.last_cu_seqlens, slot.sample_ids};
+  last_seqs_.row_positions = slot.last_positions;
+  last_rows_ = slot.last_rows;
+  last_mlm_positions_ = slot.last_mlm_positions;
+}
+
 template <class P>
 uint64_t BertModel<P>::forward_async(const HostBatch& batch, bool train, uint64_t seed, uint64_t step,
                                      LossDenominators denoms) {
@@ -319,6 +384,8 @@ uint64_t BertModel<P>::forward_async(const HostBatch& batch, bool train, uint64_
   slot.host_by_length.resize(static_cast<size_t>(B));
   ops::order_by_length(slot.host_cu_seqlens.data(), B, slot.host_by_length.data());
   backend_.upload_bytes_async(slot.by_length, slot.host_by_length.data(), sizeof(int32_t) * B);
+  sparse_last_ = sparse_last_layer_ && config_.num_hidden_layers > 0;
+  if (sparse_last_) last_layer_rows(batch, slot);
   backend_.compute_waits_for_uploads();
   tokens_ = slot.tokens;
   positions_ = slot.positions;
@@ -352,24 +419,38 @@ uint64_t BertModel<P>::forward_async(const HostBatch& batch, bool train, uint64_
     backend_.dense_forward(h, L.w_qkv, L.b_qkv, T, H, 3 * H, ops::Activation::kNone, L.qkv, nullptr);
     backend_.attention_forward(L.qkv, seqs_, NH, config_.head_dim(), dropout(p_attn, op_id_attention_probs(l)), L.ctx,
                                L.lse);
-    backend_.dense_forward(L.ctx, L.w_attn_out, nullptr, T, H, H, ops::Activation::kNone, L.attn_dense, nullptr);
-    backend_.bias_dropout_residual_layernorm_forward(L.attn_dense, L.b_attn_out, h, L.ln1_gamma, L.ln1_beta, seqs_, H,
-                                                     eps, dropout(p_hidden, op_id_attention_output(l)), L.out1,
-                                                     L.ln1_mean, L.ln1_rstd);
-    backend_.dense_forward(L.out1, L.w_inter, L.b_inter, T, H, I, activation(), L.inter_act, L.inter_grad);
-    backend_.dense_forward(L.inter_act, L.w_out, nullptr, T, I, H, ops::Activation::kNone, L.ffn_dense, nullptr);
-    backend_.bias_dropout_residual_layernorm_forward(L.ffn_dense, L.b_out, L.out1, L.ln2_gamma, L.ln2_beta, seqs_, H,
+    // The rest of the layer on R rows: all T, or in the sparse last layer the N rows the heads read.
+    const bool sparse = sparse_last_ && l == config_.num_hidden_layers - 1;
+    const int32_t R = sparse ? num_last_rows_ : T;
+    const ops::SeqView& rows = sparse ? last_seqs_ : seqs_;
+    const A* ctx = L.ctx;
+    const A* residual = h;
+    if (sparse) {
+      backend_.gather_rows(L.ctx, T, last_rows_, R, H, last_ctx_);
+      backend_.gather_rows(h, T, last_rows_, R, H, last_h_);
+      ctx = last_ctx_;
+      residual = last_h_;
+    }
+    backend_.dense_forward(ctx, L.w_attn_out, nullptr, R, H, H, ops::Activation::kNone, L.attn_dense, nullptr);
+    backend_.bias_dropout_residual_layernorm_forward(L.attn_dense, L.b_attn_out, residual, L.ln1_gamma, L.ln1_beta,
+                                                     rows, H, eps, dropout(p_hidden, op_id_attention_output(l)),
+                                                     L.out1, L.ln1_mean, L.ln1_rstd);
+    backend_.dense_forward(L.out1, L.w_inter, L.b_inter, R, H, I, activation(), L.inter_act, L.inter_grad);
+    backend_.dense_forward(L.inter_act, L.w_out, nullptr, R, I, H, ops::Activation::kNone, L.ffn_dense, nullptr);
+    backend_.bias_dropout_residual_layernorm_forward(L.ffn_dense, L.b_out, L.out1, L.ln2_gamma, L.ln2_beta, rows, H,
                                                      eps, dropout(p_hidden, op_id_ffn_output(l)), L.out2, L.ln2_mean,
                                                      L.ln2_rstd);
     h = L.out2;
   }
+  // The heads read the last layer's output: [T, H], or [N, H] with the masked rows and [CLS] rows renumbered.
   if (M > 0) {
-    backend_.mlm_head_loss_forward(h, mlm_positions_, mlm_labels_, M, mlm_w_, mlm_saved_, loss_sums_,
-                                   correct_);
+    backend_.mlm_head_loss_forward(h, sparse_last_ ? last_mlm_positions_ : mlm_positions_, mlm_labels_, M, mlm_w_,
+                                   mlm_saved_, loss_sums_, correct_);
   } else {
     backend_.zero_bytes(loss_sums_, sizeof(St));
   }
-  backend_.nsp_head_loss_forward(h, seqs_, nsp_labels_, nsp_w_, nsp_saved_, loss_sums_ + 1, correct_ + 1);
+  backend_.nsp_head_loss_forward(h, sparse_last_ ? last_seqs_ : seqs_, nsp_labels_, nsp_w_, nsp_saved_,
+                                 loss_sums_ + 1, correct_ + 1);
   slot.free_fence = backend_.fence_compute();  // backward moves it later
 
   // The loss sums go back without a wait; the next forward may overwrite the device copies (the download is
@@ -433,37 +514,53 @@ void BertModel<P>::backward(double loss_scale) {
   const float p_attn = static_cast<float>(config_.attention_probs_dropout_prob);
   G* g = grads_;
 
-  // Both heads scatter-add into d_hidden (the last layer's output gradient).
-  backend_.zero_bytes(d_hidden_, static_cast<size_t>(T) * H * sizeof(A));
+  // Both heads scatter-add into d_hidden (the last layer's output gradient: [T, H], or [N, H] when sparse).
+  const int32_t R_last = sparse_last_ ? num_last_rows_ : T;
+  backend_.zero_bytes(d_hidden_, static_cast<size_t>(R_last) * H * sizeof(A));
   if (num_masked_ > 0) {
-    backend_.mlm_head_loss_backward(loss_scale / mlm_denom_, mlm_positions_, mlm_labels_, num_masked_, mlm_w_,
-                                    mlm_saved_, mlm_g_, d_hidden_);
+    backend_.mlm_head_loss_backward(loss_scale / mlm_denom_, sparse_last_ ? last_mlm_positions_ : mlm_positions_,
+                                    mlm_labels_, num_masked_, mlm_w_, mlm_saved_, mlm_g_, d_hidden_);
   }
-  backend_.nsp_head_loss_backward(loss_scale / nsp_denom_, seqs_, nsp_labels_, nsp_w_, nsp_saved_, nsp_g_,
-                                  d_hidden_);
+  backend_.nsp_head_loss_backward(loss_scale / nsp_denom_, sparse_last_ ? last_seqs_ : seqs_, nsp_labels_, nsp_w_,
+                                  nsp_saved_, nsp_g_, d_hidden_);
 
   for (int32_t l = config_.num_hidden_layers - 1; l >= 0; --l) {
     Layer& L = layers_[l];
     const A* h_in = l == 0 ? emb_out_ : layers_[l - 1].out2;
+    const bool sparse = sparse_last_ && l == config_.num_hidden_layers - 1;  // as in forward
+    const int32_t R = sparse ? num_last_rows_ : T;
+    const ops::SeqView& rows = sparse ? last_seqs_ : seqs_;
     // d_hidden_ = d(out2). Output block: d_tmp = d(ffn_dense), d_hidden2_ = d(out1) (residual path).
     backend_.bias_dropout_residual_layernorm_backward(d_hidden_, L.ffn_dense, L.b_out, L.out1, L.ln2_gamma,
-                                                      L.ln2_mean, L.ln2_rstd, seqs_, H,
+                                                      L.ln2_mean, L.ln2_rstd, rows, H,
                                                       dropout(p_hidden, op_id_ffn_output(l)), d_tmp_, d_hidden2_,
                                                       g + L.off_b_out, g + L.off_ln2_gamma, g + L.off_ln2_beta);
     // d_inter_ = d(intermediate pre-activation) = (d_tmp_ W_out) * inter_grad (the saved GELU derivative): the GELU's
     // backward and d(b_inter) fold into the FFN output layer's dx product.
-    backend_.dense_backward_through_act(d_tmp_, L.inter_act, L.inter_grad, L.w_out, T, I, H, activation(), d_inter_,
+    backend_.dense_backward_through_act(d_tmp_, L.inter_act, L.inter_grad, L.w_out, R, I, H, activation(), d_inter_,
                                         g + L.off_w_out, g + L.off_b_inter);
-    backend_.dense_backward(d_inter_, L.out1, L.w_inter, nullptr, T, H, I, ops::Activation::kNone, d_hidden2_,
+    backend_.dense_backward(d_inter_, L.out1, L.w_inter, nullptr, R, H, I, ops::Activation::kNone, d_hidden2_,
                             /*accumulate_dx=*/true, g + L.off_w_inter, nullptr);
-    // Attention block: d_tmp = d(attn_dense), d_hidden_ = d(h_in) from the residual path.
-    backend_.bias_dropout_residual_layernorm_backward(d_hidden2_, L.attn_dense, L.b_attn_out, h_in, L.ln1_gamma,
-                                                      L.ln1_mean, L.ln1_rstd, seqs_, H,
-                                                      dropout(p_hidden, op_id_attention_output(l)), d_tmp_,
-                                                      d_hidden_, g + L.off_b_attn_out, g + L.off_ln1_gamma,
-                                                      g + L.off_ln1_beta);
-    backend_.dense_backward(d_tmp_, L.ctx, L.w_attn_out, nullptr, T, H, H, ops::Activation::kNone, d_ctx_, false,
-                            g + L.off_w_attn_out, nullptr);
+    // Attention block: d_tmp = d(attn_dense), d(h_in) from the residual path into d_hidden_ (sparse: d_last_h_, the
+    // N rows', spread over the T rows below).
+    backend_.bias_dropout_residual_layernorm_backward(d_hidden2_, L.attn_dense, L.b_attn_out,
+                                                      sparse ? last_h_ : h_in, L.ln1_gamma, L.ln1_mean, L.ln1_rstd,
+                                                      rows, H, dropout(p_hidden, op_id_attention_output(l)), d_tmp_,
+                                                      sparse ? d_last_h_ : d_hidden_, g + L.off_b_attn_out,
+                                                      g + L.off_ln1_gamma, g + L.off_ln1_beta);
+    if (sparse) {
+      // d(ctx) of the N rows (in d_hidden2_, free again), then [T, H] with zeros in the rows the heads never read;
+      // d(h_in) likewise, so that the QKV backward adds into it as in the other layers.
+      backend_.dense_backward(d_tmp_, last_ctx_, L.w_attn_out, nullptr, R, H, H, ops::Activation::kNone, d_hidden2_,
+                              false, g + L.off_w_attn_out, nullptr);
+      backend_.zero_bytes(d_ctx_, static_cast<size_t>(T) * H * sizeof(A));
+      backend_.scatter_rows(d_hidden2_, last_rows_, R, H, d_ctx_, T, /*accumulate=*/false);
+      backend_.zero_bytes(d_hidden_, static_cast<size_t>(T) * H * sizeof(A));
+      backend_.scatter_rows(d_last_h_, last_rows_, R, H, d_hidden_, T, /*accumulate=*/false);
+    } else {
+      backend_.dense_backward(d_tmp_, L.ctx, L.w_attn_out, nullptr, T, H, H, ops::Activation::kNone, d_ctx_, false,
+                              g + L.off_w_attn_out, nullptr);
+    }
     // d(b_qkv) comes out of the attention backward (the column sums of d_qkv as it writes them).
     backend_.attention_backward(d_ctx_, L.qkv, L.ctx, L.lse, seqs_, NH, config_.head_dim(),
                                 dropout(p_attn, op_id_attention_probs(l)), d_qkv_, g + L.off_b_qkv);

@@ -3,6 +3,13 @@
 //   qkv = h Wqkv^T + bqkv;  ctx = attention(qkv);  a = LN1(dropout(ctx Wo^T + bo) + h)
 //   f = GELU(a Wi^T + bi);  h' = LN2(dropout(f Wf^T + bf) + a)     (GELU: erf or tanh, config hidden_act)
 // then the MLM head on the M masked rows only and the NSP head on the B CLS rows only.
+//
+// Sparse last layer (default; set_sparse_last_layer(false) or NOPAD_SPARSE_LAST_LAYER=0 turns it off): the heads read
+// only the last layer's output rows at the masked positions and the [CLS] rows, so after its attention (which needs
+// every row as a key and value) the last layer runs on those rows alone: the attention output dense layer, both
+// residual LayerNorms and the FFN see N = |CLS rows U masked rows| rows instead of T (~16% at MLPerf's masking).
+// Same function and gradients: the rows left out feed nothing, and their dropout keys are the rows' positions in
+// their sequences either way (ops::SeqView::row_positions), so the masks of the rows kept are the same too.
 // loss = sum(MLM cross-entropy) / mlm_denominator + sum(NSP cross-entropy) / nsp_denominator, by default the batch's
 // M and B (mean MLM + mean NSP, as BERT's reference). Pass global denominators when a global batch is split across
 // micro-batches or ranks, so the summed gradients equal the full batch's.
@@ -101,6 +108,9 @@ class BertModel {
                          LossDenominators denoms = {});
   StepResult read_result(uint64_t ticket);
   StepResult read_result();
+  // The sparse last layer (above). Takes effect at the next forward; backward follows the forward's choice.
+  void set_sparse_last_layer(bool on) { sparse_last_layer_ = on; }
+  bool sparse_last_layer() const { return sparse_last_layer_; }
   // Results that may be outstanding at once (default 8; set it before the first forward, e.g. to 2 x micro-batches
   // per step + 2 when steps are read one step late).
   void set_result_capacity(size_t n);
@@ -169,6 +179,10 @@ class BertModel {
     uint64_t* sample_ids;
     int32_t* by_length;  // [B] the sequences longest first (ops/attention_groups.h), for grouped attention
     std::vector<int32_t> host_by_length, host_cu_seqlens;  // their host copies (capacity fixed at construction)
+    // The sparse last layer's rows (bert.cpp, last_layer_rows): [N] row of the batch, [N] position in its sequence,
+    // [B+1] their cu_seqlens, [M] each masked row's index among the N.
+    int32_t *last_rows, *last_positions, *last_cu_seqlens, *last_mlm_positions;
+    std::vector<int32_t> host_last_rows, host_last_positions, host_last_cu_seqlens, host_last_mlm_positions;
     uint64_t free_fence = 0;  // backend fence after the last compute work that reads this slot
   };
   BatchSlot slots_[2]{};
@@ -186,6 +200,16 @@ class BertModel {
   };
   std::vector<PendingResult> results_;
   uint64_t results_made_ = 0;
+  // The sparse last layer: its rows' view, the gathered attention context and layer input [N, H], the gradient of
+  // that input, and the host scratch that marks the rows (capacity max_tokens from the constructor).
+  bool sparse_last_layer_ = true;
+  bool sparse_last_ = false;  // the last forward ran it
+  int32_t num_last_rows_ = 0;
+  ops::SeqView last_seqs_{};
+  const int32_t *last_rows_ = nullptr, *last_mlm_positions_ = nullptr;
+  A *last_ctx_ = nullptr, *last_h_ = nullptr, *d_last_h_ = nullptr;
+  std::vector<int32_t> host_row_mark_;
+  void last_layer_rows(const HostBatch& batch, BatchSlot& slot);
   // embedding and head activations
   A* emb_out_;
   St *emb_mean_, *emb_rstd_;

@@ -56,6 +56,11 @@ struct SeqView {
   const int32_t* by_length = nullptr;        // [B], backend memory
   const int32_t* host_by_length = nullptr;   // [B], host
   const int32_t* host_cu_seqlens = nullptr;  // [B+1], host
+  // Optional (null: row - cu_seqlens[b]): each row's position within its sequence, [T] in backend memory, for views
+  // whose rows are a subset of each sequence's tokens (the sparse last encoder layer, model/bert.h: a sequence's
+  // [CLS] row and masked rows). The residual LayerNorm ops key their dropout by it, so the subset draws the masks the
+  // full sequence would; the attention and embedding ops need whole sequences and reject such a view.
+  const int32_t* row_positions = nullptr;
 };
 
 // Dropout of one op call: drop probability p (0 = off). Draws are 16 bits per element (core/philox.h): an element is
@@ -257,6 +262,15 @@ class Backend {
                                                         const St* ln_rstd, const SeqView& seqs, int32_t hidden,
                                                         const Dropout& drop, A* d_x, A* d_residual, G* d_bias,
                                                         G* d_ln_gamma, G* d_ln_beta) = 0;
+
+  // ---- row gather / scatter (the sparse last encoder layer, model/bert.h) ----
+  // dst[i, :] = src[rows[i], :] for i < n, with src [src_rows, width] and dst [n, width]; rows[i] in [0, src_rows).
+  virtual void gather_rows(const A* src, int64_t src_rows, const int32_t* rows, int32_t n, int32_t width,
+                           A* dst) = 0;
+  // dst[rows[i], :] = src[i, :] for i < n, or += with accumulate (the sum rounded to A once), with src [n, width] and
+  // dst [dst_rows, width]; the rows must be distinct and in [0, dst_rows). Other rows of dst are not touched.
+  virtual void scatter_rows(const A* src, const int32_t* rows, int32_t n, int32_t width, A* dst, int64_t dst_rows,
+                            bool accumulate) = 0;
 
   // ---- heads ----
   // The row stride (elements, >= V) of the MLM logits buffer (MlmHeadSaved::probs_ld) this backend wants: V on the

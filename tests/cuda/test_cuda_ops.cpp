@@ -418,77 +418,132 @@ TYPED_TEST(CudaOps, EmbedLayerNormDropout) {
 
 TYPED_TEST(CudaOps, BiasDropoutResidualLayerNorm) {
   using E = TypeParam;  // bf16 or f16
+  // subset: the view carries row_positions (the sparse last layer's rows, a subset of each sequence): positions
+  // 2i + 1 instead of i, which only the dropout keys read, so it runs with dropout on.
   for (int32_t H : {128, 1024})
     for (float p : {0.0f, 0.1f})
-      for (bool tiny : {false, true}) {
-        SCOPED_TRACE("H=" + std::to_string(H) + " p=" + std::to_string(p) + (tiny ? " tiny batch" : ""));
-        Rng rng({12u, static_cast<uint64_t>(H), static_cast<uint64_t>(p * 10), tiny ? 1u : 0u});
-        Batch b = make_ln_batch(rng, tiny);
-        std::printf("  residual LN H=%d p=%.1f T=%d\n", H, p, b.T);
-        const int32_t T = b.T;
-        const size_t n = static_cast<size_t>(T) * H;
-        Vec x = rand_vec<E>(rng, n, -2, 2), res = rand_vec<E>(rng, n, -1, 1), bias = rand_vec<E>(rng, H, -0.5f, 0.5f),
-            gamma = rand_vec<E>(rng, H, 0.5f, 1.5f), beta = rand_vec<E>(rng, H, -0.5f, 0.5f);
-        auto dx_in = up16<E>(x), dres = up16<E>(res), dbias = up16<E>(bias), dgamma = up16<E>(gamma),
-             dbeta = up16<E>(beta);
-        const auto drop = dropout(p, 7);
-        Vec out_c(n), mean_c(T), rstd_c(T);
-        cpu().bias_dropout_residual_layernorm_forward(x.data(), bias.data(), res.data(), gamma.data(), beta.data(),
-                                                      b.host(), H, 1e-12, drop, out_c.data(), mean_c.data(),
-                                                      rstd_c.data());
-        Vec dout = rand_vec<E>(rng, n, -1, 1);
-        auto d_dout = up16<E>(dout);
-        Vec gbias0 = rand_vec<E>(rng, H, -1, 1), gg0 = rand_vec<E>(rng, H, -1, 1), gb0 = rand_vec<E>(rng, H, -1, 1);
-        Vec gbias = gbias0, gg = gg0, gb = gb0, dx_c(n), dres_c(n);
-        cpu().bias_dropout_residual_layernorm_backward(dout.data(), x.data(), bias.data(), res.data(), gamma.data(),
-                                                       mean_c.data(), rstd_c.data(), b.host(), H, drop, dx_c.data(),
-                                                       dres_c.data(), gbias.data(), gg.data(), gb.data());
-
-        for (const LnCase& lc : kLnCases) {
-          SCOPED_TRACE(lc.name);
-          std::printf("   [%s]\n", lc.name);
-          VariantScope variants(ln_variants(lc));
-          DBuf<E> out_g(n);
-          DBuf<float> mean_g(T), rstd_g(T);
-          out_g.poison();
-          mean_g.poison();
-          rstd_g.poison();
-          gpu<E>().bias_dropout_residual_layernorm_forward(dx_in->p, dbias->p, dres->p, dgamma->p, dbeta->p, b.device(),
-                                                        H, 1e-12, drop, out_g.p, mean_g.p, rstd_g.p);
-          expect_close("out", down(out_g), out_c, kTolOut<E>);
-          expect_close("ln_mean", down(mean_g), mean_c, kTolF32);
-          expect_close("ln_rstd", down(rstd_g), rstd_c, kTolF32);
-
-          // Backward twice from the same starting values: the results must agree bit for bit (fixed orders).
-          Vec runs[2][5];
-          for (int run = 0; run < 2; ++run) {
-            DBuf<E> dx_g(n), dres_g(n);
-            dx_g.poison();
-            dres_g.poison();
-            auto dgbias = up(gbias0), dgg = up(gg0), dgb = up(gb0);
-            gpu<E>().bias_dropout_residual_layernorm_backward(d_dout->p, dx_in->p, dbias->p, dres->p, dgamma->p,
-                                                           mean_g.p, rstd_g.p, b.device(), H, drop, dx_g.p, dres_g.p,
-                                                           dgbias->p, dgg->p, dgb->p);
-            runs[run][0] = down(dx_g);
-            runs[run][1] = down(dres_g);
-            runs[run][2] = down(*dgbias);
-            runs[run][3] = down(*dgg);
-            runs[run][4] = down(*dgb);
+      for (bool subset : {false, true})
+        for (bool tiny : {false, true}) {
+          if (subset && p == 0.0f) continue;
+          SCOPED_TRACE("H=" + std::to_string(H) + " p=" + std::to_string(p) + (tiny ? " tiny batch" : "") +
+                       (subset ? " row_positions" : ""));
+          Rng rng({12u, static_cast<uint64_t>(H), static_cast<uint64_t>(p * 10), tiny ? 1u : 0u});
+          Batch b = make_ln_batch(rng, tiny);
+          std::printf("  residual LN H=%d p=%.1f T=%d%s\n", H, p, b.T, subset ? " (row_positions)" : "");
+          std::vector<int32_t> row_pos(b.pos.size());
+          for (size_t i = 0; i < row_pos.size(); ++i) row_pos[i] = 2 * b.pos[i] + 1;
+          auto d_row_pos = up(row_pos);
+          ops::SeqView host_view = b.host(), device_view = b.device();
+          if (subset) {
+            host_view.row_positions = row_pos.data();
+            device_view.row_positions = d_row_pos->p;
           }
-          const Vec& dx = runs[0][0];
-          expect_close("d_x", dx, dx_c, kTolOut<E>);
-          expect_close("d_residual", runs[0][1], dres_c, kTolOut<E>);
-          expect_close("d_bias (+=)", minus(runs[0][2], gbias0), minus(gbias, gbias0), kTolF32);
-          expect_close("d_ln_gamma (+=)", minus(runs[0][3], gg0), minus(gg, gg0), kTolF32);
-          expect_close("d_ln_beta (+=)", minus(runs[0][4], gb0), minus(gb, gb0), kTolF32);
-          const char* names[5] = {"d_x", "d_residual", "d_bias", "d_ln_gamma", "d_ln_beta"};
-          for (int i = 0; i < 5; ++i)
-            EXPECT_TRUE(bitwise_equal(runs[0][i], runs[1][i])) << names[i] << " differs between two runs";
-          if (!tiny) {
-            EXPECT_NEAR(zero_fraction(dx), p, 0.01) << "fraction of dropped elements in d_x";
+          const int32_t T = b.T;
+          const size_t n = static_cast<size_t>(T) * H;
+          Vec x = rand_vec<E>(rng, n, -2, 2), res = rand_vec<E>(rng, n, -1, 1), bias = rand_vec<E>(rng, H, -0.5f, 0.5f),
+              gamma = rand_vec<E>(rng, H, 0.5f, 1.5f), beta = rand_vec<E>(rng, H, -0.5f, 0.5f);
+          auto dx_in = up16<E>(x), dres = up16<E>(res), dbias = up16<E>(bias), dgamma = up16<E>(gamma),
+               dbeta = up16<E>(beta);
+          const auto drop = dropout(p, 7);
+          Vec out_c(n), mean_c(T), rstd_c(T);
+          cpu().bias_dropout_residual_layernorm_forward(x.data(), bias.data(), res.data(), gamma.data(), beta.data(),
+                                                        host_view, H, 1e-12, drop, out_c.data(), mean_c.data(),
+                                                        rstd_c.data());
+          Vec dout = rand_vec<E>(rng, n, -1, 1);
+          auto d_dout = up16<E>(dout);
+          Vec gbias0 = rand_vec<E>(rng, H, -1, 1), gg0 = rand_vec<E>(rng, H, -1, 1), gb0 = rand_vec<E>(rng, H, -1, 1);
+          Vec gbias = gbias0, gg = gg0, gb = gb0, dx_c(n), dres_c(n);
+          cpu().bias_dropout_residual_layernorm_backward(dout.data(), x.data(), bias.data(), res.data(), gamma.data(),
+                                                         mean_c.data(), rstd_c.data(), host_view, H, drop, dx_c.data(),
+                                                         dres_c.data(), gbias.data(), gg.data(), gb.data());
+
+          for (const LnCase& lc : kLnCases) {
+            SCOPED_TRACE(lc.name);
+            std::printf("   [%s]\n", lc.name);
+            VariantScope variants(ln_variants(lc));
+            DBuf<E> out_g(n);
+            DBuf<float> mean_g(T), rstd_g(T);
+            out_g.poison();
+            mean_g.poison();
+            rstd_g.poison();
+            gpu<E>().bias_dropout_residual_layernorm_forward(dx_in->p, dbias->p, dres->p, dgamma->p, dbeta->p,
+                                                             device_view, H, 1e-12, drop, out_g.p, mean_g.p, rstd_g.p);
+            expect_close("out", down(out_g), out_c, kTolOut<E>);
+            expect_close("ln_mean", down(mean_g), mean_c, kTolF32);
+            expect_close("ln_rstd", down(rstd_g), rstd_c, kTolF32);
+
+            // Backward twice from the same starting values: the results must agree bit for bit (fixed orders).
+            Vec runs[2][5];
+            for (int run = 0; run < 2; ++run) {
+              DBuf<E> dx_g(n), dres_g(n);
+              dx_g.poison();
+              dres_g.poison();
+              auto dgbias = up(gbias0), dgg = up(gg0), dgb = up(gb0);
+              gpu<E>().bias_dropout_residual_layernorm_backward(d_dout->p, dx_in->p, dbias->p, dres->p, dgamma->p,
+                                                                mean_g.p, rstd_g.p, device_view, H, drop, dx_g.p,
+                                                                dres_g.p, dgbias->p, dgg->p, dgb->p);
+              runs[run][0] = down(dx_g);
+              runs[run][1] = down(dres_g);
+              runs[run][2] = down(*dgbias);
+              runs[run][3] = down(*dgg);
+              runs[run][4] = down(*dgb);
+            }
+            const Vec& dx = runs[0][0];
+            expect_close("d_x", dx, dx_c, kTolOut<E>);
+            expect_close("d_residual", runs[0][1], dres_c, kTolOut<E>);
+            expect_close("d_bias (+=)", minus(runs[0][2], gbias0), minus(gbias, gbias0), kTolF32);
+            expect_close("d_ln_gamma (+=)", minus(runs[0][3], gg0), minus(gg, gg0), kTolF32);
+            expect_close("d_ln_beta (+=)", minus(runs[0][4], gb0), minus(gb, gb0), kTolF32);
+            const char* names[5] = {"d_x", "d_residual", "d_bias", "d_ln_gamma", "d_ln_beta"};
+            for (int i = 0; i < 5; ++i)
+              EXPECT_TRUE(bitwise_equal(runs[0][i], runs[1][i])) << names[i] << " differs between two runs";
+            if (!tiny) {
+              EXPECT_NEAR(zero_fraction(dx), p, 0.01) << "fraction of dropped elements in d_x";
+            }
           }
         }
-      }
+}
+
+// gather_rows / scatter_rows (the sparse last layer's row moves) against the CPU twin: gather and scatter are exact
+// copies; the accumulating scatter adds in fp32 and rounds once, i.e. the twin's float sum rounded to E. Rows not
+// scattered keep their values; the gathered buffer is poisoned first.
+TYPED_TEST(CudaOps, GatherScatterRows) {
+  using E = TypeParam;
+  for (int32_t H : {128, 1024}) {
+    SCOPED_TRACE("H=" + std::to_string(H));
+    Rng rng({31u, static_cast<uint64_t>(H)});
+    const int32_t T = 5000;
+    std::vector<int32_t> rows;
+    for (int32_t t = 0; t < T; ++t)
+      if (t == 0 || t == T - 1 || rng.uniform() < 0.16) rows.push_back(t);
+    rng.shuffle(rows.begin(), rows.end());
+    const int32_t N = static_cast<int32_t>(rows.size());
+    const size_t n_src = static_cast<size_t>(T) * H, n_rows = static_cast<size_t>(N) * H;
+    const Vec src = rand_vec<E>(rng, n_src, -2, 2), dst0 = rand_vec<E>(rng, n_src, -2, 2);
+    auto d_src = up16<E>(src), d_rows = up(rows);
+    DBuf<E> gathered(n_rows);
+    gathered.poison();
+    gpu<E>().gather_rows(d_src->p, T, d_rows->p, N, H, gathered.p);
+    Vec g_c(n_rows);
+    cpu().gather_rows(src.data(), T, rows.data(), N, H, g_c.data());
+    const Vec g_g = down(gathered);
+    EXPECT_TRUE(bitwise_equal(g_g, g_c)) << "gathered rows differ from the source rows";
+    for (const bool accumulate : {false, true}) {
+      SCOPED_TRACE(accumulate ? "scatter +=" : "scatter =");
+      auto d_dst = up16<E>(dst0);
+      gpu<E>().scatter_rows(gathered.p, d_rows->p, N, H, d_dst->p, T, accumulate);
+      Vec c = dst0;
+      cpu().scatter_rows(g_c.data(), rows.data(), N, H, c.data(), T, accumulate);
+      for (float& x : c) x = to_float(convert<E>(x));  // the GPU rounds the float sum to E once
+      const Vec g = down(*d_dst);
+      size_t diff = 0;
+      for (size_t i = 0; i < n_src; ++i) diff += !(g[i] == c[i]);
+      EXPECT_EQ(diff, 0u) << "elements differing from the CPU twin";
+      size_t changed = 0;
+      for (size_t i = 0; i < n_src; ++i) changed += g[i] != dst0[i];
+      EXPECT_GT(changed, n_rows / 2) << "the scatter wrote too little";
+    }
+  }
 }
 
 struct DenseCase {

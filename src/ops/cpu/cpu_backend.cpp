@@ -173,6 +173,18 @@ const int32_t* CpuBackend<P>::row_to_seq(const SeqView& seqs) {
   return row_seq_.data();
 }
 
+namespace {
+// Row t's position within its sequence b: the view's row_positions where it has them (a subset of each sequence's
+// rows), else the offset from the sequence start.
+uint32_t position_in_seq(const SeqView& seqs, int64_t t, int32_t b) {
+  return static_cast<uint32_t>(seqs.row_positions != nullptr ? seqs.row_positions[t] : t - seqs.cu_seqlens[b]);
+}
+void require_whole_sequences(const SeqView& seqs, const char* op) {
+  NOPAD_CHECK(seqs.row_positions == nullptr, op,
+              " needs whole sequences: a SeqView with row_positions (a subset of rows) cannot be used");
+}
+}  // namespace
+
 // ---------------------------------------------------------------------------------------------- embeddings
 
 template <class P>
@@ -180,6 +192,7 @@ void CpuBackend<P>::embed_layernorm_dropout_forward(const int32_t* tokens, const
                                                     const int32_t* segments, const SeqView& seqs,
                                                     const EmbeddingWeights<S>& w, const Dropout& drop, S* out,
                                                     S* ln_mean, S* ln_rstd) {
+  require_whole_sequences(seqs, "embed_layernorm_dropout_forward");
   const int32_t H = w.hidden, T = seqs.num_tokens;
   const int32_t* row_seq = row_to_seq(seqs);
   const DropoutMask mask(drop);
@@ -213,6 +226,7 @@ void CpuBackend<P>::embed_layernorm_dropout_backward(const S* d_out, const int32
                                                      const EmbeddingWeights<S>& w, const Dropout& drop,
                                                      const S* ln_mean, const S* ln_rstd,
                                                      const EmbeddingGrads<S>& g) {
+  require_whole_sequences(seqs, "embed_layernorm_dropout_backward");
   const int32_t H = w.hidden, T = seqs.num_tokens;
   const int32_t* row_seq = row_to_seq(seqs);
   const DropoutMask mask(drop);
@@ -320,6 +334,7 @@ void CpuBackend<P>::dense_backward_through_act(const S* dy, const S* x, const S*
 template <class P>
 void CpuBackend<P>::attention_forward(const S* qkv, const SeqView& seqs, int32_t num_heads, int32_t head_dim,
                                       const Dropout& drop, S* ctx, S* lse) {
+  require_whole_sequences(seqs, "attention_forward");
   row_to_seq(seqs);  // validates cu_seqlens
   const int32_t H = num_heads * head_dim, T = seqs.num_tokens, L_max = seqs.max_seqlen;
   const int64_t ld = 3 * int64_t{H};
@@ -362,6 +377,7 @@ template <class P>
 void CpuBackend<P>::attention_backward(const S* d_ctx, const S* qkv, const S* ctx, const S* lse, const SeqView& seqs,
                                        int32_t num_heads, int32_t head_dim, const Dropout& drop, S* d_qkv,
                                        S* d_qkv_bias) {
+  require_whole_sequences(seqs, "attention_backward");
   row_to_seq(seqs);
   const int32_t H = num_heads * head_dim, T = seqs.num_tokens;
   const int64_t ld = 3 * int64_t{H};
@@ -421,7 +437,7 @@ void CpuBackend<P>::bias_dropout_residual_layernorm_forward(const S* x, const S*
     const int64_t t1 = std::min<int64_t>(T, (static_cast<int64_t>(c) + 1) * kRowsPerChunk);
     for (int64_t t = static_cast<int64_t>(c) * kRowsPerChunk; t < t1; ++t) {
       const int32_t b = row_seq[t];
-      const uint32_t pos_in_seq = static_cast<uint32_t>(t - seqs.cu_seqlens[b]);
+      const uint32_t pos_in_seq = position_in_seq(seqs, t, b);
       S* o = out + t * H;
       for (int32_t j = 0; j < H; ++j)
         o[j] = (x[t * H + j] + bias[j]) *
@@ -450,7 +466,7 @@ void CpuBackend<P>::bias_dropout_residual_layernorm_backward(const S* d_out, con
     S* pg = partial + static_cast<int64_t>(c) * 3 * H;
     for (int64_t t = static_cast<int64_t>(c) * kRowsPerChunk; t < t1; ++t) {
       const int32_t b = row_seq[t];
-      const uint32_t pos_in_seq = static_cast<uint32_t>(t - seqs.cu_seqlens[b]);
+      const uint32_t pos_in_seq = position_in_seq(seqs, t, b);
       S* dz = d_residual + t * H;  // holds the recomputed LayerNorm input first, then its gradient
       for (int32_t j = 0; j < H; ++j)
         dz[j] = (x[t * H + j] + bias[j]) *
@@ -491,6 +507,40 @@ void CpuBackend<P>::layernorm_rows_backward(const S* dy, const S* z, const S* me
       d_gamma[j] += partial[c * 2 * H + j];
       d_beta[j] += partial[c * 2 * H + H + j];
     }
+}
+
+// ---------------------------------------------------------------------------------------------- row gather / scatter
+
+template <class P>
+void CpuBackend<P>::gather_rows(const S* src, int64_t src_rows, const int32_t* rows, int32_t n, int32_t width,
+                                S* dst) {
+  NOPAD_CHECK(n >= 0 && width >= 0, "gather_rows: negative sizes");
+  for (int32_t i = 0; i < n; ++i) {
+    NOPAD_CHECK(rows[i] >= 0 && rows[i] < src_rows, "gather_rows: row ", rows[i], " at ", i, " outside [0, ",
+                src_rows, ")");
+    std::copy_n(src + int64_t{rows[i]} * width, width, dst + int64_t{i} * width);
+  }
+}
+
+template <class P>
+void CpuBackend<P>::scatter_rows(const S* src, const int32_t* rows, int32_t n, int32_t width, S* dst,
+                                 int64_t dst_rows, bool accumulate) {
+  NOPAD_CHECK(n >= 0 && width >= 0, "scatter_rows: negative sizes");
+  std::vector<uint8_t>& seen = row_seen_;  // grow-only, like the scratch
+  seen.assign(static_cast<size_t>(std::max<int64_t>(dst_rows, 0)), 0);
+  for (int32_t i = 0; i < n; ++i) {
+    NOPAD_CHECK(rows[i] >= 0 && rows[i] < dst_rows, "scatter_rows: row ", rows[i], " at ", i, " outside [0, ",
+                dst_rows, ")");
+    NOPAD_CHECK(!seen[rows[i]], "scatter_rows: row ", rows[i], " appears twice");
+    seen[rows[i]] = 1;
+    const S* s = src + int64_t{i} * width;
+    S* d = dst + int64_t{rows[i]} * width;
+    if (accumulate) {
+      for (int32_t j = 0; j < width; ++j) d[j] += s[j];
+    } else {
+      std::copy_n(s, width, d);
+    }
+  }
 }
 
 // ---------------------------------------------------------------------------------------------- MLM head

@@ -4,6 +4,7 @@
 // Multi-threaded with parallel_for over rows, sequences x heads, or GEMM tiles; every reduction has a fixed order, so
 // results do not depend on the thread count.
 #pragma once
+#include <cstdint>
 #include <type_traits>
 #include <vector>
 
@@ -56,6 +57,9 @@ class CpuBackend final : public Backend<P> {
                                                 const S* ln_gamma, const S* ln_mean, const S* ln_rstd,
                                                 const SeqView& seqs, int32_t hidden, const Dropout& drop, S* d_x,
                                                 S* d_residual, S* d_bias, S* d_ln_gamma, S* d_ln_beta) override;
+  void gather_rows(const S* src, int64_t src_rows, const int32_t* rows, int32_t n, int32_t width, S* dst) override;
+  void scatter_rows(const S* src, const int32_t* rows, int32_t n, int32_t width, S* dst, int64_t dst_rows,
+                    bool accumulate) override;
   void mlm_head_loss_forward(const S* hidden, const int32_t* mlm_positions, const int32_t* mlm_labels,
                              int32_t num_masked, const MlmHeadWeights<S>& w, const MlmHeadSaved<S, S>& saved,
                              S* loss_sum, int32_t* num_correct) override;
@@ -80,6 +84,7 @@ class CpuBackend final : public Backend<P> {
   int threads_;
   std::vector<S> scratch_[kNumSlots];
   std::vector<int32_t> row_seq_;
+  std::vector<uint8_t> row_seen_;  // scatter_rows' distinctness check
 };
 
 extern template class CpuBackend<CpuF32>;

@@ -53,6 +53,11 @@ void check_seqs(const ops::SeqView& s, bool need_sample_ids) {
   NOPAD_CHECK(s.num_tokens == 0 || (s.num_seqs > 0 && s.cu_seqlens != nullptr), "SeqView without cu_seqlens");
   NOPAD_CHECK(!need_sample_ids || s.num_tokens == 0 || s.sample_ids != nullptr, "dropout needs SeqView::sample_ids");
 }
+// The attention and embedding ops work on whole sequences (ops.h, SeqView::row_positions).
+void require_whole_sequences(const ops::SeqView& s, const char* op) {
+  NOPAD_CHECK(s.row_positions == nullptr, op,
+              " needs whole sequences: a SeqView with row_positions (a subset of rows) cannot be used");
+}
 
 }  // namespace
 
@@ -375,6 +380,7 @@ void CudaBackendT<P>::embed_layernorm_dropout_forward(const int32_t* tokens, con
                                                   const ops::EmbeddingWeights<W>& w, const ops::Dropout& drop, A* out,
                                                   St* ln_mean, St* ln_rstd) {
   OpScope timed(*this, "embed_fwd");
+  require_whole_sequences(seqs, "embed_layernorm_dropout_forward");
   LnArgs<device_t<A>> a;
   a.drop = dropout_args(drop);
   check_seqs(seqs, a.drop.p > 0.0f);
@@ -405,6 +411,7 @@ void CudaBackendT<P>::embed_layernorm_dropout_backward(const A* d_out, const int
                                                    const St* ln_mean, const St* ln_rstd,
                                                    const ops::EmbeddingGrads<G>& g) {
   OpScope timed(*this, "embed_bwd");
+  require_whole_sequences(seqs, "embed_layernorm_dropout_backward");
   LnArgs<device_t<A>> a;
   a.drop = dropout_args(drop);
   check_seqs(seqs, a.drop.p > 0.0f);
@@ -670,6 +677,7 @@ template <class P>
 void CudaBackendT<P>::attention_forward(const A* qkv, const ops::SeqView& seqs, int32_t num_heads, int32_t head_dim,
                                     const ops::Dropout& drop, A* ctx, St* lse) {
   OpScope timed(*this, "attention_fwd");
+  require_whole_sequences(seqs, "attention_forward");
   check_seqs(seqs, drop.p > 0.0f);
   if (seqs.num_tokens == 0) return;
   FmhaParams p = fmha_params(seqs, num_heads, head_dim, drop, std::is_same_v<A, nopad::f16>);
@@ -688,6 +696,7 @@ void CudaBackendT<P>::attention_backward(const A* d_ctx, const A* qkv, const A* 
                                      const ops::SeqView& seqs, int32_t num_heads, int32_t head_dim,
                                      const ops::Dropout& drop, A* d_qkv, G* d_qkv_bias) {
   OpScope timed(*this, "attention_bwd");
+  require_whole_sequences(seqs, "attention_backward");
   static_assert(std::is_same_v<G, float>, "FmhaParams::d_qkv_bias is fp32");
   check_seqs(seqs, drop.p > 0.0f);
   if (seqs.num_tokens == 0) return;
@@ -754,6 +763,7 @@ void CudaBackendT<P>::bias_dropout_residual_layernorm_forward(const A* x, const 
   a.residual = dev(residual);
   a.cu_seqlens = seqs.cu_seqlens;
   a.sample_ids = seqs.sample_ids;
+  a.row_pos = seqs.row_positions;
   a.num_seqs = seqs.num_seqs;
   a.out = dev(out);
   a.mean_out = ln_mean;
@@ -781,6 +791,7 @@ void CudaBackendT<P>::bias_dropout_residual_layernorm_backward(const A* d_out, c
   a.residual = dev(residual);
   a.cu_seqlens = seqs.cu_seqlens;
   a.sample_ids = seqs.sample_ids;
+  a.row_pos = seqs.row_positions;
   a.num_seqs = seqs.num_seqs;
   a.d_out = dev(d_out);
   a.mean = ln_mean;
@@ -828,6 +839,24 @@ void CudaBackendT<P>::layernorm_plain_backward(const A* dy, const A* x, const St
   a.partial = static_cast<float*>(scratch(kLnPartials, sizeof(float) * blocks * 2 * static_cast<size_t>(H)));
   launch_ln_backward(LnKind::kPlain, a, v, blocks, stream_);
   launch_column_finish(a.partial, blocks, H, 2, d_gamma, d_beta, nullptr, stream_);
+}
+
+// ------------------------------------------------------------------------------------------------ row gather / scatter
+
+template <class P>
+void CudaBackendT<P>::gather_rows(const A* src, int64_t /*src_rows: rows are device data, not checked here*/,
+                                  const int32_t* rows, int32_t n, int32_t width, A* dst) {
+  OpScope timed(*this, "gather_rows");
+  NOPAD_CHECK(n >= 0, "gather_rows: negative row count");
+  launch_gather_rows(dev(src), rows, n, width, dev(dst), stream_);
+}
+
+template <class P>
+void CudaBackendT<P>::scatter_rows(const A* src, const int32_t* rows, int32_t n, int32_t width, A* dst,
+                                   int64_t /*dst_rows*/, bool accumulate) {
+  OpScope timed(*this, "scatter_rows");
+  NOPAD_CHECK(n >= 0, "scatter_rows: negative row count");
+  launch_scatter_rows(dev(src), rows, n, width, dev(dst), accumulate, stream_);
 }
 
 // ------------------------------------------------------------------------------------------------ MLM head

@@ -127,6 +127,9 @@ class CudaBackendT final : public ops::Backend<P> {
                                                 const ops::SeqView& seqs, int32_t hidden, const ops::Dropout& drop,
                                                 A* d_x, A* d_residual, G* d_bias, G* d_ln_gamma,
                                                 G* d_ln_beta) override;
+  void gather_rows(const A* src, int64_t src_rows, const int32_t* rows, int32_t n, int32_t width, A* dst) override;
+  void scatter_rows(const A* src, const int32_t* rows, int32_t n, int32_t width, A* dst, int64_t dst_rows,
+                    bool accumulate) override;
   void mlm_head_loss_forward(const A* hidden, const int32_t* mlm_positions, const int32_t* mlm_labels,
                              int32_t num_masked, const ops::MlmHeadWeights<W>& w,
                              const ops::MlmHeadSaved<A, St>& saved, St* loss_sum, int32_t* num_correct) override;

@@ -1,5 +1,5 @@
 // Kernels of the MLM and NSP heads (CPU twins: mlm_head_loss_* and nsp_head_loss_* in ops/cpu/cpu_backend.cpp):
-// row gather and scatter-add, the row-wise softmax cross-entropy (forward writes probabilities in place of the
+// row gather, scatter and scatter-add, the row-wise softmax cross-entropy (forward writes probabilities in place of the
 // logits and adds the loss / correct count into one scalar each), its gradient, and tanh forward/backward.
 // The softmax CE and its gradient have two implementations each (KernelVariants in dense.h): the first ones (three
 // passes over a row / a flat scalar grid) and the row-in-registers / block-per-row ones.
@@ -29,20 +29,25 @@ __global__ void gather_rows_kernel(const T* __restrict__ src, const int32_t* __r
     st16(d + j, ld16(s + j));
 }
 
-// dst[index[i]] += src[i] (fp32 add, one rounding). Rows of index must be distinct (each is one block).
-template <class T>
-__global__ void scatter_add_rows_kernel(const T* __restrict__ src, const int32_t* __restrict__ index, int32_t H,
-                                        T* __restrict__ dst) {
+// dst[index[i]] += src[i] (fp32 add, one rounding), or = src[i] without kAccumulate. Rows of index must be distinct
+// (each is one block).
+template <class T, bool kAccumulate>
+__global__ void scatter_rows_kernel(const T* __restrict__ src, const int32_t* __restrict__ index, int32_t H,
+                                    T* __restrict__ dst) {
   const int64_t i = blockIdx.x;
   const T* s = src + i * H;
   T* d = dst + int64_t{index[i]} * H;
   for (int j = threadIdx.x * 8; j < H; j += blockDim.x * 8) {
-    float a[8], b[8];
-    load8(d + j, a);
-    load8(s + j, b);
+    if constexpr (kAccumulate) {
+      float a[8], b[8];
+      load8(d + j, a);
+      load8(s + j, b);
 #pragma unroll
-    for (int e = 0; e < 8; ++e) a[e] += b[e];
-    store8(d + j, a);
+      for (int e = 0; e < 8; ++e) a[e] += b[e];
+      store8(d + j, a);
+    } else {
+      st16(d + j, ld16(s + j));
+    }
   }
 }
 
@@ -298,11 +303,15 @@ void launch_gather_rows(const T* src, const int32_t* index, int32_t count, int32
 }
 
 template <class T>
-void launch_scatter_add_rows(const T* src, const int32_t* index, int32_t count, int32_t H, T* dst,
-                             cudaStream_t stream) {
+void launch_scatter_rows(const T* src, const int32_t* index, int32_t count, int32_t H, T* dst, bool accumulate,
+                         cudaStream_t stream) {
   check_rows_h(H);
   if (count <= 0) return;
-  scatter_add_rows_kernel<T><<<count, 128, 0, stream>>>(src, index, H, dst);
+  if (accumulate) {
+    scatter_rows_kernel<T, true><<<count, 128, 0, stream>>>(src, index, H, dst);
+  } else {
+    scatter_rows_kernel<T, false><<<count, 128, 0, stream>>>(src, index, H, dst);
+  }
   NOPAD_CUDA_CHECK_LAUNCH();
 }
 
@@ -354,7 +363,7 @@ void launch_tanh_backward(T* d, const T* y, int64_t count, cudaStream_t stream) 
 // The launchers of both element types.
 #define NOPAD_HEADS_INSTANTIATE(T)                                                                                \
   template void launch_gather_rows<T>(const T*, const int32_t*, int32_t, int32_t, T*, cudaStream_t);              \
-  template void launch_scatter_add_rows<T>(const T*, const int32_t*, int32_t, int32_t, T*, cudaStream_t);         \
+  template void launch_scatter_rows<T>(const T*, const int32_t*, int32_t, int32_t, T*, bool, cudaStream_t);     \
   template void launch_softmax_ce_forward<T>(T*, const int32_t*, int32_t, int32_t, int64_t, float*, int32_t*,      \
                                              bool, cudaStream_t);                                                 \
   template void launch_ce_backward<T>(T*, const int32_t*, int32_t, int32_t, int64_t, float, bool, cudaStream_t);  \

@@ -242,6 +242,7 @@ struct LnArgs {
   const T* token_type = nullptr;
   const int32_t* cu_seqlens = nullptr;  // dropout keys (kEmbed, kResidual with p > 0)
   const uint64_t* sample_ids = nullptr;
+  const int32_t* row_pos = nullptr;  // kResidual: each row's position in its sequence (null: row - cu_seqlens[b])
   int32_t num_seqs = 0;
   DropoutArgs drop;
   T* out = nullptr;  // forward
@@ -296,9 +297,15 @@ void launch_dense_grad_pass(const T* dy, const T* scale, T* dpre, int64_t rows, 
 // heads.cu
 template <class T>
 void launch_gather_rows(const T* src, const int32_t* index, int32_t count, int32_t H, T* dst, cudaStream_t stream);
+// dst[index[i]] (+)= src[i] for distinct rows index[i]; accumulate adds in fp32 and rounds once.
+template <class T>
+void launch_scatter_rows(const T* src, const int32_t* index, int32_t count, int32_t H, T* dst, bool accumulate,
+                         cudaStream_t stream);
 template <class T>
 void launch_scatter_add_rows(const T* src, const int32_t* index, int32_t count, int32_t H, T* dst,
-                             cudaStream_t stream);
+                             cudaStream_t stream) {
+  launch_scatter_rows(src, index, count, H, dst, true, stream);
+}
 // registers / rows_kernel: KernelVariants::softmax_ce_registers / ce_backward_rows (used where V allows, else the
 // first kernels). Rows of V logits lie ld >= V elements apart; columns V .. ld-1 are neither read nor written.
 template <class T>

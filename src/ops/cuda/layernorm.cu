@@ -54,7 +54,7 @@ __device__ __forceinline__ RowKey row_key(const LnArgs<E>& a, int64_t row) {
   RowKey k;
   const int32_t b = row_to_seq(a.cu_seqlens, a.num_seqs, row);
   k.sample = a.sample_ids[b];
-  k.pos = static_cast<uint32_t>(row - a.cu_seqlens[b]);
+  k.pos = static_cast<uint32_t>(a.row_pos != nullptr ? a.row_pos[row] : row - a.cu_seqlens[b]);
   return k;
 }
 
@@ -277,7 +277,7 @@ __device__ __forceinline__ RowKey seq_cursor_key(const LnArgs<E>& a, int64_t row
   }
   RowKey k;
   k.sample = s.sample;
-  k.pos = static_cast<uint32_t>(row - s.start);
+  k.pos = static_cast<uint32_t>(a.row_pos != nullptr ? a.row_pos[row] : row - s.start);
   return k;
 }
 
