@@ -911,7 +911,7 @@ void CudaBackendT<P>::mlm_head_loss_backward(double loss_scale, const int32_t* m
   dense_backward(d_act, saved.gathered, w.transform_weight, saved.transform_act_grad, M, H, H, w.act,
                  d_gathered, false, g.d_transform_weight, g.d_transform_bias);
   // Each masked position appears once per batch (the loader's contract), so rows are added without atomics.
-  launch_scatter_add_rows(dev(d_gathered), mlm_positions, M, H, dev(d_hidden), stream_);
+  launch_scatter_rows(dev(d_gathered), mlm_positions, M, H, dev(d_hidden), /*accumulate=*/true, stream_);
 }
 
 // ------------------------------------------------------------------------------------------------ NSP head
@@ -950,7 +950,7 @@ void CudaBackendT<P>::nsp_head_loss_backward(double loss_scale, const ops::SeqVi
   A* d_cls = static_cast<A*>(scratch(kHeadB, sizeof(A) * static_cast<size_t>(B) * H));
   dense_backward(d_pooled, saved.cls, w.pooler_weight, nullptr, B, H, H, ops::Activation::kNone, d_cls, false,
                  g.d_pooler_weight, g.d_pooler_bias);
-  launch_scatter_add_rows(dev(d_cls), seqs.cu_seqlens, B, H, dev(d_hidden), stream_);
+  launch_scatter_rows(dev(d_cls), seqs.cu_seqlens, B, H, dev(d_hidden), /*accumulate=*/true, stream_);
 }
 
 template class CudaBackendT<ops::GpuBf16>;

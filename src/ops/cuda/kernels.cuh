@@ -301,11 +301,6 @@ void launch_gather_rows(const T* src, const int32_t* index, int32_t count, int32
 template <class T>
 void launch_scatter_rows(const T* src, const int32_t* index, int32_t count, int32_t H, T* dst, bool accumulate,
                          cudaStream_t stream);
-template <class T>
-void launch_scatter_add_rows(const T* src, const int32_t* index, int32_t count, int32_t H, T* dst,
-                             cudaStream_t stream) {
-  launch_scatter_rows(src, index, count, H, dst, true, stream);
-}
 // registers / rows_kernel: KernelVariants::softmax_ce_registers / ce_backward_rows (used where V allows, else the
 // first kernels). Rows of V logits lie ld >= V elements apart; columns V .. ld-1 are neither read nor written.
 template <class T>
