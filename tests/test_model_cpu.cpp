@@ -601,18 +601,23 @@ TEST(ModelCpu, SparseLastLayerEqualsDenseLastLayer) {
   ASSERT_TRUE(model.sparse_last_layer());  // the default
   const size_t n = model.num_params();
   std::vector<double> g_dense(n), g_sparse(n);
-  for (const bool train : {true, false}) {
+  ASSERT_TRUE(model.sparse_last_attention());  // the default
+  for (const bool train : {true, false})
+   for (const bool rows_attention : {true, false}) {
     model.set_sparse_last_layer(false);
     model.zero_grad();
     const StepResult rd = model.forward(batch, train, 77, 3);
     model.backward();
     model.get_grads(g_dense.data());
     model.set_sparse_last_layer(true);
+    model.set_sparse_last_attention(rows_attention);
     model.zero_grad();
     const StepResult rs = model.forward(batch, train, 77, 3);
     model.set_sparse_last_layer(false);  // backward must still run the forward's sparse layer
+    model.set_sparse_last_attention(!rows_attention);  // and its attention
     model.backward();
     model.get_grads(g_sparse.data());
+    model.set_sparse_last_attention(true);
     EXPECT_NEAR(rs.mlm_loss, rd.mlm_loss, 1e-12 * std::fabs(rd.mlm_loss)) << "train " << train;
     EXPECT_NEAR(rs.nsp_loss, rd.nsp_loss, 1e-12 * std::fabs(rd.nsp_loss)) << "train " << train;
     EXPECT_EQ(rs.mlm_correct, rd.mlm_correct);
@@ -624,7 +629,7 @@ TEST(ModelCpu, SparseLastLayerEqualsDenseLastLayer) {
     for (size_t i = 0; i < n; ++i)
       if (!(std::fabs(g_sparse[i] - g_dense[i]) <= 1e-12 * max_g) && bad++ < 8)
         ADD_FAILURE() << "param " << i << ": sparse " << g_sparse[i] << " dense " << g_dense[i];
-    EXPECT_EQ(bad, 0) << "train " << train;
+    EXPECT_EQ(bad, 0) << "train " << train << " rows_attention " << rows_attention;
   }
   // A batch whose sequences are inconsistent with its token count is an error, not a read past the rows.
   model.set_sparse_last_layer(true);

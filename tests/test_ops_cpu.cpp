@@ -289,6 +289,79 @@ TEST(OpsCpu, AttentionVarlenGradientWithDropout) {
   EXPECT_EQ(dqkv, dqkv2);
 }
 
+// The queries restricted to some rows of each sequence (the sparse last layer): each query row gets what the full
+// attention gives its row, and the backward equals the full backward for a d_ctx that is zero outside those rows.
+TEST(OpsCpu, AttentionOnQueryRowsMatchesTheFullRows) {
+  CpuBackend<CpuF64> be(2);
+  Seqs s;
+  std::mt19937_64 rng(41);
+  const Vec qkv = random_vec(kT * 3 * kH, rng);
+  // Sequence 0: its only row; sequence 1: no query; sequence 2: positions out of order.
+  const std::vector<int32_t> q_cu{0, 1, 1, 4}, q_pos{0, 7, 0, 3};
+  const int32_t N = 4;
+  std::vector<int32_t> rows(N);
+  for (int b = 0; b < 3; ++b)
+    for (int32_t i = q_cu[b]; i < q_cu[b + 1]; ++i) rows[i] = s.cu[b] + q_pos[i];
+  SeqView qv{N, 3, 3, q_cu.data(), s.sample_ids.data()};
+  qv.row_positions = q_pos.data();
+  Vec q_qkv(N * 3 * kH);
+  be.gather_rows(qkv.data(), kT, rows.data(), N, 3 * kH, q_qkv.data());
+  const Vec d_ctx_rows = random_vec(N * kH, rng);
+  for (const float p : {0.0f, 0.3f}) {
+    const Dropout d = drop(p, 12);
+    Vec ctx = poison(kT * kH), lse = poison(kHeads * kT);
+    be.attention_forward(qkv.data(), s.view(), kHeads, kHeadDim, d, ctx.data(), lse.data());
+    Vec ctx_r = poison(N * kH), lse_r = poison(kHeads * N);
+    be.attention_forward_rows(qkv.data(), s.view(), q_qkv.data(), qv, kHeads, kHeadDim, d, ctx_r.data(),
+                              lse_r.data());
+    for (int32_t i = 0; i < N; ++i) {
+      for (int32_t j = 0; j < kH; ++j) EXPECT_EQ(ctx_r[i * kH + j], ctx[rows[i] * kH + j]) << "query " << i;
+      for (int32_t h = 0; h < kHeads; ++h) EXPECT_EQ(lse_r[h * N + i], lse[h * kT + rows[i]]) << "query " << i;
+    }
+    Vec d_ctx(kT * kH, 0.0);
+    for (int32_t i = 0; i < N; ++i)
+      for (int32_t j = 0; j < kH; ++j) d_ctx[rows[i] * kH + j] = d_ctx_rows[i * kH + j];
+    Vec dqkv = poison(kT * 3 * kH), bias(3 * kH, 0.5);
+    be.attention_backward(d_ctx.data(), qkv.data(), ctx.data(), lse.data(), s.view(), kHeads, kHeadDim, d,
+                          dqkv.data(), bias.data());
+    Vec dqkv_r = poison(kT * 3 * kH), bias_r(3 * kH, 0.5);
+    be.attention_backward_rows(d_ctx_rows.data(), qkv.data(), s.view(), q_qkv.data(), qv, ctx_r.data(),
+                               lse_r.data(), kHeads, kHeadDim, d, dqkv_r.data(), bias_r.data());
+    double max_g = 0;
+    for (double v : dqkv) max_g = std::max(max_g, std::fabs(v));
+    ASSERT_GT(max_g, 0.0);
+    int zero_q = 0;  // in the q block of the rows that are no query: all of it
+    for (int32_t t = 0; t < kT; ++t) {
+      const bool query = std::find(rows.begin(), rows.end(), t) != rows.end();
+      for (int32_t j = 0; j < 3 * kH; ++j) {
+        EXPECT_NEAR(dqkv_r[t * 3 * kH + j], dqkv[t * 3 * kH + j], 1e-14 * max_g) << "row " << t << " col " << j;
+        zero_q += !query && j < kH && dqkv_r[t * 3 * kH + j] == 0.0;
+      }
+    }
+    EXPECT_EQ(zero_q, (kT - N) * kH);
+    for (int32_t j = 0; j < 3 * kH; ++j) EXPECT_NEAR(bias_r[j], bias[j], 1e-14 * max_g * kT);
+  }
+  // Bad query rows are errors: a position twice, a position past its sequence, too many queries, other sequences.
+  const auto run = [&](const std::vector<int32_t>& cu, const std::vector<int32_t>& pos, int32_t B) {
+    SeqView bad{cu.back(), B, 9, cu.data(), s.sample_ids.data()};
+    bad.row_positions = pos.data();
+    Vec c(static_cast<size_t>(cu.back()) * kH), l(kHeads * static_cast<size_t>(cu.back()));
+    be.attention_forward_rows(qkv.data(), s.view(), q_qkv.data(), bad, kHeads, kHeadDim, drop(0.0f, 1), c.data(),
+                              l.data());
+  };
+  EXPECT_NO_THROW(run({0, 1, 1, 4}, {0, 7, 0, 3}, 3));
+  EXPECT_THROW(run({0, 1, 1, 4}, {0, 7, 0, 7}, 3), Error);
+  EXPECT_THROW(run({0, 1, 1, 4}, {0, 7, 0, 9}, 3), Error);
+  EXPECT_THROW(run({0, 2, 2, 4}, {0, 0, 0, 3}, 3), Error);
+  EXPECT_THROW(run({0, 1, 4}, {0, 1, 2, 3}, 2), Error);
+  SeqView no_pos = qv;
+  no_pos.row_positions = nullptr;
+  Vec c(N * kH), l(kHeads * N);
+  EXPECT_THROW(be.attention_forward_rows(qkv.data(), s.view(), q_qkv.data(), no_pos, kHeads, kHeadDim, drop(0.0f, 1),
+                                         c.data(), l.data()),
+               Error);
+}
+
 TEST(OpsCpu, AttentionSequencesOnlySeeThemselves) {
   // The batch result equals running each sequence alone (same sample id, so the same dropout mask).
   CpuBackend<CpuF64> be(2);

@@ -280,5 +280,42 @@ TEST(FmhaDropoutExchange, BackwardOctetTransposeGivesEveryLaneItsBits) {
   EXPECT_NEAR(static_cast<double>(kept) / checked, 1.0 - sim.threshold / 65536.0, 0.02);
 }
 
+// Queries that are a subset of a sequence's rows (FmhaParams::q_positions): each row or query column of a tile carries
+// an arbitrary position, and every lane must still end up with the bits of those positions.
+TEST(FmhaDropoutExchange, RowsAtAnyPositionsGetTheirOwnBits) {
+  const Sim sim;
+  const auto draw = [&](uint32_t lo, uint32_t hi) { return sim.draw(lo, hi); };
+  uint32_t pos[64];
+  for (uint32_t i = 0; i < 64; ++i) pos[i] = (i * 37u + 11u) % 509u + (i == 5 ? 131072u : 0u);  // scrambled, one high
+  int checked = 0;
+  for (uint32_t head : {0u, 9u})
+    for (uint32_t key_tile : {0u, 448u}) {
+      uint32_t x[32];
+      for (int l = 0; l < 32; ++l)
+        x[l] = fd::fwd_lane_bits_at(draw, sim.threshold, head, pos[l >> 2], pos[(l >> 2) + 8], key_tile, l & 3);
+      simulate_exchange<2>(x, 0, [](int l) { return l & 3; });
+      for (int l = 0; l < 32; ++l)
+        for (int nt = 0; nt < 8; ++nt)
+          for (int e = 0; e < 4; ++e) {
+            const uint32_t q = pos[(l >> 2) + 8 * (e >> 1)], k = key_tile + 8 * nt + 2 * (l & 3) + (e & 1);
+            ASSERT_EQ((x[l] >> fd::fwd_bit(nt, e)) & 1, sim.keep(head, q, k) ? 1u : 0u) << "fwd lane " << l;
+            ++checked;
+          }
+      for (int l = 0; l < 32; ++l) {
+        const int c = 8 * (l >> 2) + 2 * (l & 3);
+        x[l] = fd::bwd_lane_bits_at(draw, sim.threshold, head, pos[c], pos[c + 1], key_tile + 16);
+      }
+      simulate_exchange<1>(x, 2, [](int l) { return l >> 2; });
+      for (int l = 0; l < 32; ++l)
+        for (int nt = 0; nt < 8; ++nt)
+          for (int e = 0; e < 4; ++e) {
+            const uint32_t k = key_tile + 16 + (l >> 2) + 8 * (e >> 1), q = pos[8 * nt + 2 * (l & 3) + (e & 1)];
+            ASSERT_EQ((x[l] >> fd::bwd_bit(nt, e)) & 1, sim.keep(head, q, k) ? 1u : 0u) << "bwd lane " << l;
+            ++checked;
+          }
+    }
+  EXPECT_EQ(checked, 2 * 2 * 2 * 32 * 32);
+}
+
 }  // namespace
 }  // namespace nopad

@@ -123,6 +123,8 @@ BertModel<P>::BertModel(const BertConfig& config, ops::Backend<P>& backend, int3
   const size_t N = std::min(T, B + M);
   if (const char* v = std::getenv("NOPAD_SPARSE_LAST_LAYER"); v != nullptr && std::strcmp(v, "0") == 0)
     sparse_last_layer_ = false;
+  if (const char* v = std::getenv("NOPAD_SPARSE_LAST_ATTENTION"); v != nullptr && std::strcmp(v, "0") == 0)
+    sparse_last_attention_ = false;
   for (BatchSlot& slot : slots_) {
     slot.last_rows = alloc<int32_t>(N);
     slot.last_positions = alloc<int32_t>(N);
@@ -137,6 +139,7 @@ BertModel<P>::BertModel(const BertConfig& config, ops::Backend<P>& backend, int3
   last_ctx_ = alloc<A>(N * H);
   last_h_ = alloc<A>(N * H);
   d_last_h_ = alloc<A>(N * H);
+  last_qkv_ = alloc<A>(N * 3 * H);
   for (BatchSlot& slot : slots_) {
     slot.tokens = alloc<int32_t>(T);
     slot.positions = alloc<int32_t>(T);
@@ -385,6 +388,7 @@ uint64_t BertModel<P>::forward_async(const HostBatch& batch, bool train, uint64_
   ops::order_by_length(slot.host_cu_seqlens.data(), B, slot.host_by_length.data());
   backend_.upload_bytes_async(slot.by_length, slot.host_by_length.data(), sizeof(int32_t) * B);
   sparse_last_ = sparse_last_layer_ && config_.num_hidden_layers > 0;
+  sparse_attn_ = sparse_last_ && sparse_last_attention_;
   if (sparse_last_) last_layer_rows(batch, slot);
   backend_.compute_waits_for_uploads();
   tokens_ = slot.tokens;
@@ -416,17 +420,24 @@ uint64_t BertModel<P>::forward_async(const HostBatch& batch, bool train, uint64_
   const A* h = emb_out_;
   for (int32_t l = 0; l < config_.num_hidden_layers; ++l) {
     Layer& L = layers_[l];
-    backend_.dense_forward(h, L.w_qkv, L.b_qkv, T, H, 3 * H, ops::Activation::kNone, L.qkv, nullptr);
-    backend_.attention_forward(L.qkv, seqs_, NH, config_.head_dim(), dropout(p_attn, op_id_attention_probs(l)), L.ctx,
-                               L.lse);
-    // The rest of the layer on R rows: all T, or in the sparse last layer the N rows the heads read.
+    // The layer after the QKV projection on R rows: all T, or in the sparse last layer the N rows the heads read
+    // (there the attention has them as its only queries, with every row as a key and value).
     const bool sparse = sparse_last_ && l == config_.num_hidden_layers - 1;
     const int32_t R = sparse ? num_last_rows_ : T;
     const ops::SeqView& rows = sparse ? last_seqs_ : seqs_;
+    backend_.dense_forward(h, L.w_qkv, L.b_qkv, T, H, 3 * H, ops::Activation::kNone, L.qkv, nullptr);
+    const ops::Dropout attn_drop = dropout(p_attn, op_id_attention_probs(l));
+    if (sparse && sparse_attn_) {
+      backend_.gather_rows(L.qkv, T, last_rows_, R, 3 * H, last_qkv_);
+      backend_.attention_forward_rows(L.qkv, seqs_, last_qkv_, last_seqs_, NH, config_.head_dim(), attn_drop,
+                                      last_ctx_, L.lse);
+    } else {
+      backend_.attention_forward(L.qkv, seqs_, NH, config_.head_dim(), attn_drop, L.ctx, L.lse);
+    }
     const A* ctx = L.ctx;
     const A* residual = h;
     if (sparse) {
-      backend_.gather_rows(L.ctx, T, last_rows_, R, H, last_ctx_);
+      if (!sparse_attn_) backend_.gather_rows(L.ctx, T, last_rows_, R, H, last_ctx_);
       backend_.gather_rows(h, T, last_rows_, R, H, last_h_);
       ctx = last_ctx_;
       residual = last_h_;
@@ -548,22 +559,30 @@ void BertModel<P>::backward(double loss_scale) {
                                                       rows, H, dropout(p_hidden, op_id_attention_output(l)), d_tmp_,
                                                       sparse ? d_last_h_ : d_hidden_, g + L.off_b_attn_out,
                                                       g + L.off_ln1_gamma, g + L.off_ln1_beta);
+    // d(b_qkv) comes out of the attention backward (the column sums of d_qkv as it writes them).
+    const ops::Dropout attn_drop = dropout(p_attn, op_id_attention_probs(l));
     if (sparse) {
-      // d(ctx) of the N rows (in d_hidden2_, free again), then [T, H] with zeros in the rows the heads never read;
-      // d(h_in) likewise, so that the QKV backward adds into it as in the other layers.
+      // d(ctx) of the N rows (in d_hidden2_, free again); d(h_in) spread over [T, H] with zeros in the rows the heads
+      // never read, so that the QKV backward adds into it as in the other layers.
       backend_.dense_backward(d_tmp_, last_ctx_, L.w_attn_out, nullptr, R, H, H, ops::Activation::kNone, d_hidden2_,
                               false, g + L.off_w_attn_out, nullptr);
-      backend_.zero_bytes(d_ctx_, static_cast<size_t>(T) * H * sizeof(A));
-      backend_.scatter_rows(d_hidden2_, last_rows_, R, H, d_ctx_, T, /*accumulate=*/false);
       backend_.zero_bytes(d_hidden_, static_cast<size_t>(T) * H * sizeof(A));
       backend_.scatter_rows(d_last_h_, last_rows_, R, H, d_hidden_, T, /*accumulate=*/false);
+      if (sparse_attn_) {
+        backend_.attention_backward_rows(d_hidden2_, L.qkv, seqs_, last_qkv_, last_seqs_, last_ctx_, L.lse, NH,
+                                         config_.head_dim(), attn_drop, d_qkv_, g + L.off_b_qkv);
+      } else {  // all T rows were queries: d(ctx) is zero outside the N rows
+        backend_.zero_bytes(d_ctx_, static_cast<size_t>(T) * H * sizeof(A));
+        backend_.scatter_rows(d_hidden2_, last_rows_, R, H, d_ctx_, T, /*accumulate=*/false);
+        backend_.attention_backward(d_ctx_, L.qkv, L.ctx, L.lse, seqs_, NH, config_.head_dim(), attn_drop, d_qkv_,
+                                    g + L.off_b_qkv);
+      }
     } else {
       backend_.dense_backward(d_tmp_, L.ctx, L.w_attn_out, nullptr, T, H, H, ops::Activation::kNone, d_ctx_, false,
                               g + L.off_w_attn_out, nullptr);
+      backend_.attention_backward(d_ctx_, L.qkv, L.ctx, L.lse, seqs_, NH, config_.head_dim(), attn_drop, d_qkv_,
+                                  g + L.off_b_qkv);
     }
-    // d(b_qkv) comes out of the attention backward (the column sums of d_qkv as it writes them).
-    backend_.attention_backward(d_ctx_, L.qkv, L.ctx, L.lse, seqs_, NH, config_.head_dim(),
-                                dropout(p_attn, op_id_attention_probs(l)), d_qkv_, g + L.off_b_qkv);
     backend_.dense_backward(d_qkv_, h_in, L.w_qkv, nullptr, T, H, 3 * H, ops::Activation::kNone, d_hidden_,
                             /*accumulate_dx=*/true, g + L.off_w_qkv, nullptr);
     // Layer l's gradients are final once this is enqueued: its bucket can be reduced while backward goes on.

@@ -9,7 +9,9 @@
 // every row as a key and value) the last layer runs on those rows alone: the attention output dense layer, both
 // residual LayerNorms and the FFN see N = |CLS rows U masked rows| rows instead of T (~16% at MLPerf's masking).
 // Same function and gradients: the rows left out feed nothing, and their dropout keys are the rows' positions in
-// their sequences either way (ops::SeqView::row_positions), so the masks of the rows kept are the same too.
+// their sequences either way (ops::SeqView::row_positions), so the masks of the rows kept are the same too. The
+// attention itself takes the N rows as its only queries (every row stays a key and value: attention_forward_rows),
+// unless set_sparse_last_attention(false).
 // loss = sum(MLM cross-entropy) / mlm_denominator + sum(NSP cross-entropy) / nsp_denominator, by default the batch's
 // M and B (mean MLM + mean NSP, as BERT's reference). Pass global denominators when a global batch is split across
 // micro-batches or ranks, so the summed gradients equal the full batch's.
@@ -111,6 +113,10 @@ class BertModel {
   // The sparse last layer (above). Takes effect at the next forward; backward follows the forward's choice.
   void set_sparse_last_layer(bool on) { sparse_last_layer_ = on; }
   bool sparse_last_layer() const { return sparse_last_layer_; }
+  // Within it, the attention on the N rows as queries only (default; off: all T rows are queries and the N rows of
+  // its output are gathered after). Same function; NOPAD_SPARSE_LAST_ATTENTION=0 turns it off.
+  void set_sparse_last_attention(bool on) { sparse_last_attention_ = on; }
+  bool sparse_last_attention() const { return sparse_last_attention_; }
   // Results that may be outstanding at once (default 8; set it before the first forward, e.g. to 2 x micro-batches
   // per step + 2 when steps are read one step late).
   void set_result_capacity(size_t n);
@@ -204,10 +210,13 @@ class BertModel {
   // that input, and the host scratch that marks the rows (capacity max_tokens from the constructor).
   bool sparse_last_layer_ = true;
   bool sparse_last_ = false;  // the last forward ran it
+  bool sparse_last_attention_ = true;
+  bool sparse_attn_ = false;  // the last forward's last-layer attention had the N rows as its queries
   int32_t num_last_rows_ = 0;
   ops::SeqView last_seqs_{};
   const int32_t *last_rows_ = nullptr, *last_mlm_positions_ = nullptr;
   A *last_ctx_ = nullptr, *last_h_ = nullptr, *d_last_h_ = nullptr;
+  A* last_qkv_ = nullptr;  // [N, 3H]: the N rows of the last layer's qkv (their q blocks are the queries)
   std::vector<int32_t> host_row_mark_;
   void last_layer_rows(const HostBatch& batch, BatchSlot& slot);
   // embedding and head activations

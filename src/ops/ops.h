@@ -248,6 +248,21 @@ class Backend {
                                   int32_t num_heads, int32_t head_dim, const Dropout& drop, A* d_qkv,
                                   G* d_qkv_bias) = 0;
 
+  // Attention for a subset of each sequence's query rows (the sparse last encoder layer, model/bert.h): keys and values
+  // are every row of `seqs` in qkv [T, 3H]; the queries are the N rows of `q_seqs` (the same sequences and sample_ids
+  // as `seqs`; its cu_seqlens over the N rows; row_positions required: each query's position in its sequence,
+  // distinct within a sequence), whose q vectors are the q blocks of q_qkv [N, 3H] (qkv's rows, gathered). Each query
+  // gets what attention_forward gives its row (same dropout keys): ctx [N, H], lse [num_heads, N].
+  virtual void attention_forward_rows(const A* qkv, const SeqView& seqs, const A* q_qkv, const SeqView& q_seqs,
+                                      int32_t num_heads, int32_t head_dim, const Dropout& drop, A* ctx, St* lse) = 0;
+  // Its backward from d_ctx [N, H] (ctx, lse from attention_forward_rows): writes every element of d_qkv [T, 3H]: the
+  // k and v blocks of every row, the q block of the query rows (row cu_seqlens[b] + position) and zeros in the q block
+  // of the others, i.e. attention_backward's d_qkv for a d_ctx that is zero outside the query rows. d_qkv_bias as
+  // there.
+  virtual void attention_backward_rows(const A* d_ctx, const A* qkv, const SeqView& seqs, const A* q_qkv,
+                                       const SeqView& q_seqs, const A* ctx, const St* lse, int32_t num_heads,
+                                       int32_t head_dim, const Dropout& drop, A* d_qkv, G* d_qkv_bias) = 0;
+
   // ---- residual block ----
   // out[T, H] = LN(dropout(x + bias) + residual) * gamma + beta. Saves ln_mean[T], ln_rstd[T]; backward recomputes
   // the LayerNorm input from x, bias and residual (which the caller keeps alive). Dropout key (pos, feature).

@@ -464,6 +464,162 @@ TEST(Fmha, Fp16Hd64Heads2DropoutLengthsTo512) { run_case(kLensTo512, 2, 64, 0.1f
 TEST(Fmha, Bf16Hd32Heads2Dropout) { run_case({1, 17, 64, 65, 200}, 2, 32, 0.1f, false, "bf16 hd32 h2 p0.1"); }
 TEST(Fmha, Bf16Hd128Heads2Dropout) { run_case({1, 17, 64, 65, 200}, 2, 128, 0.1f, false, "bf16 hd128 h2 p0.1"); }
 
+// Query rows (FmhaParams::q_cu_seqlens: the sparse last layer's attention). Per sequence no query, all of its rows,
+// or ~30% of them, at shuffled positions; d_ctx is zero outside the query rows, so the float64 reference of the full
+// attention is the expected result: its query rows' ctx and lse, and its whole d_qkv (the q block of the other rows
+// is 0). Every variant, with and without the bias gradient; all outputs poisoned first.
+void run_rows_case(const std::vector<int32_t>& lens, int heads, int hd, float p, bool fp16, const char* what) {
+  ASSERT_TRUE(have_gpu()) << "no CUDA device: nopad_cuda_tests runs on a GPU machine (scripts/gpu-tests.sh)";
+  Problem pr = make_problem(lens, heads, hd, p, fp16, 43);
+  const int B = static_cast<int>(lens.size()), H = pr.H(), T = pr.T;
+  std::mt19937 rng(11);
+  std::vector<int32_t> q_cu{0}, q_pos, rows;
+  int max_q = 0;
+  for (int b = 0; b < B; ++b) {
+    const int L = lens[b];
+    std::vector<int32_t> perm(static_cast<size_t>(L));
+    for (int i = 0; i < L; ++i) perm[static_cast<size_t>(i)] = i;
+    std::shuffle(perm.begin(), perm.end(), rng);
+    const int n = b % 4 == 1 ? 0 : (b % 4 == 3 ? L : std::max(1, L * 3 / 10));
+    for (int i = 0; i < n; ++i) {
+      q_pos.push_back(perm[static_cast<size_t>(i)]);
+      rows.push_back(pr.cu[b] + perm[static_cast<size_t>(i)]);
+    }
+    q_cu.push_back(static_cast<int32_t>(q_pos.size()));
+    max_q = std::max(max_q, n);
+  }
+  const int N = static_cast<int>(q_pos.size());
+  std::vector<char> is_query(static_cast<size_t>(T), 0);
+  for (int r : rows) is_query[static_cast<size_t>(r)] = 1;
+  for (int t = 0; t < T; ++t)
+    if (!is_query[static_cast<size_t>(t)])
+      for (int c = 0; c < H; ++c) {
+        pr.dctx16[static_cast<size_t>(t) * H + c] = 0;  // +0 in bf16 and fp16
+        pr.dctx[static_cast<size_t>(t) * H + c] = 0.0f;
+      }
+  const Ref ref = reference64(pr);
+  // The query side, gathered: q_qkv [N, 3H], d_ctx [N, H].
+  std::vector<uint16_t> qq16(static_cast<size_t>(N) * 3 * H), dctx_r16(static_cast<size_t>(N) * H);
+  std::vector<float> qq(qq16.size()), dctx_r(dctx_r16.size());
+  for (int i = 0; i < N; ++i) {
+    for (int c = 0; c < 3 * H; ++c) {
+      qq16[static_cast<size_t>(i) * 3 * H + c] = pr.qkv16[static_cast<size_t>(rows[i]) * 3 * H + c];
+      qq[static_cast<size_t>(i) * 3 * H + c] = pr.qkv[static_cast<size_t>(rows[i]) * 3 * H + c];
+    }
+    for (int c = 0; c < H; ++c) {
+      dctx_r16[static_cast<size_t>(i) * H + c] = pr.dctx16[static_cast<size_t>(rows[i]) * H + c];
+      dctx_r[static_cast<size_t>(i) * H + c] = pr.dctx[static_cast<size_t>(rows[i]) * H + c];
+    }
+  }
+  // CPU twin (fp32) of the rows form.
+  ops::CpuBackend<ops::CpuF32> cpu(0);
+  ops::SeqView seqs{T, B, pr.max_len, pr.cu.data(), pr.sample_ids.data()};
+  ops::SeqView qv{N, B, max_q, q_cu.data(), pr.sample_ids.data()};
+  qv.row_positions = q_pos.data();
+  ops::Dropout drop;
+  drop.p = pr.p;
+  drop.seed = pr.seed;
+  drop.step = pr.step;
+  drop.op_id = pr.op_id;
+  std::vector<float> c_ctx(static_cast<size_t>(N) * H), c_lse(static_cast<size_t>(heads) * N), c_dqkv(pr.qkv.size());
+  cpu.attention_forward_rows(pr.qkv.data(), seqs, qq.data(), qv, heads, hd, drop, c_ctx.data(), c_lse.data());
+  cpu.attention_backward_rows(dctx_r.data(), pr.qkv.data(), seqs, qq.data(), qv, c_ctx.data(), c_lse.data(), heads,
+                              hd, drop, c_dqkv.data(), nullptr);
+  // Reference rows in the rows layout.
+  std::vector<double> r_ctx(c_ctx.size()), r_lse(c_lse.size());
+  for (int i = 0; i < N; ++i) {
+    for (int c = 0; c < H; ++c) r_ctx[static_cast<size_t>(i) * H + c] = ref.ctx[static_cast<size_t>(rows[i]) * H + c];
+    for (int h = 0; h < heads; ++h)
+      r_lse[static_cast<size_t>(h) * N + i] = ref.lse[static_cast<size_t>(h) * T + rows[i]];
+  }
+
+  GpuRun g(pr);
+  upload(g, pr);
+  DevBuf<uint16_t> d_qq(qq16.size()), d_ctx_r(static_cast<size_t>(N) * H), d_dctx_r(dctx_r16.size());
+  DevBuf<float> d_lse_r(static_cast<size_t>(heads) * N);
+  DevBuf<int32_t> d_qcu(q_cu.size()), d_qpos(q_pos.size());
+  ASSERT_TRUE(d_qq.ptr && d_ctx_r.ptr && d_dctx_r.ptr && d_lse_r.ptr && d_qcu.ptr && d_qpos.ptr);
+  CK(cudaMemcpy(d_qq.ptr, qq16.data(), d_qq.bytes(), cudaMemcpyHostToDevice));
+  CK(cudaMemcpy(d_dctx_r.ptr, dctx_r16.data(), d_dctx_r.bytes(), cudaMemcpyHostToDevice));
+  CK(cudaMemcpy(d_qcu.ptr, q_cu.data(), d_qcu.bytes(), cudaMemcpyHostToDevice));
+  CK(cudaMemcpy(d_qpos.ptr, q_pos.data(), d_qpos.bytes(), cudaMemcpyHostToDevice));
+  g.p.ctx = d_ctx_r.ptr;
+  g.p.lse = d_lse_r.ptr;
+  g.p.d_ctx = d_dctx_r.ptr;
+  g.p.q_qkv = d_qq.ptr;
+  g.p.q_cu_seqlens = d_qcu.ptr;
+  g.p.q_positions = d_qpos.ptr;
+  g.p.num_q_tokens = N;
+  g.p.max_q_seqlen = max_q;
+  const Tol f = floors(fp16);
+  const int nf = fmha_forward_variant_count(), nb = fmha_backward_variant_count();
+  for (int v = 0; v < std::max(nf, nb); ++v)
+    for (int with_bias = 0; with_bias < 2; ++with_bias) {
+      g.p.fwd_variant = v % nf;
+      g.p.bwd_variant = v % nb;
+      const std::string label = std::string(what) + " rows [" + variant_label(g.p.fwd_variant, g.p.bwd_variant) +
+                                (with_bias ? ", d_qkv_bias" : "") + "]";
+      SCOPED_TRACE(label);
+      poison(g);
+      CK(cudaMemset(d_ctx_r.ptr, 0xFF, d_ctx_r.bytes()));
+      CK(cudaMemset(d_lse_r.ptr, 0xFF, d_lse_r.bytes()));
+      g.p.d_qkv_bias = nullptr;
+      if (with_bias) arm_bias(g);
+      fmha_forward(g.p, nullptr);
+      fmha_backward(g.p, nullptr);
+      CK(cudaDeviceSynchronize());
+      std::vector<uint16_t> ctx16(d_ctx_r.count), dq16(g.dqkv.count);
+      Out gpu;
+      gpu.lse.resize(d_lse_r.count);
+      CK(cudaMemcpy(ctx16.data(), d_ctx_r.ptr, d_ctx_r.bytes(), cudaMemcpyDeviceToHost));
+      CK(cudaMemcpy(gpu.lse.data(), d_lse_r.ptr, d_lse_r.bytes(), cudaMemcpyDeviceToHost));
+      CK(cudaMemcpy(dq16.data(), g.dqkv.ptr, g.dqkv.bytes(), cudaMemcpyDeviceToHost));
+      for (uint16_t x : ctx16) gpu.ctx.push_back(from16(x, fp16));
+      for (uint16_t x : dq16) gpu.dqkv.push_back(from16(x, fp16));
+      ASSERT_EQ(count_nonfinite(gpu.ctx), 0u) << label << ": ctx rows not written";
+      ASSERT_EQ(count_nonfinite(gpu.lse), 0u) << label << ": lse rows not written";
+      ASSERT_EQ(count_nonfinite(gpu.dqkv), 0u) << label << ": d_qkv elements not written";
+      size_t nonzero_q = 0;
+      for (int t = 0; t < T; ++t)
+        if (!is_query[static_cast<size_t>(t)])
+          for (int c = 0; c < H; ++c) nonzero_q += gpu.dqkv[static_cast<size_t>(t) * 3 * H + c] != 0.0f;
+      EXPECT_EQ(nonzero_q, 0u) << label << ": the q block of rows that are no query must be zero";
+      struct Item {
+        const char* name;
+        std::vector<double> r;
+        std::vector<float> g, c;
+        double floor;
+      };
+      std::vector<Item> items;
+      items.push_back({"ctx", r_ctx, gpu.ctx, c_ctx, f.ctx});
+      items.push_back({"lse", r_lse, gpu.lse, c_lse, f.lse});
+      const char* names[3] = {"dq", "dk", "dv"};
+      for (int blk = 0; blk < 3; ++blk)
+        items.push_back({names[blk], block_of(ref.dqkv, pr, blk), block_of(gpu.dqkv, pr, blk),
+                         block_of(c_dqkv, pr, blk), f.grad});
+      for (const Item& it : items) {
+        const double eg = rel_err(it.r, it.g), ec = rel_err(it.r, it.c);
+        const double mg = max_err(it.r, it.g), mc = max_err(it.r, it.c);
+        const double bound = 3 * ec + it.floor;
+        std::printf("  [%s] %-3s  rel err gpu %.3e  cpu %.3e  (bound %.3e)   max err gpu %.3e  cpu %.3e\n",
+                    label.c_str(), it.name, eg, ec, bound, mg, mc);
+        EXPECT_LE(eg, bound) << label << ": " << it.name;
+        EXPECT_LE(mg, 3 * mc + 10 * it.floor) << label << ": " << it.name << " worst element";
+      }
+      if (with_bias) check_bias(g, pr, gpu, label);
+      g.p.d_qkv_bias = nullptr;
+    }
+}
+
+const std::vector<int32_t> kRowsLens = {1, 17, 64, 65, 130, 512, 200, 63, 129, 3};
+TEST(Fmha, QueryRowsBf16Hd64) { run_rows_case(kRowsLens, 2, 64, 0.0f, false, "bf16 hd64 h2"); }
+TEST(Fmha, QueryRowsBf16Hd64Dropout) { run_rows_case(kRowsLens, 3, 64, 0.1f, false, "bf16 hd64 h3 p0.1"); }
+TEST(Fmha, QueryRowsFp16Hd64Dropout) { run_rows_case(kRowsLens, 2, 64, 0.1f, true, "fp16 hd64 h2 p0.1"); }
+TEST(Fmha, QueryRowsBf16Hd32Hd128Dropout) {
+  run_rows_case({1, 17, 64, 65, 200}, 2, 32, 0.1f, false, "bf16 hd32 h2 p0.1");
+  run_rows_case({1, 17, 64, 65, 200}, 2, 128, 0.1f, false, "bf16 hd128 h2 p0.1");
+}
+
 // The mask the kernels must reproduce drops a fraction threshold / 65536 = 0.1000061 (p = 0.1) of the attention
 // probabilities: count on the host with the same Philox function over every (sequence, head, query, key) of the mixed
 // batch; within 5 sigma.
@@ -665,6 +821,22 @@ TEST(Fmha, RejectsBadParams) {
   p.workspace_bytes = 1 << 20;
   p.bwd_variant = -2;
   EXPECT_THROW(fmha_backward(p, nullptr), nopad::Error) << "backward variant out of range";
+  p.bwd_variant = -1;
+  // Query rows: every piece named, no grouping, no more queries than rows.
+  p.q_cu_seqlens = dummy;
+  EXPECT_THROW(fmha_forward(p, nullptr), nopad::Error) << "q_cu_seqlens without q_qkv / q_positions";
+  p.q_qkv = dummy;
+  p.q_positions = dummy;
+  p.num_q_tokens = 1;
+  p.max_q_seqlen = 2;
+  EXPECT_THROW(fmha_forward(p, nullptr), nopad::Error) << "max_q_seqlen > max_seqlen";
+  p.max_q_seqlen = 1;
+  p.seq_index = dummy;
+  p.num_launch_seqs = 1;
+  EXPECT_THROW(fmha_forward(p, nullptr), nopad::Error) << "query rows with seq_index";
+  p.seq_index = nullptr;
+  p.q_cu_seqlens = nullptr;
+  EXPECT_THROW(fmha_backward(p, nullptr), nopad::Error) << "q_qkv without q_cu_seqlens";
 }
 
 // Variant selection: the field when >= 0, else NOPAD_FMHA_{FWD,BWD}_VARIANT, else the default; names exist.

@@ -336,7 +336,70 @@ void CpuBackend<P>::attention_forward(const S* qkv, const SeqView& seqs, int32_t
                                       const Dropout& drop, S* ctx, S* lse) {
   require_whole_sequences(seqs, "attention_forward");
   row_to_seq(seqs);  // validates cu_seqlens
-  const int32_t H = num_heads * head_dim, T = seqs.num_tokens, L_max = seqs.max_seqlen;
+  attention_forward_impl(qkv, seqs, qkv, nullptr, num_heads, head_dim, drop, ctx, lse);
+}
+
+template <class P>
+void CpuBackend<P>::attention_forward_rows(const S* qkv, const SeqView& seqs, const S* q_qkv, const SeqView& q_seqs,
+                                           int32_t num_heads, int32_t head_dim, const Dropout& drop, S* ctx,
+                                           S* lse) {
+  check_query_rows(seqs, q_seqs, "attention_forward_rows");
+  attention_forward_impl(qkv, seqs, q_qkv, &q_seqs, num_heads, head_dim, drop, ctx, lse);
+}
+
+template <class P>
+void CpuBackend<P>::attention_backward(const S* d_ctx, const S* qkv, const S* ctx, const S* lse, const SeqView& seqs,
+                                       int32_t num_heads, int32_t head_dim, const Dropout& drop, S* d_qkv,
+                                       S* d_qkv_bias) {
+  require_whole_sequences(seqs, "attention_backward");
+  row_to_seq(seqs);
+  attention_backward_impl(d_ctx, qkv, seqs, qkv, nullptr, ctx, lse, num_heads, head_dim, drop, d_qkv, d_qkv_bias);
+}
+
+template <class P>
+void CpuBackend<P>::attention_backward_rows(const S* d_ctx, const S* qkv, const SeqView& seqs, const S* q_qkv,
+                                            const SeqView& q_seqs, const S* ctx, const S* lse, int32_t num_heads,
+                                            int32_t head_dim, const Dropout& drop, S* d_qkv, S* d_qkv_bias) {
+  check_query_rows(seqs, q_seqs, "attention_backward_rows");
+  attention_backward_impl(d_ctx, qkv, seqs, q_qkv, &q_seqs, ctx, lse, num_heads, head_dim, drop, d_qkv, d_qkv_bias);
+}
+
+// seqs whole (cu_seqlens valid); q_seqs over the same sequences, each query range within its sequence's length, the
+// positions distinct within a sequence and inside it.
+template <class P>
+void CpuBackend<P>::check_query_rows(const SeqView& seqs, const SeqView& q_seqs, const char* op) {
+  require_whole_sequences(seqs, op);
+  row_to_seq(seqs);
+  const int32_t B = seqs.num_seqs;
+  NOPAD_CHECK(q_seqs.num_seqs == B, op, ": the query rows cover ", q_seqs.num_seqs, " sequences, the keys ", B);
+  NOPAD_CHECK(q_seqs.cu_seqlens != nullptr && q_seqs.row_positions != nullptr, op,
+              ": the query rows need cu_seqlens and row_positions");
+  NOPAD_CHECK(q_seqs.num_tokens >= 0 && q_seqs.cu_seqlens[0] == 0 && q_seqs.cu_seqlens[B] == q_seqs.num_tokens, op,
+              ": query cu_seqlens must run from 0 to num_tokens (", q_seqs.num_tokens, ")");
+  pos_mark_.assign(static_cast<size_t>(seqs.max_seqlen), -1);
+  for (int32_t b = 0; b < B; ++b) {
+    const int32_t L = seqs.cu_seqlens[b + 1] - seqs.cu_seqlens[b];
+    const int32_t q0 = q_seqs.cu_seqlens[b], q1 = q_seqs.cu_seqlens[b + 1];
+    NOPAD_CHECK(q1 >= q0 && q1 - q0 <= L, op, ": sequence ", b, " has ", q1 - q0, " query rows for ", L, " rows");
+    for (int32_t i = q0; i < q1; ++i) {
+      const int32_t pos = q_seqs.row_positions[i];
+      NOPAD_CHECK(pos >= 0 && pos < L, op, ": query row ", i, " has position ", pos, ", outside sequence ", b,
+                  " (length ", L, ")");
+      NOPAD_CHECK(pos_mark_[static_cast<size_t>(pos)] != b, op, ": position ", pos, " of sequence ", b,
+                  " appears twice among the query rows");
+      pos_mark_[static_cast<size_t>(pos)] = b;
+    }
+  }
+}
+
+// Queries: every row of each sequence (q_seqs null, q_qkv = qkv), or the rows of q_seqs at their positions. Keys and
+// values: every row of the sequence.
+template <class P>
+void CpuBackend<P>::attention_forward_impl(const S* qkv, const SeqView& seqs, const S* q_qkv, const SeqView* q_seqs,
+                                           int32_t num_heads, int32_t head_dim, const Dropout& drop, S* ctx,
+                                           S* lse) {
+  const int32_t H = num_heads * head_dim, L_max = seqs.max_seqlen;
+  const int32_t Tq = q_seqs != nullptr ? q_seqs->num_tokens : seqs.num_tokens;
   const int64_t ld = 3 * int64_t{H};
   const S scale = S(1) / std::sqrt(static_cast<S>(head_dim));
   const DropoutMask mask(drop, kAttentionPhiloxRounds);
@@ -345,10 +408,14 @@ void CpuBackend<P>::attention_forward(const S* qkv, const SeqView& seqs, int32_t
   parallel_tasks(static_cast<size_t>(seqs.num_seqs) * num_heads, workers, [&](size_t task, size_t worker) {
     const int32_t b = static_cast<int32_t>(task / num_heads), h = static_cast<int32_t>(task % num_heads);
     const int32_t s0 = seqs.cu_seqlens[b], L = seqs.cu_seqlens[b + 1] - s0;
+    const int32_t qs0 = q_seqs != nullptr ? q_seqs->cu_seqlens[b] : s0;
+    const int32_t Lq = q_seqs != nullptr ? q_seqs->cu_seqlens[b + 1] - qs0 : L;
     const uint64_t sample = seqs.sample_ids[b];
     S* scores = scores_all + worker * L_max;
-    for (int32_t i = 0; i < L; ++i) {
-      const S* q = qkv + (s0 + i) * ld + h * head_dim;
+    for (int32_t i = 0; i < Lq; ++i) {
+      const int64_t qrow = qs0 + i;  // the query's row of q_qkv, ctx and lse
+      const uint32_t pos = static_cast<uint32_t>(q_seqs != nullptr ? q_seqs->row_positions[qrow] : i);
+      const S* q = q_qkv + qrow * ld + h * head_dim;
       S mx = -std::numeric_limits<S>::infinity();
       for (int32_t j = 0; j < L; ++j) {
         scores[j] = scale * dot(q, qkv + (s0 + j) * ld + H + h * head_dim, head_dim);
@@ -359,12 +426,11 @@ void CpuBackend<P>::attention_forward(const S* qkv, const SeqView& seqs, int32_t
         scores[j] = std::exp(scores[j] - mx);
         sum += scores[j];
       }
-      lse[int64_t{h} * T + s0 + i] = mx + std::log(sum);
-      S* o = ctx + int64_t{s0 + i} * H + h * head_dim;
+      lse[int64_t{h} * Tq + qrow] = mx + std::log(sum);
+      S* o = ctx + qrow * H + h * head_dim;
       std::fill_n(o, head_dim, S(0));
       for (int32_t j = 0; j < L; ++j) {
-        const S p = scores[j] / sum *
-                    mask.template scale<S>(sample, element_attention(h, static_cast<uint32_t>(i), j));
+        const S p = scores[j] / sum * mask.template scale<S>(sample, element_attention(h, pos, j));
         if (p == S(0)) continue;
         const S* v = qkv + (s0 + j) * ld + 2 * H + h * head_dim;
         for (int32_t d = 0; d < head_dim; ++d) o[d] += p * v[d];
@@ -374,12 +440,11 @@ void CpuBackend<P>::attention_forward(const S* qkv, const SeqView& seqs, int32_t
 }
 
 template <class P>
-void CpuBackend<P>::attention_backward(const S* d_ctx, const S* qkv, const S* ctx, const S* lse, const SeqView& seqs,
-                                       int32_t num_heads, int32_t head_dim, const Dropout& drop, S* d_qkv,
-                                       S* d_qkv_bias) {
-  require_whole_sequences(seqs, "attention_backward");
-  row_to_seq(seqs);
+void CpuBackend<P>::attention_backward_impl(const S* d_ctx, const S* qkv, const SeqView& seqs, const S* q_qkv,
+                                            const SeqView* q_seqs, const S* ctx, const S* lse, int32_t num_heads,
+                                            int32_t head_dim, const Dropout& drop, S* d_qkv, S* d_qkv_bias) {
   const int32_t H = num_heads * head_dim, T = seqs.num_tokens;
+  const int32_t Tq = q_seqs != nullptr ? q_seqs->num_tokens : T;
   const int64_t ld = 3 * int64_t{H};
   const S scale = S(1) / std::sqrt(static_cast<S>(head_dim));
   const DropoutMask mask(drop, kAttentionPhiloxRounds);
@@ -387,25 +452,30 @@ void CpuBackend<P>::attention_backward(const S* d_ctx, const S* qkv, const S* ct
   parallel_for(static_cast<size_t>(seqs.num_seqs) * num_heads, threads_, [&](size_t task) {
     const int32_t b = static_cast<int32_t>(task / num_heads), h = static_cast<int32_t>(task % num_heads);
     const int32_t s0 = seqs.cu_seqlens[b], L = seqs.cu_seqlens[b + 1] - s0;
+    const int32_t qs0 = q_seqs != nullptr ? q_seqs->cu_seqlens[b] : s0;
+    const int32_t Lq = q_seqs != nullptr ? q_seqs->cu_seqlens[b + 1] - qs0 : L;
     const uint64_t sample = seqs.sample_ids[b];
     for (int32_t j = 0; j < L; ++j) {
+      if (q_seqs != nullptr) std::fill_n(d_qkv + (s0 + j) * ld + h * head_dim, head_dim, S(0));  // rows no query has
       std::fill_n(d_qkv + (s0 + j) * ld + H + h * head_dim, head_dim, S(0));
       std::fill_n(d_qkv + (s0 + j) * ld + 2 * H + h * head_dim, head_dim, S(0));
     }
-    for (int32_t i = 0; i < L; ++i) {
-      const S* q = qkv + (s0 + i) * ld + h * head_dim;
-      const S* d_o = d_ctx + int64_t{s0 + i} * H + h * head_dim;
-      const S* o = ctx + int64_t{s0 + i} * H + h * head_dim;
-      const S row_lse = lse[int64_t{h} * T + s0 + i];
+    for (int32_t i = 0; i < Lq; ++i) {
+      const int64_t qrow = qs0 + i;  // the query's row of q_qkv, d_ctx, ctx and lse
+      const int32_t pos = q_seqs != nullptr ? q_seqs->row_positions[qrow] : i;
+      const S* q = q_qkv + qrow * ld + h * head_dim;
+      const S* d_o = d_ctx + qrow * H + h * head_dim;
+      const S* o = ctx + qrow * H + h * head_dim;
+      const S row_lse = lse[int64_t{h} * Tq + qrow];
       // D = sum_j P_ij dP_ij = dO . O (holds with dropout: both sides use the kept, rescaled probabilities).
       const S D = dot(d_o, o, head_dim);
-      S* dq = d_qkv + (s0 + i) * ld + h * head_dim;
+      S* dq = d_qkv + (s0 + pos) * ld + h * head_dim;
       std::fill_n(dq, head_dim, S(0));
       for (int32_t j = 0; j < L; ++j) {
         const S* k = qkv + (s0 + j) * ld + H + h * head_dim;
         const S* v = qkv + (s0 + j) * ld + 2 * H + h * head_dim;
         const S p = std::exp(scale * dot(q, k, head_dim) - row_lse);
-        const S keep = mask.template scale<S>(sample, element_attention(h, static_cast<uint32_t>(i), j));
+        const S keep = mask.template scale<S>(sample, element_attention(h, static_cast<uint32_t>(pos), j));
         S* dk = d_qkv + (s0 + j) * ld + H + h * head_dim;
         S* dv = d_qkv + (s0 + j) * ld + 2 * H + h * head_dim;
         const S pv = p * keep;

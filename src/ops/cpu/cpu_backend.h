@@ -50,6 +50,11 @@ class CpuBackend final : public Backend<P> {
   void attention_backward(const S* d_ctx, const S* qkv, const S* ctx, const S* lse, const SeqView& seqs,
                           int32_t num_heads, int32_t head_dim, const Dropout& drop, S* d_qkv,
                           S* d_qkv_bias) override;
+  void attention_forward_rows(const S* qkv, const SeqView& seqs, const S* q_qkv, const SeqView& q_seqs,
+                              int32_t num_heads, int32_t head_dim, const Dropout& drop, S* ctx, S* lse) override;
+  void attention_backward_rows(const S* d_ctx, const S* qkv, const SeqView& seqs, const S* q_qkv,
+                               const SeqView& q_seqs, const S* ctx, const S* lse, int32_t num_heads, int32_t head_dim,
+                               const Dropout& drop, S* d_qkv, S* d_qkv_bias) override;
   void bias_dropout_residual_layernorm_forward(const S* x, const S* bias, const S* residual, const S* ln_gamma,
                                                const S* ln_beta, const SeqView& seqs, int32_t hidden, double ln_eps,
                                                const Dropout& drop, S* out, S* ln_mean, S* ln_rstd) override;
@@ -78,6 +83,13 @@ class CpuBackend final : public Backend<P> {
   enum Slot { kTranspose, kDpre, kOpA, kOpB, kPartials, kNumSlots };
   S* scratch(Slot slot, size_t count);
   const int32_t* row_to_seq(const SeqView& seqs);  // [T] sequence index of each row (validates cu_seqlens)
+  // Attention with queries = every row (q_seqs null: q_qkv is qkv) or the rows of q_seqs (check_query_rows first).
+  void attention_forward_impl(const S* qkv, const SeqView& seqs, const S* q_qkv, const SeqView* q_seqs,
+                              int32_t num_heads, int32_t head_dim, const Dropout& drop, S* ctx, S* lse);
+  void attention_backward_impl(const S* d_ctx, const S* qkv, const SeqView& seqs, const S* q_qkv,
+                               const SeqView* q_seqs, const S* ctx, const S* lse, int32_t num_heads, int32_t head_dim,
+                               const Dropout& drop, S* d_qkv, S* d_qkv_bias);
+  void check_query_rows(const SeqView& seqs, const SeqView& q_seqs, const char* op);
   void layernorm_rows_backward(const S* dy, const S* z, const S* mean, const S* rstd, const S* gamma, int64_t rows,
                                int32_t hidden, S* dz, S* d_gamma, S* d_beta);
 
@@ -85,6 +97,7 @@ class CpuBackend final : public Backend<P> {
   std::vector<S> scratch_[kNumSlots];
   std::vector<int32_t> row_seq_;
   std::vector<uint8_t> row_seen_;  // scatter_rows' distinctness check
+  std::vector<int32_t> pos_mark_;  // check_query_rows' distinctness check: the last sequence that used a position
 };
 
 extern template class CpuBackend<CpuF32>;

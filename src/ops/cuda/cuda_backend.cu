@@ -729,6 +729,74 @@ void CudaBackendT<P>::attention_backward(const A* d_ctx, const A* qkv, const A* 
   }
 }
 
+// Query rows (attention_*_rows): one plain launch (no grouping) with FmhaParams' query fields. The host knows the
+// most queries of a sequence only through the view's max_seqlen (the model sets it); the kernels read the rest.
+namespace {
+void set_query_rows(FmhaParams& p, const void* q_qkv, const ops::SeqView& q_seqs, const ops::SeqView& seqs,
+                    const char* op) {
+  NOPAD_CHECK(q_seqs.num_seqs == seqs.num_seqs, op, ": the query rows cover ", q_seqs.num_seqs,
+              " sequences, the keys ", seqs.num_seqs);
+  NOPAD_CHECK(q_seqs.num_tokens >= 0 && q_seqs.cu_seqlens != nullptr, op, ": the query rows need cu_seqlens");
+  NOPAD_CHECK(q_seqs.row_positions != nullptr, op, ": the query rows need row_positions");
+  NOPAD_CHECK(q_seqs.max_seqlen >= 0 && q_seqs.max_seqlen <= seqs.max_seqlen, op, ": the query rows' max_seqlen ",
+              q_seqs.max_seqlen, " exceeds the keys' ", seqs.max_seqlen);
+  p.q_qkv = q_qkv;
+  p.q_cu_seqlens = q_seqs.cu_seqlens;
+  p.q_positions = q_seqs.row_positions;
+  p.num_q_tokens = q_seqs.num_tokens;
+  p.max_q_seqlen = q_seqs.max_seqlen;
+}
+}  // namespace
+
+template <class P>
+void CudaBackendT<P>::attention_forward_rows(const A* qkv, const ops::SeqView& seqs, const A* q_qkv,
+                                             const ops::SeqView& q_seqs, int32_t num_heads, int32_t head_dim,
+                                             const ops::Dropout& drop, A* ctx, St* lse) {
+  OpScope timed(*this, "attention_fwd");
+  require_whole_sequences(seqs, "attention_forward_rows");
+  check_seqs(seqs, drop.p > 0.0f);
+  if (seqs.num_tokens == 0 || q_seqs.num_tokens == 0) return;
+  FmhaParams p = fmha_params(seqs, num_heads, head_dim, drop, std::is_same_v<A, nopad::f16>);
+  p.qkv = qkv;
+  p.ctx = ctx;
+  p.lse = lse;
+  set_query_rows(p, q_qkv, q_seqs, seqs, "attention_forward_rows");
+  fmha_forward(p, stream_);
+}
+
+template <class P>
+void CudaBackendT<P>::attention_backward_rows(const A* d_ctx, const A* qkv, const ops::SeqView& seqs, const A* q_qkv,
+                                              const ops::SeqView& q_seqs, const A* ctx, const St* lse,
+                                              int32_t num_heads, int32_t head_dim, const ops::Dropout& drop,
+                                              A* d_qkv, G* d_qkv_bias) {
+  OpScope timed(*this, "attention_bwd");
+  require_whole_sequences(seqs, "attention_backward_rows");
+  static_assert(std::is_same_v<G, float>, "FmhaParams::d_qkv_bias is fp32");
+  check_seqs(seqs, drop.p > 0.0f);
+  if (seqs.num_tokens == 0) return;
+  FmhaParams p = fmha_params(seqs, num_heads, head_dim, drop, std::is_same_v<A, nopad::f16>);
+  p.qkv = qkv;
+  p.ctx = const_cast<A*>(ctx);
+  p.lse = const_cast<St*>(lse);
+  p.d_ctx = d_ctx;
+  p.d_qkv = d_qkv;
+  set_query_rows(p, q_qkv, q_seqs, seqs, "attention_backward_rows");
+  const bool bias_in_kernels =
+      kernel_variants().qkv_bias_in_attention && fmha_backward_bias_supported(num_heads, head_dim);
+  p.d_qkv_bias = bias_in_kernels ? d_qkv_bias : nullptr;
+  p.workspace_bytes = fmha_backward_workspace_bytes(q_seqs.num_tokens, num_heads, head_dim);
+  if (p.workspace_bytes > 0) p.workspace = scratch(kFmhaWorkspace, p.workspace_bytes);
+  fmha_backward(p, stream_);
+  if (d_qkv_bias && !bias_in_kernels) {
+    const int32_t n = 3 * num_heads * head_dim;
+    if (dense_grad_pass_supported(n, d_qkv, nullptr, nullptr)) {
+      grad_pass(d_qkv, nullptr, nullptr, seqs.num_tokens, n, d_qkv_bias);
+    } else {
+      column_sums_accumulate(d_qkv, seqs.num_tokens, n, d_qkv_bias);
+    }
+  }
+}
+
 // Cuts the grouped launches of one attention call from the batch's host-side length order (ops/attention_groups.h);
 // false: one plain launch (kSingle, or the caller gave no order).
 template <class P>

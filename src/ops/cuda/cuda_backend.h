@@ -118,6 +118,12 @@ class CudaBackendT final : public ops::Backend<P> {
   void attention_backward(const A* d_ctx, const A* qkv, const A* ctx, const St* lse, const ops::SeqView& seqs,
                           int32_t num_heads, int32_t head_dim, const ops::Dropout& drop, A* d_qkv,
                           G* d_qkv_bias) override;
+  void attention_forward_rows(const A* qkv, const ops::SeqView& seqs, const A* q_qkv, const ops::SeqView& q_seqs,
+                              int32_t num_heads, int32_t head_dim, const ops::Dropout& drop, A* ctx,
+                              St* lse) override;
+  void attention_backward_rows(const A* d_ctx, const A* qkv, const ops::SeqView& seqs, const A* q_qkv,
+                               const ops::SeqView& q_seqs, const A* ctx, const St* lse, int32_t num_heads,
+                               int32_t head_dim, const ops::Dropout& drop, A* d_qkv, G* d_qkv_bias) override;
   void bias_dropout_residual_layernorm_forward(const A* x, const W* bias, const A* residual, const W* ln_gamma,
                                                const W* ln_beta, const ops::SeqView& seqs, int32_t hidden,
                                                double ln_eps, const ops::Dropout& drop, A* out, St* ln_mean,

@@ -57,6 +57,19 @@ struct FmhaParams {
   bool fp16 = false;                    // element type: false = bf16, true = fp16
   int32_t fwd_variant = -1;             // forward kernel variant, -1 = default (see above)
   int32_t bwd_variant = -1;             // backward kernel variant, -1 = default
+  // Query rows (optional; q_cu_seqlens null: every row of a sequence is a query). With q_cu_seqlens [num_seqs + 1]
+  // set, the queries of sequence b are rows q_cu_seqlens[b] .. q_cu_seqlens[b + 1] - 1 of q_qkv [num_q_tokens, 3H]
+  // (laid out as qkv; only its q block is read), query i sitting at position q_positions[i] of its sequence
+  // (distinct within a sequence, < its length: the dropout key and where its dQ goes); ctx, d_ctx are then
+  // [num_q_tokens, H] and lse [num_heads, num_q_tokens]. Keys and values stay every row of qkv. The backward writes
+  // dQ of query i into d_qkv row cu_seqlens[b] + q_positions[i] and zeros into the q block of every other row (and its
+  // workspace needs only num_q_tokens rows). max_q_seqlen: the most queries of one sequence. No grouping (seq_index
+  // must be null). What the sparse last encoder layer runs: its queries are the rows the heads read (model/bert.h).
+  const void* q_qkv = nullptr;            // [num_q_tokens, 3H]
+  const int32_t* q_cu_seqlens = nullptr;  // [num_seqs + 1], device
+  const int32_t* q_positions = nullptr;   // [num_q_tokens], device
+  int32_t num_q_tokens = 0;
+  int32_t max_q_seqlen = 0;
 };
 
 // The variants, for tests and benchmarks: count, and a short name of each ("m64w4" ...: tile rows x warps).

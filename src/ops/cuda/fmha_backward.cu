@@ -9,8 +9,8 @@
 //      are instantiated and chosen per call (fmha.h).
 //   3. fmha_bwd_dq_kernel:  dq_accum -> d_qkv's q block (bf16/fp16); with FmhaParams::d_qkv_bias,
 //      fmha_bwd_dq_bias_kernel, which also adds the q block's column sums (the main kernels add the k and v blocks').
-// Workspace: D [heads, T] fp32, lse2 [heads, T] fp32, then (256-byte aligned) dq_accum [T, H] fp32. Design:
-// docs/fmha.md.
+// Workspace: D [heads, T] fp32, lse2 [heads, T] fp32, then (256-byte aligned) dq_accum [T, H] fp32, T = the query
+// rows (FmhaParams::num_q_tokens when the queries are a subset of the rows). Design: docs/fmha.md.
 #include <cmath>
 #include <type_traits>
 
@@ -37,13 +37,15 @@ constexpr int kPreRows = 8;  // rows per CTA of the pre/post kernels (one warp e
 template <bool kFp16>
 __global__ void __launch_bounds__(32 * kPreRows) fmha_bwd_pre_kernel(const KernelArgs args, float* D, float* dq_acc) {
   const FmhaParams& p = args.p;
-  int b, s0, L;
+  int b, s0, L, qs0, Lq;
   launch_sequence(p, static_cast<int>(blockIdx.y), b, s0, L);
+  launch_queries(p, b, s0, L, qs0, Lq);
   const int warp = static_cast<int>(threadIdx.x) >> 5, lane = static_cast<int>(threadIdx.x) & 31;
   const int row = static_cast<int>(blockIdx.x) * kPreRows + warp;
-  if (row >= L) return;  // warp-uniform
+  if (row >= Lq) return;  // warp-uniform
   const int hd = p.head_dim, H = p.num_heads * hd, chunks = H / 8, per_head = hd / 8;
-  const int64_t tok = s0 + row;
+  const int32_t Tq = query_tokens(p);
+  const int64_t tok = qs0 + row;  // the query's row of ctx, d_ctx, lse and the workspace
   const uint4* o = reinterpret_cast<const uint4*>(static_cast<const uint16_t*>(p.ctx) + tok * H);
   const uint4* d_o = reinterpret_cast<const uint4*>(static_cast<const uint16_t*>(p.d_ctx) + tok * H);
   for (int base = 0; base < chunks; base += 32) {  // uniform trip count: every lane joins the shuffles
@@ -60,27 +62,29 @@ __global__ void __launch_bounds__(32 * kPreRows) fmha_bwd_pre_kernel(const Kerne
     }
     for (int off = per_head / 2; off >= 1; off >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, off);
     if (c < chunks && c % per_head == 0) {
-      const int64_t i = int64_t{c / per_head} * p.num_tokens + tok;
+      const int64_t i = int64_t{c / per_head} * Tq + tok;
       D[i] = sum * args.inv_keep_scale;
-      D[lse2_offset(p.num_tokens, p.num_heads) + i] = p.lse[i] * kLog2e;
+      D[lse2_offset(Tq, p.num_heads) + i] = p.lse[i] * kLog2e;
     }
   }
   float4* dq = reinterpret_cast<float4*>(dq_acc + tok * H);
   for (int c = lane; c < H / 4; c += 32) dq[c] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
 }
 
-// d_qkv[t, 0:H] = dq_accum[t, :] (the scale is already applied), rounded to 16 bits.
+// d_qkv[t, 0:H] = dq_accum[t, :] (the scale is already applied), rounded to 16 bits. With query rows
+// (FmhaParams::q_cu_seqlens) dq_accum's row i goes to the d_qkv row of query i's position.
 template <bool kFp16>
 __global__ void __launch_bounds__(32 * kPreRows) fmha_bwd_dq_kernel(const KernelArgs args, const float* dq_acc) {
   const FmhaParams& p = args.p;
-  int b, s0, L;
+  int b, s0, L, qs0, Lq;
   launch_sequence(p, static_cast<int>(blockIdx.y), b, s0, L);
+  launch_queries(p, b, s0, L, qs0, Lq);
   const int warp = static_cast<int>(threadIdx.x) >> 5, lane = static_cast<int>(threadIdx.x) & 31;
   const int row = static_cast<int>(blockIdx.x) * kPreRows + warp;
-  if (row >= L) return;
+  if (row >= Lq) return;
   const int H = p.num_heads * p.head_dim;
-  const int64_t tok = s0 + row;
-  const float4* src = reinterpret_cast<const float4*>(dq_acc + tok * H);
+  const float4* src = reinterpret_cast<const float4*>(dq_acc + int64_t{qs0 + row} * H);
+  const int64_t tok = s0 + query_position(p, qs0, Lq, row);
   uint4* dst = reinterpret_cast<uint4*>(static_cast<uint16_t*>(p.d_qkv) + tok * 3 * H);
   for (int c = lane; c < H / 8; c += 32) {
     const float4 a = src[2 * c], bb = src[2 * c + 1];
@@ -101,15 +105,16 @@ template <bool kFp16>
 __global__ void __launch_bounds__(kDqBiasThreads) fmha_bwd_dq_bias_kernel(const KernelArgs args,
                                                                           const float* __restrict__ dq_acc) {
   const FmhaParams& p = args.p;
-  int b, s0, L;
+  int b, s0, L, qs0, Lq;
   launch_sequence(p, static_cast<int>(blockIdx.y), b, s0, L);
+  launch_queries(p, b, s0, L, qs0, Lq);
   const int row0 = static_cast<int>(blockIdx.x) * kDqBiasRows;
-  if (row0 >= L) return;  // CTA-uniform: a tile past this sequence's end
+  if (row0 >= Lq) return;  // CTA-uniform: a tile past this sequence's last query
   __shared__ __align__(16) float red[kDqBiasThreads * 8];  // [phase][H]
   const int tid = static_cast<int>(threadIdx.x);
   const int H = p.num_heads * p.head_dim, chunks = H / 8, phases = kDqBiasThreads / chunks;
   const int chunk = tid % chunks, phase = tid / chunks;
-  const int row_end = min(L, row0 + kDqBiasRows);
+  const int row_end = min(Lq, row0 + kDqBiasRows);
   float sum[8];
 #pragma unroll
   for (int e = 0; e < 8; ++e) sum[e] = 0.0f;
@@ -122,7 +127,7 @@ __global__ void __launch_bounds__(kDqBiasThreads) fmha_bwd_dq_bias_kernel(const 
       for (int j = 0; j < kBatch; ++j) {
         const int row = r + j * phases;
         if (row < row_end) {
-          const float4* src = reinterpret_cast<const float4*>(dq_acc + int64_t{s0 + row} * H) + 2 * chunk;
+          const float4* src = reinterpret_cast<const float4*>(dq_acc + int64_t{qs0 + row} * H) + 2 * chunk;
           v[j][0] = src[0];
           v[j][1] = src[1];
         }
@@ -133,7 +138,8 @@ __global__ void __launch_bounds__(kDqBiasThreads) fmha_bwd_dq_bias_kernel(const 
         if (row < row_end) {
           const uint32_t w[4] = {pack2<kFp16>(v[j][0].x, v[j][0].y), pack2<kFp16>(v[j][0].z, v[j][0].w),
                                  pack2<kFp16>(v[j][1].x, v[j][1].y), pack2<kFp16>(v[j][1].z, v[j][1].w)};
-          *reinterpret_cast<uint4*>(d_qkv + int64_t{s0 + row} * 3 * H + 8 * chunk) = make_uint4(w[0], w[1], w[2], w[3]);
+          const int64_t tok = s0 + query_position(p, qs0, Lq, row);
+          *reinterpret_cast<uint4*>(d_qkv + tok * 3 * H + 8 * chunk) = make_uint4(w[0], w[1], w[2], w[3]);
 #pragma unroll
           for (int e = 0; e < 4; ++e) {
             sum[2 * e] += to_f32<kFp16>(static_cast<uint16_t>(w[e]));
@@ -345,18 +351,19 @@ __global__ void __launch_bounds__(32 * kWarps, kMinCtas)
   constexpr int kNTiles = kTile / 8;  // n-tiles of S^T over the query tile
   const FmhaParams& p = args.p;
 
-  int b, s0, L;
+  int b, s0, L, qs0, Lq;  // keys: rows [s0, s0 + L) of qkv; queries: [qs0, qs0 + Lq) of the query matrices
   launch_sequence(p, static_cast<int>(blockIdx.z), b, s0, L);
+  launch_queries(p, b, s0, L, qs0, Lq);
   const int k0 = static_cast<int>(blockIdx.x) * Sh::kBlockN;
   if (k0 >= L) return;
   const int head = static_cast<int>(blockIdx.y);
-  const int H = p.num_heads * HD, T = p.num_tokens;
+  const int H = p.num_heads * HD, T = query_tokens(p);
   const int64_t ld = 3 * int64_t{H};
   const uint16_t* qkv = static_cast<const uint16_t*>(p.qkv);
-  const uint16_t* gQ = qkv + int64_t{s0} * ld + head * HD;  // the Q/dO tile last issued
-  const uint16_t* gdO = static_cast<const uint16_t*>(p.d_ctx) + int64_t{s0} * H + head * HD;
-  const float* gLse = D + lse2_offset(T, p.num_heads) + int64_t{head} * T + s0;  // lse * log2(e)
-  const float* gD = D + int64_t{head} * T + s0;
+  const uint16_t* gQ = query_source(p) + int64_t{qs0} * ld + head * HD;  // the Q/dO tile last issued
+  const uint16_t* gdO = static_cast<const uint16_t*>(p.d_ctx) + int64_t{qs0} * H + head * HD;
+  const float* gLse = D + lse2_offset(T, p.num_heads) + int64_t{head} * T + qs0;  // lse * log2(e)
+  const float* gD = D + int64_t{head} * T + qs0;
 
   extern __shared__ __align__(128) uint16_t smem[];
   uint16_t* sK = smem;                              // [kBlockN][HD]
@@ -372,9 +379,9 @@ __global__ void __launch_bounds__(32 * kWarps, kMinCtas)
   // Issues the copies of query tile i (its first row at gQ / gdO) into buffer buf.
   const auto load_q_tile = [&](int i, int buf) {
     const int qs = i * kTile;
-    q_copy.load(sQ + buf * kTile * HD, gQ, L - qs);
-    do_copy.load(sdO + buf * kTile * HD, gdO, L - qs);
-    stage_lse_d(sLse + buf * kTile, sD + buf * kTile, gLse, gD, qs, L, tid);
+    q_copy.load(sQ + buf * kTile * HD, gQ, Lq - qs);
+    do_copy.load(sdO + buf * kTile * HD, gdO, Lq - qs);
+    stage_lse_d(sLse + buf * kTile, sD + buf * kTile, gLse, gD, qs, Lq, tid);
   };
   {
     const TileCopy<HD, Sh::kBlockN, Sh::kThreads> kv_copy(ld);
@@ -414,7 +421,7 @@ __global__ void __launch_bounds__(32 * kWarps, kMinCtas)
   // their products (dV, dK and dQ never read their P' or dS). Full tiles carry no such code.
   const auto tile = [&](int qs, int buf, auto partial) {
     constexpr bool kPartial = decltype(partial)::value;
-    const int qvalid = L - qs;  // > 0; < 64 only when kPartial
+    const int qvalid = Lq - qs;  // > 0; < 64 only when kPartial
     const uint16_t* q = sQ + buf * kTile * HD;
     const uint16_t* d_o = sdO + buf * kTile * HD;
     const float* lse2 = sLse + buf * kTile;
@@ -451,10 +458,11 @@ __global__ void __launch_bounds__(32 * kWarps, kMinCtas)
       // of S and dP, so the scheduler interleaves its integer work with the MMAs above.
       uint32_t keep = 0;
       if constexpr (kDrop) {
+        const int qc = qs + 8 * g + 2 * t;  // this lane's two query columns qc, qc + 1 draw the blocks
         keep = lane_transpose<1, 2>(
-            fmha_dropout::bwd_lane_bits(draw, args.threshold, static_cast<uint32_t>(head), static_cast<uint32_t>(qs),
-                                        static_cast<uint32_t>(k0 + wrow), static_cast<uint32_t>(g),
-                                        static_cast<uint32_t>(t)),
+            fmha_dropout::bwd_lane_bits_at(draw, args.threshold, static_cast<uint32_t>(head),
+                                           query_position(p, qs0, Lq, qc), query_position(p, qs0, Lq, qc + 1),
+                                           static_cast<uint32_t>(k0 + wrow)),
             static_cast<uint32_t>(g));
       }
 
@@ -503,10 +511,10 @@ __global__ void __launch_bounds__(32 * kWarps, kMinCtas)
         mma16816<kFp16>(dq[2 * d2 + 1], a, r[2], r[3]);
       }
     }
-    add_dq<kQTiles>(p, dq_acc, dq, args.grad_scale, s0, qs + dq_qgroup * 16 + g, L, head * HD + dq_col0, t);
+    add_dq<kQTiles>(p, dq_acc, dq, args.grad_scale, qs0, qs + dq_qgroup * 16 + g, Lq, head * HD + dq_col0, t);
   };
 
-  const int num_qt = (L + kTile - 1) / kTile;
+  const int num_qt = (Lq + kTile - 1) / kTile;
   for (int i = 0; i < num_qt; ++i) {
     const int buf = i & 1, qs = i * kTile;
     cp_async_wait<0>();
@@ -517,7 +525,7 @@ __global__ void __launch_bounds__(32 * kWarps, kMinCtas)
       load_q_tile(i + 1, buf ^ 1);
     }
     cp_async_commit();
-    if (qs + kTile <= L) {
+    if (qs + kTile <= Lq) {
       tile(qs, buf, std::false_type{});
     } else {
       tile(qs, buf, std::true_type{});
@@ -583,18 +591,19 @@ __global__ void __launch_bounds__(128, kMinCtas)
   constexpr int kDTiles = HD / 8;
   const FmhaParams& p = args.p;
 
-  int b, s0, L;
+  int b, s0, L, qs0, Lq;  // keys: rows [s0, s0 + L) of qkv; queries: [qs0, qs0 + Lq) of the query matrices
   launch_sequence(p, static_cast<int>(blockIdx.z), b, s0, L);
+  launch_queries(p, b, s0, L, qs0, Lq);
   const int k0 = static_cast<int>(blockIdx.x) * Sh::kBlockN;
   if (k0 >= L) return;
   const int head = static_cast<int>(blockIdx.y);
-  const int H = p.num_heads * HD, T = p.num_tokens;
+  const int H = p.num_heads * HD, T = query_tokens(p);
   const int64_t ld = 3 * int64_t{H};
   const uint16_t* qkv = static_cast<const uint16_t*>(p.qkv);
-  const uint16_t* gQ = qkv + int64_t{s0} * ld + head * HD;
-  const uint16_t* gdO = static_cast<const uint16_t*>(p.d_ctx) + int64_t{s0} * H + head * HD;
-  const float* gLse = D + lse2_offset(T, p.num_heads) + int64_t{head} * T + s0;  // lse * log2(e)
-  const float* gD = D + int64_t{head} * T + s0;
+  const uint16_t* gQ = query_source(p) + int64_t{qs0} * ld + head * HD;
+  const uint16_t* gdO = static_cast<const uint16_t*>(p.d_ctx) + int64_t{qs0} * H + head * HD;
+  const float* gLse = D + lse2_offset(T, p.num_heads) + int64_t{head} * T + qs0;  // lse * log2(e)
+  const float* gD = D + int64_t{head} * T + qs0;
 
   extern __shared__ uint8_t smem_raw[];
   uint16_t* sK = reinterpret_cast<uint16_t*>(align_smem(smem_raw));  // [64][HD]
@@ -609,8 +618,8 @@ __global__ void __launch_bounds__(128, kMinCtas)
   const int tid = static_cast<int>(threadIdx.x);
   // kBulkDq: thread tid < 64 sends row tid of the staged tile that starts at query qs_staged.
   const auto send_dq_row = [&](int qs_staged) {
-    if (tid < kTile && qs_staged + tid < L) {
-      bulk_reduce_add_f32(dq_acc + int64_t{s0 + qs_staged + tid} * H + head * HD, sdQ + tid * Sh::kDqStageLd,
+    if (tid < kTile && qs_staged + tid < Lq) {
+      bulk_reduce_add_f32(dq_acc + int64_t{qs0 + qs_staged + tid} * H + head * HD, sdQ + tid * Sh::kDqStageLd,
                           HD * sizeof(float));
       bulk_commit();
     }
@@ -618,9 +627,9 @@ __global__ void __launch_bounds__(128, kMinCtas)
   const TileCopy<HD, kTile, Sh::kThreads> q_copy(ld), do_copy(H);
   const auto load_q_tile = [&](int i, int buf) {
     const int qs = i * kTile;
-    q_copy.load(sQ + buf * kTile * HD, gQ, L - qs);
-    do_copy.load(sdO + buf * kTile * HD, gdO, L - qs);
-    stage_lse_d(sLse + buf * kTile, sD + buf * kTile, gLse, gD, qs, L, tid);
+    q_copy.load(sQ + buf * kTile * HD, gQ, Lq - qs);
+    do_copy.load(sdO + buf * kTile * HD, gdO, Lq - qs);
+    stage_lse_d(sLse + buf * kTile, sD + buf * kTile, gLse, gD, qs, Lq, tid);
   };
   {
     const TileCopy<HD, Sh::kBlockN, Sh::kThreads> kv_copy(ld);
@@ -651,7 +660,7 @@ __global__ void __launch_bounds__(128, kMinCtas)
 #pragma unroll
     for (int e = 0; e < 4; ++e) dv[i][e] = dk[i][e] = 0.0f;
 
-  const int num_qt = (L + kTile - 1) / kTile;
+  const int num_qt = (Lq + kTile - 1) / kTile;
   for (int i = 0; i < num_qt; ++i) {
     const int buf = i & 1, qs = i * kTile;
     cp_async_wait<0>();
@@ -681,10 +690,11 @@ __global__ void __launch_bounds__(128, kMinCtas)
     wgmma_commit();
     uint32_t keep = 0;
     if constexpr (kDrop) {
+      const int qc = qs + 8 * g + 2 * t;  // this lane's two query columns qc, qc + 1 draw the blocks
       keep = lane_transpose<1, 2>(
-          fmha_dropout::bwd_lane_bits(draw, args.threshold, static_cast<uint32_t>(head), static_cast<uint32_t>(qs),
-                                      static_cast<uint32_t>(k0 + wrow), static_cast<uint32_t>(g),
-                                      static_cast<uint32_t>(t)),
+          fmha_dropout::bwd_lane_bits_at(draw, args.threshold, static_cast<uint32_t>(head),
+                                         query_position(p, qs0, Lq, qc), query_position(p, qs0, Lq, qc + 1),
+                                         static_cast<uint32_t>(k0 + wrow)),
           static_cast<uint32_t>(g));
     }
     wgmma_wait<0>();
@@ -729,13 +739,13 @@ __global__ void __launch_bounds__(128, kMinCtas)
     if constexpr (kBulkDq) {
       stage_dq(sdQ, dq, args.grad_scale, wrow, g, t);
     } else {
-      add_dq<kDTiles>(p, dq_acc, dq, args.grad_scale, s0, qs + wrow + g, L, head * HD, t);
+      add_dq<kDTiles>(p, dq_acc, dq, args.grad_scale, qs0, qs + wrow + g, Lq, head * HD, t);
     }
   }
-  if constexpr (kBulkDq) {  // the last tile's dQ
+  if constexpr (kBulkDq) {  // the last tile's dQ (none when the sequence has no queries: FmhaParams::q_cu_seqlens)
     fence_proxy_async();
     __syncthreads();
-    send_dq_row((num_qt - 1) * kTile);
+    if (num_qt > 0) send_dq_row((num_qt - 1) * kTile);
   }
 
   // dK (scaled) and dV into d_qkv's k and v blocks, rows of keys that exist.
@@ -814,10 +824,19 @@ void launch_backward(const KernelArgs& args, int variant, int32_t n, cudaStream_
   const FmhaParams& p = args.p;
   float* D = static_cast<float*>(p.workspace);
   float* dq_acc =
-      reinterpret_cast<float*>(static_cast<char*>(p.workspace) + dq_accum_offset(p.num_tokens, p.num_heads));
-  const dim3 row_grid((p.max_seqlen + kPreRows - 1) / kPreRows, n);
-  fmha_bwd_pre_kernel<kFp16><<<row_grid, 32 * kPreRows, 0, stream>>>(args, D, dq_acc);
-  NOPAD_CUDA_CHECK_LAUNCH();
+      reinterpret_cast<float*>(static_cast<char*>(p.workspace) + dq_accum_offset(query_tokens(p), p.num_heads));
+  // The pre and dQ kernels run over the queries: every row, or query rows (FmhaParams::q_cu_seqlens), whose d_qkv q
+  // block is zeroed first in every row (the dQ kernel then writes the queries' rows).
+  const int32_t q_rows = query_seqlen(p);
+  const dim3 row_grid((q_rows + kPreRows - 1) / kPreRows, n);
+  if (p.q_cu_seqlens != nullptr) {
+    const size_t row_bytes = static_cast<size_t>(p.num_heads) * p.head_dim * 2;
+    NOPAD_CUDA_CHECK(cudaMemset2DAsync(p.d_qkv, 3 * row_bytes, 0, row_bytes, static_cast<size_t>(p.num_tokens), stream));
+  }
+  if (q_rows > 0) {
+    fmha_bwd_pre_kernel<kFp16><<<row_grid, 32 * kPreRows, 0, stream>>>(args, D, dq_acc);
+    NOPAD_CUDA_CHECK_LAUNCH();
+  }
   // At HD = 128 the register cap makes no difference (never capped there), so variant 1 runs variant 0's kernel.
   if (HD > 64 && variant == 1) variant = 0;
   // The wgmma kernel exists for head_dim 64 on sm_90a; elsewhere its variant runs the default mma.sync kernel.
@@ -839,10 +858,11 @@ void launch_backward(const KernelArgs& args, int variant, int32_t n, cudaStream_
       break;
     default: fail("fmha_backward: no variant ", variant);
   }
+  if (q_rows == 0) return;
   if (p.d_qkv_bias == nullptr) {
     fmha_bwd_dq_kernel<kFp16><<<row_grid, 32 * kPreRows, 0, stream>>>(args, dq_acc);
   } else {
-    const dim3 grid((p.max_seqlen + kDqBiasRows - 1) / kDqBiasRows, n);
+    const dim3 grid((q_rows + kDqBiasRows - 1) / kDqBiasRows, n);
     fmha_bwd_dq_bias_kernel<kFp16><<<grid, kDqBiasThreads, 0, stream>>>(args, dq_acc);
   }
   NOPAD_CUDA_CHECK_LAUNCH();
@@ -893,7 +913,7 @@ void fmha_backward(const FmhaParams& p, cudaStream_t stream) {
               "workspace must not be null");
   NOPAD_CHECK(aligned16(p.d_ctx) && aligned16(p.d_qkv) && aligned16(p.workspace),
               "fmha_backward: d_ctx, d_qkv and workspace must be 16-byte aligned");
-  const size_t need = fmha_backward_workspace_bytes(p.num_tokens, p.num_heads, p.head_dim);
+  const size_t need = fmha_backward_workspace_bytes(query_tokens(p), p.num_heads, p.head_dim);
   NOPAD_CHECK(p.workspace_bytes >= need, "fmha_backward: workspace of ", p.workspace_bytes, " bytes is too small, ",
               "need ", need, " (fmha_backward_workspace_bytes)");
   NOPAD_CHECK(p.d_qkv_bias == nullptr || fmha_backward_bias_supported(p.num_heads, p.head_dim), "fmha_backward: ",

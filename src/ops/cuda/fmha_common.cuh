@@ -211,6 +211,33 @@ __device__ __forceinline__ void launch_sequence(const FmhaParams& p, int z, int&
   s0 = p.cu_seqlens[b];
   L = p.cu_seqlens[b + 1] - s0;
 }
+// Its queries: rows [qs0, qs0 + Lq) of the query matrix (qkv itself, or FmhaParams::q_qkv), with their ctx, d_ctx,
+// lse and workspace rows at the same indices.
+__device__ __forceinline__ void launch_queries(const FmhaParams& p, int b, int s0, int L, int& qs0, int& Lq) {
+  if (p.q_cu_seqlens != nullptr) {
+    qs0 = p.q_cu_seqlens[b];
+    Lq = p.q_cu_seqlens[b + 1] - qs0;
+  } else {
+    qs0 = s0;
+    Lq = L;
+  }
+}
+// Position within the sequence (the dropout key, and where dQ goes) of its query r; r past the last query (whose
+// results are never used) reads the last one's.
+__device__ __forceinline__ uint32_t query_position(const FmhaParams& p, int qs0, int Lq, int r) {
+  return p.q_positions != nullptr ? static_cast<uint32_t>(p.q_positions[qs0 + min(r, Lq - 1)])
+                                  : static_cast<uint32_t>(r);
+}
+// Rows of the query-side matrices (ctx, d_ctx, lse, the backward workspace), and the longest query range.
+__host__ __device__ inline int32_t query_tokens(const FmhaParams& p) {
+  return p.q_cu_seqlens != nullptr ? p.num_q_tokens : p.num_tokens;
+}
+__host__ __device__ inline int32_t query_seqlen(const FmhaParams& p) {
+  return p.q_cu_seqlens != nullptr ? p.max_q_seqlen : p.max_seqlen;
+}
+__host__ __device__ inline const uint16_t* query_source(const FmhaParams& p) {
+  return static_cast<const uint16_t*>(p.q_cu_seqlens != nullptr ? p.q_qkv : p.qkv);
+}
 
 // ------------------------------------------------------------------------------------------------ host side
 inline bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
@@ -240,6 +267,16 @@ inline int32_t validate_common(const FmhaParams& p, const char* op) {
                 ": without seq_index, num_launch_seqs must be num_seqs (or 0), got ", p.num_launch_seqs);
   }
   NOPAD_CHECK(n <= 65535, op, ": at most 65535 sequences per launch, got ", n);
+  if (p.q_cu_seqlens != nullptr) {
+    NOPAD_CHECK(p.seq_index == nullptr, op, ": query rows (q_cu_seqlens) cannot be grouped (seq_index must be null)");
+    NOPAD_CHECK(p.q_qkv != nullptr && p.q_positions != nullptr, op, ": q_cu_seqlens needs q_qkv and q_positions");
+    NOPAD_CHECK(aligned16(p.q_qkv), op, ": q_qkv must be 16-byte aligned");
+    NOPAD_CHECK(p.num_q_tokens >= 0 && p.max_q_seqlen >= 0 && p.max_q_seqlen <= p.max_seqlen, op,
+                ": num_q_tokens ", p.num_q_tokens, " and max_q_seqlen ", p.max_q_seqlen,
+                " must be >= 0, max_q_seqlen <= max_seqlen ", p.max_seqlen);
+  } else {
+    NOPAD_CHECK(p.q_qkv == nullptr && p.q_positions == nullptr, op, ": q_qkv / q_positions need q_cu_seqlens");
+  }
   return n;
 }
 

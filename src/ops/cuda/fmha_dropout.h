@@ -77,17 +77,25 @@ NOPAD_HOST_DEVICE constexpr int fwd_bit(int nt, int e) {
   return 8 * ((e >> 1) + 2 * (nt >> 2)) + 2 * (nt & 3) + (e & 1);
 }
 
+// pos_g and pos_g8: the query positions (within the sequence: the dropout key) of the lane's rows g and g + 8. They are
+// the rows' own indices when every row of the sequence is a query (fwd_lane_bits), any positions when the queries are
+// a subset of the rows (FmhaParams::q_positions).
 template <class Draw>
-NOPAD_HOST_DEVICE inline uint32_t fwd_lane_bits(Draw&& draw, uint32_t threshold, uint32_t head, uint32_t row_g,
-                                                uint32_t key_tile, uint32_t t) {
+NOPAD_HOST_DEVICE inline uint32_t fwd_lane_bits_at(Draw&& draw, uint32_t threshold, uint32_t head, uint32_t pos_g,
+                                                   uint32_t pos_g8, uint32_t key_tile, uint32_t t) {
   const uint32_t c16 = keep_c16(threshold);
   uint32_t x = 0;
   NOPAD_FMHA_UNROLL
   for (int beta = 3; beta >= 0; --beta) {
-    const uint32_t row = row_g + 8u * (beta & 1), nt = t + 4u * (beta >> 1);
+    const uint32_t row = (beta & 1) ? pos_g8 : pos_g, nt = t + 4u * (beta >> 1);
     x = push_block(x, draw(block_lo(row, key_tile + 8u * nt), block_hi(head, row)), c16);
   }
   return x;
+}
+template <class Draw>
+NOPAD_HOST_DEVICE inline uint32_t fwd_lane_bits(Draw&& draw, uint32_t threshold, uint32_t head, uint32_t row_g,
+                                                uint32_t key_tile, uint32_t t) {
+  return fwd_lane_bits_at(draw, threshold, head, row_g, row_g + 8u, key_tile, t);
 }
 
 // ------------------------------------------------------------------------------------------------ backward
@@ -96,17 +104,25 @@ NOPAD_HOST_DEVICE inline uint32_t fwd_lane_bits(Draw&& draw, uint32_t threshold,
 // beta, field g: key key16 + 8 kg + g, query q_tile + 8 s + 2 t + j, i.e. accumulator element e = beta of n-tile s.
 NOPAD_HOST_DEVICE constexpr int bwd_bit(int nt, int e) { return 8 * e + nt; }
 
+// pos_0 and pos_1: the positions (the dropout key) of the lane's queries q_tile + 8 g + 2 t + {0, 1}; their indices
+// when every row is a query (bwd_lane_bits), FmhaParams::q_positions' values when the queries are a subset.
 template <class Draw>
-NOPAD_HOST_DEVICE inline uint32_t bwd_lane_bits(Draw&& draw, uint32_t threshold, uint32_t head, uint32_t q_tile,
-                                                uint32_t key16, uint32_t g, uint32_t t) {
+NOPAD_HOST_DEVICE inline uint32_t bwd_lane_bits_at(Draw&& draw, uint32_t threshold, uint32_t head, uint32_t pos_0,
+                                                   uint32_t pos_1, uint32_t key16) {
   const uint32_t c16 = keep_c16(threshold);
   uint32_t x = 0;
   NOPAD_FMHA_UNROLL
   for (int beta = 3; beta >= 0; --beta) {
-    const uint32_t q = q_tile + 8u * g + 2u * t + (beta & 1), key8 = key16 + 8u * (beta >> 1);
+    const uint32_t q = (beta & 1) ? pos_1 : pos_0, key8 = key16 + 8u * (beta >> 1);
     x = push_block(x, draw(block_lo(q, key8), block_hi(head, q)), c16);
   }
   return x;
+}
+template <class Draw>
+NOPAD_HOST_DEVICE inline uint32_t bwd_lane_bits(Draw&& draw, uint32_t threshold, uint32_t head, uint32_t q_tile,
+                                                uint32_t key16, uint32_t g, uint32_t t) {
+  const uint32_t q = q_tile + 8u * g + 2u * t;
+  return bwd_lane_bits_at(draw, threshold, head, q, q + 1u, key16);
 }
 
 // ------------------------------------------------------------------------------------------------ exchange

@@ -67,7 +67,8 @@ __device__ __forceinline__ void drop_tile(float (&s)[kTile / 8][4], uint32_t kee
     for (int e = 0; e < 4; ++e) s[nt][e] = ((keep >> fmha_dropout::fwd_bit(nt, e)) & 1u) ? s[nt][e] : 0.0f;
 }
 
-// Epilogue of one warp's 16 rows, rows mrow .. mrow + 15 of the query tile that starts at query q0: lse = max * scale +
+// Epilogue of one warp's 16 rows, rows mrow .. mrow + 15 of the query tile that starts at query q0 (s0, L: the
+// sequence's query rows, launch_queries): lse = max * scale +
 // ln(sum) (natural log) by lane t = 0 of each row; O = acc * keep_scale / sum as 16-bit into the same rows of the
 // swizzled tile sQ (rows no other warp reads), from where store_rows() writes them with 16-byte stores.
 template <int HD, bool kFp16, bool kDrop>
@@ -84,7 +85,7 @@ __device__ __forceinline__ void finish_rows(const KernelArgs& args, const float 
     // sum >= 1 (the row max contributes exp2(0)): a reciprocal without the IEEE division's slow-path call.
     inv[r] = (kDrop ? args.keep_scale : 1.0f) * __frcp_rn(sum);
     const int row = q0 + mrow + g + 8 * r;
-    if (t == 0 && row < L) p.lse[int64_t{head} * p.num_tokens + s0 + row] = row_max[r] * p.scale + logf(sum);
+    if (t == 0 && row < L) p.lse[int64_t{head} * query_tokens(p) + s0 + row] = row_max[r] * p.scale + logf(sum);
   }
   __syncwarp();  // every lane's last read of these rows (ldmatrix of Q) is done before they are overwritten
 #pragma unroll
@@ -133,10 +134,11 @@ __global__ void __launch_bounds__(32 * kWarps, kMinCtas) fmha_fwd_kernel(const _
   constexpr int kQF = Sh::kQInRegs ? kMT : 1;
   const FmhaParams& p = args.p;
 
-  int b, s0, L;
+  int b, s0, L, qs0, Lq;
   launch_sequence(p, static_cast<int>(blockIdx.z), b, s0, L);
+  launch_queries(p, b, s0, L, qs0, Lq);
   const int q0 = static_cast<int>(blockIdx.x) * Sh::kBlockM;
-  if (q0 >= L) return;  // CTA past its sequence's end (grid.x covers the longest sequence of the launch)
+  if (q0 >= Lq) return;  // CTA past its sequence's last query (grid.x covers the most queries of a sequence)
   const int head = static_cast<int>(blockIdx.y);
   const int H = p.num_heads * HD;
   const int64_t ld = 3 * int64_t{H};
@@ -151,7 +153,7 @@ __global__ void __launch_bounds__(32 * kWarps, kMinCtas) fmha_fwd_kernel(const _
   const uint16_t* gV = gK + H;
   {
     const TileCopy<HD, Sh::kBlockM, Sh::kThreads> q_copy(ld);
-    q_copy.load(sQ, qkv + int64_t{s0 + q0} * ld + head * HD, L - q0);
+    q_copy.load(sQ, query_source(p) + int64_t{qs0 + q0} * ld + head * HD, Lq - q0);
   }
   const TileCopy<HD, kTile, Sh::kThreads> kv_copy(ld);
   kv_copy.load(sK, gK, L);
@@ -162,7 +164,7 @@ __global__ void __launch_bounds__(32 * kWarps, kMinCtas) fmha_fwd_kernel(const _
   const int g = lane >> 2, t = lane & 3;
   const int wrow = warp * Sh::kWarpRows;  // this warp's first row within the Q tile
   // A warp whose rows all lie past the end only joins the barriers and the copies (warp-uniform).
-  const bool live = q0 + wrow < L;
+  const bool live = q0 + wrow < Lq;
 
   uint32_t qf[kQF][kKSteps][4];
   float acc[kMT][kDTiles][4];
@@ -184,6 +186,14 @@ __global__ void __launch_bounds__(32 * kWarps, kMinCtas) fmha_fwd_kernel(const _
     s_hi = static_cast<uint32_t>(sample >> 32);
   }
   const auto draw = [&](uint32_t lo, uint32_t hi) { return dropout_block(args, s_lo, s_hi, lo, hi); };
+  // The dropout keys of the lane's rows g and g + 8 of each m-tile: their positions in the sequence.
+  [[maybe_unused]] uint32_t qpos[kMT][2];
+  if constexpr (kDrop) {
+#pragma unroll
+    for (int mt = 0; mt < kMT; ++mt)
+#pragma unroll
+      for (int r = 0; r < 2; ++r) qpos[mt][r] = query_position(p, qs0, Lq, q0 + wrow + 16 * mt + g + 8 * r);
+  }
 
   // One key tile. kPartial: the tile holds fewer than 64 valid keys (the sequence's last tile): 16-key groups past the
   // end skip their products and the keys past the end are masked; full tiles carry no such code.
@@ -229,10 +239,9 @@ __global__ void __launch_bounds__(32 * kWarps, kMinCtas) fmha_fwd_kernel(const _
     if constexpr (kDrop) {
 #pragma unroll
       for (int mt = 0; mt < kMT; ++mt) {
-        const uint32_t row_g = static_cast<uint32_t>(q0 + wrow + 16 * mt + g);
         keep[mt] = lane_transpose<2, 0>(
-            fmha_dropout::fwd_lane_bits(draw, args.threshold, static_cast<uint32_t>(head), row_g,
-                                        static_cast<uint32_t>(kbase), static_cast<uint32_t>(t)),
+            fmha_dropout::fwd_lane_bits_at(draw, args.threshold, static_cast<uint32_t>(head), qpos[mt][0],
+                                           qpos[mt][1], static_cast<uint32_t>(kbase), static_cast<uint32_t>(t)),
             static_cast<uint32_t>(t));
       }
     }
@@ -299,8 +308,9 @@ __global__ void __launch_bounds__(32 * kWarps, kMinCtas) fmha_fwd_kernel(const _
   // Epilogue: O and lse per m-tile, staged through this warp's own rows of sQ for 16-byte coalesced stores.
 #pragma unroll
   for (int mt = 0; mt < kMT; ++mt)
-    finish_rows<HD, kFp16, kDrop>(args, acc[mt], row_max[mt], row_sum[mt], sQ, wrow + 16 * mt, q0, s0, L, head, g, t);
-  store_rows<HD>(p, sQ, wrow, Sh::kWarpRows, q0, s0, L, head, lane);
+    finish_rows<HD, kFp16, kDrop>(args, acc[mt], row_max[mt], row_sum[mt], sQ, wrow + 16 * mt, q0, qs0, Lq, head, g,
+                                  t);
+  store_rows<HD>(p, sQ, wrow, Sh::kWarpRows, q0, qs0, Lq, head, lane);
 }
 
 // ------------------------------------------------------------------------------------------------ Hopper (wgmma)
@@ -325,10 +335,11 @@ __global__ void __launch_bounds__(128 * kWG, kMinCtas) fmha_fwd_wgmma_kernel(con
   constexpr int kDTiles = HD / 8;
   const FmhaParams& p = args.p;
 
-  int b, s0, L;
+  int b, s0, L, qs0, Lq;
   launch_sequence(p, static_cast<int>(blockIdx.z), b, s0, L);
+  launch_queries(p, b, s0, L, qs0, Lq);
   const int q0 = static_cast<int>(blockIdx.x) * Sh::kBlockM;
-  if (q0 >= L) return;
+  if (q0 >= Lq) return;
   const int head = static_cast<int>(blockIdx.y);
   const int H = p.num_heads * HD;
   const int64_t ld = 3 * int64_t{H};
@@ -343,7 +354,7 @@ __global__ void __launch_bounds__(128 * kWG, kMinCtas) fmha_fwd_wgmma_kernel(con
   const uint16_t* gV = gK + H;
   {
     const TileCopy<HD, Sh::kBlockM, Sh::kThreads> q_copy(ld);
-    q_copy.load(sQ, qkv + int64_t{s0 + q0} * ld + head * HD, L - q0);
+    q_copy.load(sQ, query_source(p) + int64_t{qs0 + q0} * ld + head * HD, Lq - q0);
   }
   const TileCopy<HD, kTile, Sh::kThreads> kv_copy(ld);
   kv_copy.load(sK, gK, L);
@@ -367,6 +378,11 @@ __global__ void __launch_bounds__(128 * kWG, kMinCtas) fmha_fwd_wgmma_kernel(con
     s_hi = static_cast<uint32_t>(sample >> 32);
   }
   const auto draw = [&](uint32_t lo, uint32_t hi) { return dropout_block(args, s_lo, s_hi, lo, hi); };
+  [[maybe_unused]] uint32_t qpos[2];  // dropout keys of the lane's rows g and g + 8
+  if constexpr (kDrop) {
+    qpos[0] = query_position(p, qs0, Lq, q0 + wrow + g);
+    qpos[1] = query_position(p, qs0, Lq, q0 + wrow + g + 8);
+  }
 
   const auto tile = [&](const uint16_t* k, const uint16_t* v, int kbase, auto partial) {
     constexpr bool kPartial = decltype(partial)::value;
@@ -380,9 +396,9 @@ __global__ void __launch_bounds__(128 * kWG, kMinCtas) fmha_fwd_wgmma_kernel(con
     wgmma_commit();
     [[maybe_unused]] uint32_t keep = 0;  // read only with dropout
     if constexpr (kDrop) {
-      const uint32_t row_g = static_cast<uint32_t>(q0 + wrow + g);
-      keep = lane_transpose<2, 0>(fmha_dropout::fwd_lane_bits(draw, args.threshold, static_cast<uint32_t>(head), row_g,
-                                                              static_cast<uint32_t>(kbase), static_cast<uint32_t>(t)),
+      keep = lane_transpose<2, 0>(fmha_dropout::fwd_lane_bits_at(draw, args.threshold, static_cast<uint32_t>(head),
+                                                                 qpos[0], qpos[1], static_cast<uint32_t>(kbase),
+                                                                 static_cast<uint32_t>(t)),
                                   static_cast<uint32_t>(t));
     }
     wgmma_wait<0>();
@@ -428,8 +444,8 @@ __global__ void __launch_bounds__(128 * kWG, kMinCtas) fmha_fwd_wgmma_kernel(con
   }
 
   // Epilogue as in fmha_fwd_kernel (one m-tile per warp).
-  finish_rows<HD, kFp16, kDrop>(args, acc, row_max, row_sum, sQ, wrow, q0, s0, L, head, g, t);
-  store_rows<HD>(p, sQ, wrow, 16, q0, s0, L, head, lane);
+  finish_rows<HD, kFp16, kDrop>(args, acc, row_max, row_sum, sQ, wrow, q0, qs0, Lq, head, g, t);
+  store_rows<HD>(p, sQ, wrow, 16, q0, qs0, Lq, head, lane);
 #else
   __trap();  // never launched: the host selects these kernels only where fmha_wgmma_available()
 #endif
@@ -467,7 +483,7 @@ void launch_forward_kernel(const KernelArgs& args, int32_t num_launch, cudaStrea
   using Sh = FwdShape<HD, kWarps, kMT>;
   constexpr auto kernel = fmha_fwd_kernel<HD, kWarps, kMT, fwd_min_ctas(HD, kWarps, kMT), kFp16, kDrop>;
   ensure_smem<kernel>(Sh::kSmemBytes);
-  const dim3 grid((args.p.max_seqlen + Sh::kBlockM - 1) / Sh::kBlockM, args.p.num_heads, num_launch);
+  const dim3 grid((query_seqlen(args.p) + Sh::kBlockM - 1) / Sh::kBlockM, args.p.num_heads, num_launch);
   kernel<<<grid, Sh::kThreads, Sh::kSmemBytes, stream>>>(args);
   NOPAD_CUDA_CHECK_LAUNCH();
 }
@@ -491,7 +507,7 @@ void launch_forward_wgmma_kernel(const KernelArgs& args, int32_t num_launch, cud
   using Sh = FwdWgShape<kWG>;
   constexpr auto kernel = fmha_fwd_wgmma_kernel<kWG, kWG == 1 ? 4 : 2, kFp16, kDrop>;
   ensure_smem<kernel>(Sh::kSmemBytes);
-  const dim3 grid((args.p.max_seqlen + Sh::kBlockM - 1) / Sh::kBlockM, args.p.num_heads, num_launch);
+  const dim3 grid((query_seqlen(args.p) + Sh::kBlockM - 1) / Sh::kBlockM, args.p.num_heads, num_launch);
   kernel<<<grid, Sh::kThreads, Sh::kSmemBytes, stream>>>(args);
   NOPAD_CUDA_CHECK_LAUNCH();
 }
@@ -571,7 +587,7 @@ void fmha_forward(const FmhaParams& p, cudaStream_t stream) {
   using namespace fmha_detail;
   const int32_t n = validate_common(p, "fmha_forward");
   const int variant = fmha_forward_variant(p);
-  if (n == 0 || p.max_seqlen == 0) return;
+  if (n == 0 || p.max_seqlen == 0 || query_seqlen(p) == 0) return;
   const KernelArgs args = make_args(p);
   switch (p.head_dim) {
     case 32: launch_forward_hd<32>(args, variant, n, stream); break;
