@@ -691,44 +691,6 @@ void CudaBackendT<P>::attention_forward(const A* qkv, const ops::SeqView& seqs, 
   }
 }
 
-template <class P>
-void CudaBackendT<P>::attention_backward(const A* d_ctx, const A* qkv, const A* ctx, const St* lse,
-                                     const ops::SeqView& seqs, int32_t num_heads, int32_t head_dim,
-                                     const ops::Dropout& drop, A* d_qkv, G* d_qkv_bias) {
-  OpScope timed(*this, "attention_bwd");
-  require_whole_sequences(seqs, "attention_backward");
-  static_assert(std::is_same_v<G, float>, "FmhaParams::d_qkv_bias is fp32");
-  check_seqs(seqs, drop.p > 0.0f);
-  if (seqs.num_tokens == 0) return;
-  FmhaParams p = fmha_params(seqs, num_heads, head_dim, drop, std::is_same_v<A, nopad::f16>);
-  p.qkv = qkv;
-  p.ctx = const_cast<A*>(ctx);    // FmhaParams::ctx is the forward's output; backward only reads it
-  p.lse = const_cast<St*>(lse);   // likewise
-  p.d_ctx = d_ctx;
-  p.d_qkv = d_qkv;
-  // The bias gradient from the kernels' registers where they take it, else by the column-sum pass after.
-  const bool bias_in_kernels =
-      kernel_variants().qkv_bias_in_attention && fmha_backward_bias_supported(num_heads, head_dim);
-  p.d_qkv_bias = bias_in_kernels ? d_qkv_bias : nullptr;
-  // The workspace is ours, grown once to the largest size seen. fmha_backward initialises the part of it that its
-  // launch uses (fmha.h), so it needs no memset here.
-  p.workspace_bytes = fmha_backward_workspace_bytes(seqs.num_tokens, num_heads, head_dim);
-  if (p.workspace_bytes > 0) p.workspace = scratch(kFmhaWorkspace, p.workspace_bytes);
-  if (plan_attention_launches(seqs)) {
-    fmha_backward_planned(p, seqs.by_length, attn_plan_, *attn_streams_, stream_);
-  } else {
-    fmha_backward(p, stream_);
-  }
-  if (d_qkv_bias && !bias_in_kernels) {
-    const int32_t n = 3 * num_heads * head_dim;
-    if (dense_grad_pass_supported(n, d_qkv, nullptr, nullptr)) {  // dense_backward's kOnePass column sums
-      grad_pass(d_qkv, nullptr, nullptr, seqs.num_tokens, n, d_qkv_bias);
-    } else {
-      column_sums_accumulate(d_qkv, seqs.num_tokens, n, d_qkv_bias);
-    }
-  }
-}
-
 // Query rows (attention_*_rows): one plain launch (no grouping) with FmhaParams' query fields. The host knows the
 // most queries of a sequence only through the view's max_seqlen (the model sets it); the kernels read the rest.
 namespace {
@@ -765,31 +727,58 @@ void CudaBackendT<P>::attention_forward_rows(const A* qkv, const ops::SeqView& s
 }
 
 template <class P>
+void CudaBackendT<P>::attention_backward(const A* d_ctx, const A* qkv, const A* ctx, const St* lse,
+                                     const ops::SeqView& seqs, int32_t num_heads, int32_t head_dim,
+                                     const ops::Dropout& drop, A* d_qkv, G* d_qkv_bias) {
+  OpScope timed(*this, "attention_bwd");
+  require_whole_sequences(seqs, "attention_backward");
+  attention_backward_impl(d_ctx, qkv, seqs, nullptr, nullptr, ctx, lse, num_heads, head_dim, drop, d_qkv, d_qkv_bias);
+}
+
+template <class P>
 void CudaBackendT<P>::attention_backward_rows(const A* d_ctx, const A* qkv, const ops::SeqView& seqs, const A* q_qkv,
                                               const ops::SeqView& q_seqs, const A* ctx, const St* lse,
                                               int32_t num_heads, int32_t head_dim, const ops::Dropout& drop,
                                               A* d_qkv, G* d_qkv_bias) {
   OpScope timed(*this, "attention_bwd");
   require_whole_sequences(seqs, "attention_backward_rows");
+  attention_backward_impl(d_ctx, qkv, seqs, q_qkv, &q_seqs, ctx, lse, num_heads, head_dim, drop, d_qkv, d_qkv_bias);
+}
+
+// Both backward ops: every row a query (q_seqs null; grouped launches where the schedule says so) or the query rows
+// of q_seqs (one launch).
+template <class P>
+void CudaBackendT<P>::attention_backward_impl(const A* d_ctx, const A* qkv, const ops::SeqView& seqs, const A* q_qkv,
+                                              const ops::SeqView* q_seqs, const A* ctx, const St* lse,
+                                              int32_t num_heads, int32_t head_dim, const ops::Dropout& drop,
+                                              A* d_qkv, G* d_qkv_bias) {
   static_assert(std::is_same_v<G, float>, "FmhaParams::d_qkv_bias is fp32");
   check_seqs(seqs, drop.p > 0.0f);
   if (seqs.num_tokens == 0) return;
   FmhaParams p = fmha_params(seqs, num_heads, head_dim, drop, std::is_same_v<A, nopad::f16>);
   p.qkv = qkv;
-  p.ctx = const_cast<A*>(ctx);
-  p.lse = const_cast<St*>(lse);
+  p.ctx = const_cast<A*>(ctx);    // FmhaParams::ctx is the forward's output; backward only reads it
+  p.lse = const_cast<St*>(lse);   // likewise
   p.d_ctx = d_ctx;
   p.d_qkv = d_qkv;
-  set_query_rows(p, q_qkv, q_seqs, seqs, "attention_backward_rows");
+  if (q_seqs != nullptr) set_query_rows(p, q_qkv, *q_seqs, seqs, "attention_backward_rows");
+  // The bias gradient from the kernels' registers where they take it, else by the column-sum pass after.
   const bool bias_in_kernels =
       kernel_variants().qkv_bias_in_attention && fmha_backward_bias_supported(num_heads, head_dim);
   p.d_qkv_bias = bias_in_kernels ? d_qkv_bias : nullptr;
-  p.workspace_bytes = fmha_backward_workspace_bytes(q_seqs.num_tokens, num_heads, head_dim);
+  // The workspace is ours, grown once to the largest size seen. fmha_backward initialises the part of it that its
+  // launch uses (fmha.h), so it needs no memset here.
+  p.workspace_bytes =
+      fmha_backward_workspace_bytes(q_seqs != nullptr ? q_seqs->num_tokens : seqs.num_tokens, num_heads, head_dim);
   if (p.workspace_bytes > 0) p.workspace = scratch(kFmhaWorkspace, p.workspace_bytes);
-  fmha_backward(p, stream_);
+  if (q_seqs == nullptr && plan_attention_launches(seqs)) {
+    fmha_backward_planned(p, seqs.by_length, attn_plan_, *attn_streams_, stream_);
+  } else {
+    fmha_backward(p, stream_);
+  }
   if (d_qkv_bias && !bias_in_kernels) {
     const int32_t n = 3 * num_heads * head_dim;
-    if (dense_grad_pass_supported(n, d_qkv, nullptr, nullptr)) {
+    if (dense_grad_pass_supported(n, d_qkv, nullptr, nullptr)) {  // dense_backward's kOnePass column sums
       grad_pass(d_qkv, nullptr, nullptr, seqs.num_tokens, n, d_qkv_bias);
     } else {
       column_sums_accumulate(d_qkv, seqs.num_tokens, n, d_qkv_bias);

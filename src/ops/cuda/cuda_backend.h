@@ -172,6 +172,9 @@ class CudaBackendT final : public ops::Backend<P> {
                          int32_t n, ops::Activation act, A* dx, bool accumulate_dx, G* d_weight, G* d_bias,
                          int64_t ld_dy);
   bool plan_attention_launches(const ops::SeqView& seqs);
+  void attention_backward_impl(const A* d_ctx, const A* qkv, const ops::SeqView& seqs, const A* q_qkv,
+                               const ops::SeqView* q_seqs, const A* ctx, const St* lse, int32_t num_heads,
+                               int32_t head_dim, const ops::Dropout& drop, A* d_qkv, G* d_qkv_bias);
 
   int device_ = 0;
   int sm_count_ = 0;
