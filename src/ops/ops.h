@@ -59,7 +59,8 @@ struct SeqView {
   // Optional (null: row - cu_seqlens[b]): each row's position within its sequence, [T] in backend memory, for views
   // whose rows are a subset of each sequence's tokens (the sparse last encoder layer, model/bert.h: a sequence's
   // [CLS] row and masked rows). The residual LayerNorm ops key their dropout by it, so the subset draws the masks the
-  // full sequence would; the attention and embedding ops need whole sequences and reject such a view.
+  // full sequence would; the attention and embedding ops need whole sequences and reject such a view (the attention
+  // takes one as its query side only: attention_forward_rows / attention_backward_rows).
   const int32_t* row_positions = nullptr;
 };
 
