@@ -693,15 +693,14 @@ void CudaBackendT<P>::attention_forward(const A* qkv, const ops::SeqView& seqs, 
 
 // Query rows (attention_*_rows): one plain launch (no grouping) with FmhaParams' query fields. The host knows the
 // most queries of a sequence only through the view's max_seqlen (the model sets it); the kernels read the rest.
+// fmha_forward / fmha_backward validate the fields (validate_common); only the sequence count is the view's own.
 namespace {
 void set_query_rows(FmhaParams& p, const void* q_qkv, const ops::SeqView& q_seqs, const ops::SeqView& seqs,
                     const char* op) {
   NOPAD_CHECK(q_seqs.num_seqs == seqs.num_seqs, op, ": the query rows cover ", q_seqs.num_seqs,
               " sequences, the keys ", seqs.num_seqs);
-  NOPAD_CHECK(q_seqs.num_tokens >= 0 && q_seqs.cu_seqlens != nullptr, op, ": the query rows need cu_seqlens");
-  NOPAD_CHECK(q_seqs.row_positions != nullptr, op, ": the query rows need row_positions");
-  NOPAD_CHECK(q_seqs.max_seqlen >= 0 && q_seqs.max_seqlen <= seqs.max_seqlen, op, ": the query rows' max_seqlen ",
-              q_seqs.max_seqlen, " exceeds the keys' ", seqs.max_seqlen);
+  NOPAD_CHECK(q_seqs.cu_seqlens != nullptr && q_seqs.row_positions != nullptr, op,
+              ": the query rows need cu_seqlens and row_positions");
   p.q_qkv = q_qkv;
   p.q_cu_seqlens = q_seqs.cu_seqlens;
   p.q_positions = q_seqs.row_positions;
