@@ -579,117 +579,11 @@ __device__ __forceinline__ void stage_dq(float* sdQ, const float (&dq)[8][4], fl
   }
 }
 
-// kClusterDq: the pre and dQ kernels' work for one (query tile, head), done by the key-tile CTAs of a thread block
-// cluster that spans the sequence's key tiles (CTA j takes query tile j; there are never more query tiles than key
-// tiles). 128 threads.
-// cluster_pre_share: D and lse2 of the tile's queries as fmha_bwd_pre_kernel computes them (two threads per row, 32
-// head dims each), and the tile's dq_accum rows of this head zeroed.
-template <bool kFp16>
-__device__ __forceinline__ void cluster_pre_share(const KernelArgs& args, float* D, float* dq_acc, int qs0, int Lq,
-                                                  int tile, int head, int tid) {
-  const FmhaParams& p = args.p;
-  constexpr int HD = 64;
-  const int r = tile * kTile + (tid >> 1), half = tid & 1;
-  const int H = p.num_heads * HD;
-  const int32_t T = query_tokens(p);
-  float sum = 0.0f;
-  const bool ok = r < Lq;
-  const int64_t tok = qs0 + r;
-  if (ok) {
-    const uint4* o = reinterpret_cast<const uint4*>(static_cast<const uint16_t*>(p.ctx) + tok * H + head * HD) + 4 * half;
-    const uint4* d_o =
-        reinterpret_cast<const uint4*>(static_cast<const uint16_t*>(p.d_ctx) + tok * H + head * HD) + 4 * half;
-    uint4 x[4], y[4];
-#pragma unroll
-    for (int c = 0; c < 4; ++c) {
-      x[c] = o[c];
-      y[c] = d_o[c];
-    }
-#pragma unroll
-    for (int c = 0; c < 4; ++c) {
-      const uint32_t xs[4] = {x[c].x, x[c].y, x[c].z, x[c].w}, ys[4] = {y[c].x, y[c].y, y[c].z, y[c].w};
-#pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        sum += to_f32<kFp16>(static_cast<uint16_t>(xs[i])) * to_f32<kFp16>(static_cast<uint16_t>(ys[i]));
-        sum += to_f32<kFp16>(static_cast<uint16_t>(xs[i] >> 16)) * to_f32<kFp16>(static_cast<uint16_t>(ys[i] >> 16));
-      }
-    }
-  }
-  sum += __shfl_xor_sync(0xffffffffu, sum, 1);
-  if (!ok) return;
-  if (half == 0) {
-    const int64_t i = int64_t{head} * T + tok;
-    D[i] = sum * args.inv_keep_scale;
-    D[lse2_offset(T, p.num_heads) + i] = p.lse[i] * kLog2e;
-  }
-  float4* dq = reinterpret_cast<float4*>(dq_acc + tok * H + head * HD) + 8 * half;
-#pragma unroll
-  for (int c = 0; c < 8; ++c) dq[c] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-}
-
-// cluster_dq_share: the tile's dq_accum rows of this head (complete: after the cluster barrier that follows every
-// CTA's reductions) rounded into d_qkv's q block, as fmha_bwd_dq_bias_kernel does; with p.d_qkv_bias, the q block's
-// column sums of the rounded values, over the warps through `red` (4 x 64 floats, free) and one atomic per column.
-// Thread tid converts the 8-column chunk tid % 8 of rows tid / 8, + 16, + 32, + 48. Collective (barrier inside).
-template <bool kFp16>
-__device__ __forceinline__ void cluster_dq_share(const FmhaParams& p, const float* dq_acc, float* red, int s0, int qs0,
-                                                 int Lq, int tile, int head, int tid) {
-  constexpr int HD = 64;
-  const int H = p.num_heads * HD, chunk = tid & 7, lane = tid & 31, warp = tid >> 5;
-  uint16_t* d_qkv = static_cast<uint16_t*>(p.d_qkv);
-  float sum[8];
-#pragma unroll
-  for (int e = 0; e < 8; ++e) sum[e] = 0.0f;
-  float4 v[4][2];
-#pragma unroll
-  for (int j = 0; j < 4; ++j) {
-    const int r = tile * kTile + (tid >> 3) + 16 * j;
-    if (r < Lq) {
-      const float4* src = reinterpret_cast<const float4*>(dq_acc + int64_t{qs0 + r} * H + head * HD) + 2 * chunk;
-      v[j][0] = __ldcg(src);
-      v[j][1] = __ldcg(src + 1);
-    }
-  }
-#pragma unroll
-  for (int j = 0; j < 4; ++j) {
-    const int r = tile * kTile + (tid >> 3) + 16 * j;
-    if (r < Lq) {
-      const uint32_t w[4] = {pack2<kFp16>(v[j][0].x, v[j][0].y), pack2<kFp16>(v[j][0].z, v[j][0].w),
-                             pack2<kFp16>(v[j][1].x, v[j][1].y), pack2<kFp16>(v[j][1].z, v[j][1].w)};
-      const int64_t tok = s0 + query_position(p, qs0, Lq, r);
-      *reinterpret_cast<uint4*>(d_qkv + tok * 3 * H + head * HD + 8 * chunk) = make_uint4(w[0], w[1], w[2], w[3]);
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        sum[2 * e] += to_f32<kFp16>(static_cast<uint16_t>(w[e]));
-        sum[2 * e + 1] += to_f32<kFp16>(static_cast<uint16_t>(w[e] >> 16));
-      }
-    }
-  }
-  if (p.d_qkv_bias == nullptr) return;  // CTA-uniform
-#pragma unroll
-  for (int e = 0; e < 8; ++e) {  // over the 4 row phases of the warp (lane bits 3, 4)
-    sum[e] += __shfl_xor_sync(0xffffffffu, sum[e], 8);
-    sum[e] += __shfl_xor_sync(0xffffffffu, sum[e], 16);
-  }
-  if (lane < 8) {
-#pragma unroll
-    for (int e = 0; e < 8; ++e) red[warp * HD + 8 * chunk + e] = sum[e];
-  }
-  __syncthreads();
-  if (tid < HD) atomicAdd(p.d_qkv_bias + head * HD + tid, red[tid] + red[HD + tid] + red[2 * HD + tid] + red[3 * HD + tid]);
-}
-
 // kBulkDq: dQ leaves through the stage in shared memory as one bulk reduction per query row (issued by threads 0..63
 // after the next barrier), instead of per-thread float4 atomics.
-// kClusterDq: the launch's clusters span each sequence's key tiles (grid.x <= 8), and the CTAs do the pre and dQ
-// kernels' work themselves: CTA j computes D and lse2 of query tile j and zeroes its dq_accum rows of this head, a
-// cluster barrier publishes them (its wait after this CTA's first Q / dO copies are issued), the main loop adds dQ as
-// before, and after a second cluster barrier (every CTA's reductions complete) CTA j rounds query tile j's dq_accum
-// rows into d_qkv's q block (and their bias column sums). The dq_accum rows of a (sequence, head) are zeroed, reduced
-// into and read back within one cluster's lifetime, so they stay in L2; no pre and no dQ pass over the whole matrix.
-template <int kMinCtas, bool kFp16, bool kDrop, bool kBulkDq, bool kClusterDq>
+template <int kMinCtas, bool kFp16, bool kDrop, bool kBulkDq>
 __global__ void __launch_bounds__(128, kMinCtas)
-    fmha_bwd_wgmma_kernel(const __grid_constant__ KernelArgs args, float* D, float* dq_acc) {
+    fmha_bwd_wgmma_kernel(const __grid_constant__ KernelArgs args, const float* D, float* dq_acc) {
 #if NOPAD_FMHA_WGMMA
   constexpr int HD = 64;
   using Sh = BwdWgShape;
@@ -701,17 +595,8 @@ __global__ void __launch_bounds__(128, kMinCtas)
   launch_sequence(p, static_cast<int>(blockIdx.z), b, s0, L);
   launch_queries(p, b, s0, L, qs0, Lq);
   const int k0 = static_cast<int>(blockIdx.x) * Sh::kBlockN;
-  if (k0 >= L) return;  // kClusterDq: an exited thread counts as arrived at the cluster barriers
+  if (k0 >= L) return;
   const int head = static_cast<int>(blockIdx.y);
-  const int tid = static_cast<int>(threadIdx.x);
-  // kClusterDq: this CTA's query tile for the pre / dQ shares (none past the last query).
-  [[maybe_unused]] const int share_tile = static_cast<int>(blockIdx.x);
-  [[maybe_unused]] const bool has_share = share_tile * kTile < Lq;
-  if constexpr (kClusterDq) {
-    if (has_share) cluster_pre_share<kFp16>(args, D, dq_acc, qs0, Lq, share_tile, head, tid);
-    fence_proxy_async_global();  // the zeros, before the other CTAs' bulk reductions (async proxy)
-    cluster_arrive_release();
-  }
   const int H = p.num_heads * HD, T = query_tokens(p);
   const int64_t ld = 3 * int64_t{H};
   const uint16_t* qkv = static_cast<const uint16_t*>(p.qkv);
@@ -730,6 +615,7 @@ __global__ void __launch_bounds__(128, kMinCtas)
   float* sD = sLse + 2 * kTile;                                       // [2][64]
   float* sdQ = sD + 2 * kTile;  // kBulkDq: [64][kDqStageLd] fp32
 
+  const int tid = static_cast<int>(threadIdx.x);
   // kBulkDq: thread tid < 64 sends row tid of the staged tile that starts at query qs_staged.
   const auto send_dq_row = [&](int qs_staged) {
     if (tid < kTile && qs_staged + tid < Lq) {
@@ -739,11 +625,11 @@ __global__ void __launch_bounds__(128, kMinCtas)
     }
   };
   const TileCopy<HD, kTile, Sh::kThreads> q_copy(ld), do_copy(H);
-  const auto load_q_tile = [&](int i, int buf, bool with_lse_d) {
+  const auto load_q_tile = [&](int i, int buf) {
     const int qs = i * kTile;
     q_copy.load(sQ + buf * kTile * HD, gQ, Lq - qs);
     do_copy.load(sdO + buf * kTile * HD, gdO, Lq - qs);
-    if (with_lse_d) stage_lse_d(sLse + buf * kTile, sD + buf * kTile, gLse, gD, qs, Lq, tid);
+    stage_lse_d(sLse + buf * kTile, sD + buf * kTile, gLse, gD, qs, Lq, tid);
   };
   {
     const TileCopy<HD, Sh::kBlockN, Sh::kThreads> kv_copy(ld);
@@ -751,14 +637,7 @@ __global__ void __launch_bounds__(128, kMinCtas)
     kv_copy.load(sK, gK, L - k0);
     kv_copy.load(sV, gK + H, L - k0);
   }
-  if constexpr (kClusterDq) {
-    load_q_tile(0, 0, false);
-    cp_async_commit();
-    cluster_wait_acquire();  // every CTA's D, lse2 and zeros
-    stage_lse_d(sLse, sD, gLse, gD, 0, Lq, tid);
-  } else {
-    load_q_tile(0, 0, true);
-  }
+  load_q_tile(0, 0);
   cp_async_commit();
 
   const int warp = tid >> 5, lane = tid & 31;
@@ -790,7 +669,7 @@ __global__ void __launch_bounds__(128, kMinCtas)
     if (i + 1 < num_qt) {
       gQ += kTile * ld;
       gdO += kTile * int64_t{H};
-      load_q_tile(i + 1, buf ^ 1, true);
+      load_q_tile(i + 1, buf ^ 1);
     }
     cp_async_commit();
     if constexpr (kBulkDq) {
@@ -877,18 +756,7 @@ __global__ void __launch_bounds__(128, kMinCtas)
     static_assert(4 * 2 * HD * 4 <= Sh::kBlockN * kTile * 2, "the bias reduction fits in sdS");
     add_dk_dv_bias<HD, 4>(p, colsum, reinterpret_cast<float*>(sdS), head, tid);
   }
-  if constexpr (kClusterDq) {
-    if constexpr (kBulkDq) {
-      if (tid < kTile) {
-        bulk_wait<0>();  // this CTA's reductions performed, not only read
-        fence_proxy_async_global();
-      }
-    }
-    cluster_arrive_release();
-    cluster_wait_acquire();  // every CTA's dQ added; sdS free (the barrier orders the bias reduction's reads)
-    if (has_share)
-      cluster_dq_share<kFp16>(p, dq_acc, reinterpret_cast<float*>(sdS), s0, qs0, Lq, share_tile, head, tid);
-  } else if constexpr (kBulkDq) {
+  if constexpr (kBulkDq) {
     if (tid < kTile) bulk_wait_read<0>();  // the stage stays valid until the copy engine has read it
   }
 #else
@@ -911,8 +779,6 @@ constexpr BwdVariant kBwdVariants[] = {
     {"wg64", 4, 3, true},     // 3: wgmma, one warpgroup x 64 keys, 3 CTAs per SM (168 registers)
     {"wg64r", 4, 2, true},    // 4: the same with 2 CTAs per SM and no register cap
     {"wg64b", 4, 3, true},    // 5: wg64 with dQ sent as bulk reductions of whole rows from shared memory
-    {"wg64k", 4, 3, true},    // 6: wg64 in clusters over each sequence's key tiles, no pre / dQ passes (kClusterDq)
-    {"wg64bk", 4, 3, true},   // 7: wg64b the same way
 };
 constexpr int kNumBwdVariants = static_cast<int>(sizeof(kBwdVariants) / sizeof(kBwdVariants[0]));
 constexpr int kDefaultBwdVariant = 0;    // where the wgmma kernel cannot run
@@ -936,47 +802,21 @@ void launch_backward_main(const KernelArgs& args, const float* D, float* dq_acc,
   NOPAD_CUDA_CHECK_LAUNCH();
 }
 
-// kClusterDq: one cluster per (head, sequence) spanning grid.x key tiles, at most the portable cluster size.
-constexpr int kMaxClusterKeyTiles = 8;
-
-template <auto kKernel, bool kClusterDq, int kBytes>
-void launch_backward_wgmma_kernel(const dim3 grid, const KernelArgs& args, float* D, float* dq_acc,
-                                  cudaStream_t stream) {
-  ensure_smem<kKernel>(kBytes);
-  if constexpr (kClusterDq) {
-    NOPAD_CHECK(grid.x >= 1 && static_cast<int>(grid.x) <= kMaxClusterKeyTiles, "fmha_backward: a cluster of ", grid.x,
-                " key tiles (the cluster kernels take max_seqlen <= ", kTile * kMaxClusterKeyTiles, ")");
-    cudaLaunchConfig_t cfg = {};
-    cfg.gridDim = grid;
-    cfg.blockDim = dim3(BwdWgShape::kThreads);
-    cfg.dynamicSmemBytes = kBytes;
-    cfg.stream = stream;
-    cudaLaunchAttribute attr[1];
-    attr[0].id = cudaLaunchAttributeClusterDimension;
-    attr[0].val.clusterDim.x = grid.x;
-    attr[0].val.clusterDim.y = 1;
-    attr[0].val.clusterDim.z = 1;
-    cfg.attrs = attr;
-    cfg.numAttrs = 1;
-    NOPAD_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kKernel, args, D, dq_acc));
-  } else {
-    kKernel<<<grid, BwdWgShape::kThreads, kBytes, stream>>>(args, D, dq_acc);
-  }
-  NOPAD_CUDA_CHECK_LAUNCH();
-}
-
-template <int kMinCtas, bool kFp16, bool kBulkDq, bool kClusterDq>
-void launch_backward_wgmma(const KernelArgs& args, float* D, float* dq_acc, int32_t n, cudaStream_t stream) {
+template <int kMinCtas, bool kFp16, bool kBulkDq>
+void launch_backward_wgmma(const KernelArgs& args, const float* D, float* dq_acc, int32_t n, cudaStream_t stream) {
   using Sh = BwdWgShape;
   constexpr int kBytes = Sh::kSmemBytes + (kBulkDq ? Sh::kDqStageBytes : 0);
   const dim3 grid((args.p.max_seqlen + Sh::kBlockN - 1) / Sh::kBlockN, args.p.num_heads, n);
   if (args.dropout) {
-    launch_backward_wgmma_kernel<fmha_bwd_wgmma_kernel<kMinCtas, kFp16, true, kBulkDq, kClusterDq>, kClusterDq,
-                                 kBytes>(grid, args, D, dq_acc, stream);
+    constexpr auto kernel = fmha_bwd_wgmma_kernel<kMinCtas, kFp16, true, kBulkDq>;
+    ensure_smem<kernel>(kBytes);
+    kernel<<<grid, Sh::kThreads, kBytes, stream>>>(args, D, dq_acc);
   } else {
-    launch_backward_wgmma_kernel<fmha_bwd_wgmma_kernel<kMinCtas, kFp16, false, kBulkDq, kClusterDq>, kClusterDq,
-                                 kBytes>(grid, args, D, dq_acc, stream);
+    constexpr auto kernel = fmha_bwd_wgmma_kernel<kMinCtas, kFp16, false, kBulkDq>;
+    ensure_smem<kernel>(kBytes);
+    kernel<<<grid, Sh::kThreads, kBytes, stream>>>(args, D, dq_acc);
   }
+  NOPAD_CUDA_CHECK_LAUNCH();
 }
 
 template <int HD, bool kFp16>
@@ -993,18 +833,14 @@ void launch_backward(const KernelArgs& args, int variant, int32_t n, cudaStream_
     const size_t row_bytes = static_cast<size_t>(p.num_heads) * p.head_dim * 2;
     NOPAD_CUDA_CHECK(cudaMemset2DAsync(p.d_qkv, 3 * row_bytes, 0, row_bytes, static_cast<size_t>(p.num_tokens), stream));
   }
+  if (q_rows > 0) {
+    fmha_bwd_pre_kernel<kFp16><<<row_grid, 32 * kPreRows, 0, stream>>>(args, D, dq_acc);
+    NOPAD_CUDA_CHECK_LAUNCH();
+  }
   // At HD = 128 the register cap makes no difference (never capped there), so variant 1 runs variant 0's kernel.
   if (HD > 64 && variant == 1) variant = 0;
   // The wgmma kernel exists for head_dim 64 on sm_90a; elsewhere its variant runs the default mma.sync kernel.
   if (kBwdVariants[variant].wgmma && (HD != 64 || !fmha_wgmma_available())) variant = kDefaultBwdVariant;
-  // The cluster kernels take sequences of up to 8 key tiles; longer launches run their plain twins (3, 5).
-  if ((variant == 6 || variant == 7) && (p.max_seqlen + kTile - 1) / kTile > kMaxClusterKeyTiles)
-    variant = variant == 6 ? 3 : 5;
-  const bool passes = variant != 6 && variant != 7;  // the pre and dQ kernels (the cluster kernels do their work)
-  if (passes && q_rows > 0) {
-    fmha_bwd_pre_kernel<kFp16><<<row_grid, 32 * kPreRows, 0, stream>>>(args, D, dq_acc);
-    NOPAD_CUDA_CHECK_LAUNCH();
-  }
   switch (variant) {
     case 0: launch_backward_main<HD, 4, 3, kFp16>(args, D, dq_acc, n, stream); break;
     case 1:
@@ -1012,23 +848,17 @@ void launch_backward(const KernelArgs& args, int variant, int32_t n, cudaStream_
       break;
     case 2: launch_backward_main<HD, 8, 1, kFp16>(args, D, dq_acc, n, stream); break;
     case 3:
-      if constexpr (HD == 64) launch_backward_wgmma<3, kFp16, false, false>(args, D, dq_acc, n, stream);
+      if constexpr (HD == 64) launch_backward_wgmma<3, kFp16, false>(args, D, dq_acc, n, stream);
       break;
     case 4:
-      if constexpr (HD == 64) launch_backward_wgmma<2, kFp16, false, false>(args, D, dq_acc, n, stream);
+      if constexpr (HD == 64) launch_backward_wgmma<2, kFp16, false>(args, D, dq_acc, n, stream);
       break;
     case 5:
-      if constexpr (HD == 64) launch_backward_wgmma<3, kFp16, true, false>(args, D, dq_acc, n, stream);
-      break;
-    case 6:
-      if constexpr (HD == 64) launch_backward_wgmma<3, kFp16, false, true>(args, D, dq_acc, n, stream);
-      break;
-    case 7:
-      if constexpr (HD == 64) launch_backward_wgmma<3, kFp16, true, true>(args, D, dq_acc, n, stream);
+      if constexpr (HD == 64) launch_backward_wgmma<3, kFp16, true>(args, D, dq_acc, n, stream);
       break;
     default: fail("fmha_backward: no variant ", variant);
   }
-  if (q_rows == 0 || !passes) return;
+  if (q_rows == 0) return;
   if (p.d_qkv_bias == nullptr) {
     fmha_bwd_dq_kernel<kFp16><<<row_grid, 32 * kPreRows, 0, stream>>>(args, dq_acc);
   } else {
@@ -1037,7 +867,7 @@ void launch_backward(const KernelArgs& args, int variant, int32_t n, cudaStream_
   }
   NOPAD_CUDA_CHECK_LAUNCH();
 }
-static_assert(kNumBwdVariants == 8, "launch_backward dispatches every variant");
+static_assert(kNumBwdVariants == 6, "launch_backward dispatches every variant");
 
 template <int HD>
 void launch_backward_hd(const KernelArgs& args, int variant, int32_t n, cudaStream_t stream) {

@@ -103,36 +103,6 @@ __device__ __forceinline__ void bulk_wait_read() {
 #endif
 }
 
-// Waits until at most N of this thread's bulk groups are incomplete (their writes performed, not only their source
-// read): what a thread waits for before it publishes the reductions' results to other CTAs.
-template <int N>
-__device__ __forceinline__ void bulk_wait() {
-#if NOPAD_FMHA_WGMMA
-  asm volatile("cp.async.bulk.wait_group %0;\n" ::"n"(N) : "memory");
-#endif
-}
-// Generic-proxy global writes (ordinary stores) ordered before later async-proxy accesses (bulk reductions) of the
-// same addresses, by this thread or, after a release / acquire, by others.
-__device__ __forceinline__ void fence_proxy_async_global() {
-#if NOPAD_FMHA_WGMMA
-  asm volatile("fence.proxy.async.global;\n" ::: "memory");
-#endif
-}
-
-// Thread block clusters (sm_90): the cluster barrier, in two halves. Every thread of the cluster arrives (release:
-// its earlier writes, global and shared, become visible to the threads that have waited) and then waits (acquire);
-// phases alternate arrive / wait. Threads that have exited count as arrived.
-__device__ __forceinline__ void cluster_arrive_release() {
-#if NOPAD_FMHA_WGMMA
-  asm volatile("barrier.cluster.arrive.release.aligned;\n" ::: "memory");
-#endif
-}
-__device__ __forceinline__ void cluster_wait_acquire() {
-#if NOPAD_FMHA_WGMMA
-  asm volatile("barrier.cluster.wait.acquire.aligned;\n" ::: "memory");
-#endif
-}
-
 // Keeps the compiler from moving reads or writes of registers that an in-flight wgmma owns across the wait (or the
 // issue): an empty volatile asm that "modifies" them.
 template <int N>
