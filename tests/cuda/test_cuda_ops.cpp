@@ -805,7 +805,7 @@ TYPED_TEST(CudaOps, GemmSm90Epilogues) {
           grad[i] = r16(gelu_grad(pre, tanh));
           y[i] = r16(gelu(pre, tanh));
         }
-        // The consumers' share of the GELU (none, one or two box columns per tile), the stage release before or
+        // The consumers' share of the GELU (0 to 4 box columns per tile), the stage release before or
         // after that share (gemm_sm90_early_release), and with bf16 the lookup table or the arithmetic GELU.
         struct Config {
           int columns;
@@ -813,9 +813,11 @@ TYPED_TEST(CudaOps, GemmSm90Epilogues) {
         };
         const std::vector<Config> configs =
             std::is_same_v<E, bf16>
-                ? std::vector<Config>{{0, true, true}, {1, true, true}, {1, false, true}, {2, true, true},
-                                      {0, true, false}, {1, true, false}}
-                : std::vector<Config>{{0, true, false}, {1, true, false}, {1, false, false}, {2, true, false}};
+                ? std::vector<Config>{{0, true, true},  {1, true, true},  {1, false, true}, {2, true, true},
+                                      {3, true, true},  {4, true, true},  {4, false, true}, {0, true, false},
+                                      {1, true, false}, {4, true, false}}
+                : std::vector<Config>{{0, true, false}, {1, true, false}, {1, false, false}, {2, true, false},
+                                      {4, true, false}};
         for (const Config& cf : configs) {
           SCOPED_TRACE("consumer columns " + std::to_string(cf.columns) + (cf.early ? ", early" : ", late") +
                        " stage release" + (cf.table ? ", table" : ", arithmetic"));
@@ -893,8 +895,8 @@ TEST(CudaGemmSm90, GeluEpilogueOnEveryBf16Input) {
     for (const bool tanh : {false, true}) {
       const std::vector<uint32_t> table = ops::gelu_table_bf16(tanh);
       for (const bool use_table : {true, false})
-        for (const int columns : {0, 1, 2}) {
-          if (!use_table && columns == 2) continue;
+        for (const int columns : {0, 1, 2, 3, 4}) {
+          if (!use_table && (columns == 2 || columns == 3)) continue;
           SCOPED_TRACE(std::string(by_row ? "row" : "column") + " layout, " + (tanh ? "tanh" : "erf") +
                        (use_table ? ", table" : ", arithmetic") + ", consumer columns " + std::to_string(columns));
           const SwitchScope consumer_columns(cuda::gemm_sm90_consumer_columns(), columns);
@@ -1533,10 +1535,10 @@ TYPED_TEST(CudaPerf, GeluForward) {
                                 current().stream);
     });
     perf_line("dense_fwd", "k=1024 n=4096, no activation (nopad GEMM)", own, 0);
-    // The GELU epilogue: lookup table (bf16 only) or arithmetic, the consumers' share 0-2 box columns, both GELUs.
+    // The GELU epilogue: lookup table (bf16 only) or arithmetic, the consumers' share 0-4 box columns, both GELUs.
     for (const bool table : {true, false}) {
       if (table && !std::is_same_v<E, bf16>) continue;
-      for (const int columns : {0, 1, 2})
+      for (const int columns : {0, 1, 2, 3, 4})
         for (bool tanh : {false, true}) {
           cuda::KernelVariants kv;
           kv.gelu_gemm = true;

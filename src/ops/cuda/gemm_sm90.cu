@@ -13,10 +13,10 @@
 //   then box by box (64 rows x 64 columns) compute y = gelu(pre) in place and store gelu'(pre) straight to global
 //   memory from registers, TMA-store each box of y when complete, and release the staging ("freed", which
 //   also carries the next tile's bias) while the consumers run the next tile's main loop. The consumers take the
-//   last one or two box columns of their own half themselves, one 16-row unit per k-block of the next main loop, so
-//   that the two shares fit beside the products (gemm_sm90_consumer_columns). With bf16, y and gelu' of each element
-//   come from a 16 KB table copied into shared memory at the start (ops/gelu_table.h; the arithmetic GELU only for
-//   the rare elements outside its range), about a sixth of the arithmetic form's instructions.
+//   last gemm_sm90_consumer_columns() box columns of their own half themselves, one 16-row unit per k-block of the
+//   next main loop, so that the two shares fit beside the products. With bf16, y and gelu' of each element come from
+//   a 16 KB table copied into shared memory at the start (ops/gelu_table.h; the arithmetic GELU only for the rare
+//   elements outside its range), about a sixth of the arithmetic form's instructions.
 // - kScale: no epilogue warps (the producer warpgroup gives its registers away). Each consumer warpgroup TMA-loads
 //   its half of the tile's aux into its staging half-way through the main loop (its thread 0 first waits for the
 //   previous tile's stores to have read the staging: late enough that this rarely holds the warpgroup), multiplies
@@ -353,7 +353,7 @@ struct Args {
   uint16_t* act_grad;    // kGelu: [m, n], gelu'(pre), stored from registers
   float* partial;        // kScale: [ceil(m / 64), n] or null
   const uint32_t* gelu_table;  // kGelu, bf16: the table in global memory (copied to shared memory), or null
-  int32_t consumer_bc;   // kGelu: box columns of each tile whose GELU the consumers compute (0, 1 or 2)
+  int32_t consumer_bc;   // kGelu: box columns of each tile whose GELU the consumers compute (0 to 4)
   int32_t early_release;  // 1: a k-block's stage is released before the epilogue work of the next k-block's slot
   int32_t aux_kb;         // kScale: the k-block of the main loop during which a consumer issues its aux load
 };
@@ -864,7 +864,7 @@ int& gemm_sm90_consumer_columns() {
     const char* e = std::getenv("NOPAD_GEMM_CONSUMER_COLUMNS");
     if (e == nullptr) return -1;  // by the GELU's form: launch_gemm_sm90
     const std::string_view v(e);
-    return v == "0" ? 0 : v == "2" ? 2 : 1;
+    return v == "0" ? 0 : v == "2" ? 2 : v == "3" ? 3 : v == "4" ? 4 : 1;
   }();
   return columns;
 }
@@ -898,7 +898,7 @@ void launch_gemm_sm90(GemmEpilogue epi, const T* a, const T* b, int64_t m, int32
   args.consumer_bc = gemm_sm90_consumer_columns() >= 0 ? gemm_sm90_consumer_columns() : args.gelu_table ? 2 : 1;
   args.early_release = gemm_sm90_early_release() ? 1 : 0;
   args.aux_kb = gemm_sm90_aux_kblock() >= 0 ? gemm_sm90_aux_kblock() : k / gemm90::kBK / 2;
-  NOPAD_CHECK(args.consumer_bc >= 0 && args.consumer_bc <= 2, "gemm_sm90: the consumers take 0, 1 or 2 box columns, not ",
+  NOPAD_CHECK(args.consumer_bc >= 0 && args.consumer_bc <= 4, "gemm_sm90: the consumers take 0 to 4 box columns, not ",
               args.consumer_bc);
   const CUtensorMap ma = gemm90::tensor_map(a, m, k, gemm90::kBM, kFp16);
   const CUtensorMap mb = gemm90::tensor_map(b, n, k, gemm90::kBN, kFp16);

@@ -36,9 +36,9 @@ void launch_gemm_sm90(GemmEpilogue epi, const T* a, const T* b, int64_t m, int32
                       T* out0, T* out1, const T* aux, float* partial, bool tanh, int sm_count, cudaStream_t stream);
 int gemm_sm90_row_chunks(int64_t m);  // rows of partial: ceil(m / 64)
 // kGelu: how many of a tile's four 64-column box columns the consumer warpgroups compute the GELU of themselves (one
-// 16-row unit per k-block of their next main loop), 0, 1 or 2; the three epilogue warps take the others. -1 (the
+// 16-row unit per k-block of their next main loop), 0 to 4; the three epilogue warps take the others. -1 (the
 // default): 2 where the launch uses the GELU table, else 1 (the fastest of each, measured). Process-wide, host-side;
-// NOPAD_GEMM_CONSUMER_COLUMNS=0|1|2 sets it at start.
+// NOPAD_GEMM_CONSUMER_COLUMNS=0..4 sets it at start.
 int& gemm_sm90_consumer_columns();
 // kGelu with bf16: y and gelu' from the lookup table of ops/gelu_table.h (one shared-memory load per element for
 // 2^-12 <= |pre| < 16, the arithmetic GELU outside) instead of the arithmetic GELU everywhere. The table's values are
