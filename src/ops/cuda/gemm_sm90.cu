@@ -864,7 +864,9 @@ int& gemm_sm90_consumer_columns() {
     const char* e = std::getenv("NOPAD_GEMM_CONSUMER_COLUMNS");
     if (e == nullptr) return -1;  // by the GELU's form: launch_gemm_sm90
     const std::string_view v(e);
-    return v == "0" ? 0 : v == "2" ? 2 : v == "3" ? 3 : v == "4" ? 4 : 1;
+    NOPAD_CHECK(v.size() == 1 && v[0] >= '0' && v[0] <= '4', "NOPAD_GEMM_CONSUMER_COLUMNS must be 0 to 4 (box columns ",
+                "of the GELU epilogue the consumer warpgroups take), got '", v, "'; unset it for the default");
+    return v[0] - '0';
   }();
   return columns;
 }
