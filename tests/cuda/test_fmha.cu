@@ -99,6 +99,14 @@ struct Problem {
   std::vector<uint16_t> qkv16, dctx16;  // device inputs
   std::vector<float> qkv, dctx;         // the same values as floats
   int H() const { return heads * hd; }
+  ops::Dropout dropout() const {  // the CPU twin's view of this problem's dropout
+    ops::Dropout d;
+    d.p = p;
+    d.seed = seed;
+    d.step = step;
+    d.op_id = op_id;
+    return d;
+  }
 };
 
 Problem make_problem(const std::vector<int32_t>& lens, int heads, int hd, float p, bool fp16, uint32_t rng_seed) {
@@ -224,11 +232,7 @@ Out cpu_twin(const Problem& pr) {
   seqs.max_seqlen = pr.max_len;
   seqs.cu_seqlens = pr.cu.data();
   seqs.sample_ids = pr.sample_ids.data();
-  ops::Dropout drop;
-  drop.p = pr.p;
-  drop.seed = pr.seed;
-  drop.step = pr.step;
-  drop.op_id = pr.op_id;
+  const ops::Dropout drop = pr.dropout();
   Out o;
   o.ctx.resize(static_cast<size_t>(pr.T) * pr.H());
   o.lse.resize(static_cast<size_t>(pr.heads) * pr.T);
@@ -524,11 +528,7 @@ void run_rows_case(const std::vector<int32_t>& lens, int heads, int hd, float p,
   ops::SeqView seqs{T, B, pr.max_len, pr.cu.data(), pr.sample_ids.data()};
   ops::SeqView qv{N, B, max_q, q_cu.data(), pr.sample_ids.data()};
   qv.row_positions = q_pos.data();
-  ops::Dropout drop;
-  drop.p = pr.p;
-  drop.seed = pr.seed;
-  drop.step = pr.step;
-  drop.op_id = pr.op_id;
+  const ops::Dropout drop = pr.dropout();
   Out cpu_rows;
   cpu_rows.ctx.resize(static_cast<size_t>(N) * H);
   cpu_rows.lse.resize(static_cast<size_t>(heads) * N);
