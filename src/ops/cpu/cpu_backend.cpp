@@ -14,6 +14,7 @@
 #include "core/threads.h"
 #include "ops/cpu/cpu_gelu.h"
 #include "ops/cpu/cpu_gemm.h"
+#include "ops/seq_view.h"
 
 namespace nopad::ops {
 namespace {
@@ -178,10 +179,6 @@ namespace {
 // rows), else the offset from the sequence start.
 uint32_t position_in_seq(const SeqView& seqs, int64_t t, int32_t b) {
   return static_cast<uint32_t>(seqs.row_positions != nullptr ? seqs.row_positions[t] : t - seqs.cu_seqlens[b]);
-}
-void require_whole_sequences(const SeqView& seqs, const char* op) {
-  NOPAD_CHECK(seqs.row_positions == nullptr, op,
-              " needs whole sequences: a SeqView with row_positions (a subset of rows) cannot be used");
 }
 }  // namespace
 
@@ -370,10 +367,8 @@ template <class P>
 void CpuBackend<P>::check_query_rows(const SeqView& seqs, const SeqView& q_seqs, const char* op) {
   require_whole_sequences(seqs, op);
   row_to_seq(seqs);
+  require_query_rows(seqs, q_seqs, op);
   const int32_t B = seqs.num_seqs;
-  NOPAD_CHECK(q_seqs.num_seqs == B, op, ": the query rows cover ", q_seqs.num_seqs, " sequences, the keys ", B);
-  NOPAD_CHECK(q_seqs.cu_seqlens != nullptr && q_seqs.row_positions != nullptr, op,
-              ": the query rows need cu_seqlens and row_positions");
   NOPAD_CHECK(q_seqs.num_tokens >= 0 && q_seqs.cu_seqlens[0] == 0 && q_seqs.cu_seqlens[B] == q_seqs.num_tokens, op,
               ": query cu_seqlens must run from 0 to num_tokens (", q_seqs.num_tokens, ")");
   pos_mark_.assign(static_cast<size_t>(seqs.max_seqlen), -1);

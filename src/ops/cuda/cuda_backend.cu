@@ -18,6 +18,7 @@
 #include "ops/cuda/gemm_sm90.h"
 #include "ops/cuda/fmha.h"
 #include "ops/cuda/kernels.cuh"
+#include "ops/seq_view.h"
 
 namespace nopad::cuda {
 namespace {
@@ -53,11 +54,7 @@ void check_seqs(const ops::SeqView& s, bool need_sample_ids) {
   NOPAD_CHECK(s.num_tokens == 0 || (s.num_seqs > 0 && s.cu_seqlens != nullptr), "SeqView without cu_seqlens");
   NOPAD_CHECK(!need_sample_ids || s.num_tokens == 0 || s.sample_ids != nullptr, "dropout needs SeqView::sample_ids");
 }
-// The attention and embedding ops work on whole sequences (ops.h, SeqView::row_positions).
-void require_whole_sequences(const ops::SeqView& s, const char* op) {
-  NOPAD_CHECK(s.row_positions == nullptr, op,
-              " needs whole sequences: a SeqView with row_positions (a subset of rows) cannot be used");
-}
+using ops::require_whole_sequences;
 
 }  // namespace
 
@@ -697,10 +694,7 @@ void CudaBackendT<P>::attention_forward(const A* qkv, const ops::SeqView& seqs, 
 namespace {
 void set_query_rows(FmhaParams& p, const void* q_qkv, const ops::SeqView& q_seqs, const ops::SeqView& seqs,
                     const char* op) {
-  NOPAD_CHECK(q_seqs.num_seqs == seqs.num_seqs, op, ": the query rows cover ", q_seqs.num_seqs,
-              " sequences, the keys ", seqs.num_seqs);
-  NOPAD_CHECK(q_seqs.cu_seqlens != nullptr && q_seqs.row_positions != nullptr, op,
-              ": the query rows need cu_seqlens and row_positions");
+  ops::require_query_rows(seqs, q_seqs, op);
   p.q_qkv = q_qkv;
   p.q_cu_seqlens = q_seqs.cu_seqlens;
   p.q_positions = q_seqs.row_positions;
