@@ -1,4 +1,4 @@
-// Slicing-by-8 table CRC-32: eight table lookups per 8 input bytes (~2 GB/s on one core).
+// Slicing-by-8 table CRC-32 and CRC-32C: eight table lookups per 8 input bytes (~2 GB/s on one core).
 #include "core/crc32.h"
 
 #include <array>
@@ -9,11 +9,11 @@ namespace {
 
 using Tables = std::array<std::array<uint32_t, 256>, 8>;
 
-Tables make_tables() {
+Tables make_tables(uint32_t reflected_polynomial) {
   Tables t{};
   for (uint32_t i = 0; i < 256; ++i) {
     uint32_t c = i;
-    for (int k = 0; k < 8; ++k) c = (c & 1) ? (0xEDB88320u ^ (c >> 1)) : (c >> 1);
+    for (int k = 0; k < 8; ++k) c = (c & 1) ? (reflected_polynomial ^ (c >> 1)) : (c >> 1);
     t[0][i] = c;
   }
   for (uint32_t i = 0; i < 256; ++i)
@@ -21,15 +21,7 @@ Tables make_tables() {
   return t;
 }
 
-const Tables& tables() {
-  static const Tables t = make_tables();
-  return t;
-}
-
-}  // namespace
-
-uint32_t crc32(const void* data, size_t size_bytes, uint32_t previous) {
-  const Tables& t = tables();
+uint32_t crc_sliced(const Tables& t, const void* data, size_t size_bytes, uint32_t previous) {
   const auto* p = static_cast<const unsigned char*>(data);
   uint32_t c = ~previous;
   while (size_bytes >= 8) {
@@ -44,6 +36,18 @@ uint32_t crc32(const void* data, size_t size_bytes, uint32_t previous) {
   }
   while (size_bytes--) c = t[0][(c ^ *p++) & 0xFF] ^ (c >> 8);
   return ~c;
+}
+
+}  // namespace
+
+uint32_t crc32(const void* data, size_t size_bytes, uint32_t previous) {
+  static const Tables t = make_tables(0xEDB88320u);
+  return crc_sliced(t, data, size_bytes, previous);
+}
+
+uint32_t crc32c(const void* data, size_t size_bytes, uint32_t previous) {
+  static const Tables t = make_tables(0x82F63B78u);
+  return crc_sliced(t, data, size_bytes, previous);
 }
 
 }  // namespace nopad
