@@ -1,0 +1,158 @@
+#!/usr/bin/env python3
+"""Writes the TensorFlow checkpoint fixture of nopad's TF-checkpoint import tests (tests/data/tf-bert-checkpoint/).
+
+Needs TensorFlow (any 2.x; not a test dependency: the fixture is committed). The checkpoint is saved by TensorFlow's
+own tf.compat.v1 Saver, in the format of MLPerf's phase-1 checkpoint (model.ckpt-28252): the variable names of
+google-research/bert's modeling.py and run_pretraining.py, dense kernels stored [in, out], optimizer slots
+`<variable>/adam_m` and `<variable>/adam_v`, a `global_step`, plus two non-BERT tensors in float16 and bfloat16.
+
+Beside it, `expected.safetensors` holds the same values under Hugging Face BertForPreTraining names and shapes
+(kernels transposed to [out, in]), computed here with numpy and written by the small safetensors writer below, so
+the tests compare nopad's reader and name mapping against values that neither produced.
+
+Values are patterned, not random (element i of tensor k is ((37 i + 101 k) mod 251 - 125) / 500): every tensor
+differs from every other and from its own transpose, and git stores the 1 MB of float32 compactly.
+
+A second, tiny checkpoint in `object-based/` is what tf.train.Checkpoint (Keras) writes instead: names that follow
+the Python objects and a string tensor `_CHECKPOINTABLE_OBJECT_GRAPH`, which nopad must refuse with a message.
+
+Usage: python3 scripts/make_tf_bert_fixture.py [OUTPUT_DIR]   (default tests/data/tf-bert-checkpoint)
+"""
+import json
+import os
+import struct
+import subprocess
+import sys
+
+import numpy as np
+
+CONFIG = {
+    "attention_probs_dropout_prob": 0.1,
+    "hidden_act": "gelu",
+    "hidden_dropout_prob": 0.1,
+    "hidden_size": 8,
+    "initializer_range": 0.02,
+    "intermediate_size": 16,
+    "max_position_embeddings": 128,
+    "num_attention_heads": 2,
+    "num_hidden_layers": 2,
+    "type_vocab_size": 2,
+    "vocab_size": 30522,
+}
+
+
+def bert_variables(c):
+    """(TF name, TF shape, HF name, transpose) for every variable of BERT's pre-training graph."""
+    h, f, v = c["hidden_size"], c["intermediate_size"], c["vocab_size"]
+    out = [
+        ("bert/embeddings/word_embeddings", [v, h], "bert.embeddings.word_embeddings.weight", False),
+        ("bert/embeddings/token_type_embeddings", [c["type_vocab_size"], h],
+         "bert.embeddings.token_type_embeddings.weight", False),
+        ("bert/embeddings/position_embeddings", [c["max_position_embeddings"], h],
+         "bert.embeddings.position_embeddings.weight", False),
+        ("bert/embeddings/LayerNorm/gamma", [h], "bert.embeddings.LayerNorm.weight", False),
+        ("bert/embeddings/LayerNorm/beta", [h], "bert.embeddings.LayerNorm.bias", False),
+    ]
+
+    def dense(tf_prefix, hf_prefix, n_in, n_out):
+        return [(tf_prefix + "/kernel", [n_in, n_out], hf_prefix + ".weight", True),
+                (tf_prefix + "/bias", [n_out], hf_prefix + ".bias", False)]
+
+    def layer_norm(tf_prefix, hf_prefix):
+        return [(tf_prefix + "/gamma", [h], hf_prefix + ".weight", False),
+                (tf_prefix + "/beta", [h], hf_prefix + ".bias", False)]
+
+    for l in range(c["num_hidden_layers"]):
+        t, p = f"bert/encoder/layer_{l}", f"bert.encoder.layer.{l}"
+        for part in ("query", "key", "value"):
+            out += dense(f"{t}/attention/self/{part}", f"{p}.attention.self.{part}", h, h)
+        out += dense(f"{t}/attention/output/dense", f"{p}.attention.output.dense", h, h)
+        out += layer_norm(f"{t}/attention/output/LayerNorm", f"{p}.attention.output.LayerNorm")
+        out += dense(f"{t}/intermediate/dense", f"{p}.intermediate.dense", h, f)
+        out += dense(f"{t}/output/dense", f"{p}.output.dense", f, h)
+        out += layer_norm(f"{t}/output/LayerNorm", f"{p}.output.LayerNorm")
+    out += dense("bert/pooler/dense", "bert.pooler.dense", h, h)
+    out += dense("cls/predictions/transform/dense", "cls.predictions.transform.dense", h, h)
+    out += layer_norm("cls/predictions/transform/LayerNorm", "cls.predictions.transform.LayerNorm")
+    out += [("cls/predictions/output_bias", [v], "cls.predictions.bias", False),
+            ("cls/seq_relationship/output_weights", [2, h], "cls.seq_relationship.weight", False),
+            ("cls/seq_relationship/output_bias", [2], "cls.seq_relationship.bias", False)]
+    return out
+
+
+def pattern(shape, k):
+    i = np.arange(int(np.prod(shape)), dtype=np.int64)
+    return (((37 * i + 101 * k) % 251 - 125) / 500.0).astype(np.float32).reshape(shape)
+
+
+def write_safetensors(path, tensors):
+    """tensors: {name: float32 array}; sorted by name, contiguous, header padded with spaces to 8 bytes."""
+    header, blobs, offset = {}, [], 0
+    for name in sorted(tensors):
+        a = np.ascontiguousarray(tensors[name], dtype="<f4")
+        header[name] = {"dtype": "F32", "shape": list(a.shape), "data_offsets": [offset, offset + a.nbytes]}
+        blobs.append(a.tobytes())
+        offset += a.nbytes
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+    with open(path, "wb") as fh:
+        fh.write(struct.pack("<Q", len(text)) + text + b"".join(blobs))
+
+
+def write_object_based(out):
+    """tf.train.Checkpoint runs eagerly: a fresh interpreter, since this one has eager execution disabled."""
+    os.makedirs(out, exist_ok=True)
+    code = ("import numpy as np, tensorflow as tf\n"
+            "class Dense(tf.Module):\n"
+            "    def __init__(self):\n"
+            "        self.kernel = tf.Variable(np.full((2, 3), 0.5, np.float32))\n"
+            f"tf.train.Checkpoint(model=Dense()).write({os.path.join(out, 'ckpt')!r})\n")
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def main():
+    out = sys.argv[1] if len(sys.argv) > 1 else os.path.join(os.path.dirname(__file__), "..", "tests", "data",
+                                                              "tf-bert-checkpoint")
+    os.makedirs(out, exist_ok=True)
+    import tensorflow as tf  # imported late: --help-free script, TensorFlow is only needed here
+    tf.compat.v1.disable_eager_execution()
+
+    specs = bert_variables(CONFIG)
+    expected = {}
+    graph = tf.Graph()
+    with graph.as_default():
+        var_list = {}
+        for k, (tf_name, shape, hf_name, transpose) in enumerate(specs):
+            value = pattern(shape, k)
+            var_list[tf_name] = tf.compat.v1.Variable(value, name=tf_name.replace("/", "_"))
+            expected[hf_name] = value.T if transpose else value
+            if tf_name != "bert/embeddings/word_embeddings":  # slots of the others: what an optimizer leaves
+                for slot, offset in (("adam_m", 1000), ("adam_v", 2000)):
+                    var_list[f"{tf_name}/{slot}"] = tf.compat.v1.Variable(pattern(shape, k + offset))
+        var_list["global_step"] = tf.compat.v1.Variable(np.int64(28252))
+        half = pattern([3, 5], 3000)
+        bf16 = pattern([7], 3001)
+        var_list["extra/half"] = tf.compat.v1.Variable(half.astype(np.float16))
+        var_list["extra/bfloat16"] = tf.compat.v1.Variable(tf.constant(bf16, dtype=tf.bfloat16))
+        expected["extra.half"] = half.astype(np.float16).astype(np.float32)
+        expected["extra.bfloat16"] = tf.constant(bf16, dtype=tf.bfloat16)  # rounded below, in the session
+        saver = tf.compat.v1.train.Saver(var_list=var_list, write_version=tf.compat.v1.train.SaverDef.V2)
+        with tf.compat.v1.Session() as sess:
+            sess.run(tf.compat.v1.global_variables_initializer())
+            expected["extra.bfloat16"] = sess.run(tf.cast(expected["extra.bfloat16"], tf.float32))
+            prefix = saver.save(sess, os.path.join(out, "model.ckpt"), global_step=3, write_meta_graph=False)
+    with open(os.path.join(out, "bert_config.json"), "w") as fh:
+        json.dump(CONFIG, fh, indent=2, sort_keys=True)
+        fh.write("\n")
+    # The `checkpoint` file TensorFlow writes holds the absolute path; a relative one is what a copied folder has.
+    with open(os.path.join(out, "checkpoint"), "w") as fh:
+        fh.write('model_checkpoint_path: "model.ckpt-3"\nall_model_checkpoint_paths: "model.ckpt-3"\n')
+    write_safetensors(os.path.join(out, "expected.safetensors"), expected)
+    write_object_based(os.path.join(out, "object-based"))
+    reader = tf.train.load_checkpoint(prefix)
+    print(f"wrote {prefix} ({len(reader.get_variable_to_shape_map())} tensors, TensorFlow {tf.__version__}) and "
+          f"expected.safetensors ({len(expected)} tensors)")
+
+
+if __name__ == "__main__":
+    main()

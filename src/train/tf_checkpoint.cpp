@@ -1,0 +1,492 @@
+// TensorFlow checkpoint reading (see tf_checkpoint.h): the LevelDB-format index table, the bundle's protobuf
+// entries, the data shards, and the BERT name mapping.
+#include "train/tf_checkpoint.h"
+
+#include <algorithm>
+#include <bit>
+#include <cctype>
+#include <cstdio>
+#include <cstring>
+#include <set>
+
+#include "core/crc32.h"
+#include "core/error.h"
+
+namespace nopad {
+namespace {
+
+constexpr uint64_t kTableMagic = 0xdb4775248b80fb57ull;  // LevelDB's table magic, as TensorFlow's table writes it
+constexpr size_t kFooterSize = 48;                       // two block handles padded to 40 bytes, then the magic
+constexpr size_t kBlockTrailerSize = 5;                  // compression type byte + masked CRC-32C
+
+std::string shape_str(const std::vector<int64_t>& shape) {
+  std::string s = "[";
+  for (size_t i = 0; i < shape.size(); ++i) s += (i ? ", " : "") + std::to_string(shape[i]);
+  return s + "]";
+}
+
+uint32_t load_u32(const uint8_t* p) {
+  uint32_t v;
+  std::memcpy(&v, p, 4);
+  return v;  // little-endian hosts only (checked below)
+}
+
+// A read cursor over bytes that throws "WHERE: truncated or corrupt (WHAT)" on any overrun.
+class Cursor {
+ public:
+  Cursor(const uint8_t* begin, size_t size, const std::string* where) : p_(begin), end_(begin + size), where_(where) {}
+  bool done() const { return p_ == end_; }
+  size_t left() const { return static_cast<size_t>(end_ - p_); }
+  const uint8_t* pos() const { return p_; }
+
+  uint64_t varint(const char* what) {
+    uint64_t v = 0;
+    for (int shift = 0; shift < 64; shift += 7) {
+      NOPAD_CHECK(p_ < end_, *where_, ": truncated or corrupt (", what, ")");
+      const uint8_t b = *p_++;
+      v |= static_cast<uint64_t>(b & 0x7F) << shift;
+      if (!(b & 0x80)) return v;
+    }
+    fail(*where_, ": corrupt varint (", what, ")");
+  }
+  const uint8_t* bytes(uint64_t n, const char* what) {
+    NOPAD_CHECK(n <= left(), *where_, ": truncated or corrupt (", what, ")");
+    const uint8_t* p = p_;
+    p_ += n;
+    return p;
+  }
+
+ private:
+  const uint8_t* p_;
+  const uint8_t* end_;
+  const std::string* where_;
+};
+
+// Protocol-buffer wire format, just what the bundle's three messages need.
+struct Field {
+  uint32_t number = 0;
+  uint32_t wire = 0;
+  uint64_t value = 0;                // varint and fixed fields
+  const uint8_t* data = nullptr;    // length-delimited fields
+  size_t size = 0;
+};
+
+bool next_field(Cursor& c, Field& f, const char* what) {
+  if (c.done()) return false;
+  const uint64_t tag = c.varint(what);
+  f.number = static_cast<uint32_t>(tag >> 3);
+  f.wire = static_cast<uint32_t>(tag & 7);
+  switch (f.wire) {
+    case 0:
+      f.value = c.varint(what);
+      break;
+    case 1:
+      std::memcpy(&f.value, c.bytes(8, what), 8);
+      break;
+    case 2:
+      f.size = c.varint(what);
+      f.data = c.bytes(f.size, what);
+      break;
+    case 5: {
+      uint32_t v;
+      std::memcpy(&v, c.bytes(4, what), 4);
+      f.value = v;
+      break;
+    }
+    default:
+      fail("unsupported protobuf wire type ", f.wire, " in ", what);
+  }
+  return true;
+}
+
+// TensorFlow's DataType enum (types.proto) -> nopad's DType, where there is one.
+bool dtype_of(int tf_dtype, DType& out) {
+  switch (tf_dtype) {
+    case 1: out = DType::kF32; return true;
+    case 2: out = DType::kF64; return true;
+    case 3: out = DType::kI32; return true;
+    case 4: out = DType::kU8; return true;
+    case 5: out = DType::kI16; return true;
+    case 6: out = DType::kI8; return true;
+    case 9: out = DType::kI64; return true;
+    case 10: out = DType::kBool; return true;
+    case 14: out = DType::kBF16; return true;
+    case 19: out = DType::kF16; return true;
+    default: return false;
+  }
+}
+
+// TensorFlow's own name of a DataType, for messages.
+std::string tf_dtype_name(int tf_dtype) {
+  switch (tf_dtype) {
+    case 1: return "float32";
+    case 2: return "float64";
+    case 3: return "int32";
+    case 4: return "uint8";
+    case 5: return "int16";
+    case 6: return "int8";
+    case 7: return "string";
+    case 9: return "int64";
+    case 10: return "bool";
+    case 14: return "bfloat16";
+    case 19: return "float16";
+    case 20: return "resource";
+    case 21: return "variant";
+    default: return "DataType " + std::to_string(tf_dtype);
+  }
+}
+
+// TensorShapeProto: repeated Dim dim = 2 (Dim: int64 size = 1), bool unknown_rank = 3.
+std::vector<int64_t> parse_shape(const uint8_t* data, size_t size, const std::string& where, const std::string& name) {
+  std::vector<int64_t> shape;
+  Cursor c(data, size, &where);
+  Field f;
+  while (next_field(c, f, "tensor shape")) {
+    if (f.number == 3 && f.wire == 0 && f.value != 0) fail(where, ": tensor ", name, " has an unknown rank");
+    if (f.number != 2 || f.wire != 2) continue;
+    Cursor d(f.data, f.size, &where);
+    Field g;
+    int64_t dim = 0;
+    while (next_field(d, g, "tensor shape dimension"))
+      if (g.number == 1 && g.wire == 0) dim = static_cast<int64_t>(g.value);
+    NOPAD_CHECK(dim >= 0, where, ": tensor ", name, " has a negative or unknown dimension (", dim, ")");
+    shape.push_back(dim);
+  }
+  return shape;
+}
+
+// One block of the table, checksum verified; returns its contents without the trailer.
+std::pair<const uint8_t*, size_t> read_block(const MappedFile& file, uint64_t offset, uint64_t size,
+                                             const std::string& where, const char* what) {
+  NOPAD_CHECK(offset <= file.size() && size <= file.size() - offset &&
+                  kBlockTrailerSize <= file.size() - offset - size,
+              where, ": truncated or corrupt (the ", what, " block at byte ", offset, " runs past the end of the file)");
+  const uint8_t* p = file.data() + offset;
+  const uint8_t type = p[size];
+  const uint32_t stored = load_u32(p + size + 1);
+  NOPAD_CHECK(crc32c_unmask(stored) == crc32c(p, size + 1), where, ": the ", what, " block at byte ", offset,
+              " does not match its checksum (the file is corrupt)");
+  NOPAD_CHECK(type == 0, where, ": the ", what, " block at byte ", offset, " is ",
+              type == 1 ? "snappy-compressed" : "compressed", " (type ", static_cast<int>(type),
+              "); nopad reads uncompressed index tables, which TensorFlow writes since 1.2: load and save the "
+              "checkpoint again with a newer TensorFlow");
+  return {p, size};
+}
+
+// Calls fn(key, value_ptr, value_size) for each entry of a table block, keys rebuilt from their shared prefixes.
+template <class Fn>
+void for_each_entry(const uint8_t* block, size_t size, const std::string& where, Fn&& fn) {
+  NOPAD_CHECK(size >= 4, where, ": corrupt table block (", size, " bytes)");
+  const uint32_t num_restarts = load_u32(block + size - 4);
+  NOPAD_CHECK(num_restarts <= (size - 4) / 4, where, ": corrupt table block (", num_restarts, " restart points)");
+  const size_t entries_end = size - 4 - 4 * static_cast<size_t>(num_restarts);
+  Cursor c(block, entries_end, &where);
+  std::string key;
+  while (!c.done()) {
+    const uint64_t shared = c.varint("table entry");
+    const uint64_t non_shared = c.varint("table entry");
+    const uint64_t value_size = c.varint("table entry");
+    NOPAD_CHECK(shared <= key.size(), where, ": corrupt table entry (shares ", shared, " bytes of a ", key.size(),
+                "-byte key)");
+    key.resize(shared);
+    const uint8_t* k = c.bytes(non_shared, "table key");
+    key.append(reinterpret_cast<const char*>(k), non_shared);
+    const uint8_t* v = c.bytes(value_size, "table value");
+    fn(key, v, static_cast<size_t>(value_size));
+  }
+}
+
+// A TensorFlow `checkpoint` state file: model_checkpoint_path: "PATH" (relative to the folder, or absolute).
+fs::path checkpoint_from_state_file(const fs::path& dir) {
+  const std::string text = read_file(dir / "checkpoint");
+  const std::string key = "model_checkpoint_path:";
+  const size_t k = text.find(key);
+  NOPAD_CHECK(k != std::string::npos, (dir / "checkpoint").string(), ": no model_checkpoint_path line");
+  const size_t q1 = text.find('"', k + key.size());
+  const size_t q2 = q1 == std::string::npos ? q1 : text.find('"', q1 + 1);
+  NOPAD_CHECK(q2 != std::string::npos, (dir / "checkpoint").string(), ": model_checkpoint_path is not a quoted path");
+  fs::path p = text.substr(q1 + 1, q2 - q1 - 1);
+  std::error_code ec;
+  if (p.is_relative()) p = dir / p;
+  // A folder copied from elsewhere keeps the absolute path it was written under: fall back to the name here.
+  if (!fs::exists(fs::path(p.string() + ".index"), ec)) p = dir / p.filename();
+  return p;
+}
+
+}  // namespace
+
+fs::path resolve_tf_checkpoint(const fs::path& path) {
+  std::error_code ec;
+  if (path.extension() == ".index" && fs::is_regular_file(path, ec)) return fs::path(path).replace_extension();
+  if (fs::is_regular_file(fs::path(path.string() + ".index"), ec)) return path;
+  if (fs::is_directory(path, ec)) {
+    if (fs::is_regular_file(path / "checkpoint", ec)) return checkpoint_from_state_file(path);
+    std::vector<fs::path> found;
+    for (const auto& e : fs::directory_iterator(path, ec))
+      if (e.path().extension() == ".index") found.push_back(e.path());
+    if (found.size() == 1) return found[0].replace_extension();
+  }
+  return {};
+}
+
+fs::path TfCheckpoint::index_path() const { return fs::path(prefix_.string() + ".index"); }
+
+fs::path TfCheckpoint::data_path(int32_t shard) const {
+  char suffix[64];
+  std::snprintf(suffix, sizeof suffix, ".data-%05d-of-%05d", shard, num_shards());
+  return fs::path(prefix_.string() + suffix);
+}
+
+TfCheckpoint::TfCheckpoint(const fs::path& path) {
+  static_assert(std::endian::native == std::endian::little, "the checkpoint reader assumes a little-endian host");
+  prefix_ = resolve_tf_checkpoint(path);
+  NOPAD_CHECK(!prefix_.empty(), "TensorFlow checkpoint ", path.string(),
+              ": not found (give the prefix, e.g. .../model.ckpt-28252 beside model.ckpt-28252.index, the .index "
+              "file, or a folder with a `checkpoint` file or one .index file)");
+  const std::string where = index_path().string();
+  const MappedFile index(index_path());
+  NOPAD_CHECK(index.size() >= kFooterSize, where, ": too short for a checkpoint index (", index.size(), " bytes)");
+  const uint8_t* footer = index.data() + index.size() - kFooterSize;
+  uint64_t magic;
+  std::memcpy(&magic, footer + kFooterSize - 8, 8);
+  NOPAD_CHECK(magic == kTableMagic, where, ": not a TensorFlow checkpoint index (no table magic at its end)");
+  Cursor fc(footer, kFooterSize - 8, &where);
+  fc.varint("footer");  // metaindex block: filter and stats blocks, which TensorFlow's bundles do not use
+  fc.varint("footer");
+  const uint64_t index_offset = fc.varint("footer"), index_size = fc.varint("footer");
+
+  bool have_header = false;
+  int64_t num_shards = 0;
+  const auto [iblock, isize] = read_block(index, index_offset, index_size, where, "index");
+  for_each_entry(iblock, isize, where, [&](const std::string&, const uint8_t* handle, size_t handle_size) {
+    Cursor hc(handle, handle_size, &where);
+    const uint64_t off = hc.varint("block handle"), size = hc.varint("block handle");
+    const auto [block, bsize] = read_block(index, off, size, where, "data");
+    for_each_entry(block, bsize, where, [&](const std::string& key, const uint8_t* v, size_t vsize) {
+      Cursor c(v, vsize, &where);
+      Field f;
+      if (key.empty()) {  // BundleHeaderProto: num_shards = 1, endianness = 2, VersionDef version = 3
+        have_header = true;
+        while (next_field(c, f, "checkpoint header")) {
+          if (f.number == 1 && f.wire == 0) num_shards = static_cast<int64_t>(f.value);
+          if (f.number == 2 && f.wire == 0)
+            NOPAD_CHECK(f.value == 0, where, ": a big-endian checkpoint; nopad reads little-endian ones");
+          if (f.number == 3 && f.wire == 2) {  // VersionDef: producer = 1, min_consumer = 2
+            Cursor vc(f.data, f.size, &where);
+            Field g;
+            while (next_field(vc, g, "checkpoint version"))
+              if (g.number == 2 && g.wire == 0)
+                NOPAD_CHECK(g.value <= 1, where, ": written in bundle format version ", g.value,
+                            ", newer than the version 1 nopad reads");
+          }
+        }
+        return;
+      }
+      // BundleEntryProto: dtype = 1, shape = 2, shard_id = 3, offset = 4, size = 5, crc32c = 6 (fixed32),
+      // slices = 7.
+      TfTensorEntry e;
+      e.name = key;
+      bool have_shape = false;
+      while (next_field(c, f, "checkpoint entry")) {
+        switch (f.number) {
+          case 1: e.tf_dtype = static_cast<int>(f.value); break;
+          case 2:
+            e.shape = parse_shape(f.data, f.size, where, key);
+            have_shape = true;
+            break;
+          case 3: e.shard = static_cast<int32_t>(f.value); break;
+          case 4: e.offset = f.value; break;
+          case 5: e.size = f.value; break;
+          case 6: e.masked_crc32c = static_cast<uint32_t>(f.value); break;
+          case 7: e.sliced = true; break;
+          default: break;
+        }
+      }
+      (void)have_shape;  // a scalar's shape message is empty and may be absent
+      e.numel = 1;
+      for (int64_t d : e.shape) e.numel *= static_cast<size_t>(d);
+      e.known_dtype = dtype_of(e.tf_dtype, e.dtype);
+      NOPAD_CHECK(entries_.empty() || entries_.back().name < key, where, ": tensor names out of order at ", key,
+                  " (the index is corrupt)");
+      entries_.push_back(std::move(e));
+    });
+  });
+  NOPAD_CHECK(have_header, where, ": no checkpoint header entry (not a tensor bundle index?)");
+  NOPAD_CHECK(num_shards >= 1 && num_shards <= 100000, where, ": the header names ", num_shards, " data shards");
+
+  shards_.resize(static_cast<size_t>(num_shards));
+  for (int32_t s = 0; s < num_shards; ++s) {
+    const fs::path p = data_path(s);
+    std::error_code ec;
+    NOPAD_CHECK(fs::is_regular_file(p, ec), "TensorFlow checkpoint ", prefix_.string(), ": data file ", p.string(),
+                " is missing (the index names ", num_shards, " data shard", num_shards > 1 ? "s" : "", ")");
+    shards_[static_cast<size_t>(s)] = std::make_unique<MappedFile>(p);
+  }
+  for (const TfTensorEntry& e : entries_) {
+    if (e.sliced) continue;
+    NOPAD_CHECK(e.shard >= 0 && e.shard < num_shards, where, ": tensor ", e.name, " names data shard ", e.shard,
+                " of ", num_shards);
+    const MappedFile& data = *shards_[static_cast<size_t>(e.shard)];
+    NOPAD_CHECK(e.offset <= data.size() && e.size <= data.size() - e.offset, data.path().string(), ": tensor ",
+                e.name, " (bytes ", e.offset, "..", e.offset + e.size, ") runs past the end of the file (",
+                data.size(), " bytes): the data file is truncated or belongs to another index");
+    if (e.known_dtype)
+      NOPAD_CHECK(e.size == e.numel * dtype_size(e.dtype), where, ": tensor ", e.name, " of shape ",
+                  shape_str(e.shape), " and dtype ", tf_dtype_name(e.tf_dtype), " is stored in ", e.size, " bytes");
+  }
+}
+
+const TfTensorEntry* TfCheckpoint::find(std::string_view name) const {
+  const auto it = std::lower_bound(entries_.begin(), entries_.end(), name,
+                                   [](const TfTensorEntry& e, std::string_view n) { return e.name < n; });
+  return it != entries_.end() && it->name == name ? &*it : nullptr;
+}
+
+const TfTensorEntry& TfCheckpoint::at(std::string_view name) const {
+  const TfTensorEntry* e = find(name);
+  NOPAD_CHECK(e != nullptr, "TensorFlow checkpoint ", prefix_.string(), ": no tensor ", name);
+  return *e;
+}
+
+void TfCheckpoint::read_float(std::string_view name, float* out, size_t out_numel) const {
+  const TfTensorEntry& e = at(name);
+  const std::string where = "TensorFlow checkpoint " + prefix_.string() + ": tensor " + e.name;
+  NOPAD_CHECK(!e.sliced, where, " is saved as slices of a partitioned variable, which nopad does not read");
+  NOPAD_CHECK(e.known_dtype && (e.dtype == DType::kF32 || e.dtype == DType::kF16 || e.dtype == DType::kBF16 ||
+                                e.dtype == DType::kF64),
+              where, " is ", tf_dtype_name(e.tf_dtype), ", not a floating-point tensor");
+  NOPAD_CHECK(out_numel == e.numel, where, " has ", e.numel, " elements, ", out_numel, " were asked for");
+  const MappedFile& data = *shards_[static_cast<size_t>(e.shard)];
+  const uint8_t* p = data.data() + e.offset;
+  NOPAD_CHECK(crc32c_unmask(e.masked_crc32c) == crc32c(p, e.size), where, " in ", data.path().string(),
+              " does not match its checksum: the data file is corrupt or does not belong to this index");
+  for (size_t i = 0; i < e.numel; ++i) {
+    switch (e.dtype) {
+      case DType::kF32: std::memcpy(&out[i], p + 4 * i, 4); break;
+      case DType::kF64: {
+        double d;
+        std::memcpy(&d, p + 8 * i, 8);
+        out[i] = static_cast<float>(d);
+        break;
+      }
+      default: {
+        uint16_t h;
+        std::memcpy(&h, p + 2 * i, 2);
+        out[i] = e.dtype == DType::kF16 ? half_to_float(h) : bf16_to_float(h);
+      }
+    }
+  }
+}
+
+std::vector<float> TfCheckpoint::read_float(std::string_view name) const {
+  std::vector<float> out(at(name).numel);
+  read_float(name, out.data(), out.size());
+  return out;
+}
+
+TfVariableName tf_variable_for(const std::string& hf_name) {
+  auto ends_with = [&](std::string_view s) {
+    return hf_name.size() >= s.size() && hf_name.compare(hf_name.size() - s.size(), s.size(), s) == 0;
+  };
+  std::string base;
+  std::string leaf;
+  bool transposed = false;
+  if (hf_name == "cls.predictions.bias") return {"cls/predictions/output_bias", false};
+  if (hf_name == "cls.seq_relationship.weight") return {"cls/seq_relationship/output_weights", false};
+  if (hf_name == "cls.seq_relationship.bias") return {"cls/seq_relationship/output_bias", false};
+  if (ends_with("_embeddings.weight")) {
+    base = hf_name.substr(0, hf_name.size() - 7);  // the embedding table is the variable itself
+  } else if (ends_with(".LayerNorm.weight") || ends_with(".LayerNorm.bias")) {
+    const bool weight = ends_with(".weight");
+    base = hf_name.substr(0, hf_name.size() - (weight ? 7 : 5));
+    leaf = weight ? "gamma" : "beta";
+  } else if (ends_with(".weight")) {
+    base = hf_name.substr(0, hf_name.size() - 7);
+    leaf = "kernel";
+    transposed = true;
+  } else if (ends_with(".bias")) {
+    base = hf_name.substr(0, hf_name.size() - 5);
+    leaf = "bias";
+  } else {
+    fail("no TensorFlow name for parameter ", hf_name);
+  }
+  std::string tf;
+  for (size_t i = 0; i < base.size(); ++i) {
+    // "encoder.layer.7." -> "encoder/layer_7/"
+    if (base.compare(i, 7, ".layer.") == 0 && i + 7 < base.size() && std::isdigit(static_cast<unsigned char>(base[i + 7]))) {
+      tf += "/layer_";
+      i += 6;
+      continue;
+    }
+    tf += base[i] == '.' ? '/' : base[i];
+  }
+  if (!leaf.empty()) tf += "/" + leaf;
+  return {tf, transposed};
+}
+
+std::string TfImportReport::summary() const {
+  std::string s = std::to_string(loaded) + " tensors loaded";
+  if (optimizer_slots) s += ", " + std::to_string(optimizer_slots) + " optimizer slots left out";
+  if (!ignored.empty()) {
+    s += ", " + std::to_string(ignored.size()) + " other tensor" + (ignored.size() > 1 ? "s" : "") + " left out (";
+    for (size_t i = 0; i < ignored.size() && i < 4; ++i) s += (i ? ", " : "") + ignored[i];
+    s += ignored.size() > 4 ? ", ...)" : ")";
+  }
+  return s;
+}
+
+TfImportReport load_tf_bert_weights(const fs::path& path, const ParamLayout& layout, float* params) {
+  const TfCheckpoint ck(path);
+  const std::string where = "TensorFlow checkpoint " + ck.prefix().string();
+  TfImportReport report;
+  std::set<std::string> used;
+  std::vector<float> buf;
+  for (const ParamTensor& t : layout.tensors()) {
+    const TfVariableName v = tf_variable_for(t.name);
+    const TfTensorEntry* e = ck.find(v.name);
+    if (e == nullptr && ck.find("_CHECKPOINTABLE_OBJECT_GRAPH") != nullptr)
+      fail(where, ": variable ", v.name, " is missing: this is an object-based checkpoint (tf.train.Checkpoint, "
+           "Keras), whose names follow the Python objects; nopad reads the name-based checkpoints of "
+           "google-research/bert and MLPerf (tf.compat.v1.train.Saver)");
+    NOPAD_CHECK(e != nullptr, where, ": variable ", v.name, " (", t.name, ") is missing",
+                t.name.rfind("cls.", 0) == 0 ? " (a checkpoint without the pre-training heads cannot start "
+                                               "pre-training)"
+                                             : "");
+    std::vector<int64_t> want = t.shape;
+    if (v.transposed) std::reverse(want.begin(), want.end());
+    NOPAD_CHECK(e->shape == want, where, ": variable ", v.name, " has shape ", shape_str(e->shape),
+                ", the model (model.config) expects ", shape_str(want),
+                v.transposed ? " (TensorFlow kernels are stored [in, out])" : "");
+    float* dst = params + t.offset;
+    if (!v.transposed) {
+      ck.read_float(v.name, dst, t.numel);
+    } else {
+      buf.resize(t.numel);
+      ck.read_float(v.name, buf.data(), t.numel);
+      const size_t rows = static_cast<size_t>(t.shape[0]), cols = static_cast<size_t>(t.shape[1]);
+      for (size_t r = 0; r < rows; ++r)  // stored [cols][rows]
+        for (size_t c = 0; c < cols; ++c) dst[r * cols + c] = buf[c * rows + r];
+    }
+    used.insert(v.name);
+    ++report.loaded;
+  }
+  for (const TfTensorEntry& e : ck.tensors()) {
+    if (used.count(e.name)) continue;
+    // An optimizer's slot of a model variable: "<variable>/adam_m", "<variable>/LAMB/m", ...
+    bool slot = false;
+    for (size_t slash = e.name.rfind('/'); slash != std::string::npos && slash > 0 && !slot;
+         slash = e.name.rfind('/', slash - 1))
+      slot = used.count(e.name.substr(0, slash)) > 0;
+    if (slot) {
+      ++report.optimizer_slots;
+      continue;
+    }
+    NOPAD_CHECK(e.name.rfind("bert/", 0) != 0 && e.name.rfind("cls/", 0) != 0, where, ": variable ", e.name,
+                " is not a parameter of the model in model.config (another architecture, or more layers than "
+                "num_hidden_layers?)");
+    report.ignored.push_back(e.name);
+  }
+  return report;
+}
+
+}  // namespace nopad
