@@ -3,6 +3,8 @@
 // diverging run stops naming the step while keeping its last good checkpoint.
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <cmath>
 #include <fstream>
 #include <limits>
 #include <numeric>
@@ -273,6 +275,44 @@ TEST(Trainer, BadInputsAreClearErrorsAndWriteNothing) {
   EXPECT_NE(e.find("model config differs from the run's model.config"), std::string::npos) << e;
   EXPECT_NE(e.find("num_attention_heads: 4 vs 2"), std::string::npos) << e;
   EXPECT_NO_THROW(Trainer(make_config(resumable), StartMode::kResume));
+}
+
+// init_from a TensorFlow checkpoint (the form of MLPerf's phase-1 checkpoint): the run starts from its weights.
+// One step at a learning rate of 1e-20 leaves them as they were, so the run's checkpoint must hold the values numpy
+// computed for the fixture under Hugging Face names.
+TEST(Trainer, InitFromATensorFlowCheckpoint) {
+  test::TempDir dir("trainer-tf");
+  const fs::path tf_dir = test::source_dir() / "tests/data/tf-bert-checkpoint";
+  const fs::path run = dir / "run";
+  Trainer(make_config(base_config(run, tf_dir / "bert_config.json",
+                                  "init_from = \"" + tf_dir.string() + "\"\ntrain.global_batch = 4\n"
+                                  "train.max_steps = 1\noptim.lr = 1e-20\n")),
+          StartMode::kFresh)
+      .run();
+  const LoadedCheckpoint ck = load_checkpoint(latest_checkpoint(run));
+  const ParamLayout layout(ck.config);
+  const SafetensorsFile expected(tf_dir / "expected.safetensors");
+  for (const ParamTensor& t : layout.tensors()) {
+    SCOPED_TRACE(t.name);
+    const std::vector<float> want = expected.read_float(t.name);
+    float worst = 0;
+    for (size_t i = 0; i < t.numel; ++i) worst = std::max(worst, std::fabs(ck.params[t.offset + i] - want[i]));
+    EXPECT_LT(worst, 1e-6f);
+  }
+
+  // A model.config the checkpoint does not fit: one error naming the variable and both shapes, nothing written.
+  const fs::path run2 = dir / "run2";
+  const std::string e = error_of([&] {
+    Trainer(make_config(base_config(run2, write_model_config(dir.path(), 32, 2, 2),
+                                    "init_from = \"" + (tf_dir / "model.ckpt-3").string() + "\"\n")),
+            StartMode::kFresh);
+  });
+  EXPECT_NE(e.find("init_from: TensorFlow checkpoint " + (tf_dir / "model.ckpt-3").string() +
+                   ": variable bert/embeddings/word_embeddings has shape [30522, 8], the model (model.config) "
+                   "expects [30522, 32]"),
+            std::string::npos)
+      << e;
+  EXPECT_FALSE(fs::exists(run2));
 }
 
 TEST(Trainer, NonFiniteLossStopsNamingTheStepAndKeepsTheLastCheckpoint) {

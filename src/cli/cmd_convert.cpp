@@ -3,6 +3,11 @@
 // order, into DIR/shard_00000.nopad, shard_00001.nopad, ... of --seqs-per-shard sequences each, plus DIR/dataset.json.
 // All-or-nothing: shards are written into a staging folder inside DIR and moved into place only after every input
 // has converted; on any error the staging folder is removed and DIR is left as it was.
+//
+// nopad convert --from-tf-checkpoint PATH --output DIR [--config bert_config.json]: a TensorFlow BERT checkpoint
+// (MLPerf's phase-1 model.ckpt-28252, google-research/bert's) -> a Hugging Face BertForPreTraining folder
+// (model.safetensors, config.json) that nopad's init_from and eval and transformers' from_pretrained load. The same
+// all-or-nothing rule: both files are staged, then moved into place, the config last.
 #include <unistd.h>
 
 #include <chrono>
@@ -20,6 +25,10 @@
 #include "data/hdf5_import.h"
 #include "data/shard.h"
 #include "data/vocab.h"
+#include "model/config.h"
+#include "model/params.h"
+#include "train/safetensors.h"
+#include "train/tf_checkpoint.h"
 
 namespace {
 
@@ -29,6 +38,8 @@ constexpr const char* kDefaultVocab = "data/vocab/bert-uncased-vocab.txt";
 
 struct ConvertOptions {
   std::vector<std::string> inputs;
+  std::string tf_checkpoint;
+  std::string config;
   std::string output;
   bool overwrite = false;
   std::string vocab;
@@ -162,21 +173,94 @@ void run_convert(const ConvertOptions& opt) {
       static_cast<unsigned long long>(num_masked), nopad::format_duration(seconds).c_str());
 }
 
+// The bert_config.json a TensorFlow BERT checkpoint ships with: --config, else bert_config.json beside the
+// checkpoint or in the folder given.
+fs::path tf_config_path(const ConvertOptions& opt, const fs::path& prefix) {
+  if (!opt.config.empty()) return opt.config;
+  std::error_code ec;
+  for (const fs::path& dir : {prefix.parent_path(), fs::path(opt.tf_checkpoint)})
+    if (!dir.empty() && fs::is_regular_file(dir / "bert_config.json", ec)) return dir / "bert_config.json";
+  nopad::fail("no model config: pass --config FILE (the bert_config.json the checkpoint was trained with; none "
+              "was found beside ", prefix.string(), ")");
+}
+
+void run_convert_tf(const ConvertOptions& opt) {
+  using nopad::fail;
+  const auto t0 = std::chrono::steady_clock::now();
+  const fs::path prefix = nopad::resolve_tf_checkpoint(opt.tf_checkpoint);
+  NOPAD_CHECK(!prefix.empty(), "--from-tf-checkpoint ", opt.tf_checkpoint,
+              ": no TensorFlow checkpoint there (give the prefix, e.g. .../model.ckpt-28252 beside "
+              "model.ckpt-28252.index, the .index file, or a folder with a `checkpoint` file or one .index file)");
+  const fs::path config_path = tf_config_path(opt, prefix);
+  const nopad::BertConfig config = nopad::BertConfig::from_file(config_path.string());
+  const nopad::ParamLayout layout(config);
+  std::vector<float> params(layout.total_numel(), 0.0f);
+  const nopad::TfImportReport report = nopad::load_tf_bert_weights(prefix, layout, params.data());
+
+  const fs::path out_dir(opt.output);
+  nopad::ensure_writable_dir(out_dir);
+  std::error_code ec;
+  const bool existing = fs::exists(out_dir / "model.safetensors", ec) || fs::exists(out_dir / "config.json", ec);
+  if (existing && !opt.overwrite)
+    fail("output folder ", out_dir.string(), " already holds a model (model.safetensors or config.json): pass "
+         "--overwrite to replace it, or choose an empty folder");
+  StagingDir staging{out_dir / (".convert-staging-" + std::to_string(::getpid()))};
+  fs::remove_all(staging.path);
+  fs::create_directories(staging.path);
+  std::vector<nopad::SafetensorsTensor> tensors;
+  for (const nopad::ParamTensor& t : layout.tensors())
+    tensors.push_back({t.name, nopad::DType::kF32, t.shape, params.data() + t.offset});
+  nopad::write_safetensors(staging.path / "model.safetensors", tensors, {{"format", "pt"}});
+  nopad::write_file_atomic(staging.path / "config.json", config.to_json().dump(2) + "\n");
+  // The old config goes first: a folder without config.json is incomplete, never a mix of two models.
+  if (existing) {
+    fs::remove(out_dir / "config.json");
+    nopad::fsync_dir(out_dir);
+  }
+  fs::rename(staging.path / "model.safetensors", out_dir / "model.safetensors");
+  fs::rename(staging.path / "config.json", out_dir / "config.json");
+  nopad::fsync_dir(out_dir);
+
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  std::printf("converted TensorFlow checkpoint %s -> %s (Hugging Face BertForPreTraining, %zu parameters)\n"
+              "  %s\n  config %s; time %s\n",
+              prefix.string().c_str(), out_dir.string().c_str(), layout.num_values(), report.summary().c_str(),
+              config_path.string().c_str(), nopad::format_duration(seconds).c_str());
+}
+
 void setup(CLI::App& sub) {
   auto opt = std::make_shared<ConvertOptions>();
-  sub.add_option("--from-hdf5", opt->inputs, "NVIDIA/MLPerf BERT HDF5 files (fixed, variable-length or packed)")
-      ->required()
-      ->expected(1, -1);
-  sub.add_option("--output", opt->output, "output folder for shard_NNNNN.nopad and dataset.json")->required();
+  auto* hdf5 = sub.add_option("--from-hdf5", opt->inputs,
+                              "NVIDIA/MLPerf BERT HDF5 files (fixed, variable-length or packed) -> shards")
+                   ->expected(1, -1);
+  auto* tf = sub.add_option("--from-tf-checkpoint", opt->tf_checkpoint,
+                            "a TensorFlow BERT checkpoint (prefix, .index file or folder; e.g. MLPerf's phase-1 "
+                            "model.ckpt-28252) -> a Hugging Face BertForPreTraining folder");
+  hdf5->excludes(tf);
+  sub.add_option("--config", opt->config,
+                 "with --from-tf-checkpoint: the model's bert_config.json (default: bert_config.json beside the "
+                 "checkpoint)");
+  sub.add_option("--output", opt->output,
+                 "output folder: shard_NNNNN.nopad and dataset.json, or model.safetensors and config.json")
+      ->required();
   sub.add_option("--vocab", opt->vocab, std::string("vocabulary the files were made with (default ") + kDefaultVocab +
                                             " when it exists)");
   sub.add_option("--seqs-per-shard", opt->seqs_per_shard, "sequences per shard")->default_val(65536);
   sub.add_option("--threads", opt->threads, "input files read at once (default: cores, at most 8)");
   sub.add_flag("--overwrite", opt->overwrite,
-               "replace a dataset already in --output (it stays untouched until the new one is complete)");
-  sub.callback([opt] { run_convert(*opt); });
+               "replace a dataset or model already in --output (it stays untouched until the new one is complete)");
+  sub.callback([opt] {
+    if (!opt->tf_checkpoint.empty()) return run_convert_tf(*opt);
+    NOPAD_CHECK(!opt->inputs.empty(), "nothing to convert: give --from-hdf5 FILE... (data) or --from-tf-checkpoint "
+                "PATH (a model)");
+    NOPAD_CHECK(opt->config.empty(), "--config goes with --from-tf-checkpoint, not with --from-hdf5");
+    run_convert(*opt);
+  });
 }
 
-NOPAD_REGISTER_COMMAND("convert", "convert NVIDIA/MLPerf BERT HDF5 files into nopad shards", 40, setup);
+NOPAD_REGISTER_COMMAND("convert",
+                       "convert NVIDIA/MLPerf BERT HDF5 files into nopad shards, or a TensorFlow BERT checkpoint into "
+                       "a Hugging Face folder",
+                       40, setup);
 
 }  // namespace

@@ -20,6 +20,7 @@
 #include "optim/optimizer.h"
 #include "optim/schedule.h"
 #include "train/checkpoint.h"
+#include "train/tf_checkpoint.h"
 #include "train/engine.h"
 #include "train/loss_scale.h"
 #include "train/metrics.h"
@@ -30,7 +31,9 @@ namespace nopad {
 ConfigSchema train_config_schema() {
   ConfigSchema s;
   s.add("run_dir", "", "output folder: config.toml, metrics.jsonl, checkpoints/ (required)");
-  s.add("init_from", "", "Hugging Face BertForPreTraining folder or .safetensors file to start from ('' = random init)");
+  s.add("init_from", "",
+        "weights to start from: a Hugging Face BertForPreTraining folder or .safetensors file, or a TensorFlow "
+        "checkpoint (prefix, .index file or folder; e.g. MLPerf's phase-1 model.ckpt-28252) ('' = random init)");
   s.add("model.config", "", "Hugging Face config.json of the BERT architecture (required)");
   s.add("data.train", "", "folder of .nopad training shards (required)");
   s.add("data.eval", "", "folder of .nopad evaluation shards, read in order ('' = no evaluation)");
@@ -481,7 +484,14 @@ void Trainer::Impl::setup() {
   } else if (!init_from.empty()) {
     start_params.resize(layout.total_numel());
     try {
-      load_hf_weights(init_from, layout, start_params.data());
+      if (!resolve_tf_checkpoint(init_from).empty()) {
+        const TfImportReport r = load_tf_bert_weights(init_from, layout, start_params.data());
+        if (lead())
+          std::fprintf(stderr, "init_from: TensorFlow checkpoint %s: %s\n",
+                       resolve_tf_checkpoint(init_from).string().c_str(), r.summary().c_str());
+      } else {
+        load_hf_weights(init_from, layout, start_params.data());
+      }
     } catch (const Error& e) {
       fail("init_from: ", e.what());
     }
