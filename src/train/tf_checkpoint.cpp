@@ -11,6 +11,7 @@
 
 #include "core/crc32.h"
 #include "core/error.h"
+#include "core/protowire.h"
 
 namespace nopad {
 namespace {
@@ -29,74 +30,6 @@ uint32_t load_u32(const uint8_t* p) {
   uint32_t v;
   std::memcpy(&v, p, 4);
   return v;  // little-endian hosts only (checked below)
-}
-
-// A read cursor over bytes that throws "WHERE: truncated or corrupt (WHAT)" on any overrun.
-class Cursor {
- public:
-  Cursor(const uint8_t* begin, size_t size, const std::string* where) : p_(begin), end_(begin + size), where_(where) {}
-  bool done() const { return p_ == end_; }
-  size_t left() const { return static_cast<size_t>(end_ - p_); }
-  const uint8_t* pos() const { return p_; }
-
-  uint64_t varint(const char* what) {
-    uint64_t v = 0;
-    for (int shift = 0; shift < 64; shift += 7) {
-      NOPAD_CHECK(p_ < end_, *where_, ": truncated or corrupt (", what, ")");
-      const uint8_t b = *p_++;
-      v |= static_cast<uint64_t>(b & 0x7F) << shift;
-      if (!(b & 0x80)) return v;
-    }
-    fail(*where_, ": corrupt varint (", what, ")");
-  }
-  const uint8_t* bytes(uint64_t n, const char* what) {
-    NOPAD_CHECK(n <= left(), *where_, ": truncated or corrupt (", what, ")");
-    const uint8_t* p = p_;
-    p_ += n;
-    return p;
-  }
-
- private:
-  const uint8_t* p_;
-  const uint8_t* end_;
-  const std::string* where_;
-};
-
-// Protocol-buffer wire format, just what the bundle's three messages need.
-struct Field {
-  uint32_t number = 0;
-  uint32_t wire = 0;
-  uint64_t value = 0;                // varint and fixed fields
-  const uint8_t* data = nullptr;    // length-delimited fields
-  size_t size = 0;
-};
-
-bool next_field(Cursor& c, Field& f, const char* what) {
-  if (c.done()) return false;
-  const uint64_t tag = c.varint(what);
-  f.number = static_cast<uint32_t>(tag >> 3);
-  f.wire = static_cast<uint32_t>(tag & 7);
-  switch (f.wire) {
-    case 0:
-      f.value = c.varint(what);
-      break;
-    case 1:
-      std::memcpy(&f.value, c.bytes(8, what), 8);
-      break;
-    case 2:
-      f.size = c.varint(what);
-      f.data = c.bytes(f.size, what);
-      break;
-    case 5: {
-      uint32_t v;
-      std::memcpy(&v, c.bytes(4, what), 4);
-      f.value = v;
-      break;
-    }
-    default:
-      fail("unsupported protobuf wire type ", f.wire, " in ", what);
-  }
-  return true;
 }
 
 // TensorFlow's DataType enum (types.proto) -> nopad's DType, where there is one.
@@ -139,15 +72,15 @@ std::string tf_dtype_name(int tf_dtype) {
 // TensorShapeProto: repeated Dim dim = 2 (Dim: int64 size = 1), bool unknown_rank = 3.
 std::vector<int64_t> parse_shape(const uint8_t* data, size_t size, const std::string& where, const std::string& name) {
   std::vector<int64_t> shape;
-  Cursor c(data, size, &where);
-  Field f;
-  while (next_field(c, f, "tensor shape")) {
+  WireCursor c(data, size, &where);
+  WireField f;
+  while (next_wire_field(c, f, "tensor shape")) {
     if (f.number == 3 && f.wire == 0 && f.value != 0) fail(where, ": tensor ", name, " has an unknown rank");
     if (f.number != 2 || f.wire != 2) continue;
-    Cursor d(f.data, f.size, &where);
-    Field g;
+    WireCursor d(f.data, f.size, &where);
+    WireField g;
     int64_t dim = 0;
-    while (next_field(d, g, "tensor shape dimension"))
+    while (next_wire_field(d, g, "tensor shape dimension"))
       if (g.number == 1 && g.wire == 0) dim = static_cast<int64_t>(g.value);
     NOPAD_CHECK(dim >= 0, where, ": tensor ", name, " has a negative or unknown dimension (", dim, ")");
     shape.push_back(dim);
@@ -180,7 +113,7 @@ void for_each_entry(const uint8_t* block, size_t size, const std::string& where,
   const uint32_t num_restarts = load_u32(block + size - 4);
   NOPAD_CHECK(num_restarts <= (size - 4) / 4, where, ": corrupt table block (", num_restarts, " restart points)");
   const size_t entries_end = size - 4 - 4 * static_cast<size_t>(num_restarts);
-  Cursor c(block, entries_end, &where);
+  WireCursor c(block, entries_end, &where);
   std::string key;
   while (!c.done()) {
     const uint64_t shared = c.varint("table entry");
@@ -250,7 +183,7 @@ TfCheckpoint::TfCheckpoint(const fs::path& path) {
   uint64_t magic;
   std::memcpy(&magic, footer + kFooterSize - 8, 8);
   NOPAD_CHECK(magic == kTableMagic, where, ": not a TensorFlow checkpoint index (no table magic at its end)");
-  Cursor fc(footer, kFooterSize - 8, &where);
+  WireCursor fc(footer, kFooterSize - 8, &where);
   fc.varint("footer");  // metaindex block: filter and stats blocks, which TensorFlow's bundles do not use
   fc.varint("footer");
   const uint64_t index_offset = fc.varint("footer"), index_size = fc.varint("footer");
@@ -259,22 +192,22 @@ TfCheckpoint::TfCheckpoint(const fs::path& path) {
   int64_t num_shards = 0;
   const auto [iblock, isize] = read_block(index, index_offset, index_size, where, "index");
   for_each_entry(iblock, isize, where, [&](const std::string&, const uint8_t* handle, size_t handle_size) {
-    Cursor hc(handle, handle_size, &where);
+    WireCursor hc(handle, handle_size, &where);
     const uint64_t off = hc.varint("block handle"), size = hc.varint("block handle");
     const auto [block, bsize] = read_block(index, off, size, where, "data");
     for_each_entry(block, bsize, where, [&](const std::string& key, const uint8_t* v, size_t vsize) {
-      Cursor c(v, vsize, &where);
-      Field f;
+      WireCursor c(v, vsize, &where);
+      WireField f;
       if (key.empty()) {  // BundleHeaderProto: num_shards = 1, endianness = 2, VersionDef version = 3
         have_header = true;
-        while (next_field(c, f, "checkpoint header")) {
+        while (next_wire_field(c, f, "checkpoint header")) {
           if (f.number == 1 && f.wire == 0) num_shards = static_cast<int64_t>(f.value);
           if (f.number == 2 && f.wire == 0)
             NOPAD_CHECK(f.value == 0, where, ": a big-endian checkpoint; nopad reads little-endian ones");
           if (f.number == 3 && f.wire == 2) {  // VersionDef: producer = 1, min_consumer = 2
-            Cursor vc(f.data, f.size, &where);
-            Field g;
-            while (next_field(vc, g, "checkpoint version"))
+            WireCursor vc(f.data, f.size, &where);
+            WireField g;
+            while (next_wire_field(vc, g, "checkpoint version"))
               if (g.number == 2 && g.wire == 0)
                 NOPAD_CHECK(g.value <= 1, where, ": written in bundle format version ", g.value,
                             ", newer than the version 1 nopad reads");
@@ -287,7 +220,7 @@ TfCheckpoint::TfCheckpoint(const fs::path& path) {
       TfTensorEntry e;
       e.name = key;
       bool have_shape = false;
-      while (next_field(c, f, "checkpoint entry")) {
+      while (next_wire_field(c, f, "checkpoint entry")) {
         switch (f.number) {
           case 1: e.tf_dtype = static_cast<int>(f.value); break;
           case 2:
