@@ -12,6 +12,7 @@
 #include <utility>
 
 #include "core/error.h"
+#include "data/record_check.h"
 
 namespace nopad {
 
@@ -196,81 +197,6 @@ class Hdf5Reader {
   Handle file_;
 };
 
-// Where a sequence came from, for error messages.
-struct Where {
-  const std::string& file;
-  uint64_t row;
-  int packed_index;  // -1 when the row holds one sequence
-};
-
-template <class... Args>
-[[noreturn]] void bad(const Where& w, const char* field, const Args&... what) {
-  if (w.packed_index >= 0)
-    fail("HDF5 file ", w.file, ", dataset '", field, "', row ", w.row, " (packed sequence ", w.packed_index, "): ",
-         what..., kHint);
-  fail("HDF5 file ", w.file, ", dataset '", field, "', row ", w.row, ": ", what..., kHint);
-}
-
-// Builds and validates one instance. `position_base` is subtracted from every masked position (packed rows).
-Instance make_instance(const Where& w, std::span<const int32_t> tokens, std::span<const int32_t> segments,
-                       std::span<const int32_t> positions, std::span<const int32_t> labels, int32_t nsp,
-                       int64_t position_base, const Hdf5ImportOptions& opt) {
-  const size_t n = tokens.size();
-  if (segments.size() != n) bad(w, "segment_ids", segments.size(), " entries but input_ids has ", n);
-  if (n < 2 || n > 65535) bad(w, "input_ids", "sequence length ", n, " outside [2, 65535]");
-  size_t a_length = 0;
-  while (a_length < n && segments[a_length] == 0) ++a_length;
-  for (size_t i = a_length; i < n; ++i)
-    if (segments[i] != 1)
-      bad(w, "segment_ids", "segment id ", segments[i], " at position ", i,
-          " breaks the form 0..0 1..1 ([CLS] A [SEP] then B [SEP])");
-  if (a_length < 2) bad(w, "segment_ids", "segment A ([CLS] A [SEP]) has only ", a_length, " tokens");
-  if (a_length == n) bad(w, "segment_ids", "no segment-B tokens (expected [CLS] A [SEP] B [SEP])");
-  for (size_t i = 0; i < n; ++i)
-    if (tokens[i] < 0 || tokens[i] >= opt.vocab_size)
-      bad(w, "input_ids", "token id ", tokens[i], " at position ", i, " is outside the vocabulary of ", opt.vocab_size,
-          " tokens (wrong --vocab?)");
-  if (opt.cls_id >= 0 && tokens[0] != opt.cls_id)
-    bad(w, "input_ids", "sequence starts with token ", tokens[0], ", not [CLS] (", opt.cls_id, ")");
-  if (opt.sep_id >= 0 && (tokens[a_length - 1] != opt.sep_id || tokens[n - 1] != opt.sep_id))
-    bad(w, "input_ids", "segment A or B does not end with [SEP] (", opt.sep_id, ")");
-  if (nsp != 0 && nsp != 1) bad(w, "next_sentence_labels", "label ", nsp, " is not 0 (IsNext) or 1 (random)");
-  if (positions.size() != labels.size())
-    bad(w, "masked_lm_ids", labels.size(), " masked labels but ", positions.size(), " masked positions");
-
-  Instance inst;
-  inst.tokens.assign(tokens.begin(), tokens.end());
-  inst.a_length = static_cast<int32_t>(a_length);
-  inst.nsp_label = nsp;
-  inst.mlm_positions.reserve(positions.size());
-  inst.mlm_labels.reserve(labels.size());
-  int64_t prev = 0;  // position 0 is [CLS], never masked
-  for (size_t k = 0; k < positions.size(); ++k) {
-    const int64_t p = static_cast<int64_t>(positions[k]) - position_base;
-    if (p <= 0 || p >= static_cast<int64_t>(n))
-      bad(w, "masked_lm_positions", "masked position ", positions[k], " lies outside the sequence (length ", n,
-          position_base ? str_cat(", starting at ", position_base, " in the row") : std::string(), ")");
-    if (p <= prev) bad(w, "masked_lm_positions", "masked positions are not strictly ascending at entry ", k);
-    if (labels[k] < 0 || labels[k] >= opt.vocab_size)
-      bad(w, "masked_lm_ids", "label ", labels[k], " is outside the vocabulary of ", opt.vocab_size, " tokens");
-    inst.mlm_positions.push_back(static_cast<int32_t>(p));
-    inst.mlm_labels.push_back(labels[k]);
-    prev = p;
-  }
-  return inst;
-}
-
-// Fixed and variable rows pad their masked positions with trailing zeros; returns the count before the padding.
-size_t unpadded_masked_count(const Where& w, std::span<const int32_t> positions) {
-  size_t k = 0;
-  while (k < positions.size() && positions[k] != 0) ++k;
-  for (size_t j = k; j < positions.size(); ++j)
-    if (positions[j] != 0)
-      bad(w, "masked_lm_positions", "non-zero position ", positions[j], " at entry ", j,
-          " after zero padding (position 0 is [CLS] and is never masked)");
-  return k;
-}
-
 }  // namespace
 
 const char* hdf5_layout_name(Hdf5Layout layout) {
@@ -341,6 +267,10 @@ Hdf5FileSummary read_hdf5_instances(const std::filesystem::path& path, const Hdf
   }
   summary.num_rows = num_rows;
 
+  const InstanceRules rules{opt.vocab_size, opt.cls_id, opt.sep_id};
+  auto place = [&](uint64_t row, int packed_index) {
+    return RecordPlace{"HDF5 file", file, "dataset", "row", row, packed_index, kHint};
+  };
   auto emit = [&](Instance&& inst) {
     ++summary.num_seqs;
     summary.num_tokens += inst.tokens.size();
@@ -364,7 +294,7 @@ Hdf5FileSummary read_hdf5_instances(const std::filesystem::path& path, const Hdf
     const Rows &ids = rows[0], &segs = rows[1], &pos = rows[2], &lab = rows[3], &nsp = rows[4];
     for (hsize_t i = 0; i < count; ++i) {
       const uint64_t row = row0 + i;
-      const Where w{file, row, -1};
+      const RecordPlace w = place(row, -1);
       if (!packed) {
         std::span<const int32_t> tokens = ids.row(i), segments = segs.row(i);
         if (fixed) {
@@ -382,7 +312,7 @@ Hdf5FileSummary read_hdf5_instances(const std::filesystem::path& path, const Hdf
         if (!fixed && labels.size() != positions.size())
           bad(w, "masked_lm_ids", labels.size(), " masked labels but ", positions.size(), " masked positions");
         const size_t k = unpadded_masked_count(w, positions);
-        emit(make_instance(w, tokens, segments, positions.first(k), labels.first(k), nsp.row(i)[0], 0, opt));
+        emit(make_checked_instance(w, tokens, segments, positions.first(k), labels.first(k), nsp.row(i)[0], 0, rules));
         continue;
       }
       // Packed row: split by packed_input_len / packed_masked_lm_len, one NSP label per sequence.
@@ -412,10 +342,10 @@ Hdf5FileSummary read_hdf5_instances(const std::filesystem::path& path, const Hdf
       size_t tok_off = 0, mask_off = 0;
       for (size_t j = 0; j < seq_lens.size(); ++j) {
         const size_t len = static_cast<size_t>(seq_lens[j]), nm = static_cast<size_t>(masked_lens[j]);
-        const Where wj{file, row, static_cast<int>(j)};
-        emit(make_instance(wj, tokens.subspan(tok_off, len), segments.subspan(tok_off, len),
+        const RecordPlace wj = place(row, static_cast<int>(j));
+        emit(make_checked_instance(wj, tokens.subspan(tok_off, len), segments.subspan(tok_off, len),
                            positions.subspan(mask_off, nm), labels.subspan(mask_off, nm), labels_nsp[j],
-                           static_cast<int64_t>(tok_off), opt));
+                           static_cast<int64_t>(tok_off), rules));
         tok_off += len;
         mask_off += nm;
       }
