@@ -1,5 +1,5 @@
 // TensorFlow checkpoint import: CRC-32C, the reader on a checkpoint TensorFlow itself wrote
-// (tests/data/tf-bert-checkpoint, made by scripts/make_tf_bert_fixture.py), the BERT name mapping against values
+// (tests/data/tf-bert-checkpoint, made by scripts/make_tf_fixtures.py), the BERT name mapping against values
 // numpy computed from the same source (expected.safetensors), the ways a path can name a checkpoint, and every
 // corruption or mismatch as one clear error.
 #include <gtest/gtest.h>

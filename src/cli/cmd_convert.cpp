@@ -1,4 +1,5 @@
-// nopad convert --from-hdf5 PATH... --output DIR: NVIDIA / MLPerf BERT HDF5 files -> nopad shards.
+// nopad convert --from-hdf5 PATH... --output DIR: NVIDIA / MLPerf BERT HDF5 files -> nopad shards; --from-tfrecord
+// PATH... the same from the MLPerf reference's TFRecord files (create_pretraining_data.py's tf.train.Example records).
 // Input files are read in the order given (several at once with --threads) and their instances are written, in that
 // order, into DIR/shard_00000.nopad, shard_00001.nopad, ... of --seqs-per-shard sequences each, plus DIR/dataset.json.
 // All-or-nothing: shards are written into a staging folder inside DIR and moved into place only after every input
@@ -23,6 +24,7 @@
 #include "core/progress.h"
 #include "core/threads.h"
 #include "data/hdf5_import.h"
+#include "data/tfrecord_import.h"
 #include "data/shard.h"
 #include "data/vocab.h"
 #include "model/config.h"
@@ -37,7 +39,8 @@ namespace fs = std::filesystem;
 constexpr const char* kDefaultVocab = "data/vocab/bert-uncased-vocab.txt";
 
 struct ConvertOptions {
-  std::vector<std::string> inputs;
+  std::vector<std::string> inputs;     // --from-hdf5
+  std::vector<std::string> tfrecords;  // --from-tfrecord
   std::string tf_checkpoint;
   std::string config;
   std::string output;
@@ -63,20 +66,28 @@ struct StagingDir {
   }
 };
 
+// Per input file: what the manifest records of it.
+struct InputSummary {
+  std::string layout;
+  uint64_t rows = 0, seqs = 0;
+};
+
 void run_convert(const ConvertOptions& opt) {
   using nopad::fail;
+  const bool tfrecord = !opt.tfrecords.empty();
+  const std::vector<std::string>& input_paths = tfrecord ? opt.tfrecords : opt.inputs;
   const auto t0 = std::chrono::steady_clock::now();
   std::string vocab_path = opt.vocab;
   if (vocab_path.empty()) {
     std::error_code ec;
     if (!fs::is_regular_file(kDefaultVocab, ec))
       fail("no vocabulary given and the default ", kDefaultVocab,
-           " does not exist here: pass --vocab FILE (the vocab.txt the HDF5 files were made with)");
+           " does not exist here: pass --vocab FILE (the vocab.txt the input files were made with)");
     vocab_path = kDefaultVocab;
   }
   const nopad::Vocab vocab = nopad::Vocab::load(vocab_path);
   NOPAD_CHECK(opt.seqs_per_shard > 0, "--seqs-per-shard must be positive, got ", opt.seqs_per_shard);
-  for (const std::string& in : opt.inputs) {
+  for (const std::string& in : input_paths) {
     std::error_code ec;
     NOPAD_CHECK(fs::is_regular_file(in, ec), "input ", in, " does not exist or is not a file");
   }
@@ -101,9 +112,10 @@ void run_convert(const ConvertOptions& opt) {
   import.vocab_size = vocab.size();
   import.cls_id = vocab.special().cls;
   import.sep_id = vocab.special().sep;
+  const nopad::InstanceRules rules{import.vocab_size, import.cls_id, import.sep_id};
 
   const int threads = opt.threads > 0 ? opt.threads : std::min(nopad::hardware_threads(), 8);
-  nopad::Progress progress("convert", static_cast<double>(opt.inputs.size()), "files");
+  nopad::Progress progress("convert", static_cast<double>(input_paths.size()), "files");
   std::vector<std::string> shard_names;
   std::unique_ptr<nopad::ShardWriter> writer;
   uint64_t num_seqs = 0, num_tokens = 0, num_masked = 0;
@@ -127,21 +139,29 @@ void run_convert(const ConvertOptions& opt) {
   };
 
   // Files are read `threads` at a time and written in input order, so the shards do not depend on --threads.
-  for (size_t first = 0; first < opt.inputs.size(); first += static_cast<size_t>(threads)) {
-    const size_t count = std::min(opt.inputs.size() - first, static_cast<size_t>(threads));
+  for (size_t first = 0; first < input_paths.size(); first += static_cast<size_t>(threads)) {
+    const size_t count = std::min(input_paths.size() - first, static_cast<size_t>(threads));
     std::vector<std::vector<nopad::Instance>> batch(count);
-    std::vector<nopad::Hdf5FileSummary> summaries(count);
+    std::vector<InputSummary> summaries(count);
     nopad::parallel_for(count, threads, [&](size_t i) {
-      batch[i] = nopad::read_hdf5_file(opt.inputs[first + i], import, &summaries[i]);
+      if (tfrecord) {
+        nopad::TfRecordSummary t;
+        batch[i] = nopad::read_tfrecord_file(input_paths[first + i], rules, &t);
+        summaries[i] = {"tfrecord", t.num_records, t.num_records};
+      } else {
+        nopad::Hdf5FileSummary h;
+        batch[i] = nopad::read_hdf5_file(input_paths[first + i], import, &h);
+        summaries[i] = {nopad::hdf5_layout_name(h.layout), h.num_rows, h.num_seqs};
+      }
       progress.add(1);
     });
     for (size_t i = 0; i < count; ++i) {
       for (const nopad::Instance& inst : batch[i]) add(inst);
       batch[i] = {};
-      inputs.push_back({{"path", opt.inputs[first + i]},
-                        {"layout", nopad::hdf5_layout_name(summaries[i].layout)},
-                        {"rows", summaries[i].num_rows},
-                        {"seqs", summaries[i].num_seqs}});
+      inputs.push_back({{"path", input_paths[first + i]},
+                        {"layout", summaries[i].layout},
+                        {"rows", summaries[i].rows},
+                        {"seqs", summaries[i].seqs}});
     }
   }
   flush();
@@ -158,7 +178,7 @@ void run_convert(const ConvertOptions& opt) {
   for (const std::string& name : shard_names) fs::rename(staging.path / name, out_dir / name);
   nopad::fsync_dir(out_dir);
   const nlohmann::json manifest = {
-      {"format", "nopad-shards"}, {"version", 1},           {"source", "hdf5"},
+      {"format", "nopad-shards"}, {"version", 1},           {"source", tfrecord ? "tfrecord" : "hdf5"},
       {"inputs", inputs},         {"num_shards", shard_names.size()}, {"num_seqs", num_seqs},
       {"num_tokens", num_tokens}, {"num_masked", num_masked}, {"vocab_size", vocab.size()},
       {"vocab_checksum", vocab.checksum()}};
@@ -168,7 +188,7 @@ void run_convert(const ConvertOptions& opt) {
   std::printf(
       "converted %zu files -> %zu shards in %s\n  sequences %llu, tokens %llu (%.1f per sequence), masked %llu\n"
       "  time %s\n",
-      opt.inputs.size(), shard_names.size(), out_dir.string().c_str(), static_cast<unsigned long long>(num_seqs),
+      input_paths.size(), shard_names.size(), out_dir.string().c_str(), static_cast<unsigned long long>(num_seqs),
       static_cast<unsigned long long>(num_tokens), static_cast<double>(num_tokens) / static_cast<double>(num_seqs),
       static_cast<unsigned long long>(num_masked), nopad::format_duration(seconds).c_str());
 }
@@ -236,14 +256,19 @@ void setup(CLI::App& sub) {
   auto* tf = sub.add_option("--from-tf-checkpoint", opt->tf_checkpoint,
                             "a TensorFlow BERT checkpoint (prefix, .index file or folder; e.g. MLPerf's phase-1 "
                             "model.ckpt-28252) -> a Hugging Face BertForPreTraining folder");
+  auto* tfrec = sub.add_option("--from-tfrecord", opt->tfrecords,
+                               "the MLPerf reference's TFRecord files (create_pretraining_data.py output) -> shards")
+                    ->expected(1, -1);
   hdf5->excludes(tf);
+  tfrec->excludes(tf);
+  tfrec->excludes(hdf5);
   sub.add_option("--config", opt->config,
                  "with --from-tf-checkpoint: the model's bert_config.json (default: bert_config.json beside the "
                  "checkpoint)");
   sub.add_option("--output", opt->output,
                  "output folder: shard_NNNNN.nopad and dataset.json, or model.safetensors and config.json")
       ->required();
-  sub.add_option("--vocab", opt->vocab, std::string("vocabulary the files were made with (default ") + kDefaultVocab +
+  sub.add_option("--vocab", opt->vocab, std::string("vocabulary the data files were made with (default ") + kDefaultVocab +
                                             " when it exists)");
   sub.add_option("--seqs-per-shard", opt->seqs_per_shard, "sequences per shard")->default_val(65536);
   sub.add_option("--threads", opt->threads, "input files read at once (default: cores, at most 8)");
@@ -251,16 +276,16 @@ void setup(CLI::App& sub) {
                "replace a dataset or model already in --output (it stays untouched until the new one is complete)");
   sub.callback([opt] {
     if (!opt->tf_checkpoint.empty()) return run_convert_tf(*opt);
-    NOPAD_CHECK(!opt->inputs.empty(), "nothing to convert: give --from-hdf5 FILE... (data) or --from-tf-checkpoint "
-                "PATH (a model)");
-    NOPAD_CHECK(opt->config.empty(), "--config goes with --from-tf-checkpoint, not with --from-hdf5");
+    NOPAD_CHECK(!opt->inputs.empty() || !opt->tfrecords.empty(), "nothing to convert: give --from-hdf5 FILE... or "
+                "--from-tfrecord FILE... (data) or --from-tf-checkpoint PATH (a model)");
+    NOPAD_CHECK(opt->config.empty(), "--config goes with --from-tf-checkpoint, not with data conversion");
     run_convert(*opt);
   });
 }
 
 NOPAD_REGISTER_COMMAND("convert",
-                       "convert NVIDIA/MLPerf BERT HDF5 files into nopad shards, or a TensorFlow BERT checkpoint into "
-                       "a Hugging Face folder",
+                       "convert NVIDIA/MLPerf BERT HDF5 or TFRecord files into nopad shards, or a TensorFlow BERT "
+                       "checkpoint into a Hugging Face folder",
                        40, setup);
 
 }  // namespace

@@ -1,5 +1,9 @@
-"""`nopad convert --from-tf-checkpoint`: a TensorFlow BERT checkpoint (tests/data/tf-bert-checkpoint, written by
-TensorFlow; scripts/make_tf_bert_fixture.py) -> a Hugging Face BertForPreTraining folder. The converted tensors equal
+"""`nopad convert --from-tfrecord`: the MLPerf reference's pre-training TFRecord files (tests/data/tfrecord, written
+by TensorFlow) -> shards that hold exactly the instances the records were made from (expected.json, read back with
+python/nopad_shards.py); a bad record fails the whole conversion and leaves no shard.
+
+`nopad convert --from-tf-checkpoint`: a TensorFlow BERT checkpoint (tests/data/tf-bert-checkpoint, written by
+TensorFlow; scripts/make_tf_fixtures.py) -> a Hugging Face BertForPreTraining folder. The converted tensors equal
 the values numpy computed for the fixture (expected.safetensors), config.json carries the checkpoint's
 bert_config.json, `nopad eval` loads the folder; an existing model is kept unless --overwrite, a damaged checkpoint
 or a missing config fails with a message and a non-zero exit and leaves the output folder as it was. Run by CTest
@@ -15,9 +19,12 @@ import tempfile
 
 import numpy as np
 
+import nopad_shards
+
 NOPAD = os.environ["NOPAD_BINARY"]
 SRC = os.environ["NOPAD_SOURCE_DIR"]
 FIXTURE = os.path.join(SRC, "tests/data/tf-bert-checkpoint")
+VOCAB = os.path.join(SRC, "data/vocab/bert-uncased-vocab.txt")
 failures = []
 
 
@@ -45,15 +52,49 @@ def read_safetensors(path):
 
 
 def convert(*args):
-    return subprocess.run([NOPAD, "convert", *args], capture_output=True, text=True)
+    """`nopad convert` run from another folder than the source tree (the default vocabulary is not found there)."""
+    return subprocess.run([NOPAD, "convert", *args], capture_output=True, text=True, cwd=tempfile.gettempdir())
 
 
 def snapshot(folder):
     return {f: open(os.path.join(folder, f), "rb").read() for f in sorted(os.listdir(folder))}
 
 
+def check_tfrecord(tmp):
+    records = os.path.join(SRC, "tests/data/tfrecord")
+    shards = os.path.join(tmp, "tfrecord-shards")
+    r = convert("--from-tfrecord", os.path.join(records, "sample.tfrecord"), os.path.join(records, "sample.tfrecord"),
+                "--output", shards, "--seqs-per-shard", "30", "--vocab", VOCAB)
+    check(r.returncode == 0, f"convert --from-tfrecord: exit {r.returncode}: {r.stderr[-500:]}")
+    if r.returncode != 0:
+        return
+    want = json.load(open(os.path.join(records, "expected.json"))) * 2
+    got = list(nopad_shards.open_dataset(shards))
+    check(len(got) == len(want), f"{len(got)} samples, expected {len(want)}")
+    for i, (g, w) in enumerate(zip(got, want)):
+        same = ([int(t) for t in g["tokens"]] == w["tokens"] and int(g["a_length"]) == w["a_length"] and
+                [int(p) for p in g["mlm_positions"]] == w["mlm_positions"] and
+                [int(x) for x in g["mlm_labels"]] == w["mlm_labels"] and int(g["nsp_label"]) == w["nsp_label"])
+        check(same, f"sample {i} differs from the instance its record was made from")
+    manifest = json.load(open(os.path.join(shards, "dataset.json")))
+    check(manifest["source"] == "tfrecord" and manifest["num_seqs"] == 80 and manifest["num_shards"] == 3 and
+          manifest["inputs"][0]["layout"] == "tfrecord", f"dataset.json: {manifest}")
+
+    # One bad record fails the conversion: the message names file, record and feature; nothing is written.
+    fresh = os.path.join(tmp, "tfrecord-bad")
+    r = convert("--from-tfrecord", os.path.join(records, "sample.tfrecord"),
+                os.path.join(records, "bad-segments.tfrecord"), "--output", fresh, "--vocab", VOCAB)
+    check(r.returncode != 0 and "bad-segments.tfrecord, feature 'segment_ids', record 1: no segment-B tokens"
+          in r.stderr, f"bad record: exit {r.returncode}: {r.stderr}")
+    check(not os.path.exists(fresh) or os.listdir(fresh) == [], f"a failed conversion left {os.listdir(fresh)}")
+    r = convert("--from-tfrecord", os.path.join(records, "sample.tfrecord"), "--from-hdf5", "x.hdf5",
+                "--output", fresh)
+    check(r.returncode != 0 and "excludes" in r.stderr.lower(), f"two data sources: {r.stderr}")
+
+
 def main():
     tmp = tempfile.mkdtemp(prefix="nopad-tfconv-")
+    check_tfrecord(tmp)
     out = os.path.join(tmp, "hf")
 
     # The folder form (through its `checkpoint` file), config found beside the checkpoint.

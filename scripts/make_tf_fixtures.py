@@ -1,5 +1,7 @@
 #!/usr/bin/env python3
-"""Writes the TensorFlow checkpoint fixture of nopad's TF-checkpoint import tests (tests/data/tf-bert-checkpoint/).
+"""Writes the fixtures of nopad's TensorFlow-format import tests, with TensorFlow itself:
+tests/data/tf-bert-checkpoint/ (a BERT checkpoint, below) and tests/data/tfrecord/ (pre-training TFRecord files,
+see write_tfrecords).
 
 Needs TensorFlow (any 2.x; not a test dependency: the fixture is committed). The checkpoint is saved by TensorFlow's
 own tf.compat.v1 Saver, in the format of MLPerf's phase-1 checkpoint (model.ckpt-28252): the variable names of
@@ -16,7 +18,7 @@ differs from every other and from its own transpose, and git stores the 1 MB of 
 A second, tiny checkpoint in `object-based/` is what tf.train.Checkpoint (Keras) writes instead: names that follow
 the Python objects and a string tensor `_CHECKPOINTABLE_OBJECT_GRAPH`, which nopad must refuse with a message.
 
-Usage: python3 scripts/make_tf_bert_fixture.py [OUTPUT_DIR]   (default tests/data/tf-bert-checkpoint)
+Usage: python3 scripts/make_tf_fixtures.py   (writes both folders below tests/data)
 """
 import json
 import os
@@ -110,9 +112,7 @@ def write_object_based(out):
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
-def main():
-    out = sys.argv[1] if len(sys.argv) > 1 else os.path.join(os.path.dirname(__file__), "..", "tests", "data",
-                                                              "tf-bert-checkpoint")
+def write_checkpoint(out):
     os.makedirs(out, exist_ok=True)
     import tensorflow as tf  # imported late: --help-free script, TensorFlow is only needed here
     tf.compat.v1.disable_eager_execution()
@@ -152,6 +152,84 @@ def main():
     reader = tf.train.load_checkpoint(prefix)
     print(f"wrote {prefix} ({len(reader.get_variable_to_shape_map())} tensors, TensorFlow {tf.__version__}) and "
           f"expected.safetensors ({len(expected)} tensors)")
+
+
+def synthetic_instance(rng, max_seq_length, max_predictions):
+    """A well-formed instance as create_pretraining_data.py makes them: [CLS] A [SEP] B [SEP], masked positions
+    ascending (never [CLS]/[SEP]), labels the original ids."""
+    n = int(rng.integers(8, max_seq_length + 1))
+    a = int(rng.integers(3, n - 2))  # [CLS] + A + [SEP] = a tokens
+    tokens = [101] + [int(t) for t in rng.integers(1000, 30522, a - 2)] + [102] + \
+        [int(t) for t in rng.integers(1000, 30522, n - a - 1)] + [102]
+    candidates = [i for i in range(1, n - 1) if i != a - 1]
+    k = min(max_predictions, max(1, int(round(0.15 * n))))
+    positions = sorted(int(p) for p in rng.choice(candidates, size=k, replace=False))
+    labels = [tokens[p] for p in positions]
+    for p in positions:
+        tokens[p] = 103 if rng.random() < 0.8 else int(rng.integers(1000, 30522))
+    return {"tokens": tokens, "a_length": a, "mlm_positions": positions, "mlm_labels": labels,
+            "nsp_label": int(rng.integers(0, 2))}
+
+
+def example(tf, inst, max_seq_length, max_predictions, extra=None, drop=(), float_ids=False, weights=None):
+    """The tf.train.Example create_pretraining_data.py writes for `inst` (padded as it pads)."""
+    n, k = len(inst["tokens"]), len(inst["mlm_positions"])
+    pad = max_seq_length - n
+    seg = [0] * inst["a_length"] + [1] * (n - inst["a_length"])
+    ints = lambda v: tf.train.Feature(int64_list=tf.train.Int64List(value=v))
+    floats = lambda v: tf.train.Feature(float_list=tf.train.FloatList(value=v))
+    f = {
+        "input_ids": floats([float(t) for t in inst["tokens"]] + [0.0] * pad) if float_ids
+        else ints(inst["tokens"] + [0] * pad),
+        "input_mask": ints([1] * n + [0] * pad),
+        "segment_ids": ints(seg + [0] * pad),
+        "masked_lm_positions": ints(inst["mlm_positions"] + [0] * (max_predictions - k)),
+        "masked_lm_ids": ints(inst["mlm_labels"] + [0] * (max_predictions - k)),
+        "masked_lm_weights": floats(weights if weights is not None else [1.0] * k + [0.0] * (max_predictions - k)),
+        "next_sentence_labels": ints([inst["nsp_label"]]),
+    }
+    f.update(extra or {})
+    for name in drop:
+        del f[name]
+    return tf.train.Example(features=tf.train.Features(feature=f)).SerializeToString()
+
+
+def write_tfrecords(out):
+    """sample.tfrecord: 40 instances (max_seq_length 64, 10 predictions) with an extra feature nopad ignores, and
+    expected.json, the instances themselves; bad-*.tfrecord: one good record, then one that is wrong in one way."""
+    import tensorflow as tf
+    os.makedirs(out, exist_ok=True)
+    rng = np.random.default_rng(12345)
+    insts = [synthetic_instance(rng, 64, 10) for _ in range(40)]
+    with tf.io.TFRecordWriter(os.path.join(out, "sample.tfrecord")) as w:
+        for i, inst in enumerate(insts):
+            extra = {"doc_id": tf.train.Feature(bytes_list=tf.train.BytesList(value=[b"doc%d" % i]))}
+            w.write(example(tf, inst, 64, 10, extra=extra))
+    with open(os.path.join(out, "expected.json"), "w") as fh:
+        json.dump(insts, fh)
+        fh.write("\n")
+    good = example(tf, insts[0], 64, 10)
+    bad = {
+        "missing-feature": example(tf, insts[1], 64, 10, drop=["segment_ids"]),
+        "float-ids": example(tf, insts[1], 64, 10, float_ids=True),
+        "weights": example(tf, insts[1], 64, 10, weights=[1.0] * (len(insts[1]["mlm_positions"]) - 1) + [0.0] *
+                           (11 - len(insts[1]["mlm_positions"]))),
+        "segments": example(tf, dict(insts[1], a_length=len(insts[1]["tokens"])), 64, 10),
+    }
+    for name, record in bad.items():
+        with tf.io.TFRecordWriter(os.path.join(out, f"bad-{name}.tfrecord")) as w:
+            w.write(good)
+            w.write(record)
+    with tf.io.TFRecordWriter(os.path.join(out, "sample.tfrecord.gz"), options="GZIP") as w:
+        w.write(good)
+    print(f"wrote {out}: sample.tfrecord ({len(insts)} records), expected.json, {len(bad)} bad-*.tfrecord, "
+          "sample.tfrecord.gz")
+
+
+def main():
+    data = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests", "data")
+    write_checkpoint(os.path.join(data, "tf-bert-checkpoint"))
+    write_tfrecords(os.path.join(data, "tfrecord"))
 
 
 if __name__ == "__main__":
