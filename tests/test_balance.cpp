@@ -28,14 +28,7 @@ constexpr double kTimeSlack = 1.0;  // optimized build: the real budget
 constexpr double kTimeSlack = 10.0;  // unoptimized build: the same check, scaled
 #endif
 
-std::string error_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const Error& e) {
-    return e.what();
-  }
-  return "(no error)";
-}
+using test::error_of;
 
 std::filesystem::path enwiki_lengths_path() {
   return std::string(NOPAD_SOURCE_DIR) + "/data/lengths/enwiki-phase2-lengths.txt";

@@ -61,14 +61,7 @@ struct Fixture {
   }
 };
 
-std::string error_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const Error& e) {
-    return e.what();
-  }
-  return "(no error)";
-}
+using test::error_of;
 
 TEST(Checkpoint, RoundTripParamsOptimizerCursor) {
   test::TempDir dir("ckpt");

@@ -60,14 +60,7 @@ struct EngineFixtureData {
   }
 };
 
-std::string error_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const Error& e) {
-    return e.what();
-  }
-  return "(no error)";
-}
+using test::error_of;
 
 TEST(Engine, CpuTrainerMatchesThePlainCpuLoopExactly) {
   const EngineFixtureData s;

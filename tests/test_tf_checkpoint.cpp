@@ -25,20 +25,7 @@ namespace fs = std::filesystem;
 fs::path fixture_dir() { return test::source_dir() / "tests/data/tf-bert-checkpoint"; }
 fs::path fixture_prefix() { return fixture_dir() / "model.ckpt-3"; }
 
-std::string error_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const Error& e) {
-    return e.what();
-  }
-  return "(no error)";
-}
-
-#define EXPECT_ERROR_HAS(stmt, needle)                                    \
-  do {                                                                    \
-    const std::string e_ = error_of([&] { stmt; });                       \
-    EXPECT_NE(e_.find(needle), std::string::npos) << "error: " << e_;     \
-  } while (0)
+using test::error_of;
 
 // A copy of the fixture folder that a test may damage.
 struct FixtureCopy {
@@ -105,7 +92,7 @@ TEST(TfCheckpoint, ReadsWhatTensorFlowWrote) {
   EXPECT_EQ(ck.at("extra/half").dtype, DType::kF16);
   EXPECT_EQ(ck.at("extra/bfloat16").dtype, DType::kBF16);
   EXPECT_EQ(ck.find("bert/no/such"), nullptr);
-  EXPECT_ERROR_HAS(ck.at("bert/no/such"), "no tensor bert/no/such");
+  NOPAD_EXPECT_ERROR_HAS(ck.at("bert/no/such"), "no tensor bert/no/such");
 
   // F16 and BF16 tensors against the values TensorFlow was given (rounded as TensorFlow rounded them).
   const SafetensorsFile expected(fixture_dir() / "expected.safetensors");
@@ -115,9 +102,9 @@ TEST(TfCheckpoint, ReadsWhatTensorFlowWrote) {
   const std::vector<float> w = ck.read_float("bert/embeddings/word_embeddings");
   for (int i = 0; i < 8; ++i) EXPECT_EQ(w[static_cast<size_t>(i)], static_cast<float>((37 * i % 251 - 125) / 500.0));
 
-  EXPECT_ERROR_HAS(ck.read_float("global_step"), "tensor global_step is int64, not a floating-point tensor");
+  NOPAD_EXPECT_ERROR_HAS(ck.read_float("global_step"), "tensor global_step is int64, not a floating-point tensor");
   std::vector<float> small(3);
-  EXPECT_ERROR_HAS(ck.read_float("extra/half", small.data(), small.size()), "has 15 elements, 3 were asked for");
+  NOPAD_EXPECT_ERROR_HAS(ck.read_float("extra/half", small.data(), small.size()), "has 15 elements, 3 were asked for");
 }
 
 TEST(TfCheckpoint, LoadsBertWeightsUnderHuggingFaceNames) {
@@ -173,9 +160,8 @@ TEST(TfCheckpoint, APathMayNameThePrefixTheIndexOrTheFolder) {
   EXPECT_TRUE(resolve_tf_checkpoint(fixture_dir() / "model.ckpt-4").empty());
   EXPECT_TRUE(resolve_tf_checkpoint(fixture_dir() / "expected.safetensors").empty());
   EXPECT_TRUE(resolve_tf_checkpoint(test::source_dir() / "data/configs").empty());
-  EXPECT_ERROR_HAS(TfCheckpoint(fixture_dir() / "model.ckpt-4"), "TensorFlow checkpoint " +
-                                                                     (fixture_dir() / "model.ckpt-4").string() +
-                                                                     ": not found");
+  NOPAD_EXPECT_ERROR_HAS(TfCheckpoint(fixture_dir() / "model.ckpt-4"),
+                         "TensorFlow checkpoint " + (fixture_dir() / "model.ckpt-4").string() + ": not found");
 
   FixtureCopy copy;
   // A `checkpoint` file with the absolute path the folder was saved under elsewhere: the name is found here.
@@ -187,7 +173,7 @@ TEST(TfCheckpoint, APathMayNameThePrefixTheIndexOrTheFolder) {
   fs::copy_file(copy.index(), copy.dir / "model.ckpt-9.index");
   EXPECT_TRUE(resolve_tf_checkpoint(copy.dir.path()).empty());  // two: ambiguous
   write_bytes(copy.dir / "checkpoint", "all_model_checkpoint_paths: \"x\"\n");
-  EXPECT_ERROR_HAS(resolve_tf_checkpoint(copy.dir.path()), "no model_checkpoint_path line");
+  NOPAD_EXPECT_ERROR_HAS(resolve_tf_checkpoint(copy.dir.path()), "no model_checkpoint_path line");
 }
 
 TEST(TfCheckpoint, EveryCorruptionIsAClearError) {
@@ -201,22 +187,22 @@ TEST(TfCheckpoint, EveryCorruptionIsAClearError) {
     std::string d = read_bytes(c.data());
     d[e.offset + 5] ^= 0x10;
     write_bytes(c.data(), d);
-    EXPECT_ERROR_HAS(load_tf_bert_weights(c.prefix(), layout, params.data()),
-                     "tensor bert/encoder/layer_0/attention/self/key/kernel in " + c.data().string() +
-                         " does not match its checksum");
+    NOPAD_EXPECT_ERROR_HAS(load_tf_bert_weights(c.prefix(), layout, params.data()),
+                           "tensor bert/encoder/layer_0/attention/self/key/kernel in " + c.data().string() +
+                               " does not match its checksum");
   }
   {
     SCOPED_TRACE("a truncated data file");
     FixtureCopy c;
     const std::string d = read_bytes(c.data());
     write_bytes(c.data(), d.substr(0, d.size() / 2));
-    EXPECT_ERROR_HAS(TfCheckpoint(c.prefix()), "runs past the end of the file");
+    NOPAD_EXPECT_ERROR_HAS(TfCheckpoint(c.prefix()), "runs past the end of the file");
   }
   {
     SCOPED_TRACE("a missing data file");
     FixtureCopy c;
     fs::remove(c.data());
-    EXPECT_ERROR_HAS(TfCheckpoint(c.prefix()), "data file " + c.data().string() + " is missing");
+    NOPAD_EXPECT_ERROR_HAS(TfCheckpoint(c.prefix()), "data file " + c.data().string() + " is missing");
   }
   {
     SCOPED_TRACE("a flipped bit in the index's first data block");
@@ -224,15 +210,15 @@ TEST(TfCheckpoint, EveryCorruptionIsAClearError) {
     std::string t = read_bytes(c.index());
     t[12] ^= 0x01;
     write_bytes(c.index(), t);
-    EXPECT_ERROR_HAS(TfCheckpoint(c.prefix()), "the data block at byte 0 does not match its checksum");
+    NOPAD_EXPECT_ERROR_HAS(TfCheckpoint(c.prefix()), "the data block at byte 0 does not match its checksum");
   }
   {
     SCOPED_TRACE("not a table");
     FixtureCopy c;
     write_bytes(c.index(), std::string(100, 'x'));
-    EXPECT_ERROR_HAS(TfCheckpoint(c.prefix()), c.index().string() + ": not a TensorFlow checkpoint index");
+    NOPAD_EXPECT_ERROR_HAS(TfCheckpoint(c.prefix()), c.index().string() + ": not a TensorFlow checkpoint index");
     write_bytes(c.index(), "short");
-    EXPECT_ERROR_HAS(TfCheckpoint(c.prefix()), "too short for a checkpoint index");
+    NOPAD_EXPECT_ERROR_HAS(TfCheckpoint(c.prefix()), "too short for a checkpoint index");
   }
   {
     SCOPED_TRACE("a snappy-compressed block (TensorFlow before 1.2)");
@@ -243,7 +229,7 @@ TEST(TfCheckpoint, EveryCorruptionIsAClearError) {
     const uint32_t masked = crc32c_mask(crc32c(t.data() + off, size + 1));
     std::memcpy(t.data() + off + size + 1, &masked, 4);
     write_bytes(c.index(), t);
-    EXPECT_ERROR_HAS(TfCheckpoint(c.prefix()), "is snappy-compressed");
+    NOPAD_EXPECT_ERROR_HAS(TfCheckpoint(c.prefix()), "is snappy-compressed");
   }
 }
 
@@ -253,11 +239,11 @@ TEST(TfCheckpoint, AnObjectBasedCheckpointIsRefusedWithAReason) {
   const TfCheckpoint ck(p);
   ASSERT_NE(ck.find("_CHECKPOINTABLE_OBJECT_GRAPH"), nullptr);
   EXPECT_FALSE(ck.at("_CHECKPOINTABLE_OBJECT_GRAPH").known_dtype);  // a string: listed, never read
-  EXPECT_ERROR_HAS(ck.read_float("_CHECKPOINTABLE_OBJECT_GRAPH"), "is string, not a floating-point tensor");
+  NOPAD_EXPECT_ERROR_HAS(ck.read_float("_CHECKPOINTABLE_OBJECT_GRAPH"), "is string, not a floating-point tensor");
   EXPECT_EQ(ck.read_float("model/kernel/.ATTRIBUTES/VARIABLE_VALUE"), std::vector<float>(6, 0.5f));
   const ParamLayout layout(fixture_config());
   std::vector<float> params(layout.total_numel());
-  EXPECT_ERROR_HAS(load_tf_bert_weights(p, layout, params.data()), "this is an object-based checkpoint");
+  NOPAD_EXPECT_ERROR_HAS(load_tf_bert_weights(p, layout, params.data()), "this is an object-based checkpoint");
 }
 
 TEST(TfCheckpoint, AModelConfigThatDoesNotFitIsAClearError) {
@@ -269,18 +255,22 @@ TEST(TfCheckpoint, AModelConfigThatDoesNotFitIsAClearError) {
     load_tf_bert_weights(fixture_prefix(), layout, params.data());
   };
   const std::string where = "TensorFlow checkpoint " + fixture_prefix().string() + ": ";
-  EXPECT_ERROR_HAS(load_with([](BertConfig& c) { c.intermediate_size = 32; }),
-                   where + "variable bert/encoder/layer_0/intermediate/dense/kernel has shape [8, 16], the model "
-                           "(model.config) expects [8, 32] (TensorFlow kernels are stored [in, out])");
-  EXPECT_ERROR_HAS(load_with([](BertConfig& c) { c.vocab_size = 30528; }),
-                   where + "variable bert/embeddings/word_embeddings has shape [30522, 8], the model (model.config) "
-                           "expects [30528, 8]");
-  EXPECT_ERROR_HAS(load_with([](BertConfig& c) { c.num_hidden_layers = 3; }),
-                   where + "variable bert/encoder/layer_2/attention/self/query/kernel "
-                           "(bert.encoder.layer.2.attention.self.query.weight) is missing");
-  EXPECT_ERROR_HAS(load_with([](BertConfig& c) { c.num_hidden_layers = 1; }),
-                   where + "variable bert/encoder/layer_1/attention/output/LayerNorm/beta is not a parameter of the "
-                           "model in model.config");
+  NOPAD_EXPECT_ERROR_HAS(load_with([](BertConfig& c) { c.intermediate_size = 32; }),
+                         where +
+                             "variable bert/encoder/layer_0/intermediate/dense/kernel has shape [8, 16], the model "
+                             "(model.config) expects [8, 32] (TensorFlow kernels are stored [in, out])");
+  NOPAD_EXPECT_ERROR_HAS(load_with([](BertConfig& c) { c.vocab_size = 30528; }),
+                         where +
+                             "variable bert/embeddings/word_embeddings has shape [30522, 8], the model (model.config) "
+                             "expects [30528, 8]");
+  NOPAD_EXPECT_ERROR_HAS(load_with([](BertConfig& c) { c.num_hidden_layers = 3; }),
+                         where +
+                             "variable bert/encoder/layer_2/attention/self/query/kernel "
+                             "(bert.encoder.layer.2.attention.self.query.weight) is missing");
+  NOPAD_EXPECT_ERROR_HAS(load_with([](BertConfig& c) { c.num_hidden_layers = 1; }),
+                         where +
+                             "variable bert/encoder/layer_1/attention/output/LayerNorm/beta is not a parameter of the "
+                             "model in model.config");
 }
 
 }  // namespace

@@ -79,14 +79,7 @@ std::string base_config(const fs::path& run_dir, const fs::path& model_config, c
   return s.str();
 }
 
-std::string error_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const Error& e) {
-    return e.what();
-  }
-  return "(no error)";
-}
+using test::error_of;
 
 double mean_mlm_loss(const std::vector<StepRecord>& steps, size_t begin, size_t end) {
   double s = 0;

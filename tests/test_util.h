@@ -4,9 +4,11 @@
 
 #include <atomic>
 #include <filesystem>
+#include <functional>
 #include <string>
 #include <vector>
 
+#include "core/error.h"
 #include "core/rng.h"
 #include "data/instance.h"
 #include "data/shard.h"
@@ -16,6 +18,23 @@ namespace nopad::test {
 inline std::filesystem::path source_dir() { return NOPAD_SOURCE_DIR; }
 inline std::filesystem::path vocab_path() { return source_dir() / "data/vocab/bert-uncased-vocab.txt"; }
 inline std::filesystem::path wiki_sample_dir() { return source_dir() / "data/wiki-sample"; }
+
+// The message of the nopad::Error that f throws, or "(no error)".
+inline std::string error_of(const std::function<void()>& f) {
+  try {
+    f();
+  } catch (const Error& e) {
+    return e.what();
+  }
+  return "(no error)";
+}
+
+// Expects `stmt` to throw a nopad::Error whose message contains `needle` (GoogleTest files only).
+#define NOPAD_EXPECT_ERROR_HAS(stmt, needle)                                                 \
+  do {                                                                                       \
+    const std::string error_ = ::nopad::test::error_of([&] { stmt; });                        \
+    EXPECT_NE(error_.find(needle), std::string::npos) << "error: " << error_;                 \
+  } while (0)
 
 // A fresh empty folder, removed when the object goes out of scope.
 class TempDir {

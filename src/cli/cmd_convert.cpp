@@ -268,8 +268,8 @@ void setup(CLI::App& sub) {
   sub.add_option("--output", opt->output,
                  "output folder: shard_NNNNN.nopad and dataset.json, or model.safetensors and config.json")
       ->required();
-  sub.add_option("--vocab", opt->vocab, std::string("vocabulary the data files were made with (default ") + kDefaultVocab +
-                                            " when it exists)");
+  sub.add_option("--vocab", opt->vocab,
+                 std::string("vocabulary the data files were made with (default ") + kDefaultVocab + " when it exists)");
   sub.add_option("--seqs-per-shard", opt->seqs_per_shard, "sequences per shard")->default_val(65536);
   sub.add_option("--threads", opt->threads, "input files read at once (default: cores, at most 8)");
   sub.add_flag("--overwrite", opt->overwrite,

@@ -10,10 +10,9 @@ void fail_record(const RecordPlace& w, std::string_view field, const std::string
   fail(w.format, " ", w.file, ", ", w.field_kind, " '", field, "', ", w.record_kind, " ", w.record, ": ", what, w.hint);
 }
 
-Instance make_checked_instance(const RecordPlace& w, std::span<const int32_t> tokens,
-                               std::span<const int32_t> segments, std::span<const int32_t> positions,
-                               std::span<const int32_t> labels, int32_t nsp, int64_t position_base,
-                               const InstanceRules& opt) {
+Instance make_checked_instance(const RecordPlace& w, std::span<const int32_t> tokens, std::span<const int32_t> segments,
+                               std::span<const int32_t> positions, std::span<const int32_t> labels, int32_t nsp,
+                               int64_t position_base, const InstanceRules& opt) {
   const size_t n = tokens.size();
   if (segments.size() != n) bad(w, "segment_ids", segments.size(), " entries but input_ids has ", n);
   if (n < 2 || n > 65535) bad(w, "input_ids", "sequence length ", n, " outside [2, 65535]");

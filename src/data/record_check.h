@@ -15,13 +15,13 @@
 namespace nopad {
 
 struct RecordPlace {
-  std::string_view format;      // "HDF5 file", "TFRecord file"
+  std::string_view format;  // "HDF5 file", "TFRecord file"
   std::string_view file;
-  std::string_view field_kind;  // "dataset", "feature"
-  std::string_view record_kind; // "row", "record"
+  std::string_view field_kind;   // "dataset", "feature"
+  std::string_view record_kind;  // "row", "record"
   uint64_t record = 0;
-  int packed_index = -1;        // the sequence within a packed row; -1 when the record holds one sequence
-  std::string_view hint;        // appended to every message (what the file is expected to be)
+  int packed_index = -1;  // the sequence within a packed row; -1 when the record holds one sequence
+  std::string_view hint;  // appended to every message (what the file is expected to be)
 };
 
 [[noreturn]] void fail_record(const RecordPlace& where, std::string_view field, const std::string& what);

@@ -102,7 +102,8 @@ void parse_example(const uint8_t* data, size_t size, const RecordPlace& place, c
       while (next_wire_field(fc, kind, "tf.train.Feature")) {
         if (kind.wire != 2) continue;
         const bool want_float = id == kWeights;
-        if (kind.number == 1) bad(place, kFeatureNames[id], "a bytes_list, expected ", want_float ? "a float_list" : "an int64_list");
+        if (kind.number == 1)
+          bad(place, kFeatureNames[id], "a bytes_list, expected ", want_float ? "a float_list" : "an int64_list");
         if (kind.number == 2 && !want_float) bad(place, kFeatureNames[id], "a float_list, expected an int64_list");
         if (kind.number == 3 && want_float) bad(place, kFeatureNames[id], "an int64_list, expected a float_list");
         if (kind.number == 2 || kind.number == 3) {
@@ -136,16 +137,17 @@ TfRecordSummary read_tfrecord_instances(const std::filesystem::path& path, const
     uint32_t len_crc;
     std::memcpy(&len, p + off, 8);
     std::memcpy(&len_crc, p + off + 8, 4);
-    NOPAD_CHECK(crc32c_unmask(len_crc) == crc32c(p + off, 8), "TFRecord file ", file, ": record ", record,
-                " at byte ", off, ": the length does not match its checksum (not a TFRecord file, a compressed one, "
+    NOPAD_CHECK(crc32c_unmask(len_crc) == crc32c(p + off, 8), "TFRecord file ", file, ": record ", record, " at byte ",
+                off,
+                ": the length does not match its checksum (not a TFRecord file, a compressed one, "
                 "or corrupt)");
     NOPAD_CHECK(len <= n - off - 12 && n - off - 12 - len >= 4, "TFRecord file ", file, ": record ", record,
                 " at byte ", off, " is truncated (", len, " bytes announced)");
     const uint8_t* data = p + off + 12;
     uint32_t data_crc;
     std::memcpy(&data_crc, data + len, 4);
-    NOPAD_CHECK(crc32c_unmask(data_crc) == crc32c(data, len), "TFRecord file ", file, ": record ", record,
-                " at byte ", off, " does not match its checksum (the file is corrupt)");
+    NOPAD_CHECK(crc32c_unmask(data_crc) == crc32c(data, len), "TFRecord file ", file, ": record ", record, " at byte ",
+                off, " does not match its checksum (the file is corrupt)");
     off += 12 + len + 4;
 
     const std::string where = str_cat("TFRecord file ", file, ", record ", record);
@@ -153,14 +155,16 @@ TfRecordSummary read_tfrecord_instances(const std::filesystem::path& path, const
     for (int i = 0; i < kNumFeatures; ++i)
       if (i != kWeights && !f[i].present) bad(place, kFeatureNames[i], "missing");
     const std::vector<int32_t>&ids = f[kInputIds].ints, &mask = f[kInputMask].ints, &segs = f[kSegmentIds].ints,
-                       &pos = f[kPositions].ints, &lab = f[kLabels].ints;
+          &pos = f[kPositions].ints, &lab = f[kLabels].ints;
     if (mask.size() != ids.size()) bad(place, "input_mask", mask.size(), " values but input_ids has ", ids.size());
     if (segs.size() != ids.size()) bad(place, "segment_ids", segs.size(), " values but input_ids has ", ids.size());
     size_t length = 0;
     while (length < mask.size() && mask[length] == 1) ++length;
     for (size_t j = length; j < mask.size(); ++j)
-      if (mask[j] != 0) bad(place, "input_mask", "mask value ", mask[j], " at position ", j, " is not of the form 1..1 0..0");
-    if (lab.size() != pos.size()) bad(place, "masked_lm_ids", lab.size(), " values but masked_lm_positions has ", pos.size());
+      if (mask[j] != 0)
+        bad(place, "input_mask", "mask value ", mask[j], " at position ", j, " is not of the form 1..1 0..0");
+    if (lab.size() != pos.size())
+      bad(place, "masked_lm_ids", lab.size(), " values but masked_lm_positions has ", pos.size());
     const size_t k = unpadded_masked_count(place, pos);
     if (f[kWeights].present) {
       const std::vector<float>& w = f[kWeights].floats;
@@ -185,7 +189,8 @@ TfRecordSummary read_tfrecord_instances(const std::filesystem::path& path, const
 std::vector<Instance> read_tfrecord_file(const std::filesystem::path& path, const InstanceRules& rules,
                                          TfRecordSummary* summary) {
   std::vector<Instance> out;
-  const TfRecordSummary s = read_tfrecord_instances(path, rules, [&](Instance&& inst) { out.push_back(std::move(inst)); });
+  const TfRecordSummary s =
+      read_tfrecord_instances(path, rules, [&](Instance&& inst) { out.push_back(std::move(inst)); });
   if (summary) *summary = s;
   return out;
 }

@@ -32,41 +32,37 @@ uint32_t load_u32(const uint8_t* p) {
   return v;  // little-endian hosts only (checked below)
 }
 
-// TensorFlow's DataType enum (types.proto) -> nopad's DType, where there is one.
-bool dtype_of(int tf_dtype, DType& out) {
-  switch (tf_dtype) {
-    case 1: out = DType::kF32; return true;
-    case 2: out = DType::kF64; return true;
-    case 3: out = DType::kI32; return true;
-    case 4: out = DType::kU8; return true;
-    case 5: out = DType::kI16; return true;
-    case 6: out = DType::kI8; return true;
-    case 9: out = DType::kI64; return true;
-    case 10: out = DType::kBool; return true;
-    case 14: out = DType::kBF16; return true;
-    case 19: out = DType::kF16; return true;
-    default: return false;
-  }
+// TensorFlow's DataType enum (types.proto): its name, and nopad's DType where there is one.
+struct TfDtype {
+  int code;
+  const char* name;
+  bool known;
+  DType dtype;
+};
+constexpr TfDtype kTfDtypes[] = {
+    {1, "float32", true, DType::kF32},    {2, "float64", true, DType::kF64},  {3, "int32", true, DType::kI32},
+    {4, "uint8", true, DType::kU8},       {5, "int16", true, DType::kI16},    {6, "int8", true, DType::kI8},
+    {7, "string", false, DType::kU8},     {9, "int64", true, DType::kI64},    {10, "bool", true, DType::kBool},
+    {14, "bfloat16", true, DType::kBF16}, {19, "float16", true, DType::kF16}, {20, "resource", false, DType::kU8},
+    {21, "variant", false, DType::kU8},
+};
+
+const TfDtype* find_dtype(int code) {
+  for (const TfDtype& d : kTfDtypes)
+    if (d.code == code) return &d;
+  return nullptr;
 }
 
-// TensorFlow's own name of a DataType, for messages.
+bool dtype_of(int tf_dtype, DType& out) {
+  const TfDtype* d = find_dtype(tf_dtype);
+  if (d == nullptr || !d->known) return false;
+  out = d->dtype;
+  return true;
+}
+
 std::string tf_dtype_name(int tf_dtype) {
-  switch (tf_dtype) {
-    case 1: return "float32";
-    case 2: return "float64";
-    case 3: return "int32";
-    case 4: return "uint8";
-    case 5: return "int16";
-    case 6: return "int8";
-    case 7: return "string";
-    case 9: return "int64";
-    case 10: return "bool";
-    case 14: return "bfloat16";
-    case 19: return "float16";
-    case 20: return "resource";
-    case 21: return "variant";
-    default: return "DataType " + std::to_string(tf_dtype);
-  }
+  const TfDtype* d = find_dtype(tf_dtype);
+  return d ? d->name : "DataType " + std::to_string(tf_dtype);
 }
 
 // TensorShapeProto: repeated Dim dim = 2 (Dim: int64 size = 1), bool unknown_rank = 3.
@@ -91,9 +87,9 @@ std::vector<int64_t> parse_shape(const uint8_t* data, size_t size, const std::st
 // One block of the table, checksum verified; returns its contents without the trailer.
 std::pair<const uint8_t*, size_t> read_block(const MappedFile& file, uint64_t offset, uint64_t size,
                                              const std::string& where, const char* what) {
-  NOPAD_CHECK(offset <= file.size() && size <= file.size() - offset &&
-                  kBlockTrailerSize <= file.size() - offset - size,
-              where, ": truncated or corrupt (the ", what, " block at byte ", offset, " runs past the end of the file)");
+  NOPAD_CHECK(offset <= file.size() && size <= file.size() - offset && kBlockTrailerSize <= file.size() - offset - size,
+              where, ": truncated or corrupt (the ", what, " block at byte ", offset,
+              " runs past the end of the file)");
   const uint8_t* p = file.data() + offset;
   const uint8_t type = p[size];
   const uint32_t stored = load_u32(p + size + 1);
@@ -222,17 +218,30 @@ TfCheckpoint::TfCheckpoint(const fs::path& path) {
       bool have_shape = false;
       while (next_wire_field(c, f, "checkpoint entry")) {
         switch (f.number) {
-          case 1: e.tf_dtype = static_cast<int>(f.value); break;
+          case 1:
+            e.tf_dtype = static_cast<int>(f.value);
+            break;
           case 2:
             e.shape = parse_shape(f.data, f.size, where, key);
             have_shape = true;
             break;
-          case 3: e.shard = static_cast<int32_t>(f.value); break;
-          case 4: e.offset = f.value; break;
-          case 5: e.size = f.value; break;
-          case 6: e.masked_crc32c = static_cast<uint32_t>(f.value); break;
-          case 7: e.sliced = true; break;
-          default: break;
+          case 3:
+            e.shard = static_cast<int32_t>(f.value);
+            break;
+          case 4:
+            e.offset = f.value;
+            break;
+          case 5:
+            e.size = f.value;
+            break;
+          case 6:
+            e.masked_crc32c = static_cast<uint32_t>(f.value);
+            break;
+          case 7:
+            e.sliced = true;
+            break;
+          default:
+            break;
         }
       }
       (void)have_shape;  // a scalar's shape message is empty and may be absent
@@ -257,15 +266,15 @@ TfCheckpoint::TfCheckpoint(const fs::path& path) {
   }
   for (const TfTensorEntry& e : entries_) {
     if (e.sliced) continue;
-    NOPAD_CHECK(e.shard >= 0 && e.shard < num_shards, where, ": tensor ", e.name, " names data shard ", e.shard,
-                " of ", num_shards);
+    NOPAD_CHECK(e.shard >= 0 && e.shard < num_shards, where, ": tensor ", e.name, " names data shard ", e.shard, " of ",
+                num_shards);
     const MappedFile& data = *shards_[static_cast<size_t>(e.shard)];
-    NOPAD_CHECK(e.offset <= data.size() && e.size <= data.size() - e.offset, data.path().string(), ": tensor ",
-                e.name, " (bytes ", e.offset, "..", e.offset + e.size, ") runs past the end of the file (",
-                data.size(), " bytes): the data file is truncated or belongs to another index");
+    NOPAD_CHECK(e.offset <= data.size() && e.size <= data.size() - e.offset, data.path().string(), ": tensor ", e.name,
+                " (bytes ", e.offset, "..", e.offset + e.size, ") runs past the end of the file (", data.size(),
+                " bytes): the data file is truncated or belongs to another index");
     if (e.known_dtype)
-      NOPAD_CHECK(e.size == e.numel * dtype_size(e.dtype), where, ": tensor ", e.name, " of shape ",
-                  shape_str(e.shape), " and dtype ", tf_dtype_name(e.tf_dtype), " is stored in ", e.size, " bytes");
+      NOPAD_CHECK(e.size == e.numel * dtype_size(e.dtype), where, ": tensor ", e.name, " of shape ", shape_str(e.shape),
+                  " and dtype ", tf_dtype_name(e.tf_dtype), " is stored in ", e.size, " bytes");
   }
 }
 
@@ -295,7 +304,9 @@ void TfCheckpoint::read_float(std::string_view name, float* out, size_t out_nume
               " does not match its checksum: the data file is corrupt or does not belong to this index");
   for (size_t i = 0; i < e.numel; ++i) {
     switch (e.dtype) {
-      case DType::kF32: std::memcpy(&out[i], p + 4 * i, 4); break;
+      case DType::kF32:
+        std::memcpy(&out[i], p + 4 * i, 4);
+        break;
       case DType::kF64: {
         double d;
         std::memcpy(&d, p + 8 * i, 8);
@@ -346,7 +357,8 @@ TfVariableName tf_variable_for(const std::string& hf_name) {
   std::string tf;
   for (size_t i = 0; i < base.size(); ++i) {
     // "encoder.layer.7." -> "encoder/layer_7/"
-    if (base.compare(i, 7, ".layer.") == 0 && i + 7 < base.size() && std::isdigit(static_cast<unsigned char>(base[i + 7]))) {
+    if (base.compare(i, 7, ".layer.") == 0 && i + 7 < base.size() &&
+        std::isdigit(static_cast<unsigned char>(base[i + 7]))) {
       tf += "/layer_";
       i += 6;
       continue;
@@ -378,7 +390,8 @@ TfImportReport load_tf_bert_weights(const fs::path& path, const ParamLayout& lay
     const TfVariableName v = tf_variable_for(t.name);
     const TfTensorEntry* e = ck.find(v.name);
     if (e == nullptr && ck.find("_CHECKPOINTABLE_OBJECT_GRAPH") != nullptr)
-      fail(where, ": variable ", v.name, " is missing: this is an object-based checkpoint (tf.train.Checkpoint, "
+      fail(where, ": variable ", v.name,
+           " is missing: this is an object-based checkpoint (tf.train.Checkpoint, "
            "Keras), whose names follow the Python objects; nopad reads the name-based checkpoints of "
            "google-research/bert and MLPerf (tf.compat.v1.train.Saver)");
     NOPAD_CHECK(e != nullptr, where, ": variable ", v.name, " (", t.name, ") is missing",

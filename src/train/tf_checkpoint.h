@@ -32,9 +32,9 @@ namespace nopad {
 
 struct TfTensorEntry {
   std::string name;
-  int tf_dtype = 0;              // TensorFlow's DataType enum value (DT_FLOAT = 1, DT_HALF = 19, ...)
-  bool known_dtype = false;      // tf_dtype has a nopad DType (numbers and bool; not strings or variants)
-  DType dtype = DType::kF32;     // valid when known_dtype
+  int tf_dtype = 0;           // TensorFlow's DataType enum value (DT_FLOAT = 1, DT_HALF = 19, ...)
+  bool known_dtype = false;   // tf_dtype has a nopad DType (numbers and bool; not strings or variants)
+  DType dtype = DType::kF32;  // valid when known_dtype
   std::vector<int64_t> shape;
   size_t numel = 0;
   int32_t shard = 0;
@@ -71,10 +71,10 @@ class TfCheckpoint {
 fs::path resolve_tf_checkpoint(const fs::path& path);
 
 struct TfImportReport {
-  size_t loaded = 0;                  // model tensors read (every parameter of the layout)
-  size_t optimizer_slots = 0;         // "<variable>/<slot>" tensors left out (adam_m, adam_v, ...)
-  std::vector<std::string> ignored;   // other tensors outside bert/ and cls/ left out (global_step, loss_scale, ...)
-  std::string summary() const;        // one line for logs
+  size_t loaded = 0;                 // model tensors read (every parameter of the layout)
+  size_t optimizer_slots = 0;        // "<variable>/<slot>" tensors left out (adam_m, adam_v, ...)
+  std::vector<std::string> ignored;  // other tensors outside bert/ and cls/ left out (global_step, loss_scale, ...)
+  std::string summary() const;       // one line for logs
 };
 
 // Loads the BERT pre-training weights of a TensorFlow checkpoint into params[layout.total_numel()].
