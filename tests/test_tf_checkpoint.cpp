@@ -172,6 +172,10 @@ TEST(TfCheckpoint, APathMayNameThePrefixTheIndexOrTheFolder) {
   EXPECT_EQ(resolve_tf_checkpoint(copy.dir.path()), copy.prefix());
   fs::copy_file(copy.index(), copy.dir / "model.ckpt-9.index");
   EXPECT_TRUE(resolve_tf_checkpoint(copy.dir.path()).empty());  // two: ambiguous
+  // TensorFlow writes model_checkpoint_path first; the key is matched at the start of a line, in any order.
+  write_bytes(copy.dir / "checkpoint",
+              "all_model_checkpoint_paths: \"model.ckpt-9\"\n  model_checkpoint_path: \"model.ckpt-3\"\n");
+  EXPECT_EQ(resolve_tf_checkpoint(copy.dir.path()), copy.prefix());
   write_bytes(copy.dir / "checkpoint", "all_model_checkpoint_paths: \"x\"\n");
   NOPAD_EXPECT_ERROR_HAS(resolve_tf_checkpoint(copy.dir.path()), "no model_checkpoint_path line");
 }

@@ -54,8 +54,9 @@ TEST(TfRecordImport, RecordsWrongInOneWayAreClearErrors) {
   };
   NOPAD_EXPECT_ERROR_HAS(read_tfrecord_file(fixture("bad-missing-feature.tfrecord"), kBertRules),
                          place("bad-missing-feature.tfrecord", "segment_ids") + "missing" + hint);
-  NOPAD_EXPECT_ERROR_HAS(read_tfrecord_file(fixture("bad-float-ids.tfrecord"), kBertRules),
-                         place("bad-float-ids.tfrecord", "input_ids") + "a float_list, expected an int64_list");
+  NOPAD_EXPECT_ERROR_HAS(
+      read_tfrecord_file(fixture("bad-float-ids.tfrecord"), kBertRules),
+      place("bad-float-ids.tfrecord", "input_ids") + "stored as a float_list, expected an int64_list");
   NOPAD_EXPECT_ERROR_HAS(read_tfrecord_file(fixture("bad-weights.tfrecord"), kBertRules),
                          place("bad-weights.tfrecord", "masked_lm_weights") + "weight 0 at entry ");
   NOPAD_EXPECT_ERROR_HAS(read_tfrecord_file(fixture("bad-segments.tfrecord"), kBertRules),

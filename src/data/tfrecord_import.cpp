@@ -96,6 +96,7 @@ void parse_example(const uint8_t* data, size_t size, const RecordPlace& place, c
         if (key == kFeatureNames[i]) id = i;
       if (id < 0 || !have_value) continue;
       FeatureValues& out = features[id];
+      out = FeatureValues{};  // a key given twice: the last one holds, as when protobuf parses a map
       out.present = true;
       WireCursor fc(value.data, value.size, &where);
       WireField kind;
@@ -103,9 +104,12 @@ void parse_example(const uint8_t* data, size_t size, const RecordPlace& place, c
         if (kind.wire != 2) continue;
         const bool want_float = id == kWeights;
         if (kind.number == 1)
-          bad(place, kFeatureNames[id], "a bytes_list, expected ", want_float ? "a float_list" : "an int64_list");
-        if (kind.number == 2 && !want_float) bad(place, kFeatureNames[id], "a float_list, expected an int64_list");
-        if (kind.number == 3 && want_float) bad(place, kFeatureNames[id], "an int64_list, expected a float_list");
+          bad(place, kFeatureNames[id], "stored as a bytes_list, expected ",
+              want_float ? "a float_list" : "an int64_list");
+        if (kind.number == 2 && !want_float)
+          bad(place, kFeatureNames[id], "stored as a float_list, expected an int64_list");
+        if (kind.number == 3 && want_float)
+          bad(place, kFeatureNames[id], "stored as an int64_list, expected a float_list");
         if (kind.number == 2 || kind.number == 3) {
           out.is_float = kind.number == 2;
           parse_list(kind, out.is_float, out, where);

@@ -8,6 +8,7 @@
 #include <cstdio>
 #include <cstring>
 #include <set>
+#include <sstream>
 
 #include "core/crc32.h"
 #include "core/error.h"
@@ -127,14 +128,20 @@ void for_each_entry(const uint8_t* block, size_t size, const std::string& where,
 
 // A TensorFlow `checkpoint` state file: model_checkpoint_path: "PATH" (relative to the folder, or absolute).
 fs::path checkpoint_from_state_file(const fs::path& dir) {
-  const std::string text = read_file(dir / "checkpoint");
+  const std::string where = (dir / "checkpoint").string();
+  std::istringstream text(read_file(dir / "checkpoint"));
   const std::string key = "model_checkpoint_path:";
-  const size_t k = text.find(key);
-  NOPAD_CHECK(k != std::string::npos, (dir / "checkpoint").string(), ": no model_checkpoint_path line");
-  const size_t q1 = text.find('"', k + key.size());
-  const size_t q2 = q1 == std::string::npos ? q1 : text.find('"', q1 + 1);
-  NOPAD_CHECK(q2 != std::string::npos, (dir / "checkpoint").string(), ": model_checkpoint_path is not a quoted path");
-  fs::path p = text.substr(q1 + 1, q2 - q1 - 1);
+  std::string line;
+  bool found = false;
+  while (!found && std::getline(text, line)) {
+    line.erase(0, line.find_first_not_of(" \t"));
+    found = line.compare(0, key.size(), key) == 0;
+  }
+  NOPAD_CHECK(found, where, ": no model_checkpoint_path line");
+  const size_t q1 = line.find('"', key.size());
+  const size_t q2 = q1 == std::string::npos ? q1 : line.find('"', q1 + 1);
+  NOPAD_CHECK(q2 != std::string::npos, where, ": model_checkpoint_path is not a quoted path");
+  fs::path p = line.substr(q1 + 1, q2 - q1 - 1);
   std::error_code ec;
   if (p.is_relative()) p = dir / p;
   // A folder copied from elsewhere keeps the absolute path it was written under: fall back to the name here.
