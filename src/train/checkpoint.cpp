@@ -22,12 +22,6 @@ constexpr const char* kOptimizerFile = "optimizer.safetensors";
 constexpr const char* kStateFile = "trainer_state.json";
 constexpr int kFormatVersion = 1;
 
-std::string shape_str(const std::vector<int64_t>& shape) {
-  std::string s = "[";
-  for (size_t i = 0; i < shape.size(); ++i) s += (i ? ", " : "") + std::to_string(shape[i]);
-  return s + "]";
-}
-
 // CRC-32 and size of a whole file, read through a map.
 std::pair<uint32_t, uint64_t> file_crc(const fs::path& path) {
   MappedFile map(path);

@@ -82,6 +82,36 @@ uint16_t float_to_half(float f) { return to_f16(f).bits; }
 float bf16_to_float(uint16_t b) { return to_float(bf16{b}); }
 uint16_t float_to_bf16(float f) { return to_bf16(f).bits; }
 
+bool convert_to_float(DType dtype, const uint8_t* p, size_t numel, float* out) {
+  switch (dtype) {  // the dtypes of is_float_dtype
+    case DType::kF32:
+      if (numel) std::memcpy(out, p, numel * 4);
+      return true;
+    case DType::kF16:
+    case DType::kBF16:
+      for (size_t i = 0; i < numel; ++i) {
+        const uint16_t h = static_cast<uint16_t>(p[2 * i] | (p[2 * i + 1] << 8));
+        out[i] = dtype == DType::kF16 ? half_to_float(h) : bf16_to_float(h);
+      }
+      return true;
+    case DType::kF64:
+      for (size_t i = 0; i < numel; ++i) {
+        double d;
+        std::memcpy(&d, p + 8 * i, 8);
+        out[i] = static_cast<float>(d);
+      }
+      return true;
+    default:
+      return false;
+  }
+}
+
+std::string shape_str(const std::vector<int64_t>& shape) {
+  std::string s = "[";
+  for (size_t i = 0; i < shape.size(); ++i) s += (i ? ", " : "") + std::to_string(shape[i]);
+  return s + "]";
+}
+
 std::string safetensors_header(const std::vector<SafetensorsTensor>& tensors, const SafetensorsMetadata& metadata) {
   std::vector<const SafetensorsTensor*> order;
   for (const SafetensorsTensor& t : tensors) {
@@ -259,29 +289,9 @@ void SafetensorsFile::read_float(std::string_view name, float* out, size_t out_n
   const SafetensorsEntry& e = at(name);
   NOPAD_CHECK(out_numel == e.numel, path().string(), ": tensor '", name, "' has ", e.numel, " elements, the caller expects ",
               out_numel);
-  const uint8_t* p = data_ + e.begin;
-  switch (e.dtype) {
-    case DType::kF32:
-      if (e.numel) std::memcpy(out, p, e.numel * 4);
-      return;
-    case DType::kF16:
-    case DType::kBF16:
-      for (size_t i = 0; i < e.numel; ++i) {
-        const uint16_t h = static_cast<uint16_t>(p[2 * i] | (p[2 * i + 1] << 8));
-        out[i] = e.dtype == DType::kF16 ? half_to_float(h) : bf16_to_float(h);
-      }
-      return;
-    case DType::kF64:
-      for (size_t i = 0; i < e.numel; ++i) {
-        double d;
-        std::memcpy(&d, p + 8 * i, 8);
-        out[i] = static_cast<float>(d);
-      }
-      return;
-    default:
-      fail(path().string(), ": tensor '", name, "' has dtype ", dtype_name(e.dtype),
-           ", not a floating-point type that converts to fp32");
-  }
+  if (!convert_to_float(e.dtype, data_ + e.begin, e.numel, out))
+    fail(path().string(), ": tensor '", name, "' has dtype ", dtype_name(e.dtype),
+         ", not a floating-point type that converts to fp32");
 }
 
 std::vector<float> SafetensorsFile::read_float(std::string_view name) const {

@@ -33,6 +33,14 @@ float half_to_float(uint16_t h);
 uint16_t float_to_half(float f);
 float bf16_to_float(uint16_t b);
 uint16_t float_to_bf16(float f);
+// Converts numel little-endian values of a floating-point dtype (F32, F16, BF16, F64) at `bytes` to fp32 into out;
+// returns false (writing nothing) for any other dtype. Shared by the safetensors and TensorFlow checkpoint readers.
+bool convert_to_float(DType dtype, const uint8_t* bytes, size_t numel, float* out);
+inline bool is_float_dtype(DType d) {
+  return d == DType::kF32 || d == DType::kF16 || d == DType::kBF16 || d == DType::kF64;
+}
+// "[30522, 1024]": a shape for messages.
+std::string shape_str(const std::vector<int64_t>& shape);
 
 // One tensor to write: `data` holds numel(shape) * dtype_size(dtype) bytes in little-endian order.
 struct SafetensorsTensor {

@@ -21,12 +21,6 @@ constexpr uint64_t kTableMagic = 0xdb4775248b80fb57ull;  // LevelDB's table magi
 constexpr size_t kFooterSize = 48;                       // two block handles padded to 40 bytes, then the magic
 constexpr size_t kBlockTrailerSize = 5;                  // compression type byte + masked CRC-32C
 
-std::string shape_str(const std::vector<int64_t>& shape) {
-  std::string s = "[";
-  for (size_t i = 0; i < shape.size(); ++i) s += (i ? ", " : "") + std::to_string(shape[i]);
-  return s + "]";
-}
-
 uint32_t load_u32(const uint8_t* p) {
   uint32_t v;
   std::memcpy(&v, p, 4);
@@ -222,15 +216,13 @@ TfCheckpoint::TfCheckpoint(const fs::path& path) {
       // slices = 7.
       TfTensorEntry e;
       e.name = key;
-      bool have_shape = false;
       while (next_wire_field(c, f, "checkpoint entry")) {
         switch (f.number) {
           case 1:
             e.tf_dtype = static_cast<int>(f.value);
             break;
           case 2:
-            e.shape = parse_shape(f.data, f.size, where, key);
-            have_shape = true;
+            e.shape = parse_shape(f.data, f.size, where, key);  // absent for a scalar
             break;
           case 3:
             e.shard = static_cast<int32_t>(f.value);
@@ -251,7 +243,6 @@ TfCheckpoint::TfCheckpoint(const fs::path& path) {
             break;
         }
       }
-      (void)have_shape;  // a scalar's shape message is empty and may be absent
       e.numel = 1;
       for (int64_t d : e.shape) e.numel *= static_cast<size_t>(d);
       e.known_dtype = dtype_of(e.tf_dtype, e.dtype);
@@ -301,32 +292,14 @@ void TfCheckpoint::read_float(std::string_view name, float* out, size_t out_nume
   const TfTensorEntry& e = at(name);
   const std::string where = "TensorFlow checkpoint " + prefix_.string() + ": tensor " + e.name;
   NOPAD_CHECK(!e.sliced, where, " is saved as slices of a partitioned variable, which nopad does not read");
-  NOPAD_CHECK(e.known_dtype && (e.dtype == DType::kF32 || e.dtype == DType::kF16 || e.dtype == DType::kBF16 ||
-                                e.dtype == DType::kF64),
-              where, " is ", tf_dtype_name(e.tf_dtype), ", not a floating-point tensor");
+  NOPAD_CHECK(e.known_dtype && is_float_dtype(e.dtype), where, " is ", tf_dtype_name(e.tf_dtype),
+              ", not a floating-point tensor");
   NOPAD_CHECK(out_numel == e.numel, where, " has ", e.numel, " elements, ", out_numel, " were asked for");
   const MappedFile& data = *shards_[static_cast<size_t>(e.shard)];
   const uint8_t* p = data.data() + e.offset;
   NOPAD_CHECK(crc32c_unmask(e.masked_crc32c) == crc32c(p, e.size), where, " in ", data.path().string(),
               " does not match its checksum: the data file is corrupt or does not belong to this index");
-  for (size_t i = 0; i < e.numel; ++i) {
-    switch (e.dtype) {
-      case DType::kF32:
-        std::memcpy(&out[i], p + 4 * i, 4);
-        break;
-      case DType::kF64: {
-        double d;
-        std::memcpy(&d, p + 8 * i, 8);
-        out[i] = static_cast<float>(d);
-        break;
-      }
-      default: {
-        uint16_t h;
-        std::memcpy(&h, p + 2 * i, 2);
-        out[i] = e.dtype == DType::kF16 ? half_to_float(h) : bf16_to_float(h);
-      }
-    }
-  }
+  convert_to_float(e.dtype, p, e.numel, out);
 }
 
 std::vector<float> TfCheckpoint::read_float(std::string_view name) const {

@@ -484,11 +484,10 @@ void Trainer::Impl::setup() {
   } else if (!init_from.empty()) {
     start_params.resize(layout.total_numel());
     try {
-      if (!resolve_tf_checkpoint(init_from).empty()) {
-        const TfImportReport r = load_tf_bert_weights(init_from, layout, start_params.data());
+      if (const fs::path tf = resolve_tf_checkpoint(init_from); !tf.empty()) {
+        const TfImportReport r = load_tf_bert_weights(tf, layout, start_params.data());
         if (lead())
-          std::fprintf(stderr, "init_from: TensorFlow checkpoint %s: %s\n",
-                       resolve_tf_checkpoint(init_from).string().c_str(), r.summary().c_str());
+          std::fprintf(stderr, "init_from: TensorFlow checkpoint %s: %s\n", tf.string().c_str(), r.summary().c_str());
       } else {
         load_hf_weights(init_from, layout, start_params.data());
       }
