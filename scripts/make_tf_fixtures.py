@@ -9,8 +9,8 @@ google-research/bert's modeling.py and run_pretraining.py, dense kernels stored 
 `<variable>/adam_m` and `<variable>/adam_v`, a `global_step`, plus two non-BERT tensors in float16 and bfloat16.
 
 Beside it, `expected.safetensors` holds the same values under Hugging Face BertForPreTraining names and shapes
-(kernels transposed to [out, in]), computed here with numpy and written by the small safetensors writer below, so
-the tests compare nopad's reader and name mapping against values that neither produced.
+(kernels transposed to [out, in]), computed here with numpy and written by python/nopad_twin.py's safetensors
+writer, so the tests compare nopad's reader and name mapping against values that neither produced.
 
 Values are patterned, not random (element i of tensor k is ((37 i + 101 k) mod 251 - 125) / 500): every tensor
 differs from every other and from its own transpose, and git stores the 1 MB of float32 compactly.
@@ -22,11 +22,13 @@ Usage: python3 scripts/make_tf_fixtures.py   (writes both folders below tests/da
 """
 import json
 import os
-import struct
 import subprocess
 import sys
 
 import numpy as np
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "python"))
+from nopad_twin import write_safetensors  # noqa: E402 (after the path it lives on)
 
 CONFIG = {
     "attention_probs_dropout_prob": 0.1,
@@ -87,20 +89,6 @@ def pattern(shape, k):
     return (((37 * i + 101 * k) % 251 - 125) / 500.0).astype(np.float32).reshape(shape)
 
 
-def write_safetensors(path, tensors):
-    """tensors: {name: float32 array}; sorted by name, contiguous, header padded with spaces to 8 bytes."""
-    header, blobs, offset = {}, [], 0
-    for name in sorted(tensors):
-        a = np.ascontiguousarray(tensors[name], dtype="<f4")
-        header[name] = {"dtype": "F32", "shape": list(a.shape), "data_offsets": [offset, offset + a.nbytes]}
-        blobs.append(a.tobytes())
-        offset += a.nbytes
-    text = json.dumps(header, separators=(",", ":")).encode()
-    text += b" " * (-len(text) % 8)
-    with open(path, "wb") as fh:
-        fh.write(struct.pack("<Q", len(text)) + text + b"".join(blobs))
-
-
 def write_object_based(out):
     """tf.train.Checkpoint runs eagerly: a fresh interpreter, since this one has eager execution disabled."""
     os.makedirs(out, exist_ok=True)
@@ -147,7 +135,7 @@ def write_checkpoint(out):
     # The `checkpoint` file TensorFlow writes holds the absolute path; a relative one is what a copied folder has.
     with open(os.path.join(out, "checkpoint"), "w") as fh:
         fh.write('model_checkpoint_path: "model.ckpt-3"\nall_model_checkpoint_paths: "model.ckpt-3"\n')
-    write_safetensors(os.path.join(out, "expected.safetensors"), expected)
+    write_safetensors(os.path.join(out, "expected.safetensors"), {k: expected[k] for k in sorted(expected)})
     write_object_based(os.path.join(out, "object-based"))
     reader = tf.train.load_checkpoint(prefix)
     print(f"wrote {prefix} ({len(reader.get_variable_to_shape_map())} tensors, TensorFlow {tf.__version__}) and "

@@ -12,7 +12,6 @@ import json
 import math
 import os
 import shutil
-import struct
 import subprocess
 import sys
 import tempfile
@@ -20,6 +19,7 @@ import tempfile
 import numpy as np
 
 import nopad_shards
+from nopad_twin import read_safetensors
 
 NOPAD = os.environ["NOPAD_BINARY"]
 SRC = os.environ["NOPAD_SOURCE_DIR"]
@@ -32,23 +32,6 @@ def check(cond, what):
     if not cond:
         failures.append(what)
         print("FAIL:", what)
-
-
-def read_safetensors(path):
-    """{name: float32 array} of an F32 safetensors file (format read here independently of nopad)."""
-    with open(path, "rb") as fh:
-        blob = fh.read()
-    n = struct.unpack("<Q", blob[:8])[0]
-    header = json.loads(blob[8:8 + n])
-    data = blob[8 + n:]
-    out = {}
-    for name, e in header.items():
-        if name == "__metadata__":
-            continue
-        assert e["dtype"] == "F32", (name, e["dtype"])
-        b, end = e["data_offsets"]
-        out[name] = np.frombuffer(data[b:end], dtype="<f4").reshape(e["shape"])
-    return out
 
 
 def convert(*args):

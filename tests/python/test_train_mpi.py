@@ -6,7 +6,6 @@ start. Run by CTest with NOPAD_BINARY and NOPAD_SOURCE_DIR set; needs mpiexec (s
 import json
 import os
 import shutil
-import struct
 import subprocess
 import sys
 import tempfile
@@ -14,6 +13,7 @@ import tempfile
 import numpy as np
 
 from nopad_test_support import NOPAD, SRC, losses, mpiexec, prepare_sample
+from nopad_twin import read_safetensors
 failures = []
 
 
@@ -21,21 +21,6 @@ def check(cond, what):
     if not cond:
         failures.append(what)
         print("FAIL:", what)
-
-
-def read_safetensors(path):
-    with open(path, "rb") as f:
-        n = struct.unpack("<Q", f.read(8))[0]
-        header = json.loads(f.read(n))
-        data = f.read()
-    out = {}
-    for name, t in header.items():
-        if name == "__metadata__":
-            continue
-        assert t["dtype"] == "F32", (name, t["dtype"])
-        a, b = t["data_offsets"]
-        out[name] = np.frombuffer(data[a:b], dtype=np.float32).reshape(t["shape"])
-    return out
 
 
 def train(ranks, run_dir, data, extra=(), check_rc=True):
