@@ -11,6 +11,9 @@
 #   BATCH=64         sequences per GPU and step (global batch = BATCH x GPUs)
 #   STEPS=20         timed steps per measurement (after 5 warm-up steps)
 #   CLIP=1           the clipping comparison at the largest count (0: skip, ~2 min)
+#   DIST_VARIANTS="ARGS;ARGS"   more `nopad bench model` runs at each count above 1 (balance cost), one per
+#                    ';'-separated set of extra arguments, e.g. "--nccl-max-ctas 16 --sm-margin 16;--sm-margin 0"
+#   SKIP_BASE=1      skip the balance none/cost runs (only the variants)
 #   NOPAD_CMAKE_EXTRA="..."   extra CMake arguments (e.g. -DCMAKE_CUDA_ARCHITECTURES=90a-real)
 #   DEVICE=cpu MODEL=data/configs/bert-tiny.json NGPU=2   a smoke run of the script itself on a CPU machine
 # A call on the device machine is limited to 10 minutes: with the build, all four counts and the clipping runs take
@@ -48,7 +51,10 @@ phase2_shards "$NOPAD" "$SHARDS" "$out/prepare.log" || exit 1
 bench_args=(bench model --model "$MODEL" --data $SHARDS --batch "$BATCH" --steps "$STEPS" --warmup 5 --device "$DEVICE")
 
 # Adds "gpus" and "balance" to the JSON line on stdin and appends it to scale-out.jsonl.
-tag() { sed "s/^{/{\"gpus\": $1, \"balance_run\": \"$2\", /" | grep '^{' | tee -a "$out/scale-out.jsonl"; }
+tag() {
+  sed "s/^{/{\"gpus\": $1, \"balance_run\": \"$2\", \"variant\": \"${3:-}\", /" | grep '^{' |
+    tee -a "$out/scale-out.jsonl"
+}
 
 if ! grep -q '"gpus": 1,' "$out/scale-out.jsonl" 2>/dev/null; then
   step "1 GPU, batch $BATCH"
@@ -62,12 +68,27 @@ for n in $NS; do
     continue
   fi
   largest=$n
-  for bal in none cost; do
+  bals="none cost"
+  [ "${SKIP_BASE:-0}" = 1 ] && bals=""
+  for bal in $bals; do
     step "$n GPUs, batch $BATCH per GPU, balance $bal"
-    mpirun -np "$n" --bind-to none $NOPAD "${bench_args[@]}" --balance $bal --cost-per-token-sq $COST_SQ \
-      2> "$out/bench-$n-$bal.log" | tag "$n" $bal || status=1
+    mpirun -np "$n" --bind-to none -x NCCL_DEBUG=INFO -x NCCL_DEBUG_SUBSYS=INIT,TUNING $NOPAD "${bench_args[@]}" \
+      --balance $bal --cost-per-token-sq $COST_SQ 2> "$out/bench-$n-$bal.log" | tag "$n" $bal || status=1
+    grep -m 3 -i "channels" "$out/bench-$n-$bal.log" >> "$out/summary.txt"
     tail -n 3 "$out/bench-$n-$bal.log" >> "$out/summary.txt"
   done
+  if [ -n "${DIST_VARIANTS:-}" ]; then
+    IFS=';' read -r -a variants <<< "$DIST_VARIANTS"
+    v=0
+    for args in "${variants[@]}"; do
+      v=$((v + 1))
+      step "$n GPUs, batch $BATCH per GPU, balance cost, $args"
+      # shellcheck disable=SC2086
+      mpirun -np "$n" --bind-to none $NOPAD "${bench_args[@]}" --balance cost --cost-per-token-sq $COST_SQ $args \
+        2> "$out/bench-$n-v$v.log" | tag "$n" cost "$args" || status=1
+      tail -n 3 "$out/bench-$n-v$v.log" >> "$out/summary.txt"
+    done
+  fi
 done
 
 if [ "${CLIP:-1}" = 1 ] && [ "$largest" -gt 1 ]; then
@@ -108,13 +129,16 @@ one = [r for r in bench if r["gpus"] == 1]
 if not one:
     sys.exit("no 1-GPU line: the efficiency baseline is missing")
 base = one[-1]["seqs_per_s"]
-print(f"{'GPUs':>4} {'balance':>7} {'seq/s':>9} {'per GPU':>8} {'eff.':>6} {'compute max/mean':>16} {'reduce ms':>9}")
+print(f"{'GPUs':>4} {'balance':>7} {'seq/s':>9} {'per GPU':>8} {'eff.':>6} {'compute ms':>10} "
+      f"{'compute max/mean':>16} {'reduce ms':>9}  variant")
 for r in bench:
     n = r["gpus"]
     per = r["seqs_per_s"] / n
     imb = r.get("compute_imbalance", 1.0)
     red = r.get("reduce_ms", 0.0)
-    print(f"{n:>4} {r['balance_run']:>7} {r['seqs_per_s']:>9.1f} {per:>8.1f} {per / base:>6.3f} {imb:>16.4f} {red:>9.2f}")
+    comp = r.get("compute_ms", r["step_ms"])
+    print(f"{n:>4} {r['balance_run']:>7} {r['seqs_per_s']:>9.1f} {per:>8.1f} {per / base:>6.3f} {comp:>10.2f} "
+          f"{imb:>16.4f} {red:>9.2f}  {r.get('variant', '')}")
 for r in rows:
     if "train_clip" in r:
         print(f"{r['gpus']} GPUs, nopad train, clip {r['train_clip']}: {r['seqs_per_s']:.1f} seq/s, compute "

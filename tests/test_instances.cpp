@@ -97,7 +97,9 @@ TEST(Instances, MaskingCountsRatesAndSpecials) {
     std::set<int32_t> seen;
     for (size_t k = 0; k < inst.mlm_positions.size(); ++k) {
       const int32_t p = inst.mlm_positions[k], label = inst.mlm_labels[k];
-      if (k > 0) ASSERT_GT(p, inst.mlm_positions[k - 1]);
+      if (k > 0) {
+        ASSERT_GT(p, inst.mlm_positions[k - 1]);
+      }
       // Specials are never picked: not the three structural positions, and no label is [CLS]/[SEP].
       ASSERT_NE(p, 0);
       ASSERT_NE(p, inst.a_length - 1);

@@ -125,6 +125,16 @@ void setup(CLI::App& sub) {
       ->capture_default_str();
   model->add_flag("!--no-overlap", mo->overlap,
                   "several GPUs: one all-reduce after backward instead of per-layer buckets during it");
+  model->add_option("--nccl-max-ctas", mo->nccl_max_ctas,
+                    "several GPUs: cap on the thread blocks (SMs) of an NCCL all-reduce (as dist.nccl_max_ctas; 0: "
+                    "NCCL's own)")
+      ->capture_default_str()
+      ->check(CLI::NonNegativeNumber);
+  model->add_option("--sm-margin", mo->sm_margin,
+                    "several GPUs: SMs the backward's GEMMs and LayerNorms leave to the all-reduce once it has started "
+                    "(as dist.sm_margin; -1: --nccl-max-ctas)")
+      ->capture_default_str()
+      ->check(CLI::Range(-1, 1 << 20));
   model->callback([mo] {
     const nopad::ModelBenchResult r = nopad::run_model_bench(*mo);
     if (!r.lead) return;  // a multi-rank run reports once, from rank 0

@@ -961,6 +961,120 @@ TEST(CudaGemmSm90, GeluEpilogueOnEveryBf16Input) {
   }
 }
 
+// The SM margin (CudaBackendT::set_sm_margin: the SMs left to a concurrent all-reduce) changes how many CTAs the
+// statically partitioned kernels use, never what they compute: nopad's persistent GEMM (the FFN-in forward with the
+// GELU epilogue, the FFN-out dx with the saved derivative) and the LayerNorm rows are bitwise those of margin 0; the
+// cuBLASLt products (planned for fewer SMs, possibly another algorithm) and the LayerNorm parameter sums (other block
+// partials) agree with the CPU twin. Margins outside 0..SMs-1 are refused with a message.
+TYPED_TEST(CudaOps, SmMarginKeepsResults) {
+  using E = TypeParam;  // bf16 or f16
+  Gpu<E>& g = gpu<E>();
+  const int sms = g.multiprocessors();
+  struct MarginReset {  // the backend is shared by every test: margin 0 again whatever happens
+    Gpu<E>& g;
+    ~MarginReset() { g.set_sm_margin(0); }
+  } reset{g};
+  const int64_t rows = 3001;  // 24 row tiles of 128 (the last partial): more tiles than any margin's CTAs
+  const int32_t H = 1024, F = 4096;
+  Rng rng({41u, static_cast<uint64_t>(sizeof(E))});
+  const float ws = 1.0f / std::sqrt(static_cast<float>(H)), ws2 = 1.0f / std::sqrt(static_cast<float>(F));
+  Vec x = rand_vec<E>(rng, rows * H, -1, 1), w1 = rand_vec<E>(rng, size_t(F) * H, -2 * ws, 2 * ws),
+      b1 = rand_vec<E>(rng, F, -0.5f, 0.5f), w2 = rand_vec<E>(rng, size_t(H) * F, -2 * ws2, 2 * ws2),
+      dy = rand_vec<E>(rng, rows * H, -1, 1), res = rand_vec<E>(rng, rows * H, -1, 1),
+      gamma = rand_vec<E>(rng, H, 0.5f, 1.5f), beta = rand_vec<E>(rng, H, -0.5f, 0.5f);
+  auto d_x = up16<E>(x), d_w1 = up16<E>(w1), d_b1 = up16<E>(b1), d_w2 = up16<E>(w2), d_dy = up16<E>(dy),
+       d_res = up16<E>(res), d_gamma = up16<E>(gamma), d_beta = up16<E>(beta);
+  // CPU twin: FFN-in forward with GELU, FFN-out backward through the GELU, a plain product (QKV-like, 1024 -> 1024)
+  // forward and backward, the residual LayerNorm forward and backward.
+  Vec y_c(rows * F), ag_c(rows * F);
+  cpu().dense_forward(x.data(), w1.data(), b1.data(), rows, H, F, ops::Activation::kGelu, y_c.data(), ag_c.data());
+  Vec dpre_c(rows * F), gw2_c(w2.size(), 0.0f), gb1_c(F, 0.0f);
+  cpu().dense_backward_through_act(dy.data(), y_c.data(), ag_c.data(), w2.data(), rows, F, H, ops::Activation::kGelu,
+                                   dpre_c.data(), gw2_c.data(), gb1_c.data());
+  Vec z_c(rows * H), dx_c(rows * H), gq_c(size_t(H) * H, 0.0f), gqb_c(H, 0.0f);
+  const Vec wq(w2.begin(), w2.begin() + static_cast<std::ptrdiff_t>(size_t(H) * H));
+  auto d_wq = up16<E>(wq);
+  cpu().dense_forward(x.data(), wq.data(), b1.data(), rows, H, H, ops::Activation::kNone, z_c.data(), nullptr);
+  cpu().dense_backward(dy.data(), x.data(), wq.data(), nullptr, rows, H, H, ops::Activation::kNone, dx_c.data(),
+                       false, gq_c.data(), gqb_c.data());
+  Batch b;  // one 3001-row "sequence" view over the rows, for the LayerNorm
+  b.cu = {0, static_cast<int32_t>(rows)};
+  b.ids = {rng.next_u64()};
+  b.T = static_cast<int32_t>(rows);
+  b.B = 1;
+  b.max_len = b.T;
+  b.d_cu = up(b.cu);
+  b.d_ids = up(b.ids);
+  const auto drop = dropout(0.1f, 9);
+  Vec ln_c(rows * H), mean_c(rows), rstd_c(rows), lndx_c(rows * H), lndr_c(rows * H), lnb_c(H, 0.0f), lng_c(H, 0.0f),
+      lnbe_c(H, 0.0f);
+  cpu().bias_dropout_residual_layernorm_forward(x.data(), b1.data(), res.data(), gamma.data(), beta.data(), b.host(),
+                                                H, 1e-12, drop, ln_c.data(), mean_c.data(), rstd_c.data());
+  cpu().bias_dropout_residual_layernorm_backward(dy.data(), x.data(), b1.data(), res.data(), gamma.data(),
+                                                 mean_c.data(), rstd_c.data(), b.host(), H, drop, lndx_c.data(),
+                                                 lndr_c.data(), lnb_c.data(), lng_c.data(), lnbe_c.data());
+
+  std::vector<Vec> bitwise0;  // margin 0's results that must not change: y, act_grad, dpre, LN out, LN d_x
+  for (const int margin : {0, 37, sms - 1}) {
+    SCOPED_TRACE("margin " + std::to_string(margin));
+    std::printf("  SM margin %d of %d SMs\n", margin, sms);
+    g.set_sm_margin(margin);
+    EXPECT_EQ(g.sm_margin(), margin);
+    EXPECT_EQ(g.compute_sms(), sms - margin);
+    DBuf<E> y(rows * F), ag(rows * F), dpre(rows * F), z(rows * H), dx(rows * H), ln(rows * H), lndx(rows * H),
+        lndr(rows * H);
+    DBuf<float> gw2(w2.size()), gb1(F), gq(wq.size()), gqb(H), mean(rows), rstd(rows), lnb(H), lng(H), lnbe(H);
+    for (auto* d : {&y, &ag, &dpre, &z, &dx, &ln, &lndx, &lndr}) d->poison();
+    for (auto* d : {&mean, &rstd}) d->poison();
+    for (auto* d : {&gw2, &gb1, &gq, &gqb, &lnb, &lng, &lnbe})
+      ASSERT_EQ(cudaMemsetAsync(d->p, 0, d->n * sizeof(float), g.stream()), cudaSuccess);
+    g.dense_forward(d_x->p, d_w1->p, d_b1->p, rows, H, F, ops::Activation::kGelu, y.p, ag.p);
+    g.dense_backward_through_act(d_dy->p, y.p, ag.p, d_w2->p, rows, F, H, ops::Activation::kGelu, dpre.p, gw2.p,
+                                 gb1.p);
+    g.dense_forward(d_x->p, d_wq->p, d_b1->p, rows, H, H, ops::Activation::kNone, z.p, nullptr);
+    g.dense_backward(d_dy->p, d_x->p, d_wq->p, nullptr, rows, H, H, ops::Activation::kNone, dx.p, false, gq.p, gqb.p);
+    g.bias_dropout_residual_layernorm_forward(d_x->p, d_b1->p, d_res->p, d_gamma->p, d_beta->p, b.device(), H, 1e-12,
+                                              drop, ln.p, mean.p, rstd.p);
+    g.bias_dropout_residual_layernorm_backward(d_dy->p, d_x->p, d_b1->p, d_res->p, d_gamma->p, mean.p, rstd.p,
+                                               b.device(), H, drop, lndx.p, lndr.p, lnb.p, lng.p, lnbe.p);
+    // The GPU's FFN-out backward read its own y and act_grad; the CPU's its own: one rounding chain apart.
+    expect_close("y = gelu(x W1 + b1)", down(y), y_c, kTolChain<E>);
+    expect_close("act_grad", down(ag), ag_c, kTolChain<E>);
+    expect_close("dpre", down(dpre), dpre_c, kTolDeep<E>);
+    expect_close("d_W2", down(gw2), gw2_c, kTolGrad<E>);
+    expect_close("d_b1", down(gb1), gb1_c, kTolGrad<E>);
+    expect_close("z = x Wq + b (cuBLASLt)", down(z), z_c, kTolOut<E>);
+    expect_close("dx (cuBLASLt)", down(dx), dx_c, kTolOut<E>);
+    expect_close("d_Wq (cuBLASLt)", down(gq), gq_c, kTolGrad<E>);
+    expect_close("d_bq", down(gqb), gqb_c, kTolGrad<E>);
+    expect_close("LayerNorm out", down(ln), ln_c, kTolOut<E>);
+    expect_close("LayerNorm d_x", down(lndx), lndx_c, kTolOut<E>);
+    expect_close("LayerNorm d_residual", down(lndr), lndr_c, kTolOut<E>);
+    expect_close("LayerNorm d_bias", down(lnb), lnb_c, kTolF32);
+    expect_close("LayerNorm d_gamma", down(lng), lng_c, kTolF32);
+    expect_close("LayerNorm d_beta", down(lnbe), lnbe_c, kTolF32);
+    std::vector<Vec> now = {down(y), down(ag), down(dpre), down(ln), down(lndx)};
+    if (margin == 0) {
+      bitwise0 = std::move(now);
+    } else {
+      const char* names[] = {"y", "act_grad", "dpre", "LayerNorm out", "LayerNorm d_x"};
+      for (size_t i = 0; i < now.size(); ++i)
+        EXPECT_TRUE(bitwise_equal(now[i], bitwise0[i])) << names[i] << " differs from margin 0's";
+    }
+  }
+  for (const int bad : {-1, sms, sms + 5}) {
+    std::string msg = "(no error)";
+    try {
+      g.set_sm_margin(bad);
+    } catch (const Error& e) {
+      msg = e.what();
+    }
+    EXPECT_NE(msg.find("SM margin " + std::to_string(bad)), std::string::npos) << msg;
+    EXPECT_NE(msg.find(std::to_string(sms) + " SMs"), std::string::npos) << msg;
+  }
+  EXPECT_EQ(g.sm_margin(), sms - 1) << "a refused margin changes nothing";
+}
+
 // The epilogue path at BERT-large's four bias-gradient products (QKV, attention output, FFN in and out): d_bias equals
 // the column sums of dy whichever path ran, and the test prints whether cuBLASLt offered the BGRADB epilogue (where it
 // does not, the one-pass fallback ran: correct, and CudaPerf.DenseBackward times both).

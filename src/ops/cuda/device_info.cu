@@ -20,7 +20,7 @@ std::string device_summary() {
   for (int d = 0; d < count; ++d) {
     cudaDeviceProp p{};
     if (cudaGetDeviceProperties(&p, d) != cudaSuccess) continue;
-    char line[256];
+    char line[384];  // p.name is up to 256 characters
     std::snprintf(line, sizeof line, "\n  [%d] %s, sm_%d%d, %.1f GiB, %d SMs, L2 %.0f MB", d, p.name, p.major,
                   p.minor, static_cast<double>(p.totalGlobalMem) / (1 << 30), p.multiProcessorCount,
                   p.l2CacheSize / 1e6);
