@@ -12,7 +12,7 @@
 #   STEPS=20         timed steps per measurement (after 5 warm-up steps)
 #   CLIP=1           the clipping comparison at the largest count (0: skip, ~2 min)
 #   DIST_VARIANTS="ARGS;ARGS"   more `nopad bench model` runs at each count above 1 (balance cost), one per
-#                    ';'-separated set of extra arguments, e.g. "--nccl-max-ctas 16 --sm-margin 16;--sm-margin 0"
+#                    ';'-separated set of extra arguments, e.g. " ;--reduce bf16;--reduce bf16 --no-overlap" (" ": the defaults)
 #   SKIP_BASE=1      skip the balance none/cost runs (only the variants)
 #   NOPAD_CMAKE_EXTRA="..."   extra CMake arguments (e.g. -DCMAKE_CUDA_ARCHITECTURES=90a-real)
 #   DEVICE=cpu MODEL=data/configs/bert-tiny.json NGPU=2   a smoke run of the script itself on a CPU machine
@@ -72,9 +72,8 @@ for n in $NS; do
   [ "${SKIP_BASE:-0}" = 1 ] && bals=""
   for bal in $bals; do
     step "$n GPUs, batch $BATCH per GPU, balance $bal"
-    mpirun -np "$n" --bind-to none -x NCCL_DEBUG=INFO -x NCCL_DEBUG_SUBSYS=INIT,TUNING $NOPAD "${bench_args[@]}" \
-      --balance $bal --cost-per-token-sq $COST_SQ 2> "$out/bench-$n-$bal.log" | tag "$n" $bal || status=1
-    grep -m 3 -i "channels" "$out/bench-$n-$bal.log" >> "$out/summary.txt"
+    mpirun -np "$n" --bind-to none $NOPAD "${bench_args[@]}" --balance $bal --cost-per-token-sq $COST_SQ \
+      2> "$out/bench-$n-$bal.log" | tag "$n" $bal || status=1
     tail -n 3 "$out/bench-$n-$bal.log" >> "$out/summary.txt"
   done
   if [ -n "${DIST_VARIANTS:-}" ]; then

@@ -130,11 +130,6 @@ void setup(CLI::App& sub) {
                     "NCCL's own)")
       ->capture_default_str()
       ->check(CLI::NonNegativeNumber);
-  model->add_option("--sm-margin", mo->sm_margin,
-                    "several GPUs: SMs the backward's GEMMs and LayerNorms leave to the all-reduce once it has started "
-                    "(as dist.sm_margin; -1: --nccl-max-ctas)")
-      ->capture_default_str()
-      ->check(CLI::Range(-1, 1 << 20));
   model->callback([mo] {
     const nopad::ModelBenchResult r = nopad::run_model_bench(*mo);
     if (!r.lead) return;  // a multi-rank run reports once, from rank 0

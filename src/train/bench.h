@@ -80,7 +80,6 @@ struct ModelBenchOptions {
   bool overlap = true;            // GPUs: all-reduce gradient buckets during backward (dist.overlap)
   std::string reduce = "fp32";    // gradient all-reduce in fp32 or bf16 (dist.reduce)
   int nccl_max_ctas = 0;          // GPUs: cap on the SMs of an NCCL all-reduce (dist.nccl_max_ctas; 0: NCCL's own)
-  int sm_margin = -1;             // GPUs: SMs left to the all-reduce during backward (dist.sm_margin; -1: the cap)
 };
 
 struct ModelBenchResult {

@@ -49,7 +49,7 @@ ModelBenchResult run_model_bench_ranks(const ModelBenchOptions& o, const BertCon
                            "|" + std::to_string(o.warmup) + "|" + std::to_string(o.seed) + "|" + o.device + "|" +
                            precision + "|" + o.balance + "|" + std::to_string(o.cost_per_token) + "|" +
                            std::to_string(o.cost_per_token_sq) + "|" + o.reduce + "|" + std::to_string(o.overlap) + "|" +
-                           std::to_string(o.nccl_max_ctas) + "|" + std::to_string(o.sm_margin) +
+                           std::to_string(o.nccl_max_ctas) +
                            "|" + std::to_string(o.dropout) + "|" + config.hidden_act + "|" + std::to_string(o.lr);
   dist::check_same_on_all_ranks(*comm, dist::hash_string(what), "the bench options");
 
@@ -103,7 +103,6 @@ ModelBenchResult run_model_bench_ranks(const ModelBenchOptions& o, const BertCon
   eo.overlap_grad_reduce = o.overlap;
   eo.reduce_bf16 = o.reduce == "bf16";
   eo.nccl_max_ctas = o.nccl_max_ctas;
-  eo.sm_margin = o.sm_margin;
   std::unique_ptr<TrainEngine> engine = make_engine(o.device, eo);
   engine->init_params(o.seed);
   engine->connect(*comm);
@@ -209,7 +208,6 @@ ModelBenchResult run_model_bench_ranks(const ModelBenchOptions& o, const BertCon
   j["reduce"] = o.reduce;
   j["overlap"] = o.overlap;
   j["nccl_max_ctas"] = o.nccl_max_ctas;
-  j["sm_margin"] = o.sm_margin >= 0 ? o.sm_margin : o.nccl_max_ctas;
   j["steps"] = o.steps;
   j["warmup"] = o.warmup;
   j["step_ms"] = res.step_ms;

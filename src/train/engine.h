@@ -45,9 +45,6 @@ struct EngineOptions {
   int device = 0;   // GPU index (data-parallel jobs: the local rank modulo the visible GPUs); ignored on the CPU
   bool overlap_grad_reduce = true;  // data parallel on GPUs: all-reduce gradient buckets during backward
   int nccl_max_ctas = 0;            // data parallel on GPUs: SMs an NCCL all-reduce may take (0: NCCL's default)
-  // Data parallel on GPUs, all-reduce during backward: SMs the backward's statically partitioned kernels leave to the
-  // all-reduce from the first bucket on (CudaBackendT::set_sm_margin); -1: nccl_max_ctas.
-  int sm_margin = -1;
   double dist_timeout_s = 600;  // data parallel: longest wait for a step's collectives before the job stops (0: none)
   // Bucket-wise clipping (dist.clip = bucket; optim/clip.h): > 0 clips each gradient bucket of the model
   // (BertModel::grad_buckets) on the last micro-batch of a step, before its all-reduce, so that this rank's share has

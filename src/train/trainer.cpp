@@ -63,10 +63,7 @@ ConfigSchema train_config_schema() {
   s.add("dist.overlap", true, "data parallelism on GPUs: all-reduce each layer's gradients while backward goes on "
         "(false: one all-reduce after backward, for ablation)");
   s.add("dist.nccl_max_ctas", 0, "data parallelism on GPUs: cap on the thread blocks (SMs) an NCCL all-reduce may "
-        "occupy (0 = NCCL's default; 4 measured slower on 2 H200s: docs/distributed.md)");
-  s.add("dist.sm_margin", -1, "data parallelism on GPUs with dist.overlap: SMs that the backward's statically "
-        "partitioned kernels (the GEMMs, the LayerNorms) leave free for the all-reduce once it has started, so none "
-        "of their thread blocks waits for an SM that NCCL holds (-1 = dist.nccl_max_ctas; 0 = none)");
+        "occupy (0 = NCCL's default, measured fastest on 2 H200s and on 4 H100s: docs/performance.md)");
   s.add("dist.clip", "global", "gradient clipping to optim.max_grad_norm: global (LAMB clips the norm of all the "
         "summed gradients) or bucket (each gradient bucket, one per encoder layer, is clipped as soon as backward has "
         "produced it, before its all-reduce: each rank scales its share to max_grad_norm / ranks, so every summed "
@@ -550,8 +547,6 @@ void Trainer::Impl::setup() {
   eo.overlap_grad_reduce = cfg.get_bool("dist.overlap");
   eo.nccl_max_ctas = static_cast<int>(cfg.get_int("dist.nccl_max_ctas"));
   NOPAD_CHECK(eo.nccl_max_ctas >= 0, "dist.nccl_max_ctas must be >= 0 (0 = NCCL's default), got ", eo.nccl_max_ctas);
-  eo.sm_margin = static_cast<int>(cfg.get_int("dist.sm_margin"));
-  NOPAD_CHECK(eo.sm_margin >= -1, "dist.sm_margin must be >= 0, or -1 for dist.nccl_max_ctas; got ", eo.sm_margin);
   {
     const std::string clip = cfg.get_string("dist.clip");
     NOPAD_CHECK(clip == "global" || clip == "bucket", "dist.clip must be global or bucket, got \"", clip, "\"");

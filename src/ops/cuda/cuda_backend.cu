@@ -86,14 +86,6 @@ CudaBackendT<P>::CudaBackendT(int device) : device_(device) {
 }
 
 template <class P>
-void CudaBackendT<P>::set_sm_margin(int sms) {
-  NOPAD_CHECK(sms >= 0 && sms < sm_count_, "SM margin ", sms, " is outside 0..", sm_count_ - 1,
-              " (this GPU has ", sm_count_, " SMs): lower dist.sm_margin / --sm-margin");
-  sm_margin_ = sms;
-  gemm_->set_sm_count_target(sms > 0 ? sm_count_ - sms : 0);
-}
-
-template <class P>
 void CudaBackendT<P>::set_attention_schedule(const ops::AttentionSchedule& s) {
   ops::validate(s);
   attn_schedule_ = s;
@@ -406,7 +398,7 @@ void CudaBackendT<P>::embed_layernorm_dropout_forward(const int32_t* tokens, con
   a.out = dev(out);
   a.mean_out = ln_mean;
   a.rstd_out = ln_rstd;
-  launch_ln_forward(LnKind::kEmbed, a, kernel_variants().ln_forward, compute_sms(), stream_);
+  launch_ln_forward(LnKind::kEmbed, a, kernel_variants().ln_forward, sm_count_, stream_);
 }
 
 template <class P>
@@ -441,7 +433,7 @@ void CudaBackendT<P>::embed_layernorm_dropout_backward(const A* d_out, const int
   a.d_position = g.d_position;
   a.d_token_type = g.d_token_type;
   const LnVariant& v = kernel_variants().ln_backward;
-  const int blocks = ln_backward_blocks<device_t<A>>(LnKind::kEmbed, a.H, a.rows, v, compute_sms());
+  const int blocks = ln_backward_blocks<device_t<A>>(LnKind::kEmbed, a.H, a.rows, v, sm_count_);
   a.partial = static_cast<float*>(scratch(kLnPartials, sizeof(float) * blocks * 2 * static_cast<size_t>(a.H)));
   launch_ln_backward(LnKind::kEmbed, a, v, blocks, stream_);
   launch_column_finish(a.partial, blocks, a.H, 2, g.d_ln_gamma, g.d_ln_beta, nullptr, stream_);
@@ -462,7 +454,7 @@ void CudaBackendT<P>::dense_forward_ld(const A* x, const W* weight, const W* bia
   // nopad's GEMM: y = gelu(pre) and act_grad = gelu'(pre), pre = x W^T + bias, from the accumulators (gemm_sm90.h).
   if (gelu && kernel_variants().gelu_gemm && gemm_sm90_supported(rows, n, k, x, weight, act_grad, y, nullptr, bias)) {
     launch_gemm_sm90<device_t<A>>(GemmEpilogue::kGelu, dev(x), dev(weight), rows, n, k, dev(bias), dev(act_grad),
-                                  dev(y), nullptr, nullptr, tanh, compute_sms(), stream_);
+                                  dev(y), nullptr, nullptr, tanh, sm_count_, stream_);
     last_gelu_path() = GeluPath::kGemmSm90;
     return;
   }
@@ -634,7 +626,7 @@ void CudaBackendT<P>::dense_backward_through_act(const A* dy, const A* x, const 
     if (d_x_bias)
       partial = static_cast<float*>(scratch(kColPartials, sizeof(float) * chunks * static_cast<size_t>(k)));
     launch_gemm_sm90<device_t<A>>(GemmEpilogue::kScale, dev(dy), dev(w_t), rows, k, n, nullptr, dev(dx_pre), nullptr,
-                                  dev(x_act_grad), partial, false, compute_sms(), stream_);
+                                  dev(x_act_grad), partial, false, sm_count_, stream_);
     if (d_x_bias) launch_column_finish(partial, chunks, k, 1, d_x_bias, nullptr, nullptr, stream_);
     last_gelu_path() = GeluPath::kGemmSm90;
   } else {  // dy W into scratch, then the scale (+ column sums) into dx_pre
@@ -826,7 +818,7 @@ void CudaBackendT<P>::bias_dropout_residual_layernorm_forward(const A* x, const 
   a.out = dev(out);
   a.mean_out = ln_mean;
   a.rstd_out = ln_rstd;
-  launch_ln_forward(LnKind::kResidual, a, kernel_variants().ln_forward, compute_sms(), stream_);
+  launch_ln_forward(LnKind::kResidual, a, kernel_variants().ln_forward, sm_count_, stream_);
 }
 
 template <class P>
@@ -857,7 +849,7 @@ void CudaBackendT<P>::bias_dropout_residual_layernorm_backward(const A* d_out, c
   a.dz = dev(d_residual);
   a.d_x = dev(d_x);
   const LnVariant& v = kernel_variants().ln_backward;
-  const int blocks = ln_backward_blocks<device_t<A>>(LnKind::kResidual, hidden, a.rows, v, compute_sms());
+  const int blocks = ln_backward_blocks<device_t<A>>(LnKind::kResidual, hidden, a.rows, v, sm_count_);
   a.partial = static_cast<float*>(scratch(kLnPartials, sizeof(float) * blocks * 3 * static_cast<size_t>(hidden)));
   launch_ln_backward(LnKind::kResidual, a, v, blocks, stream_);
   launch_column_finish(a.partial, blocks, hidden, 3, d_ln_gamma, d_ln_beta, d_bias, stream_);
@@ -876,7 +868,7 @@ void CudaBackendT<P>::layernorm_plain_forward(const A* x, const W* gamma, const 
   a.out = dev(out);
   a.mean_out = mean;
   a.rstd_out = rstd;
-  launch_ln_forward(LnKind::kPlain, a, kernel_variants().ln_forward, compute_sms(), stream_);
+  launch_ln_forward(LnKind::kPlain, a, kernel_variants().ln_forward, sm_count_, stream_);
 }
 
 template <class P>
@@ -893,7 +885,7 @@ void CudaBackendT<P>::layernorm_plain_backward(const A* dy, const A* x, const St
   a.rstd = rstd;
   a.dz = dev(dz);
   const LnVariant& v = kernel_variants().ln_backward;
-  const int blocks = ln_backward_blocks<device_t<A>>(LnKind::kPlain, H, rows, v, compute_sms());
+  const int blocks = ln_backward_blocks<device_t<A>>(LnKind::kPlain, H, rows, v, sm_count_);
   a.partial = static_cast<float*>(scratch(kLnPartials, sizeof(float) * blocks * 2 * static_cast<size_t>(H)));
   launch_ln_backward(LnKind::kPlain, a, v, blocks, stream_);
   launch_column_finish(a.partial, blocks, H, 2, d_gamma, d_beta, nullptr, stream_);

@@ -52,14 +52,6 @@ class CudaBackendT final : public ops::Backend<P> {
   int device() const { return device_; }
   cudaStream_t stream() const { return stream_; }
   int multiprocessors() const { return sm_count_; }
-  // Data parallel: SMs left to an NCCL all-reduce running beside the ops (0 <= sms < multiprocessors(); 0: none).
-  // The kernels that split their work statically over the SMs (nopad's persistent GEMM, cuBLASLt's persistent
-  // kernels through LtGemm::set_sm_count_target, the row-range LayerNorm grids) are sized for compute_sms() instead:
-  // sized for every SM, their CTAs on the SMs the all-reduce holds could only start when it ends, and the whole
-  // product would wait for them. Host-side; applies to the ops enqueued after the call. Throws outside the range.
-  void set_sm_margin(int sms);
-  int sm_margin() const { return sm_margin_; }
-  int compute_sms() const { return sm_count_ - sm_margin_; }
 
   void* allocate_bytes(size_t bytes) override;  // cudaMalloc: setup time only; throws OutOfMemory when full
   size_t allocated_bytes() const { return allocated_bytes_; }  // through allocate_bytes, not freed ones subtracted
@@ -186,7 +178,6 @@ class CudaBackendT final : public ops::Backend<P> {
 
   int device_ = 0;
   int sm_count_ = 0;
-  int sm_margin_ = 0;
   size_t allocated_bytes_ = 0;
   cudaStream_t stream_ = nullptr;
   std::unique_ptr<LtGemm> gemm_;

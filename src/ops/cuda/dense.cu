@@ -76,7 +76,7 @@ LtGemm::Plan& LtGemm::plan_for(const GemmProblem& p) {
   const Key key = {p.type,           p.trans_a,         p.trans_b,    p.m,         p.n,
                    p.k,                p.lda,             p.ldb,        p.ldd,       p.d_fp32,
                    p.bias != nullptr,  p.beta != 0.0f,    alignment_of(p.a), alignment_of(p.b), alignment_of(p.d),
-                   p.bias_grad != nullptr, p.bias_grad ? alignment_of(p.bias_grad) : 0, sm_target_};
+                   p.bias_grad != nullptr, p.bias_grad ? alignment_of(p.bias_grad) : 0};
   auto it = plans_.find(key);
   if (it != plans_.end()) return it->second;
 
@@ -91,11 +91,6 @@ LtGemm::Plan& LtGemm::plan_for(const GemmProblem& p) {
   const cublasOperation_t ta = p.trans_a ? CUBLAS_OP_T : CUBLAS_OP_N, tb = p.trans_b ? CUBLAS_OP_T : CUBLAS_OP_N;
   NOPAD_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(plan.desc, CUBLASLT_MATMUL_DESC_TRANSA, &ta, sizeof ta));
   NOPAD_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(plan.desc, CUBLASLT_MATMUL_DESC_TRANSB, &tb, sizeof tb));
-  if (sm_target_ > 0) {
-    const int32_t sms = sm_target_;
-    NOPAD_CUBLAS_CHECK(
-        cublasLtMatmulDescSetAttribute(plan.desc, CUBLASLT_MATMUL_DESC_SM_COUNT_TARGET, &sms, sizeof sms));
-  }
   if (p.bias) {
     NOPAD_CHECK(!p.d_fp32, "LtGemm: a bias epilogue is only used with 16-bit outputs");
     const cublasLtEpilogue_t epi = CUBLASLT_EPILOGUE_BIAS;

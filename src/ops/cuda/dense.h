@@ -143,16 +143,10 @@ class LtGemm {
     double chosen_ms = 0;  // summed time of the chosen ones
   };
   const TuningStats& tuning_stats() const { return tuning_; }
-  // The SMs the following products are planned for (CUBLASLT_MATMUL_DESC_SM_COUNT_TARGET; 0: the device's count).
-  // Data parallel: while an NCCL all-reduce holds some SMs, cuBLASLt's persistent kernels sized for the whole device
-  // would leave CTAs waiting for those SMs (CudaBackendT::set_sm_margin). Part of each plan's key: a problem planned
-  // for both targets has a plan for each.
-  void set_sm_count_target(int sms) { sm_target_ = sms; }
-  int sm_count_target() const { return sm_target_; }
 
  private:
   static constexpr int kCandidates = 8;  // heuristic results timed on a shape's first use
-  using Key = std::array<int64_t, 18>;
+  using Key = std::array<int64_t, 17>;
   struct Plan {
     Key key{};  // the exact problem
     cublasLtMatmulDesc_t desc = nullptr;
@@ -169,7 +163,6 @@ class LtGemm {
 
   void tune(Plan& plan, const GemmProblem& p, cudaStream_t stream);
   bool autotune_ = false;
-  int sm_target_ = 0;
   TuningStats tuning_;
   cublasLtHandle_t handle_ = nullptr;
   void* workspace_ = nullptr;

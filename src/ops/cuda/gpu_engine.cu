@@ -55,7 +55,6 @@ class GpuEngine final : public TrainEngine {
         timeout_s_(o.dist_timeout_s),
         overlap_(o.overlap_grad_reduce),
         nccl_max_ctas_(o.nccl_max_ctas),
-        sm_margin_(o.sm_margin >= 0 ? o.sm_margin : o.nccl_max_ctas),
         bucket_clip_norm_(o.bucket_clip_norm),
         world_size_(std::max(1, o.world_size)),
         reduce_bf16_(o.reduce_bf16) {
@@ -79,9 +78,6 @@ class GpuEngine final : public TrainEngine {
     if (bucket_clip_norm_ > 0)
       clip_sums_ = static_cast<float*>(backend_.allocate_bytes(sizeof(float) * model_.grad_buckets().size()));
     model_.set_grad_ready_hook([this](size_t offset, size_t count) { on_bucket_ready(offset, count); });
-    NOPAD_CHECK(sm_margin_ >= 0 && sm_margin_ < backend_.multiprocessors(), "the SM margin for the all-reduce (",
-                sm_margin_, ") must be 0 to ", backend_.multiprocessors() - 1, " on this GPU (",
-                backend_.multiprocessors(), " SMs): lower dist.sm_margin (--sm-margin) or dist.nccl_max_ctas");
     cudaDeviceProp prop{};
     NOPAD_CUDA_CHECK(cudaGetDeviceProperties(&prop, backend_.device()));
     name_ = std::string("cuda (") + prop.name + ")";
@@ -124,7 +120,6 @@ class GpuEngine final : public TrainEngine {
     PendingStep& p = building();
     p.tickets.clear();
     NOPAD_CUDA_CHECK(cudaEventRecord(p.t_start, backend_.stream()));
-    backend_.set_sm_margin(0);  // all SMs until this step's first all-reduce (also after a backward that threw)
     model_.zero_grad();
   }
   std::string precision() const override { return std::is_same_v<P, ops::GpuF16> ? "fp16" : "bf16"; }
@@ -147,9 +142,8 @@ class GpuEngine final : public TrainEngine {
                                        backend_.stream()));
     }
     model_.arm_grad_ready_hook(reduce_armed_ || clip_armed_);
-    model_.backward(loss_scale);  // on_bucket_ready sets the SM margin at the first all-reduce
+    model_.backward(loss_scale);
     model_.arm_grad_ready_hook(false);
-    backend_.set_sm_margin(0);
     NOPAD_CHECK(!clip_armed_ || clip_next_ == model_.grad_buckets().size(), "GpuEngine: ", clip_next_, " of ",
                 model_.grad_buckets().size(), " gradient buckets were clipped");
     reduce_armed_ = clip_armed_ = false;
@@ -304,9 +298,6 @@ class GpuEngine final : public TrainEngine {
     if (reduce_bf16_)
       launch_fp32_to_bf16(model_.grads() + offset, grads16_ + offset, count, backend_.multiprocessors(),
                           backend_.stream());
-    // From the first all-reduce on, the kernels that split their work statically over the SMs leave sm_margin_ SMs
-    // to NCCL's (CudaBackendT::set_sm_margin), until the end of backward.
-    if (next_bucket_ == 0 && sm_margin_ > 0) backend_.set_sm_margin(sm_margin_);
     cudaEvent_t ev = bucket_ready_[next_bucket_++];
     NOPAD_CUDA_CHECK(cudaEventRecord(ev, backend_.stream()));
     NOPAD_CUDA_CHECK(cudaStreamWaitEvent(comm_stream_, ev, 0));
@@ -335,7 +326,6 @@ class GpuEngine final : public TrainEngine {
   double timeout_s_ = 600;
   bool overlap_ = true;
   int nccl_max_ctas_ = 0;
-  int sm_margin_ = 0;                        // SMs left to the all-reduce during backward (EngineOptions::sm_margin)
   cudaStream_t comm_stream_ = nullptr;       // data parallel: the buckets' all-reduces during backward
   std::vector<cudaEvent_t> bucket_ready_;    // one per gradient bucket: produced on the compute stream
   cudaEvent_t comm_done_ = nullptr;          // all buckets reduced
