@@ -12,7 +12,8 @@
 #   STEPS=20         timed steps per measurement (after 5 warm-up steps)
 #   CLIP=1           the clipping comparison at the largest count (0: skip, ~2 min)
 #   DIST_VARIANTS="ARGS;ARGS"   more `nopad bench model` runs at each count above 1 (balance cost), one per
-#                    ';'-separated set of extra arguments, e.g. " ;--reduce bf16;--reduce bf16 --no-overlap" (" ": the defaults)
+#                    ';'-separated set of extra arguments, e.g. " ;--reduce bf16;--reduce bf16 --no-overlap"
+#                    (" ": the defaults)
 #   SKIP_BASE=1      skip the balance none/cost runs (only the variants)
 #   NOPAD_CMAKE_EXTRA="..."   extra CMake arguments (e.g. -DCMAKE_CUDA_ARCHITECTURES=90a-real)
 #   DEVICE=cpu MODEL=data/configs/bert-tiny.json NGPU=2   a smoke run of the script itself on a CPU machine

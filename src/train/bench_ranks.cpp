@@ -48,9 +48,9 @@ ModelBenchResult run_model_bench_ranks(const ModelBenchOptions& o, const BertCon
   const std::string what = o.model + "|" + o.data + "|" + std::to_string(o.batch) + "|" + std::to_string(o.steps) +
                            "|" + std::to_string(o.warmup) + "|" + std::to_string(o.seed) + "|" + o.device + "|" +
                            precision + "|" + o.balance + "|" + std::to_string(o.cost_per_token) + "|" +
-                           std::to_string(o.cost_per_token_sq) + "|" + o.reduce + "|" + std::to_string(o.overlap) + "|" +
-                           std::to_string(o.nccl_max_ctas) +
-                           "|" + std::to_string(o.dropout) + "|" + config.hidden_act + "|" + std::to_string(o.lr);
+                           std::to_string(o.cost_per_token_sq) + "|" + o.reduce + "|" + std::to_string(o.overlap) +
+                           "|" + std::to_string(o.nccl_max_ctas) + "|" + std::to_string(o.dropout) + "|" +
+                           config.hidden_act + "|" + std::to_string(o.lr);
   dist::check_same_on_all_ranks(*comm, dist::hash_string(what), "the bench options");
 
   const Dataset ds(o.data);
