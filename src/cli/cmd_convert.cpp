@@ -29,7 +29,7 @@
 #include "data/vocab.h"
 #include "model/config.h"
 #include "model/params.h"
-#include "train/safetensors.h"
+#include "train/checkpoint.h"
 #include "train/tf_checkpoint.h"
 
 namespace {
@@ -227,11 +227,8 @@ void run_convert_tf(const ConvertOptions& opt) {
   StagingDir staging{out_dir / (".convert-staging-" + std::to_string(::getpid()))};
   fs::remove_all(staging.path);
   fs::create_directories(staging.path);
-  std::vector<nopad::SafetensorsTensor> tensors;
-  for (const nopad::ParamTensor& t : layout.tensors())
-    tensors.push_back({t.name, nopad::DType::kF32, t.shape, params.data() + t.offset});
-  nopad::write_safetensors(staging.path / "model.safetensors", tensors, {{"format", "pt"}});
-  nopad::write_file_atomic(staging.path / "config.json", config.to_json().dump(2) + "\n");
+  nopad::write_hf_model_file(staging.path / "model.safetensors", layout, params.data());
+  nopad::write_hf_config_file(staging.path / "config.json", config);
   // The old config goes first: a folder without config.json is incomplete, never a mix of two models.
   if (existing) {
     fs::remove(out_dir / "config.json");

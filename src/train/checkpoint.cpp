@@ -121,6 +121,16 @@ std::vector<fs::path> list_checkpoints(const fs::path& run_dir) {
   return out;
 }
 
+void write_hf_model_file(const fs::path& path, const ParamLayout& layout, const float* params) {
+  std::vector<SafetensorsTensor> tensors;
+  for (const ParamTensor& t : layout.tensors()) tensors.push_back({t.name, DType::kF32, t.shape, params + t.offset});
+  write_safetensors(path, tensors, {{"format", "pt"}});
+}
+
+void write_hf_config_file(const fs::path& path, const BertConfig& config) {
+  write_file_atomic(path, config.to_json().dump(2) + "\n");
+}
+
 fs::path write_checkpoint(const fs::path& run_dir, const BertConfig& config, const ParamLayout& layout,
                           const float* params, const Optimizer* optimizer, const TrainerState& state,
                           const CheckpointWriteOptions& options) {
@@ -145,14 +155,10 @@ fs::path write_checkpoint(const fs::path& run_dir, const BertConfig& config, con
     }
   } guard{tmp_dir};
 
-  // model.safetensors: HF names and shapes, F32.
-  std::vector<SafetensorsTensor> model_tensors;
-  for (const ParamTensor& t : layout.tensors())
-    model_tensors.push_back({t.name, DType::kF32, t.shape, params + t.offset});
-  write_safetensors(tmp_dir / kModelFile, model_tensors, {{"format", "pt"}});
+  write_hf_model_file(tmp_dir / kModelFile, layout, params);
   hook(options, kModelFile);
 
-  write_file_atomic(tmp_dir / kConfigFile, config.to_json().dump(2) + "\n");
+  write_hf_config_file(tmp_dir / kConfigFile, config);
   hook(options, kConfigFile);
 
   // optimizer.safetensors: moments with the parameter's shape.

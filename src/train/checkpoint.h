@@ -57,6 +57,13 @@ fs::path write_checkpoint(const fs::path& run_dir, const BertConfig& config, con
                           const float* params, const Optimizer* optimizer, const TrainerState& state,
                           const CheckpointWriteOptions& options = {});
 
+// The two files of a Hugging Face BertForPreTraining folder, as a checkpoint holds them: model.safetensors (every
+// tensor of `layout` by its Hugging Face name and shape, F32, from params[layout.total_numel()]) and config.json.
+// Each file is written whole (no other file is touched); write_checkpoint and `nopad convert --from-tf-checkpoint`
+// stage them before moving them into place.
+void write_hf_model_file(const fs::path& path, const ParamLayout& layout, const float* params);
+void write_hf_config_file(const fs::path& path, const BertConfig& config);
+
 std::string checkpoint_folder_name(int64_t step);  // "step_00000100"
 fs::path checkpoints_dir(const fs::path& run_dir);  // run_dir/checkpoints
 // The folder named by run_dir/checkpoints/latest, or an empty path when there is no `latest`.
