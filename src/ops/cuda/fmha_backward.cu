@@ -11,11 +11,14 @@
 //      fmha_bwd_dq_bias_kernel, which also adds the q block's column sums (the main kernels add the k and v blocks').
 // Workspace: D [heads, T] fp32, lse2 [heads, T] fp32, then (256-byte aligned) dq_accum [T, H] fp32, T = the query
 // rows (FmhaParams::num_q_tokens when the queries are a subset of the rows). Design: docs/fmha.md.
+#include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <type_traits>
 
 #include "ops/cuda/fmha_common.cuh"
 #include "ops/cuda/fmha_wgmma.cuh"
+#include "ops/cuda/tensor_map.h"
 
 namespace nopad::cuda {
 namespace fmha_detail {
@@ -23,9 +26,24 @@ namespace fmha_detail {
 __host__ __device__ inline size_t lse2_offset(int32_t num_tokens, int32_t num_heads) {  // in floats
   return static_cast<size_t>(num_heads) * static_cast<size_t>(num_tokens);
 }
-inline size_t dq_accum_offset(int32_t num_tokens, int32_t num_heads) {
+__host__ __device__ inline size_t dq_accum_offset(int32_t num_tokens, int32_t num_heads) {
   const size_t d_bytes = 2 * lse2_offset(num_tokens, num_heads) * sizeof(float);
   return (d_bytes + 255) / 256 * 256;
+}
+// The work-item counters of the persistent backward (`ws128q`), [num_tokens + 1] ints after dq_accum: a launch uses
+// the slot of its first sequence's start s0 (launches running at one time on one workspace cover different sequences,
+// and planned launches hold no empty ones, so their first starts differ); the pre kernel zeroes it.
+__host__ __device__ inline size_t item_counter_offset(int32_t num_tokens, int32_t num_heads, int32_t head_dim) {
+  return dq_accum_offset(num_tokens, num_heads) +
+         static_cast<size_t>(num_tokens) * static_cast<size_t>(num_heads) * static_cast<size_t>(head_dim) * 4;
+}
+// Only launches without query rows (FmhaParams::q_cu_seqlens null) use the counters.
+__device__ inline int* item_counter(const FmhaParams& p) {
+  int b, s0, L;
+  launch_sequence(p, 0, b, s0, L);
+  return reinterpret_cast<int*>(static_cast<char*>(p.workspace) +
+                                item_counter_offset(p.num_tokens, p.num_heads, p.head_dim)) +
+         s0;
 }
 
 constexpr int kPreRows = 8;  // rows per CTA of the pre/post kernels (one warp each)
@@ -41,6 +59,7 @@ __global__ void __launch_bounds__(32 * kPreRows) fmha_bwd_pre_kernel(const Kerne
   launch_sequence(p, static_cast<int>(blockIdx.y), b, s0, L);
   launch_queries(p, b, s0, L, qs0, Lq);
   const int warp = static_cast<int>(threadIdx.x) >> 5, lane = static_cast<int>(threadIdx.x) & 31;
+  if (blockIdx.x == 0 && blockIdx.y == 0 && threadIdx.x == 0 && p.q_cu_seqlens == nullptr) *item_counter(p) = 0;
   const int row = static_cast<int>(blockIdx.x) * kPreRows + warp;
   if (row >= Lq) return;  // warp-uniform
   const int hd = p.head_dim, H = p.num_heads * hd, chunks = H / 8, per_head = hd / 8;
@@ -296,30 +315,42 @@ __device__ __forceinline__ void store_dk_dv(const FmhaParams& p, const float (&d
 }
 
 // The CTA's dK / dV bias gradient (p.d_qkv_bias set): every thread's colsum from store_dk_dv, summed over the 8 rows g
-// of each warp by shuffles, then over the warps through shared memory (red: kWarps x 2 HD floats, free for this use;
-// the caller has passed a barrier after the last read of it), then one fp32 atomic per column. Collective: every
-// thread of the CTA calls it.
+// of each warp, then over the warps through shared memory (red: kWarps x 2 HD floats, free for this use; the caller
+// has passed a barrier after the last read of it), then one fp32 atomic per column. The warp's sum is a reduce-scatter
+// over the 8 lanes of each t (lane bits 2..4): at each of 3 stages a lane keeps the half of its values that its lane
+// bit selects and adds the partner's copy of that half, so lane (g, t) ends with the values of flat index
+// i = (HD / 16) g + j (i = 4 n + e of colsum[n][e]), after HD / 4 + HD / 8 + HD / 16 shuffles instead of 3 (HD / 2).
+// Collective: every thread of the CTA (or of the named barrier's warps) calls it.
 template <int HD, int kWarps>
 __device__ __forceinline__ void add_dk_dv_bias(const FmhaParams& p, float (&colsum)[HD / 8][4], float* red, int head,
-                                               int tid) {
-  const int warp = tid >> 5, lane = tid & 31, t = lane & 3;
+                                               int tid, int bar_id = 0) {
+  constexpr int kVals = HD / 2;  // 4 per n-tile
+  const int warp = tid >> 5, lane = tid & 31, t = lane & 3, g = lane >> 2;
+  float v[kVals];
 #pragma unroll
-  for (int n = 0; n < HD / 8; ++n)
+  for (int i = 0; i < kVals; ++i) v[i] = colsum[i / 4][i % 4];
 #pragma unroll
-    for (int e = 0; e < 4; ++e)
+  for (int stage = 0; stage < 3; ++stage) {
+    const int half = kVals >> (stage + 1);      // values kept after this stage
+    const int bit = 16 >> stage;                // partner: lane ^ bit (lane bits 4, 3, 2 = g bits 2, 1, 0)
+    const bool upper = (lane & bit) != 0;       // keeps the upper half of its current values
 #pragma unroll
-      for (int off = 4; off < 32; off <<= 1) colsum[n][e] += __shfl_xor_sync(0xffffffffu, colsum[n][e], off);
-  if (lane < 4) {  // g == 0: the warp's sums of columns 8n + 2t, + 1
-    float* k = red + warp * 2 * HD;
-#pragma unroll
-    for (int n = 0; n < HD / 8; ++n) {
-      k[n * 8 + 2 * t] = colsum[n][0];
-      k[n * 8 + 2 * t + 1] = colsum[n][1];
-      k[HD + n * 8 + 2 * t] = colsum[n][2];
-      k[HD + n * 8 + 2 * t + 1] = colsum[n][3];
+    for (int i = 0; i < half; ++i) {
+      const float keep = upper ? v[half + i] : v[i], send = upper ? v[i] : v[half + i];
+      v[i] = keep + __shfl_xor_sync(0xffffffffu, send, bit);
     }
   }
-  __syncthreads();
+  float* k = red + warp * 2 * HD;
+#pragma unroll
+  for (int j = 0; j < kVals / 8; ++j) {
+    const int i = (kVals / 8) * g + j, n = i / 4, e = i % 4;  // e: dK column 8n + 2t (+1), dV (e >= 2) likewise
+    k[(e >= 2 ? HD : 0) + n * 8 + 2 * t + (e & 1)] = v[j];
+  }
+  if (bar_id == 0) {
+    __syncthreads();
+  } else {
+    named_barrier_sync(bar_id, 32 * kWarps);
+  }
   const int H = p.num_heads * HD;
   for (int c = tid; c < 2 * HD; c += 32 * kWarps) {  // c < HD: dK column c; else dV column c - HD
     float sum = 0.0f;
@@ -764,6 +795,421 @@ __global__ void __launch_bounds__(128, kMinCtas)
 #endif
 }
 
+// ------------------------------------------------------------------------------------------------ warp-specialised
+// head_dim 64 on sm_90a, launches without query rows: work items of 128 keys (key block kb of head h of sequence z)
+// against query tiles of 128, 384 threads in three warpgroups with fixed roles (docs/fmha.md, "ws128q"). Persistent:
+// one CTA per SM takes items from the launch's counter (wsq_item); the next item's K/V and first tiles load while the
+// consumers finish the current one.
+// * warpgroup 0, producer (56 registers after setmaxnreg): warps 0 and 1 copy rows 0..63 and 64..127 of an item's K
+//   and then of every query tile's Q and lse2, warps 2 and 3 the same of V, dO and D, into a kStages ring (cp.async;
+//   each lane's copies arrive on the stage's `full` barrier when they land) once both consumers have released the
+//   stage (`empty`); K/V are double-buffered by item (`kv_full` / `kv_empty`). Warp 0 takes the items from the
+//   counter and publishes them (`item_full`).
+// * warpgroups 1 and 2, consumers (224 registers): consumer c owns keys k0 + 64c .. + 63. Per query tile: S^T = K Q^T
+//   and dP^T = V dO^T, P' and dS^T one 64-query half at a time, dV += P'^T dO and dK += dS^T Q with K = 128 queries
+//   (`ws128qp`: the first half's dV/dK products run while the second half's P' and dS are computed), dS^T into
+//   shared memory (two [128 keys][64 queries] halves), and dQ for the
+//   tile's queries 64c .. + 63 over all 128 keys (A = dS^T half c, B = K), staged in shared memory and sent as one
+//   pair of tensor-map reductions. The consumers meet only where one reads what the other wrote: before its dQ
+//   product, a consumer waits for the other's dS^T rows of the tile (each signals with bar.arrive and goes on);
+//   dS^T is double-buffered by tile parity, so that no consumer waits for the other's dQ product.
+// Against wg64 every Q/dO tile copy serves 128 keys, dQ leaves once per 128 keys, the wgmma chains are twice as long,
+// and the consumers issue no copies.
+struct BwdWsqShape {
+  static constexpr int kBlockN = 128;  // keys per item
+  static constexpr int kBlockM = 128;  // queries per tile
+  static constexpr int kStages = 2;
+  static constexpr int kThreads = 384;
+  // One consumer's 64 query rows of fp32 dQ: two boxes of 64 rows x 32 columns in the 128-byte-swizzled layout of
+  // the tensor map's reductions (stage_dq_swz).
+  static constexpr int kDqStageBytes = 64 * 64 * 4;
+  // Byte offsets from the 1024-aligned base: per K/V buffer K (128 rows: 2 tiles) and V (2 tiles); per stage Q (2
+  // tiles) and dO (2 tiles); dS^T by tile parity (2 halves of 2 tiles each); the dQ stage per consumer; lse2 and D per
+  // stage; mbarriers.
+  static constexpr int kOffKv = 0;                                       // + 4 kvb tiles; V at + 2 tiles
+  static constexpr int kOffQ = 8 * kTileBytes;                           // + 4 s tiles; dO at + 2 tiles
+  static constexpr int kOffDs = kOffQ + 4 * kStages * kTileBytes;        // buffer b at + 4 b tiles, half h at + 2 h
+  static constexpr int kOffDq = kOffDs + 8 * kTileBytes;                 // + c stages
+  static constexpr int kOffLse = kOffDq + 2 * kDqStageBytes;             // [kStages][lse2 128, D 128] fp32
+  static constexpr int kOffBar = kOffLse + kStages * 2 * kBlockM * 4;
+  // kv_full[2], kv_empty[2], item_full[2], full[kStages], empty[kStages]; then the published item per K/V buffer
+  static constexpr int kNumBars = 6 + 2 * kStages;
+  // No alignment slack: the kernel declares its dynamic shared memory 1024-byte aligned (and checks it).
+  static constexpr int kSmemBytes = kOffBar + kNumBars * 8 + 2 * 4;
+  static_assert(kSmemBytes <= 227 * 1024, "shared memory of one CTA");
+  // setmaxnreg moves registers within the CTA's launch allocation (168 per thread under __launch_bounds__(384, 1)):
+  // the budgets must fit it, or the consumers' increase would wait forever.
+  static constexpr int kProducerRegs = 56, kConsumerRegs = 224;
+  static_assert(kProducerRegs * 128 + kConsumerRegs * 256 <= 168 * kThreads, "register budget of the CTA");
+};
+constexpr uint64_t kDescTile = kTileBytes >> 4;  // descriptor advance of one 64-row tile (64 rows of 128 bytes)
+// Named barriers of the consumers (id + c for consumer c): kBarStage, consumer c's dQ stage written (its 128 threads);
+// kBarDsDone, consumer c's dS^T rows written (c arrives, the other consumer waits: 256 threads).
+constexpr int kBarStage = 1, kBarDsDone = 3;
+
+// The work items of a launch over n sequences are (sequence z, head, key block kb of 128 keys), item =
+// (z * heads + head) * key_blocks + kb with key_blocks from max_seqlen; CTAs take them in this order from the launch's
+// counter when their producer is ready for the next one: neighbouring CTAs work on neighbouring items (shared Q/dO
+// tiles in L2) and no SM idles while items remain. False when the key block lies past the sequence's end.
+__device__ __forceinline__ bool wsq_item(const FmhaParams& p, int item, int& b, int& s0, int& L, int& head, int& k0) {
+  const int key_blocks = (p.max_seqlen + BwdWsqShape::kBlockN - 1) / BwdWsqShape::kBlockN;
+  const int kb = item % key_blocks, zh = item / key_blocks;
+  launch_sequence(p, zh / p.num_heads, b, s0, L);
+  head = zh % p.num_heads;
+  k0 = kb * BwdWsqShape::kBlockN;
+  return k0 < L;
+}
+
+// This warp's dQ accumulators (queries wrow + g, + 8; m16n8 C fragments over the 64 head dims), scaled, into a dQ stage
+// of two 64 x 32 fp32 boxes (columns 0..31, 32..63) with the 128-byte swizzle (16-byte chunk c of row r at chunk
+// c ^ (r & 7)): lanes t and t^1 swap half their values (as add_dq does) so each lane stores 4 consecutive columns of
+// one row.
+__device__ __forceinline__ void stage_dq_swz(float* sdQ, const float (&dq)[8][4], float scale, int wrow, int g, int t) {
+  const bool odd = (t & 1) != 0;
+  const int row = wrow + g + (odd ? 8 : 0);
+#pragma unroll
+  for (int n = 0; n < 8; ++n) {
+    const float r0 = __shfl_xor_sync(0xffffffffu, odd ? dq[n][0] : dq[n][2], 1);
+    const float r1 = __shfl_xor_sync(0xffffffffu, odd ? dq[n][1] : dq[n][3], 1);
+    const float4 v = odd ? make_float4(r0 * scale, r1 * scale, dq[n][2] * scale, dq[n][3] * scale)
+                         : make_float4(dq[n][0] * scale, dq[n][1] * scale, r0 * scale, r1 * scale);
+    const int chunk = 2 * (n & 3) + (t >> 1);  // 16-byte chunk within the box's 128-byte row
+    *reinterpret_cast<float4*>(sdQ + (n >> 2) * 64 * 32 + row * 32 + ((chunk ^ (row & 7)) << 2)) = v;
+  }
+}
+
+template <bool kFp16, bool kDrop>
+__global__ void __launch_bounds__(384, 1)
+    fmha_bwd_wsq_kernel(const __grid_constant__ KernelArgs args, const float* D,
+                        const __grid_constant__ CUtensorMap dq_map, int num_items) {
+#if NOPAD_FMHA_WGMMA
+  constexpr int HD = 64;
+  using Sh = BwdWsqShape;
+  constexpr int kStages = Sh::kStages;
+  constexpr int kM = Sh::kBlockM;
+  const FmhaParams& p = args.p;
+  const int H = p.num_heads * HD, T = p.num_tokens;
+  const int64_t ld = 3 * int64_t{H};
+
+  extern __shared__ __align__(1024) uint8_t smem_wsq[];
+  uint8_t* base = smem_wsq;
+  if ((smem_u32(base) & (kSmemAlign - 1)) != 0) __trap();  // the swizzled tiles need it; the launch gives no slack
+  const auto tile_at = [&](int off) { return reinterpret_cast<uint16_t*>(base + off); };
+  const auto sK = [&](int kvb) { return tile_at(Sh::kOffKv + 4 * kvb * kTileBytes); };
+  const auto sV = [&](int kvb) { return tile_at(Sh::kOffKv + (4 * kvb + 2) * kTileBytes); };
+  const auto sQ = [&](int s) { return tile_at(Sh::kOffQ + 4 * s * kTileBytes); };
+  const auto sdO = [&](int s) { return tile_at(Sh::kOffQ + (4 * s + 2) * kTileBytes); };
+  const auto sLse = [&](int s) { return reinterpret_cast<float*>(base + Sh::kOffLse) + s * 2 * kM; };
+  uint64_t* bars = reinterpret_cast<uint64_t*>(base + Sh::kOffBar);
+  uint64_t* kv_full = bars;
+  uint64_t* kv_empty = bars + 2;
+  uint64_t* item_full = bars + 4;
+  uint64_t* full = bars + 6;
+  uint64_t* empty = full + kStages;
+  volatile int* sItem = reinterpret_cast<volatile int*>(bars + Sh::kNumBars);
+
+  const int tid = static_cast<int>(threadIdx.x);
+  const int wg = tid >> 7, warp = (tid >> 5) & 3, lane = tid & 31;
+  if (tid == 0) {
+    for (int i = 0; i < 2; ++i) {
+      mbar_init(kv_full + i, 128);  // every producer lane, when its copies have landed
+      mbar_init(kv_empty + i, 8);   // one arrival per consumer warp
+      mbar_init(item_full + i, 1);
+    }
+    for (int s = 0; s < kStages; ++s) {
+      mbar_init(full + s, 128);
+      mbar_init(empty + s, 8);
+    }
+    mbar_init_fence();
+  }
+  __syncthreads();
+
+  if (wg == 0) {
+    setmaxnreg_dec<Sh::kProducerRegs>();
+    // Warp w copies rows 64 (w & 1) .. + 63 of K, Q, lse2 (w < 2) or of V, dO, D (w >= 2). 16-byte copies of a
+    // 64-column swizzled tile by one warp: lane = chunk c (lane % 8) of rows lane / 8 + 4k; the swizzle key of row r is
+    // r & 7, i.e. (lane / 8) + 4 (k & 1). Rows past the sequence end are zero-filled from the sequence's first row.
+    const bool is_q = warp < 2;
+    const int half = warp & 1;
+    const int row0 = lane >> 3, c = lane & 7;
+    const int x_even = (c ^ row0) << 3, x_odd = (c ^ row0 ^ 4) << 3;
+    const auto copy_rows = [&](uint16_t* tile, const uint16_t* g, const uint16_t* g_safe, int64_t g_ld, int nvalid) {
+      const uint16_t* src = g + row0 * g_ld + c * 8;
+#pragma unroll 2
+      for (int k = 0; k < 16; ++k) {  // hardly unrolled: the producer has few registers
+        const int r = row0 + 4 * k;
+        const bool ok = r < nvalid;
+        cp_async16(tile + r * HD + ((k & 1) ? x_odd : x_even), ok ? src : g_safe, ok);
+        src += 4 * g_ld;
+      }
+    };
+    const uint16_t* qkv = static_cast<const uint16_t*>(p.qkv);
+    const int64_t g_ld = is_q ? ld : H;
+    int gt = 0;  // tiles of this CTA so far
+    int* counter = item_counter(p);
+    for (int it = 0;; ++it) {  // items of this CTA
+      const int kvb = it & 1;
+      int item, b, s0, L, head, k0;
+      if (warp == 0) {
+        // Fetch the next item that has keys, wait until the K/V buffer is free, publish it (-1: no more).
+        do {
+          item = 0;
+          if (lane == 0) item = atomicAdd(counter, 1);
+          item = __shfl_sync(0xffffffffu, item, 0);
+        } while (item < num_items && !wsq_item(p, item, b, s0, L, head, k0));
+        if (item >= num_items) item = -1;
+        if (it >= 2) mbar_wait(kv_empty + kvb, ((it >> 1) & 1) ^ 1);
+        if (lane == 0) {
+          sItem[kvb] = item;
+          mbar_arrive(item_full + kvb);
+        }
+      } else {
+        mbar_wait(item_full + kvb, (it >> 1) & 1);
+        item = sItem[kvb];
+        if (item >= 0) wsq_item(p, item, b, s0, L, head, k0);
+      }
+      if (item < 0) break;
+      {
+        const uint16_t* g_kv = qkv + int64_t{s0} * ld + (is_q ? H : 2 * H) + head * HD;
+        copy_rows((is_q ? sK(kvb) : sV(kvb)) + half * 64 * HD, g_kv + int64_t{k0 + 64 * half} * ld, g_kv, ld,
+                  L - k0 - 64 * half);
+      }
+      mbar_arrive_cp_async(kv_full + kvb);
+      const uint16_t* g_tile = is_q ? qkv + int64_t{s0} * ld + head * HD
+                                    : static_cast<const uint16_t*>(p.d_ctx) + int64_t{s0} * H + head * HD;
+      // lse * log2(e) (with Q) or D (with dO)
+      const float* g_row = D + (is_q ? lse2_offset(T, p.num_heads) : 0) + int64_t{head} * T + s0;
+      const int num_qt = (L + kM - 1) / kM;
+      for (int i = 0; i < num_qt; ++i, ++gt) {
+        const int s = gt % kStages, q0 = i * kM + 64 * half;  // this warp's first query row
+        if (gt >= kStages) mbar_wait(empty + s, ((gt / kStages) & 1) ^ 1);
+        copy_rows((is_q ? sQ(s) : sdO(s)) + half * 64 * HD, g_tile + int64_t{q0} * g_ld, g_tile, g_ld, L - q0);
+        float* st = sLse(s) + (is_q ? 0 : kM) + 64 * half;
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const int r = lane + 32 * h;
+          const bool ok = q0 + r < L;
+          cp_async4(st + r, g_row + (ok ? q0 + r : 0), ok);
+        }
+        mbar_arrive_cp_async(full + s);
+      }
+    }
+    return;
+  }
+
+  // Consumers.
+  setmaxnreg_inc<Sh::kConsumerRegs>();
+  const int c = wg - 1, ctid = tid & 127;
+  const int g = lane >> 2, t = lane & 3;
+  const int wrow = warp * 16;      // this warp's first key within the consumer's 64 (S^T, dK, dV rows); its dQ queries
+  const int krow = 64 * c + wrow;  // and within the item's 128
+  float* sdQ = reinterpret_cast<float*>(base + Sh::kOffDq + c * Sh::kDqStageBytes);
+  const auto release = [&](uint64_t* bar) {
+    __syncwarp();
+    if (lane == 0) mbar_arrive(bar);
+  };
+
+  int gt = 0;
+  for (int it = 0;; ++it) {
+    const int kvb = it & 1;
+    mbar_wait(item_full + kvb, (it >> 1) & 1);
+    const int item = sItem[kvb];
+    if (item < 0) break;
+    int b, s0, L, head, k0;
+    wsq_item(p, item, b, s0, L, head, k0);
+    const int num_qt = (L + kM - 1) / kM;
+    // A consumer whose keys lie past the end of a short last block still computes (its P and dS are 0): the other
+    // consumer's dQ reads its dS^T rows, and its own dQ rows are needed.
+    const bool key_ok0 = k0 + krow + g < L, key_ok1 = k0 + krow + g + 8 < L;
+    const uint64_t desc_k = wgmma_desc(sK(kvb));  // all 128 keys (dQ's B)
+    const uint64_t desc_kc = desc_k + c * kDescTile, desc_vc = wgmma_desc(sV(kvb)) + c * kDescTile;  // keys 64c ..
+    uint32_t s_lo = 0, s_hi = 0;
+    if constexpr (kDrop) {
+      const uint64_t sample = p.sample_ids[b];
+      s_lo = static_cast<uint32_t>(sample);
+      s_hi = static_cast<uint32_t>(sample >> 32);
+    }
+    const auto draw = [&](uint32_t lo, uint32_t hi) { return dropout_block(args, s_lo, s_hi, lo, hi); };
+
+    float dv[8][4], dk[8][4];
+#pragma unroll
+    for (int i = 0; i < 8; ++i)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) dv[i][e] = dk[i][e] = 0.0f;
+    // The dQ of the tile whose queries start at q_tile, once its product is complete, into dq_accum: staged and sent as
+    // two tensor-map reductions of 64 rows x 32 columns by one thread (per-thread float4 atomics from registers were
+    // 6% slower, docs/performance.md). The staged rows past the sequence end hold exact zeros (their Q and dO rows are
+    // zero-filled and their lse2 and D are 0, so dS is 0 there): adding them into the next sequence's rows changes
+    // nothing, and rows past the tensor are clipped.
+    float dq[8][4];
+    const auto finish_dq = [&](int q_tile) {
+      fence_regs(dq);
+      stage_dq_swz(sdQ, dq, args.grad_scale, wrow, g, t);
+      fence_proxy_async();  // the stage, visible to the copy engine
+      named_barrier_sync(kBarStage + c, 128);
+      const int q0 = q_tile + 64 * c;
+      if (ctid == 0 && q0 < L) {
+        bulk_reduce_tensor_add(&dq_map, sdQ, head * HD, s0 + q0);
+        bulk_reduce_tensor_add(&dq_map, sdQ + 64 * 32, head * HD + 32, s0 + q0);
+        bulk_commit();
+      }
+    };
+
+    mbar_wait(kv_full + kvb, (it >> 1) & 1);
+    for (int i = 0; i < num_qt; ++i, ++gt) {
+      const int s = gt % kStages, qs = i * kM;
+      mbar_wait(full + s, (gt / kStages) & 1);
+      fence_proxy_async();  // the producer's cp.async writes, visible to this thread's wgmma reads
+      const uint64_t desc_q = wgmma_desc(sQ(s)), desc_do = wgmma_desc(sdO(s));
+      const float* lse2 = sLse(s);
+      const float* Dq = lse2 + kM;
+      // dS^T of this tile, by tile parity (half h: queries 64 h .. + 63, all 128 keys): the other consumer read the
+      // buffer last in its dQ product two tiles ago, complete before it signalled its previous tile's dS^T rows.
+      uint16_t* sdS = tile_at(Sh::kOffDs + 4 * (gt & 1) * kTileBytes);
+      const uint64_t desc_ds = wgmma_desc(sdS + c * Sh::kBlockN * 64);  // A of this consumer's dQ: dS^T half c
+
+      // S^T = K Q^T, dP^T = V dO^T, P' and dS^T: this consumer's 64 keys x 128 queries, one half of 64 queries at a
+      // time (the accumulators of both halves at once would leave too few registers; the other consumer's products
+      // fill the tensor cores meanwhile); then dV += P'^T dO and dK += dS^T Q over the 128 queries.
+      uint32_t pa[2][4][4], da[2][4][4];
+      const auto issue_sdp = [&](float(&sc)[8][4], float(&dp)[8][4], int h) {
+#pragma unroll
+        for (int kk = 0; kk < HD / 16; ++kk)
+          wgmma_ss<kFp16, 0, 0>(sc, desc_kc + kk * kDescStepK, desc_q + h * kDescTile + kk * kDescStepK, kk > 0);
+#pragma unroll
+        for (int kk = 0; kk < HD / 16; ++kk)
+          wgmma_ss<kFp16, 0, 0>(dp, desc_vc + kk * kDescStepK, desc_do + h * kDescTile + kk * kDescStepK, kk > 0);
+      };
+      const auto keep_bits = [&](int h) -> uint32_t {
+        if constexpr (kDrop) {
+          return lane_transpose<1, 2>(
+              fmha_dropout::bwd_lane_bits(draw, args.threshold, static_cast<uint32_t>(head),
+                                          static_cast<uint32_t>(qs + 64 * h), static_cast<uint32_t>(k0 + krow),
+                                          static_cast<uint32_t>(g), static_cast<uint32_t>(t)),
+              static_cast<uint32_t>(g));
+        } else {
+          return 0u;
+        }
+      };
+      const auto finish_half = [&](float(&sc)[8][4], float(&dp)[8][4], uint32_t keep, int h) {
+        p_and_ds<kDrop>(args, sc, dp, keep, key_ok0, key_ok1, lse2 + 64 * h, Dq + 64 * h, t);
+#pragma unroll
+        for (int kk = 0; kk < 4; ++kk) {
+          a_fragment<kFp16>(sc, kk, pa[h][kk]);
+          a_fragment<kFp16>(dp, kk, da[h][kk]);
+        }
+      };
+      const auto store_ds = [&](int h) {
+#pragma unroll
+        for (int kk = 0; kk < 4; ++kk) store_ds_t(sdS + h * Sh::kBlockN * 64, krow, g, t, kk, da[h][kk]);
+      };
+      const auto issue_dkv = [&](int h) {
+#pragma unroll
+        for (int kk = 0; kk < 4; ++kk) wgmma_rs<kFp16, 1>(dv, pa[h][kk], desc_do + (4 * h + kk) * kDescStepMN);
+#pragma unroll
+        for (int kk = 0; kk < 4; ++kk) wgmma_rs<kFp16, 1>(dk, da[h][kk], desc_q + (4 * h + kk) * kDescStepMN);
+      };
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        float sc[8][4], dp[8][4];
+        wgmma_fence();
+        issue_sdp(sc, dp, h);
+        wgmma_commit();
+        const uint32_t keep = keep_bits(h);
+        wgmma_wait<0>();
+        fence_regs(sc);
+        fence_regs(dp);
+        finish_half(sc, dp, keep, h);
+      }
+      store_ds(0);
+      store_ds(1);
+      wgmma_fence();
+      issue_dkv(0);
+      issue_dkv(1);
+      wgmma_commit();
+      fence_proxy_async();  // this thread's dS^T stores, visible to the tensor cores
+      named_barrier_arrive(kBarDsDone + c, 256);
+      if (ctid == 0) bulk_wait_read<0>();  // the dQ stage's last reductions have read it
+      // The other consumer's dS^T rows are written (and, as all of this consumer's threads pass, its dQ stage free).
+      named_barrier_sync(kBarDsDone + (1 - c), 256);
+
+      // dQ (this consumer's 64 queries x 64 head dims) = dS K over the 128 keys; this warp holds queries 16 warp ..
+      wgmma_fence();
+#pragma unroll
+      for (int kk = 0; kk < Sh::kBlockN / 16; ++kk)
+        wgmma_ss<kFp16, 1, 1>(dq, desc_ds + kk * kDescStepMN, desc_k + kk * kDescStepMN, kk > 0);
+      wgmma_commit();
+      wgmma_wait<1>();  // dV, dK done: the stage's Q and dO are no longer read
+      fence_regs(dv);
+      fence_regs(dk);
+      fence_regs(pa[0]);
+      fence_regs(pa[1]);
+      fence_regs(da[0]);
+      fence_regs(da[1]);
+      release(empty + s);
+      wgmma_wait<0>();
+      finish_dq(qs);
+    }
+    release(kv_empty + kvb);  // the last dQ product, the last reader of this K, has completed
+
+    // dK (scaled) and dV into d_qkv's k and v blocks, rows of keys that exist.
+    float colsum[8][4];
+    store_dk_dv<HD, kFp16>(p, dk, dv, args.grad_scale, args.keep_scale, s0, k0 + krow + g, L, head, t, colsum);
+    if (p.d_qkv_bias != nullptr) {  // uniform
+      // The sums meet in this consumer's dQ stage once its reductions have read it; the next item's barrier 1 comes
+      // before the stage is written again.
+      if (ctid == 0) bulk_wait_read<0>();
+      named_barrier_sync(kBarStage + c, 128);
+      add_dk_dv_bias<HD, 4>(p, colsum, sdQ, head, ctid, kBarStage + c);
+    }
+  }
+  if (ctid == 0) bulk_wait<0>();  // the reductions complete before the CTA ends
+#else
+  __trap();  // never launched: the host selects this kernel only where fmha_wgmma_available()
+#endif
+}
+
+// Multiprocessors of the current device, read once per device ordinal (the persistent launch's grid).
+inline int sm_count() {
+  constexpr int kMaxDevices = 64;
+  static std::atomic<int> cached[kMaxDevices] = {};  // 0: not read yet
+  int dev = 0;
+  NOPAD_CUDA_CHECK(cudaGetDevice(&dev));
+  NOPAD_CHECK(dev >= 0 && dev < kMaxDevices, "fmha_backward: device ordinal ", dev, " out of range");
+  int n = cached[dev].load(std::memory_order_relaxed);
+  if (n == 0) {
+    NOPAD_CUDA_CHECK(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev));
+    cached[dev].store(n, std::memory_order_relaxed);
+  }
+  return n;
+}
+
+// One CTA per SM (fewer when there are fewer items), taking items from the counter the pre kernel zeroed.
+template <bool kFp16>
+void launch_backward_wsq(const KernelArgs& args, const float* D, float* dq_acc, int32_t n, cudaStream_t stream) {
+  using Sh = BwdWsqShape;
+  const int64_t items = int64_t{(args.p.max_seqlen + Sh::kBlockN - 1) / Sh::kBlockN} * args.p.num_heads * n;
+  NOPAD_CHECK(items < (int64_t{1} << 30), "fmha_backward: too many work items (", items, ")");
+  const int grid = static_cast<int>(std::min<int64_t>(items, sm_count()));
+  if (grid == 0) return;
+  // dq_accum [T, H] fp32 in boxes of 64 rows x 32 columns (128 bytes: the stage's 128-byte swizzle).
+  const int64_t T = args.p.num_tokens, H = int64_t{args.p.num_heads} * 64;
+  const CUtensorMap dq_map =
+      tensor_map_2d(CU_TENSOR_MAP_DATA_TYPE_FLOAT32, dq_acc, static_cast<uint64_t>(T), static_cast<uint64_t>(H),
+                    static_cast<uint64_t>(H) * 4, 32, 64, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_NONE,
+                    "fmha_backward dq_accum");
+  if (args.dropout) {
+    constexpr auto kernel = fmha_bwd_wsq_kernel<kFp16, true>;
+    ensure_smem<kernel>(Sh::kSmemBytes);
+    kernel<<<grid, Sh::kThreads, Sh::kSmemBytes, stream>>>(args, D, dq_map, static_cast<int>(items));
+  } else {
+    constexpr auto kernel = fmha_bwd_wsq_kernel<kFp16, false>;
+    ensure_smem<kernel>(Sh::kSmemBytes);
+    kernel<<<grid, Sh::kThreads, Sh::kSmemBytes, stream>>>(args, D, dq_map, static_cast<int>(items));
+  }
+  NOPAD_CUDA_CHECK_LAUNCH();
+}
+
 // ------------------------------------------------------------------------------------------------ variants
 // CTAs per SM asked for (launch bounds). 4 warps at HD <= 64: 3 CTAs (168 registers, a few spills) or 2 (no cap, no
 // spills); 8 warps: 1 (no cap). HD = 128 is never capped (the dK/dV accumulators alone are 128 registers).
@@ -779,11 +1225,15 @@ constexpr BwdVariant kBwdVariants[] = {
     {"wg64", 4, 3, true},     // 3: wgmma, one warpgroup x 64 keys, 3 CTAs per SM (168 registers)
     {"wg64r", 4, 2, true},    // 4: the same with 2 CTAs per SM and no register cap
     {"wg64b", 4, 3, true},    // 5: wg64 with dQ sent as bulk reductions of whole rows from shared memory
+    {"ws128q", 12, 1, true},  // 6: warp-specialised, persistent: 128 keys x 128-query tiles on two consumers
 };
 constexpr int kNumBwdVariants = static_cast<int>(sizeof(kBwdVariants) / sizeof(kBwdVariants[0]));
-constexpr int kDefaultBwdVariant = 0;    // where the wgmma kernel cannot run
-constexpr int kDefaultBwdVariantWg = 3;      // head_dim 64 on sm_90a, with dropout
-constexpr int kDefaultBwdVariantWgNoDrop = 5;  // head_dim 64 on sm_90a, dropout 0
+constexpr int kDefaultBwdVariant = 0;    // where the wgmma kernels cannot run
+constexpr int kDefaultBwdVariantWg = 6;  // head_dim 64 on sm_90a
+constexpr int kWsqVariant = 6;           // ws128q, full attention only
+// A launch on query rows (FmhaParams::q_cu_seqlens) asking for ws128q runs the one-warpgroup kernel of its dropout.
+constexpr int kRowsBwdVariantWg = 3;        // with dropout
+constexpr int kRowsBwdVariantWgNoDrop = 5;  // dropout 0
 
 template <int HD, int kWarps, int kMinCtas, bool kFp16>
 void launch_backward_main(const KernelArgs& args, const float* D, float* dq_acc, int32_t n, cudaStream_t stream) {
@@ -841,6 +1291,8 @@ void launch_backward(const KernelArgs& args, int variant, int32_t n, cudaStream_
   if (HD > 64 && variant == 1) variant = 0;
   // The wgmma kernel exists for head_dim 64 on sm_90a; elsewhere its variant runs the default mma.sync kernel.
   if (kBwdVariants[variant].wgmma && (HD != 64 || !fmha_wgmma_available())) variant = kDefaultBwdVariant;
+  if (variant == kWsqVariant && p.q_cu_seqlens != nullptr)
+    variant = args.dropout ? kRowsBwdVariantWg : kRowsBwdVariantWgNoDrop;
   switch (variant) {
     case 0: launch_backward_main<HD, 4, 3, kFp16>(args, D, dq_acc, n, stream); break;
     case 1:
@@ -856,6 +1308,9 @@ void launch_backward(const KernelArgs& args, int variant, int32_t n, cudaStream_
     case 5:
       if constexpr (HD == 64) launch_backward_wgmma<3, kFp16, true>(args, D, dq_acc, n, stream);
       break;
+    case 6:
+      if constexpr (HD == 64) launch_backward_wsq<kFp16>(args, D, dq_acc, n, stream);
+      break;
     default: fail("fmha_backward: no variant ", variant);
   }
   if (q_rows == 0) return;
@@ -867,7 +1322,7 @@ void launch_backward(const KernelArgs& args, int variant, int32_t n, cudaStream_
   }
   NOPAD_CUDA_CHECK_LAUNCH();
 }
-static_assert(kNumBwdVariants == 6, "launch_backward dispatches every variant");
+static_assert(kNumBwdVariants == 7, "launch_backward dispatches every variant");
 
 template <int HD>
 void launch_backward_hd(const KernelArgs& args, int variant, int32_t n, cudaStream_t stream) {
@@ -888,10 +1343,8 @@ const char* fmha_backward_variant_name(int variant) {
 int fmha_backward_variant(const FmhaParams& p) {
   using namespace fmha_detail;
   static const int env = variant_from_env("NOPAD_FMHA_BWD_VARIANT", kNumBwdVariants);
-  // On Hopper at head_dim 64 the bulk-reduction kernel is the faster one without dropout and the slower one with it
-  // (docs/fmha.md, Performance): the default follows the call's dropout.
-  const int wg = p.dropout_p > 0.0f ? kDefaultBwdVariantWg : kDefaultBwdVariantWgNoDrop;
-  const int fallback = p.head_dim == 64 && fmha_wgmma_available() ? wg : kDefaultBwdVariant;
+  // On Hopper at head_dim 64: the warp-specialised ws128q (its launches on query rows run wg64 or wg64b by dropout).
+  const int fallback = p.head_dim == 64 && fmha_wgmma_available() ? kDefaultBwdVariantWg : kDefaultBwdVariant;
   return choose_variant(p.bwd_variant, env, fallback, kNumBwdVariants, "FmhaParams::bwd_variant");
 }
 
@@ -901,9 +1354,8 @@ bool fmha_backward_bias_supported(int32_t num_heads, int32_t head_dim) {
 
 size_t fmha_backward_workspace_bytes(int32_t num_tokens, int32_t num_heads, int32_t head_dim) {
   NOPAD_CHECK(num_tokens >= 0 && num_heads >= 0 && head_dim >= 0, "fmha_backward_workspace_bytes: negative size");
-  return fmha_detail::dq_accum_offset(num_tokens, num_heads) +
-         static_cast<size_t>(num_tokens) * static_cast<size_t>(num_heads) * static_cast<size_t>(head_dim) *
-             sizeof(float);
+  return fmha_detail::item_counter_offset(num_tokens, num_heads, head_dim) +
+         (static_cast<size_t>(num_tokens) + 1) * sizeof(int);
 }
 
 void fmha_backward(const FmhaParams& p, cudaStream_t stream) {

@@ -1,6 +1,7 @@
-// Hopper warpgroup MMA (wgmma, sm_90a) building blocks for the FMHA kernels at head_dim 64: shared-memory matrix
-// descriptors of the swizzled tiles of fmha_common.cuh, the m64n64k16 products with both operands in shared memory
-// (SS) or A in registers (RS), and the fence / commit / wait protocol.
+// Hopper (sm_90a) building blocks for the FMHA kernels at head_dim 64 and nopad's GEMM: shared-memory matrix
+// descriptors of the swizzled tiles of fmha_common.cuh, the m64n64k16 warpgroup MMAs (wgmma) with both operands in
+// shared memory (SS) or A in registers (RS) and their fence / commit / wait protocol, bulk (copy-engine) reductions,
+// mbarriers, named barriers and register reallocation (setmaxnreg) for warp-specialised kernels.
 //
 // Contract of the tile layout: a 64 x 64 tile of 16-bit elements with 128-byte rows whose 16-byte chunk index is
 // XORed with row & 7 (swz<64>) IS the hardware's 128-byte swizzle layout when the tile starts on a 1024-byte
@@ -90,6 +91,21 @@ __device__ __forceinline__ void bulk_reduce_add_f32(float* dst, const float* src
   (void)dst, (void)src, (void)bytes;
 #endif
 }
+// Bulk asynchronous reduction through a tensor map (sm_90): the box at (x = column, y = row) of the map's global
+// tensor += the box in shared memory at src (laid out as the map's swizzle says; 1024-byte aligned for the 128-byte
+// swizzle), as fp32 adds in the L2. Boxes reaching past the tensor's bounds are clipped. Fence and waits as for
+// bulk_reduce_add_f32.
+__device__ __forceinline__ void bulk_reduce_tensor_add(const void* map, const float* src, int x, int y) {
+#if NOPAD_FMHA_WGMMA
+  asm volatile(
+      "cp.reduce.async.bulk.tensor.2d.global.shared::cta.add.tile.bulk_group [%0, {%1, %2}], [%3];\n" ::"l"(
+          reinterpret_cast<uint64_t>(map)),
+      "r"(x), "r"(y), "r"(smem_u32(src))
+      : "memory");
+#else
+  (void)map, (void)src, (void)x, (void)y;
+#endif
+}
 __device__ __forceinline__ void bulk_commit() {
 #if NOPAD_FMHA_WGMMA
   asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
@@ -100,6 +116,86 @@ template <int N>
 __device__ __forceinline__ void bulk_wait_read() {
 #if NOPAD_FMHA_WGMMA
   asm volatile("cp.async.bulk.wait_group.read %0;\n" ::"n"(N) : "memory");
+#endif
+}
+
+// ------------------------------------------------------------------------------------------------ mbarriers
+// Shared-memory barriers of the warp-specialised kernels (fmha_backward.cu's `ws128q`, gemm_sm90.cu): a phase
+// completes when `count`
+// arrivals have been made; waiters name the parity of the phase they wait for (phase k has parity k & 1), so a
+// barrier may run at most one phase ahead of any waiter (the protocols guarantee it).
+__device__ __forceinline__ void mbar_init(uint64_t* bar, uint32_t count) {
+#if NOPAD_FMHA_WGMMA
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(smem_u32(bar)), "r"(count) : "memory");
+#else
+  (void)bar, (void)count;
+#endif
+}
+// Makes the initialisations visible to the other threads (and the async proxy) before the CTA barrier that follows.
+__device__ __forceinline__ void mbar_init_fence() {
+#if NOPAD_FMHA_WGMMA
+  asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+#endif
+}
+// One arrival (release semantics: this thread's earlier writes are visible to whoever sees the phase complete).
+__device__ __forceinline__ void mbar_arrive(uint64_t* bar) {
+#if NOPAD_FMHA_WGMMA
+  asm volatile("{\n.reg .b64 st;\nmbarrier.arrive.shared::cta.b64 st, [%0];\n}\n" ::"r"(smem_u32(bar)) : "memory");
+#else
+  (void)bar;
+#endif
+}
+// One arrival made when all of this thread's earlier cp.async copies have landed (.noinc: counted in `count`).
+__device__ __forceinline__ void mbar_arrive_cp_async(uint64_t* bar) {
+#if NOPAD_FMHA_WGMMA
+  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(smem_u32(bar)) : "memory");
+#else
+  (void)bar;
+#endif
+}
+// Blocks until the phase of parity `parity` has completed (acquire semantics); on a fresh barrier, parity 1 (the phase
+// "before" the first) counts as completed, which is how producers pass the empty barriers on their first lap.
+__device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
+#if NOPAD_FMHA_WGMMA
+  asm volatile(
+      "{\n.reg .pred done;\nwait_%=:\n"
+      "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+      "@!done bra wait_%=;\n}\n" ::"r"(smem_u32(bar)),
+      "r"(parity)
+      : "memory");
+#else
+  (void)bar, (void)parity;
+#endif
+}
+// Barrier `id` (1..15; 0 is __syncthreads) of `threads` threads, whole warps.
+__device__ __forceinline__ void named_barrier_sync(int id, int threads) {
+  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+// Arrival on barrier `id` without waiting: the signalling side of a barrier whose other `threads` - (arriving threads)
+// wait in named_barrier_sync.
+__device__ __forceinline__ void named_barrier_arrive(int id, int threads) {
+  asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+// Register budget of the executing warpgroup (every thread of it executes the same call): producers give registers
+// back, consumers take them.
+template <int kRegs>
+__device__ __forceinline__ void setmaxnreg_dec() {
+#if NOPAD_FMHA_WGMMA
+  asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kRegs));
+#endif
+}
+template <int kRegs>
+__device__ __forceinline__ void setmaxnreg_inc() {
+#if NOPAD_FMHA_WGMMA
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kRegs));
+#endif
+}
+
+// Waits until at most N of this thread's bulk groups are incomplete (their writes performed, not only their reads).
+template <int N>
+__device__ __forceinline__ void bulk_wait() {
+#if NOPAD_FMHA_WGMMA
+  asm volatile("cp.async.bulk.wait_group %0;\n" ::"n"(N) : "memory");
 #endif
 }
 

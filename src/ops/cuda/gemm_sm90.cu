@@ -41,6 +41,7 @@
 #include "ops/cuda/fmha_wgmma.cuh"
 #include "ops/cuda/gemm_sm90.h"
 #include "ops/cuda/kernels.cuh"
+#include "ops/cuda/tensor_map.h"
 #include "ops/gelu_table.h"
 
 namespace nopad::cuda {
@@ -48,8 +49,15 @@ namespace gemm90 {
 
 using fmha_detail::align_smem;
 using fmha_detail::bulk_commit;
+using fmha_detail::bulk_wait;
 using fmha_detail::bulk_wait_read;
 using fmha_detail::fence_proxy_async;
+using fmha_detail::mbar_arrive;
+using fmha_detail::mbar_init;
+using fmha_detail::mbar_wait;
+using fmha_detail::named_barrier_sync;
+using fmha_detail::setmaxnreg_dec;
+using fmha_detail::setmaxnreg_inc;
 using fmha_detail::smem_u32;
 using fmha_detail::wgmma_commit;
 using fmha_detail::wgmma_desc;
@@ -88,25 +96,9 @@ static_assert(kSmemBytes <= 227 * 1024, "shared memory of one CTA");
 #define NOPAD_SM90_ASM(...) (void)0
 #endif
 
-__device__ __forceinline__ void mbar_init(uint64_t* bar, uint32_t count) {
-  NOPAD_SM90_ASM("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(smem_u32(bar)), "r"(count) : "memory");
-}
-__device__ __forceinline__ void mbar_arrive(uint64_t* bar) {
-  NOPAD_SM90_ASM("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(smem_u32(bar)) : "memory");
-}
 __device__ __forceinline__ void mbar_arrive_expect_tx(uint64_t* bar, uint32_t bytes) {
   NOPAD_SM90_ASM("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(smem_u32(bar)), "r"(bytes)
                  : "memory");
-}
-// Blocks until the phase of parity `parity` has completed; on a fresh barrier, parity 1 (the phase "before" the
-// first) counts as completed, which is how the producer passes the empty barriers on its first lap.
-__device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
-  NOPAD_SM90_ASM(
-      "{\n.reg .pred done;\nwait_%=:\n"
-      "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
-      "@!done bra wait_%=;\n}\n" ::"r"(smem_u32(bar)),
-      "r"(parity)
-      : "memory");
 }
 // 2D tensor-map load of one box into shared memory, completing `bytes` on the barrier (out-of-bounds rows: zeros).
 __device__ __forceinline__ void tma_load_2d(void* dst, const CUtensorMap* map, int x, int y, uint64_t* bar) {
@@ -122,21 +114,6 @@ __device__ __forceinline__ void tma_store_2d(const CUtensorMap* map, const void*
                      reinterpret_cast<uint64_t>(map)),
                  "r"(x), "r"(y), "r"(smem_u32(src))
                  : "memory");
-}
-template <int N>
-__device__ __forceinline__ void bulk_wait() {
-  NOPAD_SM90_ASM("cp.async.bulk.wait_group %0;\n" ::"n"(N) : "memory");
-}
-__device__ __forceinline__ void named_barrier_sync(int id, int threads) {
-  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
-}
-template <int kRegs>
-__device__ __forceinline__ void setmaxnreg_dec() {
-  NOPAD_SM90_ASM("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kRegs));
-}
-template <int kRegs>
-__device__ __forceinline__ void setmaxnreg_inc() {
-  NOPAD_SM90_ASM("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kRegs));
 }
 
 // d (64 x 256 fp32 per warpgroup; d[nt] = the m64n8 accumulator fragment of columns 8nt..8nt+7, fmha_wgmma.cuh's
@@ -726,29 +703,12 @@ __global__ void __launch_bounds__(kThreads, 1)
 }
 
 // The tensor map of a row-major [rows, cols] 16-bit matrix read in boxes of box_rows x 64 columns (128 bytes: the
-// 128-byte swizzle of the wgmma operand layout). cuTensorMapEncodeTiled is a driver function reached through the
-// runtime's entry-point query, once per process; encoding is host-only and allocates nothing.
+// 128-byte swizzle of the wgmma operand layout).
 CUtensorMap tensor_map(const void* base, int64_t rows, int64_t cols, int box_rows, bool fp16) {
-  static const PFN_cuTensorMapEncodeTiled_v12000 encode = [] {
-    void* fn = nullptr;
-    cudaDriverEntryPointQueryResult found{};
-    NOPAD_CUDA_CHECK(cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000, cudaEnableDefault, &found));
-    NOPAD_CHECK(found == cudaDriverEntryPointSuccess && fn != nullptr,
-                "gemm_sm90: the driver has no cuTensorMapEncodeTiled (needs a CUDA 12 driver)");
-    return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(fn);
-  }();
-  CUtensorMap map{};
-  const cuuint64_t dims[2] = {static_cast<cuuint64_t>(cols), static_cast<cuuint64_t>(rows)};
-  const cuuint64_t strides[1] = {static_cast<cuuint64_t>(cols) * 2};
-  const cuuint32_t box[2] = {static_cast<cuuint32_t>(kBK), static_cast<cuuint32_t>(box_rows)};
-  const cuuint32_t elem_strides[2] = {1, 1};
-  const CUresult r = encode(&map, fp16 ? CU_TENSOR_MAP_DATA_TYPE_FLOAT16 : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2,
-                            const_cast<void*>(base), dims, strides, box, elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE,
-                            CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
-                            CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
-  NOPAD_CHECK(r == CUDA_SUCCESS, "gemm_sm90: cuTensorMapEncodeTiled failed (CUresult ", static_cast<int>(r), ") for [",
-              rows, ", ", cols, "]");
-  return map;
+  return tensor_map_2d(fp16 ? CU_TENSOR_MAP_DATA_TYPE_FLOAT16 : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, base,
+                       static_cast<uint64_t>(rows), static_cast<uint64_t>(cols), static_cast<uint64_t>(cols) * 2, kBK,
+                       static_cast<uint32_t>(box_rows), CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                       "gemm_sm90 operand");
 }
 
 template <int kEpi, bool kFp16, bool kTanh>
