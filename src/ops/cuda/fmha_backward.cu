@@ -5,12 +5,15 @@
 //      double-buffered with cp.async), recomputing P, regenerating the dropout mask (one Philox block per 8 keys of a
 //      query, bits exchanged over 8 lanes), accumulating dK, dV in registers and adding dQ into fp32 dq_accum:
 //      fmha_bwd_kernel (mma.sync, any GPU; tile shapes per variant) or fmha_bwd_wgmma_kernel (head_dim 64 on sm_90a;
-//      dQ by float4 atomics, or by one bulk reduction per query row from shared memory). The variants of kBwdVariants
-//      are instantiated and chosen per call (fmha.h).
+//      dQ by float4 atomics, or by one bulk reduction per query row from shared memory). fmha_bwd_wsq_kernel (`ws128q`,
+//      head_dim 64 on sm_90a, the default there) is persistent and warp-specialised instead: 128 keys per item on two
+//      consumer warpgroups against 128-query tiles from a producer warpgroup, dQ sent by tensor-map reductions. The
+//      variants of kBwdVariants are instantiated and chosen per call (fmha.h).
 //   3. fmha_bwd_dq_kernel:  dq_accum -> d_qkv's q block (bf16/fp16); with FmhaParams::d_qkv_bias,
 //      fmha_bwd_dq_bias_kernel, which also adds the q block's column sums (the main kernels add the k and v blocks').
-// Workspace: D [heads, T] fp32, lse2 [heads, T] fp32, then (256-byte aligned) dq_accum [T, H] fp32, T = the query
-// rows (FmhaParams::num_q_tokens when the queries are a subset of the rows). Design: docs/fmha.md.
+// Workspace: D [heads, T] fp32, lse2 [heads, T] fp32, then (256-byte aligned) dq_accum [T, H] fp32, then ws128q's item
+// counters [T + 1] int32; T = the query rows (FmhaParams::num_q_tokens when the queries are a subset of the rows).
+// Design: docs/fmha.md.
 #include <algorithm>
 #include <atomic>
 #include <cmath>
