@@ -881,7 +881,7 @@ __device__ __forceinline__ void stage_dq_swz(float* sdQ, const float (&dq)[8][4]
   }
 }
 
-template <bool kFp16, bool kDrop, bool kDeferDq>
+template <bool kFp16, bool kDrop>
 __global__ void __launch_bounds__(384, 1)
     fmha_bwd_wsq_kernel(const __grid_constant__ KernelArgs args, const float* D,
                         const __grid_constant__ CUtensorMap dq_map, int num_items) {
@@ -1045,7 +1045,6 @@ __global__ void __launch_bounds__(384, 1)
     // zero-filled and their lse2 and D are 0, so dS is 0 there): adding them into the next sequence's rows changes
     // nothing, and rows past the tensor are clipped.
     float dq[8][4];
-    uint32_t pa[2][4][4], da[2][4][4];  // the tile's P'^T and dS^T as A fragments (read by its dV/dK products)
     const auto finish_dq = [&](int q_tile) {
       fence_regs(dq);
       stage_dq_swz(sdQ, dq, args.grad_scale, wrow, g, t);
@@ -1060,26 +1059,22 @@ __global__ void __launch_bounds__(384, 1)
     };
 
     mbar_wait(kv_full + kvb, (it >> 1) & 1);
-    // One query tile (index i, the CTA's gti-th). kFinishPrev: the previous tile's dQ product is still running; its
-    // wait and dQ reduction come after this tile's first products are issued. kDefer: leave this tile's dQ product
-    // running for the next tile to finish. Tiles run in pairs, so that no wgmma is outstanding across the loop's back
-    // edge (ptxas would serialise every wgmma of the kernel).
-    const auto tile = [&](int i, int gti, auto finish_prev, auto defer) {
-      constexpr bool kFinishPrev = decltype(finish_prev)::value, kDefer = decltype(defer)::value;
-      const int s = gti % kStages, qs = i * kM;
-      mbar_wait(full + s, (gti / kStages) & 1);
+    for (int i = 0; i < num_qt; ++i, ++gt) {
+      const int s = gt % kStages, qs = i * kM;
+      mbar_wait(full + s, (gt / kStages) & 1);
       fence_proxy_async();  // the producer's cp.async writes, visible to this thread's wgmma reads
       const uint64_t desc_q = wgmma_desc(sQ(s)), desc_do = wgmma_desc(sdO(s));
       const float* lse2 = sLse(s);
       const float* Dq = lse2 + kM;
       // dS^T of this tile, by tile parity (half h: queries 64 h .. + 63, all 128 keys): the other consumer read the
       // buffer last in its dQ product two tiles ago, complete before it signalled its previous tile's dS^T rows.
-      uint16_t* sdS = tile_at(Sh::kOffDs + 4 * (gti & 1) * kTileBytes);
+      uint16_t* sdS = tile_at(Sh::kOffDs + 4 * (gt & 1) * kTileBytes);
       const uint64_t desc_ds = wgmma_desc(sdS + c * Sh::kBlockN * 64);  // A of this consumer's dQ: dS^T half c
 
       // S^T = K Q^T, dP^T = V dO^T, P' and dS^T: this consumer's 64 keys x 128 queries, one half of 64 queries at a
       // time (the accumulators of both halves at once would leave too few registers; the other consumer's products
       // fill the tensor cores meanwhile); then dV += P'^T dO and dK += dS^T Q over the 128 queries.
+      uint32_t pa[2][4][4], da[2][4][4];
       const auto issue_sdp = [&](float(&sc)[8][4], float(&dp)[8][4], int h) {
 #pragma unroll
         for (int kk = 0; kk < HD / 16; ++kk)
@@ -1123,12 +1118,6 @@ __global__ void __launch_bounds__(384, 1)
         wgmma_fence();
         issue_sdp(sc, dp, h);
         wgmma_commit();
-        if constexpr (kFinishPrev) {
-          if (h == 0) {  // the previous tile's dQ product, behind these
-            wgmma_wait<1>();
-            finish_dq(qs - kM);
-          }
-        }
         const uint32_t keep = keep_bits(h);
         wgmma_wait<0>();
         fence_regs(sc);
@@ -1153,7 +1142,7 @@ __global__ void __launch_bounds__(384, 1)
       for (int kk = 0; kk < Sh::kBlockN / 16; ++kk)
         wgmma_ss<kFp16, 1, 1>(dq, desc_ds + kk * kDescStepMN, desc_k + kk * kDescStepMN, kk > 0);
       wgmma_commit();
-      wgmma_wait<1>();  // dV, dK done: the stage's Q and dO are no longer read, P'/dS's registers free
+      wgmma_wait<1>();  // dV, dK done: the stage's Q and dO are no longer read
       fence_regs(dv);
       fence_regs(dk);
       fence_regs(pa[0]);
@@ -1161,22 +1150,8 @@ __global__ void __launch_bounds__(384, 1)
       fence_regs(da[0]);
       fence_regs(da[1]);
       release(empty + s);
-      if constexpr (!kDefer) {
-        wgmma_wait<0>();
-        finish_dq(qs);
-      }
-    };
-    for (int i = 0; i < num_qt;) {
-      if (kDeferDq && i + 1 < num_qt) {
-        tile(i, gt, std::false_type{}, std::true_type{});
-        tile(i + 1, gt + 1, std::true_type{}, std::false_type{});
-        i += 2;
-        gt += 2;
-      } else {
-        tile(i, gt, std::false_type{}, std::false_type{});
-        i += 1;
-        gt += 1;
-      }
+      wgmma_wait<0>();
+      finish_dq(qs);
     }
     release(kv_empty + kvb);  // the last dQ product, the last reader of this K, has completed
 
@@ -1213,7 +1188,7 @@ inline int sm_count() {
 }
 
 // One CTA per SM (fewer when there are fewer items), taking items from the counter the pre kernel zeroed.
-template <bool kFp16, bool kDeferDq>
+template <bool kFp16>
 void launch_backward_wsq(const KernelArgs& args, const float* D, float* dq_acc, int32_t n, cudaStream_t stream) {
   using Sh = BwdWsqShape;
   const int64_t items = int64_t{(args.p.max_seqlen + Sh::kBlockN - 1) / Sh::kBlockN} * args.p.num_heads * n;
@@ -1227,11 +1202,11 @@ void launch_backward_wsq(const KernelArgs& args, const float* D, float* dq_acc, 
                     static_cast<uint64_t>(H) * 4, 32, 64, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_NONE,
                     "fmha_backward dq_accum");
   if (args.dropout) {
-    constexpr auto kernel = fmha_bwd_wsq_kernel<kFp16, true, kDeferDq>;
+    constexpr auto kernel = fmha_bwd_wsq_kernel<kFp16, true>;
     ensure_smem<kernel>(Sh::kSmemBytes);
     kernel<<<grid, Sh::kThreads, Sh::kSmemBytes, stream>>>(args, D, dq_map, static_cast<int>(items));
   } else {
-    constexpr auto kernel = fmha_bwd_wsq_kernel<kFp16, false, kDeferDq>;
+    constexpr auto kernel = fmha_bwd_wsq_kernel<kFp16, false>;
     ensure_smem<kernel>(Sh::kSmemBytes);
     kernel<<<grid, Sh::kThreads, Sh::kSmemBytes, stream>>>(args, D, dq_map, static_cast<int>(items));
   }
@@ -1254,7 +1229,6 @@ constexpr BwdVariant kBwdVariants[] = {
     {"wg64r", 4, 2, true},    // 4: the same with 2 CTAs per SM and no register cap
     {"wg64b", 4, 3, true},    // 5: wg64 with dQ sent as bulk reductions of whole rows from shared memory
     {"ws128q", 12, 1, true},  // 6: warp-specialised, persistent: 128 keys x 128-query tiles on two consumers
-    {"ws128qd", 12, 1, true},  // 7: ws128q with every other tile's dQ finished behind the next tile's products
 };
 constexpr int kNumBwdVariants = static_cast<int>(sizeof(kBwdVariants) / sizeof(kBwdVariants[0]));
 constexpr int kDefaultBwdVariant = 0;    // where the wgmma kernels cannot run
@@ -1320,7 +1294,7 @@ void launch_backward(const KernelArgs& args, int variant, int32_t n, cudaStream_
   if (HD > 64 && variant == 1) variant = 0;
   // The wgmma kernel exists for head_dim 64 on sm_90a; elsewhere its variant runs the default mma.sync kernel.
   if (kBwdVariants[variant].wgmma && (HD != 64 || !fmha_wgmma_available())) variant = kDefaultBwdVariant;
-  if ((variant == kWsqVariant || variant == kWsqVariant + 1) && p.q_cu_seqlens != nullptr)
+  if (variant == kWsqVariant && p.q_cu_seqlens != nullptr)
     variant = args.dropout ? kRowsBwdVariantWg : kRowsBwdVariantWgNoDrop;
   switch (variant) {
     case 0: launch_backward_main<HD, 4, 3, kFp16>(args, D, dq_acc, n, stream); break;
@@ -1338,10 +1312,7 @@ void launch_backward(const KernelArgs& args, int variant, int32_t n, cudaStream_
       if constexpr (HD == 64) launch_backward_wgmma<3, kFp16, true>(args, D, dq_acc, n, stream);
       break;
     case 6:
-      if constexpr (HD == 64) launch_backward_wsq<kFp16, false>(args, D, dq_acc, n, stream);
-      break;
-    case 7:
-      if constexpr (HD == 64) launch_backward_wsq<kFp16, true>(args, D, dq_acc, n, stream);
+      if constexpr (HD == 64) launch_backward_wsq<kFp16>(args, D, dq_acc, n, stream);
       break;
     default: fail("fmha_backward: no variant ", variant);
   }
@@ -1354,7 +1325,7 @@ void launch_backward(const KernelArgs& args, int variant, int32_t n, cudaStream_
   }
   NOPAD_CUDA_CHECK_LAUNCH();
 }
-static_assert(kNumBwdVariants == 8, "launch_backward dispatches every variant");
+static_assert(kNumBwdVariants == 7, "launch_backward dispatches every variant");
 
 template <int HD>
 void launch_backward_hd(const KernelArgs& args, int variant, int32_t n, cudaStream_t stream) {
