@@ -9,6 +9,8 @@
 #   BWD_VARIANTS="3 5"            backward kernel variants to compare in the bench and model stages (indices of
 #                                 docs/fmha.md's list, run as NOPAD_FMHA_BWD_VARIANT); default: the built-in choice
 #   BENCH_STREAMS=1,2,4 BENCH_BUCKETS=64,128   the bench stage's --streams and --buckets
+#   BENCH_BIAS=1                  the bench stage's backward also sums the QKV bias gradient (--bias-grad), as
+#                                 training does
 #   CUDA_TEST_FILTER='Fmha.*'     GoogleTest filter of the tests stage
 #   TEST_TIMEOUT=300 BENCH_TIMEOUT=300   seconds before the tests / each attention bench are stopped (a kernel that
 #                                 hangs costs minutes, not the whole device call)
@@ -67,7 +69,7 @@ if has bench; then
     say "nopad bench attention (batch $BATCH x $BATCHES, real lengths), backward variant $V"
     with_bwd "$V" timeout "${BENCH_TIMEOUT:-300}" "$NOPAD" bench attention --data "$SHARDS" --batch "$BATCH" \
       --batches "$BATCHES" --streams "${BENCH_STREAMS:-1,2,4}" --buckets "${BENCH_BUCKETS:-64,128}" \
-      ${VARIANTS:+--variants} --workload "$OUT/attn-workload.txt" \
+      ${VARIANTS:+--variants} ${BENCH_BIAS:+--bias-grad} --workload "$OUT/attn-workload.txt" \
       >"$OUT/attention-bwd$V.jsonl" 2>"$OUT/attention-bwd$V.txt" || { status=1; tail -5 "$OUT/attention-bwd$V.txt"; }
     grep -v "group " "$OUT/attention-bwd$V.txt" | tee -a "$OUT/summary.txt"
   done

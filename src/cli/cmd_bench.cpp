@@ -165,6 +165,8 @@ void setup(CLI::App& sub) {
       ->capture_default_str();
   attn->add_flag("--variants", ao->variants,
                  "also time every kernel variant on each length group (which kernel suits which lengths)");
+  attn->add_flag("--bias-grad", ao->bias_grad,
+                 "the backward also sums the QKV bias gradient from the d_qkv it writes, as training does");
   attn->add_option("--warmup", ao->warmup, "untimed calls before each measurement")->capture_default_str();
   attn->add_option("--reps", ao->reps, "timed calls per measurement (the median is reported)")->capture_default_str();
   attn->add_option("--workload", ao->workload,

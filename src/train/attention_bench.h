@@ -24,6 +24,7 @@ struct AttentionBenchOptions {
   std::vector<int> streams = {1, 4};   // grouped: each stream count
   std::vector<int> buckets = {64};     // grouped: each bucket width (tokens)
   bool variants = false;  // also time every kernel variant on each length group of the grouped plan
+  bool bias_grad = false;  // the backward also sums the QKV bias gradient (FmhaParams::d_qkv_bias), as training does
   int warmup = 3, reps = 20;
   std::string workload;   // write the batches' 'length masked' lines here (for peers/peer_attention.py)
 };

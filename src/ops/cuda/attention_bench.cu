@@ -125,6 +125,7 @@ std::vector<std::string> run_attention_bench_gpu(const AttentionBenchOptions& o,
     Buf<int32_t> cu_d(cu.size()), order_d(order.size());
     Buf<uint64_t> ids_d(ids.size());
     Buf<unsigned char> ws(fmha_backward_workspace_bytes(T, o.heads, o.head_dim));
+    Buf<float> bias(o.bias_grad ? static_cast<size_t>(3) * H : 0);  // summed into across calls: only timed
     NOPAD_CUDA_CHECK(cudaMemcpy(qkv.ptr, qkv_h.data(), qkv.bytes(), cudaMemcpyHostToDevice));
     NOPAD_CUDA_CHECK(cudaMemcpy(dctx.ptr, dctx_h.data(), dctx.bytes(), cudaMemcpyHostToDevice));
     NOPAD_CUDA_CHECK(cudaMemcpy(cu_d.ptr, cu.data(), cu_d.bytes(), cudaMemcpyHostToDevice));
@@ -139,6 +140,10 @@ std::vector<std::string> run_attention_bench_gpu(const AttentionBenchOptions& o,
     p.d_qkv = dqkv.ptr;
     p.workspace = ws.ptr;
     p.workspace_bytes = ws.bytes();
+    if (o.bias_grad) {
+      NOPAD_CUDA_CHECK(cudaMemset(bias.ptr, 0, bias.bytes()));
+      p.d_qkv_bias = bias.ptr;
+    }
     p.cu_seqlens = cu_d.ptr;
     p.sample_ids = ids_d.ptr;
     p.num_seqs = B;
@@ -217,6 +222,7 @@ std::vector<std::string> run_attention_bench_gpu(const AttentionBenchOptions& o,
         j["heads"] = o.heads;
         j["head_dim"] = o.head_dim;
         j["dropout"] = drop;
+        j["bias_grad"] = o.bias_grad;
         j["schedule"] = ops::attention_mode_name(sc.s.mode);
         j["streams"] = plan.num_streams;
         j["bucket"] = sc.s.mode == ops::AttentionMode::kGrouped ? sc.s.bucket_tokens : 0;
@@ -265,6 +271,7 @@ std::vector<std::string> run_attention_bench_gpu(const AttentionBenchOptions& o,
               j["gpu"] = prop.name;
               j["batch_index"] = bi;
               j["dropout"] = drop;
+              j["bias_grad"] = o.bias_grad;
               j["group"] = g;
               j["group_max_len"] = gr.max_seqlen;
               j["group_seqs"] = gr.count;
