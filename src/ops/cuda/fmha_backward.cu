@@ -15,7 +15,6 @@
 // counters [T + 1] int32; T = the query rows (FmhaParams::num_q_tokens when the queries are a subset of the rows).
 // Design: docs/fmha.md.
 #include <algorithm>
-#include <atomic>
 #include <cmath>
 #include <type_traits>
 
@@ -237,10 +236,19 @@ __device__ __forceinline__ void store_ds_t(uint16_t* sdS, int wrow, int g, int t
   *reinterpret_cast<uint32_t*>(sdS + swz<64>(wrow + g + 8, 2 * kk + 1) + 2 * t) = da[3];
 }
 
+// One n-tile of dQ accumulators (m16n8 C fragment: rows g, g + 8; columns 2t, 2t + 1), scaled, regrouped so that each
+// lane holds 4 consecutive columns of one row: lanes t and t^1 swap half their values (two shfl.xor 1); the even lane
+// (odd = false) gets row g, columns 4 (t >> 1) .. + 3 of the n-tile, the odd lane row g + 8. Warp-collective.
+__device__ __forceinline__ float4 dq_row_quad(const float (&dq)[4], float scale, bool odd) {
+  const float r0 = __shfl_xor_sync(0xffffffffu, odd ? dq[0] : dq[2], 1);
+  const float r1 = __shfl_xor_sync(0xffffffffu, odd ? dq[1] : dq[3], 1);
+  return odd ? make_float4(r0 * scale, r1 * scale, dq[2] * scale, dq[3] * scale)
+             : make_float4(dq[0] * scale, dq[1] * scale, r0 * scale, r1 * scale);
+}
+
 // dq_acc[query rows qr0 = q + g and qr1 = qr0 + 8, columns col .. col + 8 kQTiles) += scale * dq (m16n8 C fragments,
-// rows past the end skipped; scale = KernelArgs::grad_scale). On sm_90 lanes t and t^1 swap half their values so that
-// each holds 4 consecutive columns of one row (the even lane row g, the odd lane row g + 8): one 16-byte atomic instead
-// of four 4-byte ones.
+// rows past the end skipped; scale = KernelArgs::grad_scale). On sm_90 each lane holds 4 consecutive columns of one row
+// (dq_row_quad): one 16-byte atomic instead of four 4-byte ones.
 template <int kQTiles>
 __device__ __forceinline__ void add_dq(const FmhaParams& p, float* dq_acc, const float (&dq)[kQTiles][4], float scale,
                                        int s0, int qr0, int L, int col, int t) {
@@ -251,10 +259,7 @@ __device__ __forceinline__ void add_dq(const FmhaParams& p, float* dq_acc, const
   float* dst_row = dq_acc + int64_t{s0 + qr} * H + col + 4 * (t >> 1);
 #pragma unroll
   for (int n = 0; n < kQTiles; ++n) {
-    const float r0 = __shfl_xor_sync(0xffffffffu, odd ? dq[n][0] : dq[n][2], 1);
-    const float r1 = __shfl_xor_sync(0xffffffffu, odd ? dq[n][1] : dq[n][3], 1);
-    const float4 v = odd ? make_float4(r0 * scale, r1 * scale, dq[n][2] * scale, dq[n][3] * scale)
-                         : make_float4(dq[n][0] * scale, dq[n][1] * scale, r0 * scale, r1 * scale);
+    const float4 v = dq_row_quad(dq[n], scale, odd);
     if (qr < L) atomicAdd(reinterpret_cast<float4*>(dst_row + n * 8), v);
   }
 #else
@@ -437,13 +442,7 @@ __global__ void __launch_bounds__(32 * kWarps, kMinCtas)
   const int dq_qgroup = warp & 3;                       // dQ: this warp's 16 queries of the tile
   const int dq_col0 = (warp >> 2) * Sh::kDqCols;        // and its first head dim
 
-  uint32_t s_lo = 0, s_hi = 0;
-  if constexpr (kDrop) {
-    const uint64_t sample = p.sample_ids[b];
-    s_lo = static_cast<uint32_t>(sample);
-    s_hi = static_cast<uint32_t>(sample >> 32);
-  }
-  const auto draw = [&](uint32_t lo, uint32_t hi) { return dropout_block(args, s_lo, s_hi, lo, hi); };
+  const MaskDraw draw = mask_draw<kDrop>(args, b);
 
   float dv[kDTiles][4], dk[kDTiles][4];
 #pragma unroll
@@ -599,16 +598,13 @@ struct BwdWgShape {
 };
 
 // This warp's dQ accumulators (queries wrow + g, + 8; m16n8 C fragments over the 64 head dims), scaled, into the dQ
-// stage: lanes t and t^1 swap half their values (as add_dq does) so each lane stores 4 consecutive columns of one row.
+// stage: dq_row_quad gives each lane 4 consecutive columns of one row.
 __device__ __forceinline__ void stage_dq(float* sdQ, const float (&dq)[8][4], float scale, int wrow, int g, int t) {
   const bool odd = (t & 1) != 0;
   float* dst = sdQ + (wrow + g + (odd ? 8 : 0)) * BwdWgShape::kDqStageLd + 4 * (t >> 1);
 #pragma unroll
   for (int n = 0; n < 8; ++n) {
-    const float r0 = __shfl_xor_sync(0xffffffffu, odd ? dq[n][0] : dq[n][2], 1);
-    const float r1 = __shfl_xor_sync(0xffffffffu, odd ? dq[n][1] : dq[n][3], 1);
-    const float4 v = odd ? make_float4(r0 * scale, r1 * scale, dq[n][2] * scale, dq[n][3] * scale)
-                         : make_float4(dq[n][0] * scale, dq[n][1] * scale, r0 * scale, r1 * scale);
+    const float4 v = dq_row_quad(dq[n], scale, odd);
     *reinterpret_cast<float4*>(dst + n * 8) = v;
   }
 }
@@ -680,13 +676,7 @@ __global__ void __launch_bounds__(128, kMinCtas)
   const bool key_ok0 = k0 + wrow + g < L, key_ok1 = k0 + wrow + g + 8 < L;
   const uint64_t desc_k = wgmma_desc(sK), desc_v = wgmma_desc(sV), desc_ds = wgmma_desc(sdS);
 
-  uint32_t s_lo = 0, s_hi = 0;
-  if constexpr (kDrop) {
-    const uint64_t sample = p.sample_ids[b];
-    s_lo = static_cast<uint32_t>(sample);
-    s_hi = static_cast<uint32_t>(sample >> 32);
-  }
-  const auto draw = [&](uint32_t lo, uint32_t hi) { return dropout_block(args, s_lo, s_hi, lo, hi); };
+  const MaskDraw draw = mask_draw<kDrop>(args, b);
 
   float dv[kDTiles][4], dk[kDTiles][4];
 #pragma unroll
@@ -809,13 +799,12 @@ __global__ void __launch_bounds__(128, kMinCtas)
 //   stage (`empty`); K/V are double-buffered by item (`kv_full` / `kv_empty`). Warp 0 takes the items from the
 //   counter and publishes them (`item_full`).
 // * warpgroups 1 and 2, consumers (224 registers): consumer c owns keys k0 + 64c .. + 63. Per query tile: S^T = K Q^T
-//   and dP^T = V dO^T, P' and dS^T one 64-query half at a time, dV += P'^T dO and dK += dS^T Q with K = 128 queries
-//   (`ws128qp`: the first half's dV/dK products run while the second half's P' and dS are computed), dS^T into
-//   shared memory (two [128 keys][64 queries] halves), and dQ for the
-//   tile's queries 64c .. + 63 over all 128 keys (A = dS^T half c, B = K), staged in shared memory and sent as one
-//   pair of tensor-map reductions. The consumers meet only where one reads what the other wrote: before its dQ
-//   product, a consumer waits for the other's dS^T rows of the tile (each signals with bar.arrive and goes on);
-//   dS^T is double-buffered by tile parity, so that no consumer waits for the other's dQ product.
+//   and dP^T = V dO^T, P' and dS^T one 64-query half at a time, dV += P'^T dO and dK += dS^T Q with K = 128 queries,
+//   dS^T into shared memory (two [128 keys][64 queries] halves), and dQ for the tile's queries 64c .. + 63 over all
+//   128 keys (A = dS^T half c, B = K), staged in shared memory and sent as one pair of tensor-map reductions. The
+//   consumers meet only where one reads what the other wrote: before its dQ product, a consumer waits for the other's
+//   dS^T rows of the tile (each signals with bar.arrive and goes on); dS^T is double-buffered by tile parity, so that
+//   no consumer waits for the other's dQ product.
 // Against wg64 every Q/dO tile copy serves 128 keys, dQ leaves once per 128 keys, the wgmma chains are twice as long,
 // and the consumers issue no copies.
 struct BwdWsqShape {
@@ -844,11 +833,11 @@ struct BwdWsqShape {
   // the budgets must fit it, or the consumers' increase would wait forever.
   static constexpr int kProducerRegs = 56, kConsumerRegs = 224;
   static_assert(kProducerRegs * 128 + kConsumerRegs * 256 <= 168 * kThreads, "register budget of the CTA");
+  static constexpr uint64_t kDescTile = kTileBytes >> 4;  // descriptor advance of one 64-row tile (64 x 128 bytes)
+  // Named barriers of the consumers (id + c for consumer c): kBarStage, consumer c's dQ stage written (its 128
+  // threads); kBarDsDone, consumer c's dS^T rows written (c arrives, the other consumer waits: 256 threads).
+  static constexpr int kBarStage = 1, kBarDsDone = 3;
 };
-constexpr uint64_t kDescTile = kTileBytes >> 4;  // descriptor advance of one 64-row tile (64 rows of 128 bytes)
-// Named barriers of the consumers (id + c for consumer c): kBarStage, consumer c's dQ stage written (its 128 threads);
-// kBarDsDone, consumer c's dS^T rows written (c arrives, the other consumer waits: 256 threads).
-constexpr int kBarStage = 1, kBarDsDone = 3;
 
 // The work items of a launch over n sequences are (sequence z, head, key block kb of 128 keys), item =
 // (z * heads + head) * key_blocks + kb with key_blocks from max_seqlen; CTAs take them in this order from the launch's
@@ -865,17 +854,13 @@ __device__ __forceinline__ bool wsq_item(const FmhaParams& p, int item, int& b, 
 
 // This warp's dQ accumulators (queries wrow + g, + 8; m16n8 C fragments over the 64 head dims), scaled, into a dQ stage
 // of two 64 x 32 fp32 boxes (columns 0..31, 32..63) with the 128-byte swizzle (16-byte chunk c of row r at chunk
-// c ^ (r & 7)): lanes t and t^1 swap half their values (as add_dq does) so each lane stores 4 consecutive columns of
-// one row.
+// c ^ (r & 7)): dq_row_quad gives each lane 4 consecutive columns of one row.
 __device__ __forceinline__ void stage_dq_swz(float* sdQ, const float (&dq)[8][4], float scale, int wrow, int g, int t) {
   const bool odd = (t & 1) != 0;
   const int row = wrow + g + (odd ? 8 : 0);
 #pragma unroll
   for (int n = 0; n < 8; ++n) {
-    const float r0 = __shfl_xor_sync(0xffffffffu, odd ? dq[n][0] : dq[n][2], 1);
-    const float r1 = __shfl_xor_sync(0xffffffffu, odd ? dq[n][1] : dq[n][3], 1);
-    const float4 v = odd ? make_float4(r0 * scale, r1 * scale, dq[n][2] * scale, dq[n][3] * scale)
-                         : make_float4(dq[n][0] * scale, dq[n][1] * scale, r0 * scale, r1 * scale);
+    const float4 v = dq_row_quad(dq[n], scale, odd);
     const int chunk = 2 * (n & 3) + (t >> 1);  // 16-byte chunk within the box's 128-byte row
     *reinterpret_cast<float4*>(sdQ + (n >> 2) * 64 * 32 + row * 32 + ((chunk ^ (row & 7)) << 2)) = v;
   }
@@ -1025,14 +1010,9 @@ __global__ void __launch_bounds__(384, 1)
     // consumer's dQ reads its dS^T rows, and its own dQ rows are needed.
     const bool key_ok0 = k0 + krow + g < L, key_ok1 = k0 + krow + g + 8 < L;
     const uint64_t desc_k = wgmma_desc(sK(kvb));  // all 128 keys (dQ's B)
-    const uint64_t desc_kc = desc_k + c * kDescTile, desc_vc = wgmma_desc(sV(kvb)) + c * kDescTile;  // keys 64c ..
-    uint32_t s_lo = 0, s_hi = 0;
-    if constexpr (kDrop) {
-      const uint64_t sample = p.sample_ids[b];
-      s_lo = static_cast<uint32_t>(sample);
-      s_hi = static_cast<uint32_t>(sample >> 32);
-    }
-    const auto draw = [&](uint32_t lo, uint32_t hi) { return dropout_block(args, s_lo, s_hi, lo, hi); };
+    // This consumer's keys 64c .. + 63 of K and V.
+    const uint64_t desc_kc = desc_k + c * Sh::kDescTile, desc_vc = wgmma_desc(sV(kvb)) + c * Sh::kDescTile;
+    const MaskDraw draw = mask_draw<kDrop>(args, b);
 
     float dv[8][4], dk[8][4];
 #pragma unroll
@@ -1049,7 +1029,7 @@ __global__ void __launch_bounds__(384, 1)
       fence_regs(dq);
       stage_dq_swz(sdQ, dq, args.grad_scale, wrow, g, t);
       fence_proxy_async();  // the stage, visible to the copy engine
-      named_barrier_sync(kBarStage + c, 128);
+      named_barrier_sync(Sh::kBarStage + c, 128);
       const int q0 = q_tile + 64 * c;
       if (ctid == 0 && q0 < L) {
         bulk_reduce_tensor_add(&dq_map, sdQ, head * HD, s0 + q0);
@@ -1078,10 +1058,12 @@ __global__ void __launch_bounds__(384, 1)
       const auto issue_sdp = [&](float(&sc)[8][4], float(&dp)[8][4], int h) {
 #pragma unroll
         for (int kk = 0; kk < HD / 16; ++kk)
-          wgmma_ss<kFp16, 0, 0>(sc, desc_kc + kk * kDescStepK, desc_q + h * kDescTile + kk * kDescStepK, kk > 0);
+          wgmma_ss<kFp16, 0, 0>(sc, desc_kc + kk * kDescStepK, desc_q + h * Sh::kDescTile + kk * kDescStepK,
+                                kk > 0);
 #pragma unroll
         for (int kk = 0; kk < HD / 16; ++kk)
-          wgmma_ss<kFp16, 0, 0>(dp, desc_vc + kk * kDescStepK, desc_do + h * kDescTile + kk * kDescStepK, kk > 0);
+          wgmma_ss<kFp16, 0, 0>(dp, desc_vc + kk * kDescStepK, desc_do + h * Sh::kDescTile + kk * kDescStepK,
+                                kk > 0);
       };
       const auto keep_bits = [&](int h) -> uint32_t {
         if constexpr (kDrop) {
@@ -1131,10 +1113,10 @@ __global__ void __launch_bounds__(384, 1)
       issue_dkv(1);
       wgmma_commit();
       fence_proxy_async();  // this thread's dS^T stores, visible to the tensor cores
-      named_barrier_arrive(kBarDsDone + c, 256);
+      named_barrier_arrive(Sh::kBarDsDone + c, 256);
       if (ctid == 0) bulk_wait_read<0>();  // the dQ stage's last reductions have read it
       // The other consumer's dS^T rows are written (and, as all of this consumer's threads pass, its dQ stage free).
-      named_barrier_sync(kBarDsDone + (1 - c), 256);
+      named_barrier_sync(Sh::kBarDsDone + (1 - c), 256);
 
       // dQ (this consumer's 64 queries x 64 head dims) = dS K over the 128 keys; this warp holds queries 16 warp ..
       wgmma_fence();
@@ -1159,11 +1141,11 @@ __global__ void __launch_bounds__(384, 1)
     float colsum[8][4];
     store_dk_dv<HD, kFp16>(p, dk, dv, args.grad_scale, args.keep_scale, s0, k0 + krow + g, L, head, t, colsum);
     if (p.d_qkv_bias != nullptr) {  // uniform
-      // The sums meet in this consumer's dQ stage once its reductions have read it; the next item's barrier 1 comes
-      // before the stage is written again.
+      // The sums meet in this consumer's dQ stage once its reductions have read it; the next item's first wait for the
+      // other consumer's dS^T (kBarDsDone) comes before the stage is written again.
       if (ctid == 0) bulk_wait_read<0>();
-      named_barrier_sync(kBarStage + c, 128);
-      add_dk_dv_bias<HD, 4>(p, colsum, sdQ, head, ctid, kBarStage + c);
+      named_barrier_sync(Sh::kBarStage + c, 128);
+      add_dk_dv_bias<HD, 4>(p, colsum, sdQ, head, ctid, Sh::kBarStage + c);
     }
   }
   if (ctid == 0) bulk_wait<0>();  // the reductions complete before the CTA ends
@@ -1172,28 +1154,13 @@ __global__ void __launch_bounds__(384, 1)
 #endif
 }
 
-// Multiprocessors of the current device, read once per device ordinal (the persistent launch's grid).
-inline int sm_count() {
-  constexpr int kMaxDevices = 64;
-  static std::atomic<int> cached[kMaxDevices] = {};  // 0: not read yet
-  int dev = 0;
-  NOPAD_CUDA_CHECK(cudaGetDevice(&dev));
-  NOPAD_CHECK(dev >= 0 && dev < kMaxDevices, "fmha_backward: device ordinal ", dev, " out of range");
-  int n = cached[dev].load(std::memory_order_relaxed);
-  if (n == 0) {
-    NOPAD_CUDA_CHECK(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev));
-    cached[dev].store(n, std::memory_order_relaxed);
-  }
-  return n;
-}
-
 // One CTA per SM (fewer when there are fewer items), taking items from the counter the pre kernel zeroed.
 template <bool kFp16>
 void launch_backward_wsq(const KernelArgs& args, const float* D, float* dq_acc, int32_t n, cudaStream_t stream) {
   using Sh = BwdWsqShape;
   const int64_t items = int64_t{(args.p.max_seqlen + Sh::kBlockN - 1) / Sh::kBlockN} * args.p.num_heads * n;
   NOPAD_CHECK(items < (int64_t{1} << 30), "fmha_backward: too many work items (", items, ")");
-  const int grid = static_cast<int>(std::min<int64_t>(items, sm_count()));
+  const int grid = static_cast<int>(std::min<int64_t>(items, fmha_sm_count()));
   if (grid == 0) return;
   // dq_accum [T, H] fp32 in boxes of 64 rows x 32 columns (128 bytes: the stage's 128-byte swizzle).
   const int64_t T = args.p.num_tokens, H = int64_t{args.p.num_heads} * 64;
@@ -1231,9 +1198,8 @@ constexpr BwdVariant kBwdVariants[] = {
     {"ws128q", 12, 1, true},  // 6: warp-specialised, persistent: 128 keys x 128-query tiles on two consumers
 };
 constexpr int kNumBwdVariants = static_cast<int>(sizeof(kBwdVariants) / sizeof(kBwdVariants[0]));
-constexpr int kDefaultBwdVariant = 0;    // where the wgmma kernels cannot run
-constexpr int kDefaultBwdVariantWg = 6;  // head_dim 64 on sm_90a
-constexpr int kWsqVariant = 6;           // ws128q, full attention only
+constexpr int kDefaultBwdVariant = 0;  // where the wgmma kernels cannot run
+constexpr int kWsqVariant = 6;         // ws128q, full attention only: the default at head_dim 64 on sm_90a
 // A launch on query rows (FmhaParams::q_cu_seqlens) asking for ws128q runs the one-warpgroup kernel of its dropout.
 constexpr int kRowsBwdVariantWg = 3;        // with dropout
 constexpr int kRowsBwdVariantWgNoDrop = 5;  // dropout 0
@@ -1347,7 +1313,7 @@ int fmha_backward_variant(const FmhaParams& p) {
   using namespace fmha_detail;
   static const int env = variant_from_env("NOPAD_FMHA_BWD_VARIANT", kNumBwdVariants);
   // On Hopper at head_dim 64: the warp-specialised ws128q (its launches on query rows run wg64 or wg64b by dropout).
-  const int fallback = p.head_dim == 64 && fmha_wgmma_available() ? kDefaultBwdVariantWg : kDefaultBwdVariant;
+  const int fallback = p.head_dim == 64 && fmha_wgmma_available() ? kWsqVariant : kDefaultBwdVariant;
   return choose_variant(p.bwd_variant, env, fallback, kNumBwdVariants, "FmhaParams::bwd_variant");
 }
 

@@ -190,6 +190,26 @@ __device__ __forceinline__ Philox4x32 dropout_block(const KernelArgs& a, uint32_
   return Philox4x32{{c0, c1, c2, c3}};
 }
 
+// The Philox draws of sequence b's attention masks, called as draw(block_lo, block_hi) by fmha_dropout's lane-bit
+// functions: dropout_block with the sample half of the counter (p.sample_ids[b], read only with dropout) bound.
+struct MaskDraw {
+  const KernelArgs& args;
+  uint32_t s_lo, s_hi;
+  __device__ __forceinline__ Philox4x32 operator()(uint32_t lo, uint32_t hi) const {
+    return dropout_block(args, s_lo, s_hi, lo, hi);
+  }
+};
+template <bool kDrop>
+__device__ __forceinline__ MaskDraw mask_draw(const KernelArgs& args, int b) {
+  uint32_t s_lo = 0, s_hi = 0;
+  if constexpr (kDrop) {
+    const uint64_t sample = args.p.sample_ids[b];
+    s_lo = static_cast<uint32_t>(sample);
+    s_hi = static_cast<uint32_t>(sample >> 32);
+  }
+  return MaskDraw{args, s_lo, s_hi};
+}
+
 // Byte-wise butterfly transpose of kSlotBits-bit slots over the 8 / kSlotBits lanes that differ in lane bits
 // kLaneShift..: i is the lane's index in that group (fmha_dropout.h; the forward uses <2, 0> over a quad, the backward
 // <1, 2> over the 8 lanes of one t). One shuffle per stage.

@@ -179,13 +179,7 @@ __global__ void __launch_bounds__(32 * kWarps, kMinCtas) fmha_fwd_kernel(const _
     row_sum[mt][0] = row_sum[mt][1] = 0.0f;
   }
 
-  uint32_t s_lo = 0, s_hi = 0;
-  if constexpr (kDrop) {
-    const uint64_t sample = p.sample_ids[b];
-    s_lo = static_cast<uint32_t>(sample);
-    s_hi = static_cast<uint32_t>(sample >> 32);
-  }
-  const auto draw = [&](uint32_t lo, uint32_t hi) { return dropout_block(args, s_lo, s_hi, lo, hi); };
+  const MaskDraw draw = mask_draw<kDrop>(args, b);
   // The dropout keys of the lane's rows g and g + 8 of each m-tile: their positions in the sequence.
   [[maybe_unused]] uint32_t qpos[kMT][2];
   if constexpr (kDrop) {
@@ -371,13 +365,7 @@ __global__ void __launch_bounds__(128 * kWG, kMinCtas) fmha_fwd_wgmma_kernel(con
   for (int i = 0; i < kDTiles; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.0f;
   float row_max[2] = {-INFINITY, -INFINITY}, row_sum[2] = {0.0f, 0.0f};
 
-  uint32_t s_lo = 0, s_hi = 0;
-  if constexpr (kDrop) {
-    const uint64_t sample = p.sample_ids[b];
-    s_lo = static_cast<uint32_t>(sample);
-    s_hi = static_cast<uint32_t>(sample >> 32);
-  }
-  const auto draw = [&](uint32_t lo, uint32_t hi) { return dropout_block(args, s_lo, s_hi, lo, hi); };
+  const MaskDraw draw = mask_draw<kDrop>(args, b);
   [[maybe_unused]] uint32_t qpos[2];  // dropout keys of the lane's rows g and g + 8
   if constexpr (kDrop) {
     qpos[0] = query_position(p, qs0, Lq, q0 + wrow + g);
@@ -549,24 +537,44 @@ void launch_forward_hd(const KernelArgs& args, int variant, int32_t n, cudaStrea
 }
 static_assert(kNumFwdVariants == 6, "launch_forward_hd dispatches every variant");
 
-bool fmha_wgmma_available() {
-#ifdef NOPAD_CUDA_SM90A
+namespace {
+// What the launches need to know of the current device, read once per device ordinal: whether it is compute
+// capability 9.0 and its multiprocessors. ok is false where the runtime cannot say (nothing is cached then).
+struct DeviceFacts {
+  bool ok = false, sm90 = false;
+  int sms = 0;
+};
+DeviceFacts current_device_facts() {
   constexpr int kMaxDevices = 64;
-  static std::atomic<int8_t> cached[kMaxDevices] = {};  // 0 unknown, 1 no, 2 yes
+  static std::atomic<int> cached[kMaxDevices] = {};  // 0: not read yet; else 1 | sm90 << 1 | sms << 2
   int dev = 0;
-  if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= kMaxDevices) return false;
-  int8_t c = cached[dev].load(std::memory_order_relaxed);
+  if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= kMaxDevices) return {};
+  int c = cached[dev].load(std::memory_order_relaxed);
   if (c == 0) {
-    int major = 0, minor = 0;
-    const bool ok = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) == cudaSuccess &&
-                    cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev) == cudaSuccess;
-    c = ok && major == 9 && minor == 0 ? 2 : 1;
+    int major = 0, minor = 0, sms = 0;
+    if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess ||
+        cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev) != cudaSuccess ||
+        cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess)
+      return {};
+    c = 1 | (major == 9 && minor == 0 ? 2 : 0) | (sms << 2);
     cached[dev].store(c, std::memory_order_relaxed);
   }
-  return c == 2;
+  return {true, (c & 2) != 0, c >> 2};
+}
+}  // namespace
+
+bool fmha_wgmma_available() {
+#ifdef NOPAD_CUDA_SM90A
+  return current_device_facts().sm90;
 #else
   return false;  // this build has no sm_90a code (CMAKE_CUDA_ARCHITECTURES without 90a)
 #endif
+}
+
+int fmha_sm_count() {
+  const DeviceFacts f = current_device_facts();
+  NOPAD_CHECK(f.ok, "fmha: the CUDA runtime reports no current device or its multiprocessor count");
+  return f.sms;
 }
 
 }  // namespace fmha_detail

@@ -31,6 +31,8 @@ namespace nopad::cuda::fmha_detail {
 // Whether the current device runs the wgmma kernels: compute capability 9.0 (the sm_90a code of this build). Read
 // once per device ordinal and cached.
 bool fmha_wgmma_available();
+// Multiprocessors of the current device (the persistent backward's grid), read with the above once per ordinal.
+int fmha_sm_count();
 
 constexpr int kTileBytes = 64 * 64 * 2;  // one 64 x 64 16-bit tile
 constexpr int kSmemAlign = 1024;         // the 128-byte swizzle repeats every 8 rows of 128 bytes
