@@ -269,7 +269,8 @@ TEST(OpsCpu, AttentionVarlenGradientWithDropout) {
   };
   loss();
   Vec dqkv = poison(kT * 3 * kH);
-  // The bias gradient accumulates (+=) the column sums of d_qkv: start from a known offset per column.
+  // The bias gradient accumulates (+=) the column sums of d_qkv's q and v blocks: start from a known offset per
+  // column. The k block's part stays as it was: the k bias has no gradient (ops.h), i.e. dK's column sums vanish.
   Vec d_bias(3 * kH);
   for (int j = 0; j < 3 * kH; ++j) d_bias[j] = 0.25 * j - 1.0;
   be.attention_backward(R.data(), qkv.data(), ctx.data(), lse.data(), s.view(), kHeads, kHeadDim, d, dqkv.data(),
@@ -277,9 +278,15 @@ TEST(OpsCpu, AttentionVarlenGradientWithDropout) {
   EXPECT_TRUE(all_finite(dqkv));
   check_gradient("dqkv", qkv, dqkv, loss);
   for (int j = 0; j < 3 * kH; ++j) {
-    double sum = 0.25 * j - 1.0;
-    for (int t = 0; t < kT; ++t) sum += dqkv[t * 3 * kH + j];
-    EXPECT_NEAR(d_bias[j], sum, 1e-12) << "column " << j;
+    double sum = 0.25 * j - 1.0, mag = 0;
+    for (int t = 0; t < kT; ++t) sum += dqkv[t * 3 * kH + j], mag += std::fabs(dqkv[t * 3 * kH + j]);
+    if (j >= kH && j < 2 * kH) {
+      EXPECT_EQ(d_bias[j], 0.25 * j - 1.0) << "k column " << j - kH << " changed";
+      EXPECT_GT(mag, 1e-3) << "k column " << j - kH << ": dK is not zero, its column sums are";
+      EXPECT_NEAR(sum, 0.25 * j - 1.0, 1e-12 * mag) << "k column " << j - kH << ": dK's column sum is not zero";
+    } else {
+      EXPECT_NEAR(d_bias[j], sum, 1e-12) << "column " << j;
+    }
   }
   // Without it, d_qkv is the same (ctx and lse again from the unperturbed qkv: check_gradient left them perturbed).
   loss();

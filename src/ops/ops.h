@@ -243,8 +243,10 @@ class Backend {
   virtual void attention_forward(const A* qkv, const SeqView& seqs, int32_t num_heads, int32_t head_dim,
                                  const Dropout& drop, A* ctx, St* lse) = 0;
   // Writes d_qkv[T, 3H] (every element). Uses ctx and lse from forward. With d_qkv_bias (may be null) it also
-  // accumulates (+=) the column sums of d_qkv as written into d_qkv_bias[3H]: the gradient of the bias of the
-  // projection that made qkv, so that the dense backward does not read d_qkv once more for it.
+  // accumulates (+=) the column sums of d_qkv's q and v blocks as written into d_qkv_bias[0, H) and [2H, 3H): the
+  // gradient of the bias of the projection that made qkv, so that the dense backward does not read d_qkv once more
+  // for it. The k block's part [H, 2H) is left as it is: the k bias has no gradient (it adds q . b_k to every score of
+  // a query's row, which the softmax cancels, dropout or not), and dK's column sums are zero up to rounding.
   virtual void attention_backward(const A* d_ctx, const A* qkv, const A* ctx, const St* lse, const SeqView& seqs,
                                   int32_t num_heads, int32_t head_dim, const Dropout& drop, A* d_qkv,
                                   G* d_qkv_bias) = 0;

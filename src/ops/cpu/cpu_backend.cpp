@@ -28,14 +28,16 @@ using cpu::gemm;
 
 constexpr int64_t kRowsPerChunk = 32;  // rows per task in row-wise ops; fixed so reductions have a fixed order
 
-// out[j] += sum over rows of m[r][j] ([rows, n]); columns split in blocks of 256 across threads, rows summed in order.
+// out[j] += sum over rows of m[r][j] ([rows, n], rows ld apart; ld 0: n); columns split in blocks of 256 across
+// threads, rows summed in order.
 template <class S>
-void add_column_sums(const S* m, int64_t rows, int32_t n, S* out, int threads) {
+void add_column_sums(const S* m, int64_t rows, int32_t n, S* out, int threads, int64_t ld = 0) {
   constexpr int32_t kCols = 256;
+  if (ld == 0) ld = n;
   parallel_for(static_cast<size_t>((n + kCols - 1) / kCols), threads, [&](size_t c) {
     const int32_t j0 = static_cast<int32_t>(c) * kCols, j1 = std::min(n, j0 + kCols);
     for (int64_t r = 0; r < rows; ++r)
-      for (int32_t j = j0; j < j1; ++j) out[j] += m[r * n + j];
+      for (int32_t j = j0; j < j1; ++j) out[j] += m[r * ld + j];
   });
 }
 template <class S>
@@ -484,7 +486,10 @@ void CpuBackend<P>::attention_backward_impl(const S* d_ctx, const S* qkv, const 
       }
     }
   });
-  if (d_qkv_bias) add_column_sums(d_qkv, T, static_cast<int32_t>(ld), d_qkv_bias, threads_);
+  if (d_qkv_bias) {  // the q and v blocks; the k bias has no gradient (ops.h)
+    add_column_sums(d_qkv, T, H, d_qkv_bias, threads_, ld);
+    add_column_sums(d_qkv + 2 * H, T, H, d_qkv_bias + 2 * H, threads_, ld);
+  }
 }
 
 // ---------------------------------------------------------------------------------------------- residual + LN

@@ -769,13 +769,10 @@ void CudaBackendT<P>::attention_backward_impl(const A* d_ctx, const A* qkv, cons
   } else {
     fmha_backward(p, stream_);
   }
-  if (d_qkv_bias && !bias_in_kernels) {
-    const int32_t n = 3 * num_heads * head_dim;
-    if (dense_grad_pass_supported(n, d_qkv, nullptr, nullptr)) {  // dense_backward's kOnePass column sums
-      grad_pass(d_qkv, nullptr, nullptr, seqs.num_tokens, n, d_qkv_bias);
-    } else {
-      column_sums_accumulate(d_qkv, seqs.num_tokens, n, d_qkv_bias);
-    }
+  if (d_qkv_bias && !bias_in_kernels) {  // the q and v blocks; the k bias has no gradient (ops.h)
+    const int32_t H = num_heads * head_dim;
+    column_sums_accumulate(d_qkv, seqs.num_tokens, H, d_qkv_bias, 3 * int64_t{H});
+    column_sums_accumulate(d_qkv + 2 * H, seqs.num_tokens, H, d_qkv_bias + 2 * H, 3 * int64_t{H});
   }
 }
 

@@ -8,8 +8,9 @@
 //   (seed, step, op_id, sample_ids[b], element = (head, query pos, key pos)); ctx [T, H] = P' v;
 //   lse [num_heads, T] (fp32) = log-sum-exp of each query row's scaled scores, kept for backward.
 //   Backward regenerates P from q, k and lse, and the dropout mask from Philox; writes every element of d_qkv.
-//   With d_qkv_bias set it also adds (fp32 atomics, any order) the column sums of d_qkv over the launch's rows, each
-//   element as written (rounded to 16 bits): the QKV projection's bias gradient, without a pass that reads d_qkv.
+//   With d_qkv_bias set it also adds (fp32 atomics, any order) the column sums of d_qkv's q and v blocks over the
+//   launch's rows, each element as written (rounded to 16 bits): the QKV projection's bias gradient, without a pass
+//   that reads d_qkv. The k bias has no gradient (ops/ops.h), so d_qkv_bias[H, 2H) is not touched.
 // Grouping (the grouped multi-stream scheduler): when seq_index is not null, a launch covers only the sequences
 // seq_index[0 .. num_launch_seqs) (indices into cu_seqlens), so groups of sequences can run as separate launches on
 // separate streams over the same tensors; max_seqlen is then the longest sequence of the group.
@@ -37,7 +38,7 @@ struct FmhaParams {
   float* lse = nullptr;           // [num_heads, T]  forward output; backward input
   const void* d_ctx = nullptr;    // [T, H]          backward input
   void* d_qkv = nullptr;          // [T, 3H]         backward output
-  float* d_qkv_bias = nullptr;    // [3H] fp32       backward, optional: += column sums of d_qkv as written
+  float* d_qkv_bias = nullptr;    // [3H] fp32       backward, optional: += column sums of d_qkv's q, v blocks
   void* workspace = nullptr;      // backward scratch
   size_t workspace_bytes = 0;
 

@@ -10,7 +10,8 @@
 //      consumer warpgroups against 128-query tiles from a producer warpgroup, dQ sent by tensor-map reductions. The
 //      variants of kBwdVariants are instantiated and chosen per call (fmha.h).
 //   3. fmha_bwd_dq_kernel:  dq_accum -> d_qkv's q block (bf16/fp16); with FmhaParams::d_qkv_bias,
-//      fmha_bwd_dq_bias_kernel, which also adds the q block's column sums (the main kernels add the k and v blocks').
+//      fmha_bwd_dq_bias_kernel, which also adds the q block's column sums (the main kernels add the v block's; the k
+//      bias has no gradient, fmha.h).
 // Workspace: D [heads, T] fp32, lse2 [heads, T] fp32, then (256-byte aligned) dq_accum [T, H] fp32, then ws128q's item
 // counters [T + 1] int32; T = the query rows (FmhaParams::num_q_tokens when the queries are a subset of the rows).
 // Design: docs/fmha.md.
@@ -282,12 +283,12 @@ __device__ __forceinline__ void add_dq(const FmhaParams& p, float* dq_acc, const
 
 // dK * dk_scale and dV * dv_scale (KernelArgs::grad_scale, keep_scale) of keys kr0 = k + g and kr0 + 8 (m16n8 C
 // fragments over the head dims) into d_qkv's k and v blocks; keys past the end are not stored. colsum[n] receives
-// this thread's share of the bias gradient: the stored (16-bit) values of its rows summed per column, {dK column
-// 8n + 2t, dK 8n + 2t + 1, dV 8n + 2t, dV 8n + 2t + 1} (0 for rows past the end).
+// this thread's share of the v bias gradient: the stored (16-bit) dV values of its rows summed per column, {dV column
+// 8n + 2t, dV 8n + 2t + 1} (0 for rows past the end). The k bias has no gradient (fmha.h), so dK is not summed.
 template <int HD, bool kFp16>
 __device__ __forceinline__ void store_dk_dv(const FmhaParams& p, const float (&dk)[HD / 8][4],
                                             const float (&dv)[HD / 8][4], float dk_scale, float dv_scale, int s0,
-                                            int kr0, int L, int head, int t, float (&colsum)[HD / 8][4]) {
+                                            int kr0, int L, int head, int t, float (&colsum)[HD / 8][2]) {
   uint16_t* dqkv = static_cast<uint16_t*>(p.d_qkv);
   const int H = p.num_heads * HD, kr1 = kr0 + 8;
   const int64_t ld = 3 * int64_t{H};
@@ -296,17 +297,15 @@ __device__ __forceinline__ void store_dk_dv(const FmhaParams& p, const float (&d
 #pragma unroll
   for (int n = 0; n < HD / 8; ++n) {
     const int col = head * HD + n * 8 + 2 * t;
-    colsum[n][0] = colsum[n][1] = colsum[n][2] = colsum[n][3] = 0.0f;
+    colsum[n][0] = colsum[n][1] = 0.0f;
     if (kr0 < L) {
       uint16_t* row = dqkv + int64_t{s0 + kr0} * ld;
       const uint32_t k2 = pack2<kFp16>(dk[n][0] * dk_scale, dk[n][1] * dk_scale);
       const uint32_t v2 = pack2<kFp16>(dv[n][0] * dv_scale, dv[n][1] * dv_scale);
       *reinterpret_cast<uint32_t*>(row + H + col) = k2;
       *reinterpret_cast<uint32_t*>(row + 2 * H + col) = v2;
-      colsum[n][0] = lo(k2);
-      colsum[n][1] = hi(k2);
-      colsum[n][2] = lo(v2);
-      colsum[n][3] = hi(v2);
+      colsum[n][0] = lo(v2);
+      colsum[n][1] = hi(v2);
     }
     if (kr1 < L) {
       uint16_t* row = dqkv + int64_t{s0 + kr1} * ld;
@@ -314,29 +313,27 @@ __device__ __forceinline__ void store_dk_dv(const FmhaParams& p, const float (&d
       const uint32_t v2 = pack2<kFp16>(dv[n][2] * dv_scale, dv[n][3] * dv_scale);
       *reinterpret_cast<uint32_t*>(row + H + col) = k2;
       *reinterpret_cast<uint32_t*>(row + 2 * H + col) = v2;
-      colsum[n][0] += lo(k2);
-      colsum[n][1] += hi(k2);
-      colsum[n][2] += lo(v2);
-      colsum[n][3] += hi(v2);
+      colsum[n][0] += lo(v2);
+      colsum[n][1] += hi(v2);
     }
   }
 }
 
-// The CTA's dK / dV bias gradient (p.d_qkv_bias set): every thread's colsum from store_dk_dv, summed over the 8 rows g
-// of each warp, then over the warps through shared memory (red: kWarps x 2 HD floats, free for this use; the caller
-// has passed a barrier after the last read of it), then one fp32 atomic per column. The warp's sum is a reduce-scatter
-// over the 8 lanes of each t (lane bits 2..4): at each of 3 stages a lane keeps the half of its values that its lane
-// bit selects and adds the partner's copy of that half, so lane (g, t) ends with the values of flat index
-// i = (HD / 16) g + j (i = 4 n + e of colsum[n][e]), after HD / 4 + HD / 8 + HD / 16 shuffles instead of 3 (HD / 2).
-// Collective: every thread of the CTA (or of the named barrier's warps) calls it.
-template <int HD, int kWarps>
-__device__ __forceinline__ void add_dk_dv_bias(const FmhaParams& p, float (&colsum)[HD / 8][4], float* red, int head,
-                                               int tid, int bar_id = 0) {
-  constexpr int kVals = HD / 2;  // 4 per n-tile
-  const int warp = tid >> 5, lane = tid & 31, t = lane & 3, g = lane >> 2;
+// The warp's share of the v bias gradient (p.d_qkv_bias set): every lane's colsum from store_dk_dv, summed over the
+// 8 rows g of the warp by a reduce-scatter over the 8 lanes of each t (lane bits 2..4): at each of 3 stages a lane
+// keeps the half of its values that its lane bit selects and adds the partner's copy of that half, so lane (g, t)
+// ends with the values of flat index i = (HD / 32) g + j (i = 2 n + e of colsum[n][e]: column 8n + 2t + e), after
+// HD / 8 + HD / 16 + HD / 32 shuffles; then one fp32 atomic per value. No shared memory and no barrier: a warp adds
+// its sums whenever its keys are stored, so the CTA's other warps (and, in ws128q, the other consumer) never wait.
+template <int HD>
+__device__ __forceinline__ void add_dv_bias(const FmhaParams& p, const float (&colsum)[HD / 8][2], int head,
+                                            int lane) {
+  constexpr int kVals = HD / 4;  // 2 per n-tile
+  static_assert(kVals % 8 == 0, "the reduce-scatter needs HD a multiple of 32");
+  const int t = lane & 3, g = lane >> 2;
   float v[kVals];
 #pragma unroll
-  for (int i = 0; i < kVals; ++i) v[i] = colsum[i / 4][i % 4];
+  for (int i = 0; i < kVals; ++i) v[i] = colsum[i / 2][i % 2];
 #pragma unroll
   for (int stage = 0; stage < 3; ++stage) {
     const int half = kVals >> (stage + 1);      // values kept after this stage
@@ -348,25 +345,20 @@ __device__ __forceinline__ void add_dk_dv_bias(const FmhaParams& p, float (&cols
       v[i] = keep + __shfl_xor_sync(0xffffffffu, send, bit);
     }
   }
-  float* k = red + warp * 2 * HD;
+  float* vbias = p.d_qkv_bias + 2 * p.num_heads * HD + head * HD;
 #pragma unroll
   for (int j = 0; j < kVals / 8; ++j) {
-    const int i = (kVals / 8) * g + j, n = i / 4, e = i % 4;  // e: dK column 8n + 2t (+1), dV (e >= 2) likewise
-    k[(e >= 2 ? HD : 0) + n * 8 + 2 * t + (e & 1)] = v[j];
+    const int i = (kVals / 8) * g + j, n = i / 2, e = i % 2;
+    atomicAdd(vbias + n * 8 + 2 * t + e, v[j]);
   }
-  if (bar_id == 0) {
-    __syncthreads();
-  } else {
-    named_barrier_sync(bar_id, 32 * kWarps);
-  }
-  const int H = p.num_heads * HD;
-  for (int c = tid; c < 2 * HD; c += 32 * kWarps) {  // c < HD: dK column c; else dV column c - HD
-    float sum = 0.0f;
-#pragma unroll
-    for (int w = 0; w < kWarps; ++w) sum += red[w * 2 * HD + c];
-    const int col = c < HD ? H + head * HD + c : 2 * H + head * HD + (c - HD);
-    atomicAdd(p.d_qkv_bias + col, sum);
-  }
+}
+
+// The same as a call, for fmha_bwd_wgmma_kernel: inlined at its 168 registers, the sums change its allocation enough
+// that ptxas serialises its wgmma (C7512); as a call they cost a few stack bytes once per CTA.
+template <int HD>
+__device__ __noinline__ void add_dv_bias_call(const FmhaParams& p, const float (&colsum)[HD / 8][2], int head,
+                                              int lane) {
+  add_dv_bias<HD>(p, colsum, head, lane);
 }
 
 // kWarps warps x 16 keys per CTA; the query tiles are 64 wide.
@@ -567,13 +559,9 @@ __global__ void __launch_bounds__(32 * kWarps, kMinCtas)
 
   // dK (scaled) and dV into d_qkv's k and v blocks, rows of this warp's keys that exist (a dead warp stores nothing
   // and adds zeros to the bias gradient).
-  float colsum[kDTiles][4];
+  float colsum[kDTiles][2];
   store_dk_dv<HD, kFp16>(p, dk, dv, args.grad_scale, args.keep_scale, s0, k0 + wrow + g, L, head, t, colsum);
-  if (p.d_qkv_bias != nullptr) {  // CTA-uniform
-    __syncthreads();              // every warp done reading sdS (the last tile's dQ)
-    static_assert(kWarps * 2 * HD * 4 <= Sh::kBlockN * kTile * 2, "the bias reduction fits in sdS");
-    add_dk_dv_bias<HD, kWarps>(p, colsum, reinterpret_cast<float*>(sdS), head, tid);
-  }
+  if (p.d_qkv_bias != nullptr) add_dv_bias<HD>(p, colsum, head, lane);  // CTA-uniform
 }
 
 // ------------------------------------------------------------------------------------------------ Hopper (wgmma)
@@ -773,13 +761,9 @@ __global__ void __launch_bounds__(128, kMinCtas)
   }
 
   // dK (scaled) and dV into d_qkv's k and v blocks, rows of keys that exist.
-  float colsum[kDTiles][4];
+  float colsum[kDTiles][2];
   store_dk_dv<HD, kFp16>(p, dk, dv, args.grad_scale, args.keep_scale, s0, k0 + wrow + g, L, head, t, colsum);
-  if (p.d_qkv_bias != nullptr) {  // CTA-uniform
-    if constexpr (!kBulkDq) __syncthreads();  // every warp done with sdS (kBulkDq passed a barrier after the loop)
-    static_assert(4 * 2 * HD * 4 <= Sh::kBlockN * kTile * 2, "the bias reduction fits in sdS");
-    add_dk_dv_bias<HD, 4>(p, colsum, reinterpret_cast<float*>(sdS), head, tid);
-  }
+  if (p.d_qkv_bias != nullptr) add_dv_bias_call<HD>(p, colsum, head, lane);  // CTA-uniform
   if constexpr (kBulkDq) {
     if (tid < kTile) bulk_wait_read<0>();  // the stage stays valid until the copy engine has read it
   }
@@ -1138,15 +1122,9 @@ __global__ void __launch_bounds__(384, 1)
     release(kv_empty + kvb);  // the last dQ product, the last reader of this K, has completed
 
     // dK (scaled) and dV into d_qkv's k and v blocks, rows of keys that exist.
-    float colsum[8][4];
+    float colsum[8][2];
     store_dk_dv<HD, kFp16>(p, dk, dv, args.grad_scale, args.keep_scale, s0, k0 + krow + g, L, head, t, colsum);
-    if (p.d_qkv_bias != nullptr) {  // uniform
-      // The sums meet in this consumer's dQ stage once its reductions have read it; the next item's first wait for the
-      // other consumer's dS^T (kBarDsDone) comes before the stage is written again.
-      if (ctid == 0) bulk_wait_read<0>();
-      named_barrier_sync(Sh::kBarStage + c, 128);
-      add_dk_dv_bias<HD, 4>(p, colsum, sdQ, head, ctid, Sh::kBarStage + c);
-    }
+    if (p.d_qkv_bias != nullptr) add_dv_bias<HD>(p, colsum, head, lane);  // uniform
   }
   if (ctid == 0) bulk_wait<0>();  // the reductions complete before the CTA ends
 #else
