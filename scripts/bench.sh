@@ -12,6 +12,9 @@
 #   PEER_ATTENTION=1      the attention-only peer (varlen_attn, 64 sequences) on the last batch's workload (0: skip)
 #   VARIANT_RUNS="A=0 B=1"  the last nopad batch again under each environment setting (kernel variants, dense.cu),
 #                         then the default once more, and a table of each variant against the two defaults' mean
+#   BASE_TREE=DIR         another nopad source tree (e.g. `git archive <ref> | tar -x -C .carry/base`, carried), built
+#                         into DIR/build-gpu and timed at the last batch among the variants ("variant base"): a
+#                         before/after of a code change in one call, on one GPU
 #   PROFILE_BATCH=B       also profile the compiled PyTorch peer at batch B (scripts/profile_peer.py: its kernel time
 #                         per step by category, to compare with nopad's --breakdown); unset: skip
 #   HIDDEN_ACTS="gelu"    nopad activations to time at every batch: gelu (exact erf, the standard workload's) and/or
@@ -32,6 +35,14 @@ echo "== $(date -u +%FT%TZ) $(nvidia-smi --query-gpu=name,driver_version --forma
 
 NOPAD_SKIP_INSTALL=1 NOPAD_BUILD_DIR=build-gpu NOPAD_CMAKE_ARGS="-DNOPAD_CUDA=ON ${NOPAD_CMAKE_EXTRA:-}" bash scripts/setup.sh
 NOPAD=build-gpu/nopad
+if [ -n "${BASE_TREE:-}" ]; then
+  echo "== build of the base tree $BASE_TREE"
+  [ -f "$BASE_TREE/CMakeLists.txt" ] || { echo "bench.sh: BASE_TREE=$BASE_TREE has no CMakeLists.txt"; exit 1; }
+  # shellcheck disable=SC2086
+  cmake -S "$BASE_TREE" -B "$BASE_TREE/build-gpu" -G Ninja -DCMAKE_BUILD_TYPE=Release -DNOPAD_CUDA=ON \
+    ${NOPAD_CMAKE_EXTRA:-} >/dev/null
+  cmake --build "$BASE_TREE/build-gpu" -j "$(nproc)" --target nopad >/dev/null
+fi
 
 # Real Wikipedia shards, phase-2 settings (scripts/phase2-shards.sh).
 source scripts/phase2-shards.sh
@@ -56,6 +67,11 @@ done
 
 # VARIANT_RUNS="NOPAD_GELU_GEMM=0 NOPAD_DGELU_GEMM=0": the last batch again under each environment setting (one per
 # word, kernel variants that read the environment: dense.cu), without the breakdown, for side-by-side step times.
+if [ -n "${BASE_TREE:-}" ]; then
+  echo "== nopad bench model batch $LAST_BATCH with the base tree's binary"
+  "$BASE_TREE/build-gpu/nopad" bench model --model data/configs/bert-large-mlperf.json --data "$SHARDS" \
+    --batch "$LAST_BATCH" --steps 20 --warmup 5 | sed "s/^{/variant base: {/"
+fi
 for V in ${VARIANT_RUNS:-}; do
   echo "== nopad bench model batch $LAST_BATCH with $V"
   # Prefixed, so the summary below (nopad/peer ratios at the default variants) does not take these lines.
@@ -64,7 +80,7 @@ for V in ${VARIANT_RUNS:-}; do
 done
 # After the variants, the default once more: a GPU whose clocks sag during the run shows here (one instance went from
 # 225 to 241 ms over a call), and each variant is compared with the mean of the two default runs.
-if [ -n "${VARIANT_RUNS:-}" ]; then
+if [ -n "${VARIANT_RUNS:-}${BASE_TREE:-}" ]; then
   echo "== nopad bench model batch $LAST_BATCH, the default again (drift check)"
   "$NOPAD" bench model --model data/configs/bert-large-mlperf.json --data "$SHARDS" --batch "$LAST_BATCH" \
     --steps 20 --warmup 5 | sed "s/^{/variant default-again: {/"
