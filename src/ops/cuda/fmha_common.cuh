@@ -199,6 +199,16 @@ struct MaskDraw {
     return dropout_block(args, s_lo, s_hi, lo, hi);
   }
 };
+// *p += a, p[1] += b as fp32 reductions in the L2 (p 8-byte aligned): one vector reduction on sm_90, two before.
+__device__ __forceinline__ void red_add2(float* p, float a, float b) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("red.global.add.v2.f32 [%0], {%1, %2};" ::"l"(p), "f"(a), "f"(b) : "memory");
+#else
+  atomicAdd(p, a);
+  atomicAdd(p + 1, b);
+#endif
+}
+
 template <bool kDrop>
 __device__ __forceinline__ MaskDraw mask_draw(const KernelArgs& args, int b) {
   uint32_t s_lo = 0, s_hi = 0;
