@@ -349,8 +349,9 @@ __device__ __forceinline__ int dv_bias_col(int j, int lane) {
 }
 
 // The warp's v bias sums (p.d_qkv_bias set) straight into d_qkv_bias by fp32 reductions in the L2, two columns per
-// instruction where HD allows. No shared memory and no barrier (the mma.sync and wg64 kernels; ws128q sums its
-// warps on chip first, add_dv_bias_sm).
+// instruction where HD allows. No shared memory and no barrier: a warp adds its sums as soon as its keys are stored,
+// so no other warp (in ws128q, not the other consumer) waits for it. Summing a ws128q consumer's 4 warps in shared
+// memory first (4x fewer L2 reductions, one barrier per item) was slower: docs/performance.md.
 template <int HD>
 __device__ __forceinline__ void add_dv_bias(const FmhaParams& p, const float (&colsum)[HD / 8][2], int head,
                                             int lane) {
@@ -822,10 +823,8 @@ struct BwdWsqShape {
   static constexpr int kOffBar = kOffLse + kStages * 2 * kBlockM * 4;
   // kv_full[2], kv_empty[2], item_full[2], full[kStages], empty[kStages]; then the published item per K/V buffer
   static constexpr int kNumBars = 6 + 2 * kStages;
-  // The v bias sums of each consumer (64 fp32 per consumer, add_dv_bias_wsq), after the published items.
-  static constexpr int kOffVbias = kOffBar + kNumBars * 8 + 16;
   // No alignment slack: the kernel declares its dynamic shared memory 1024-byte aligned (and checks it).
-  static constexpr int kSmemBytes = kOffVbias + 2 * 64 * 4;
+  static constexpr int kSmemBytes = kOffBar + kNumBars * 8 + 2 * 4;
   static_assert(kSmemBytes <= 227 * 1024, "shared memory of one CTA");
   // setmaxnreg moves registers within the CTA's launch allocation (168 per thread under __launch_bounds__(384, 1)):
   // the budgets must fit it, or the consumers' increase would wait forever.
@@ -848,25 +847,6 @@ __device__ __forceinline__ bool wsq_item(const FmhaParams& p, int item, int& b, 
   head = zh % p.num_heads;
   k0 = kb * BwdWsqShape::kBlockN;
   return k0 < L;
-}
-
-// ws128q's v bias sums of one consumer's 4 warps (128 threads; p.d_qkv_bias set, HD = 64): each warp's sums
-// (dv_bias_scatter) into the consumer's 64 fp32 in shared memory (acc) by shared atomics, a barrier of the consumer,
-// then warp 0 sends them as 32 two-column L2 reductions and zeroes acc for the next item, whose first shared atomic
-// comes after the kBarDsDone barriers of its first tile. One L2 reduction per two columns per consumer and item,
-// where every warp's own (add_dv_bias) would send four.
-__device__ __forceinline__ void add_dv_bias_wsq(const FmhaParams& p, const float (&colsum)[8][2], float* acc, int head,
-                                                int warp, int lane, int bar_id) {
-  float v[16];
-  dv_bias_scatter<64>(colsum, lane, v);
-  atomicAdd(acc + dv_bias_col<64>(0, lane), v[0]);
-  atomicAdd(acc + dv_bias_col<64>(1, lane), v[1]);
-  named_barrier_sync(bar_id, 128);
-  if (warp == 0) {
-    const float2 sum = reinterpret_cast<const float2*>(acc)[lane];
-    reinterpret_cast<float2*>(acc)[lane] = make_float2(0.0f, 0.0f);
-    red_add2(p.d_qkv_bias + 2 * p.num_heads * 64 + head * 64 + 2 * lane, sum.x, sum.y);
-  }
 }
 
 // This warp's dQ accumulators (queries wrow + g, + 8; m16n8 C fragments over the 64 head dims), scaled, into a dQ stage
@@ -1009,8 +989,6 @@ __global__ void __launch_bounds__(384, 1)
   const int wrow = warp * 16;      // this warp's first key within the consumer's 64 (S^T, dK, dV rows); its dQ queries
   const int krow = 64 * c + wrow;  // and within the item's 128
   float* sdQ = reinterpret_cast<float*>(base + Sh::kOffDq + c * Sh::kDqStageBytes);
-  float* sVbias = reinterpret_cast<float*>(base + Sh::kOffVbias) + 64 * c;
-  if (ctid < 64) sVbias[ctid] = 0.0f;  // ordered before its first use by the first tile's kBarDsDone barriers
   const auto release = [&](uint64_t* bar) {
     __syncwarp();
     if (lane == 0) mbar_arrive(bar);
@@ -1159,7 +1137,7 @@ __global__ void __launch_bounds__(384, 1)
     // dK (scaled) and dV into d_qkv's k and v blocks, rows of keys that exist.
     float colsum[8][2];
     store_dk_dv<HD, kFp16>(p, dk, dv, args.grad_scale, args.keep_scale, s0, k0 + krow + g, L, head, t, colsum);
-    if (p.d_qkv_bias != nullptr) add_dv_bias_wsq(p, colsum, sVbias, head, warp, lane, Sh::kBarStage + c);  // uniform
+    if (p.d_qkv_bias != nullptr) add_dv_bias<HD>(p, colsum, head, lane);  // uniform
   }
   if (ctid == 0) bulk_wait<0>();  // the reductions complete before the CTA ends
 #else
