@@ -9,8 +9,8 @@
 #   BWD_VARIANTS="3 5"            backward kernel variants to compare in the bench and model stages (indices of
 #                                 docs/fmha.md's list, run as NOPAD_FMHA_BWD_VARIANT); default: the built-in choice
 #   BENCH_STREAMS=1,2,4 BENCH_BUCKETS=64,128   the bench stage's --streams and --buckets
-#   BENCH_BIAS=1                  the bench stage's backward also sums the QKV bias gradient (--bias-grad), as
-#                                 training does
+#   BENCH_BIAS=1                  the bench and ncu stages' backward also sums the QKV bias gradient (--bias-grad),
+#                                 as training does
 #   CUDA_TEST_FILTER='Fmha.*'     GoogleTest filter of the tests stage
 #   TEST_TIMEOUT=300 BENCH_TIMEOUT=300   seconds before the tests / each attention bench are stopped (a kernel that
 #                                 hangs costs minutes, not the whole device call)
@@ -134,7 +134,8 @@ smsp__average_warp_latency_issue_stalled_no_instruction.ratio,smsp__average_warp
 smsp__average_warp_latency_issue_stalled_imc_miss.ratio,smsp__average_warp_latency_issue_stalled_tex_throttle.ratio \
         ${NCU_SOURCE:+--section SourceCounters --import-source no -f -o "$OUT/ncu-$K-bwd$V"} \
         "$NOPAD" bench attention --data "$SHARDS" --batch "$BATCH" --batches 1 --schedules single \
-        --dropout "${NCU_DROPOUT:-0.1}" --reps 1 --warmup 0 >"$OUT/ncu-$K-bwd$V.txt" 2>&1 || status=1
+        --dropout "${NCU_DROPOUT:-0.1}" --reps 1 --warmup 0 ${BENCH_BIAS:+--bias-grad} >"$OUT/ncu-$K-bwd$V.txt" 2>&1 ||
+        status=1
       if [ -n "${NCU_SOURCE:-}" ]; then  # NCU_SOURCE=1: the report saved, its details and per-instruction stall samples
         ncu -i "$OUT/ncu-$K-bwd$V.ncu-rep" >>"$OUT/ncu-$K-bwd$V.txt" 2>&1
         ncu -i "$OUT/ncu-$K-bwd$V.ncu-rep" --page source --csv --print-source sass >"$OUT/ncu-$K-bwd$V-sass.csv" 2>&1
