@@ -324,24 +324,28 @@ __device__ __forceinline__ void store_dk_dv(const FmhaParams& p, const float (&d
 // values that its lane bit selects and adds the partner's copy of that half, so lane (g, t) ends with v[j] =
 // flat value i = (HD / 32) g + j (i = 2 n + e of colsum[n][e]: column dv_bias_col), after HD / 8 + HD / 16 + HD / 32
 // shuffles. At HD >= 64, v[j] and v[j + 1] (j even) are the adjacent columns c, c + 1.
+// One stage of the reduce-scatter below: the lane keeps the upper kHalf of v[0, 2 kHalf) if its lane bit kBit is set,
+// else the lower, and adds the partner's (lane ^ kBit) copy of that half.
+template <int kHalf, int kBit, int kN>
+__device__ __forceinline__ void dv_bias_stage(float (&v)[kN], int lane) {
+  const bool upper = (lane & kBit) != 0;
+#pragma unroll
+  for (int i = 0; i < kHalf; ++i) {
+    const float keep = upper ? v[kHalf + i] : v[i], send = upper ? v[i] : v[kHalf + i];
+    v[i] = keep + __shfl_xor_sync(0xffffffffu, send, kBit);
+  }
+}
 template <int HD>
 __device__ __forceinline__ void dv_bias_scatter(const float (&colsum)[HD / 8][2], int lane, float (&v)[HD / 4]) {
   constexpr int kVals = HD / 4;  // 2 per n-tile
   static_assert(kVals % 8 == 0, "the reduce-scatter needs HD a multiple of 32");
 #pragma unroll
   for (int i = 0; i < kVals; ++i) v[i] = colsum[i / 2][i % 2];
-#pragma unroll
-  for (int stage = 0; stage < 3; ++stage) {
-    const int half = kVals >> (stage + 1);      // values kept after this stage
-    const int bit = 16 >> stage;                // partner: lane ^ bit (lane bits 4, 3, 2 = g bits 2, 1, 0)
-    const bool upper = (lane & bit) != 0;       // keeps the upper half of its current values
-#pragma unroll
-    for (int i = 0; i < half; ++i) {
-      const float keep = upper ? v[half + i] : v[i], send = upper ? v[i] : v[half + i];
-      v[i] = keep + __shfl_xor_sync(0xffffffffu, send, bit);
-    }
-  }
+  dv_bias_stage<kVals / 2, 16>(v, lane);  // each stage's half a constant: with the half computed from a loop counter,
+  dv_bias_stage<kVals / 4, 8>(v, lane);   // nvcc did not unroll the inner loop and kept v in local memory (64 bytes of
+  dv_bias_stage<kVals / 8, 4>(v, lane);   // stack in ws128q, ~2,000 ncu stall samples per launch)
 }
+
 template <int HD>
 __device__ __forceinline__ int dv_bias_col(int j, int lane) {
   const int i = (HD / 32) * (lane >> 2) + j;
@@ -364,14 +368,6 @@ __device__ __forceinline__ void add_dv_bias(const FmhaParams& p, const float (&c
   } else {
     atomicAdd(vbias + dv_bias_col<HD>(0, lane), v[0]);
   }
-}
-
-// The same as a call, for fmha_bwd_wgmma_kernel: inlined at its 168 registers, the sums change its allocation enough
-// that ptxas serialises its wgmma (C7512); as a call they cost a few stack bytes once per CTA.
-template <int HD>
-__device__ __noinline__ void add_dv_bias_call(const FmhaParams& p, const float (&colsum)[HD / 8][2], int head,
-                                              int lane) {
-  add_dv_bias<HD>(p, colsum, head, lane);
 }
 
 // kWarps warps x 16 keys per CTA; the query tiles are 64 wide.
@@ -776,7 +772,7 @@ __global__ void __launch_bounds__(128, kMinCtas)
   // dK (scaled) and dV into d_qkv's k and v blocks, rows of keys that exist.
   float colsum[kDTiles][2];
   store_dk_dv<HD, kFp16>(p, dk, dv, args.grad_scale, args.keep_scale, s0, k0 + wrow + g, L, head, t, colsum);
-  if (p.d_qkv_bias != nullptr) add_dv_bias_call<HD>(p, colsum, head, lane);  // CTA-uniform
+  if (p.d_qkv_bias != nullptr) add_dv_bias<HD>(p, colsum, head, lane);  // CTA-uniform
   if constexpr (kBulkDq) {
     if (tid < kTile) bulk_wait_read<0>();  // the stage stays valid until the copy engine has read it
   }
