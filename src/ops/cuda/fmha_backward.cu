@@ -319,13 +319,8 @@ __device__ __forceinline__ void store_dk_dv(const FmhaParams& p, const float (&d
   }
 }
 
-// The warp's sums of the v bias gradient: every lane's colsum from store_dk_dv, summed over the 8 rows g of the warp
-// by a reduce-scatter over the 8 lanes of each t (lane bits 2..4): at each of 3 stages a lane keeps the half of its
-// values that its lane bit selects and adds the partner's copy of that half, so lane (g, t) ends with v[j] =
-// flat value i = (HD / 32) g + j (i = 2 n + e of colsum[n][e]: column dv_bias_col), after HD / 8 + HD / 16 + HD / 32
-// shuffles. At HD >= 64, v[j] and v[j + 1] (j even) are the adjacent columns c, c + 1.
-// One stage of the reduce-scatter below: the lane keeps the upper kHalf of v[0, 2 kHalf) if its lane bit kBit is set,
-// else the lower, and adds the partner's (lane ^ kBit) copy of that half.
+// One stage of dv_bias_scatter's reduce-scatter: the lane keeps the upper kHalf of v[0, 2 kHalf) if its lane bit kBit
+// is set, else the lower, and adds the partner's (lane ^ kBit) copy of that half.
 template <int kHalf, int kBit, int kN>
 __device__ __forceinline__ void dv_bias_stage(float (&v)[kN], int lane) {
   const bool upper = (lane & kBit) != 0;
@@ -335,6 +330,12 @@ __device__ __forceinline__ void dv_bias_stage(float (&v)[kN], int lane) {
     v[i] = keep + __shfl_xor_sync(0xffffffffu, send, kBit);
   }
 }
+
+// The warp's sums of the v bias gradient: every lane's colsum from store_dk_dv, summed over the 8 rows g of the warp
+// by a reduce-scatter over the 8 lanes of each t (lane bits 2..4): at each of 3 stages a lane keeps the half of its
+// values that its lane bit selects and adds the partner's copy of that half, so lane (g, t) ends with v[j] =
+// flat value i = (HD / 32) g + j (i = 2 n + e of colsum[n][e]: column dv_bias_col), after HD / 8 + HD / 16 + HD / 32
+// shuffles. At HD >= 64, v[j] and v[j + 1] (j even) are the adjacent columns c, c + 1.
 template <int HD>
 __device__ __forceinline__ void dv_bias_scatter(const float (&colsum)[HD / 8][2], int lane, float (&v)[HD / 4]) {
   constexpr int kVals = HD / 4;  // 2 per n-tile
