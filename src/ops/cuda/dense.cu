@@ -12,7 +12,9 @@
 // FMA-pipe instructions and one MUFU, so the pass is bandwidth-bound as long as enough loads are in flight (the wide
 // kernel).
 #include <algorithm>
+#include <cstdio>
 #include <cstdlib>
+#include <string>
 #include <string_view>
 
 #include "ops/cuda/check.h"
@@ -188,7 +190,18 @@ void LtGemm::tune(Plan& plan, const GemmProblem& p, cudaStream_t stream) {
   NOPAD_CUDA_CHECK(cudaEventCreate(&ev[0]));
   NOPAD_CUDA_CHECK(cudaEventCreate(&ev[1]));
   const float alpha = 1.0f, beta = p.beta;
-  constexpr int kReps = 3;
+  // NOPAD_GEMM_TUNE_REPS: timed calls per candidate (default 3); NOPAD_GEMM_TUNE_LOG=1: one stderr line per tuned
+  // class with every candidate's time, so a run shows what tuning would win per shape.
+  static const int kReps = [] {
+    const char* e = std::getenv("NOPAD_GEMM_TUNE_REPS");
+    const int r = e ? std::atoi(e) : 3;
+    return r >= 1 && r <= 1000 ? r : 3;
+  }();
+  static const bool kLog = [] {
+    const char* e = std::getenv("NOPAD_GEMM_TUNE_LOG");
+    return e != nullptr && std::string_view(e) == "1";
+  }();
+  std::string log;
   double best_ms = 0, first_ms = -1;
   int best = -1;
   for (int c = 0; c < plan.num_candidates; ++c) {
@@ -207,6 +220,7 @@ void LtGemm::tune(Plan& plan, const GemmProblem& p, cudaStream_t stream) {
     float ms = 0;
     NOPAD_CUDA_CHECK(cudaEventElapsedTime(&ms, ev[0], ev[1]));
     const double per_call = static_cast<double>(ms) / kReps;
+    if (kLog) log += " " + std::to_string(c) + ":" + std::to_string(per_call);
     if (c == 0) first_ms = per_call;
     if (best < 0 || per_call < best_ms) {
       best_ms = per_call;
@@ -217,6 +231,12 @@ void LtGemm::tune(Plan& plan, const GemmProblem& p, cudaStream_t stream) {
   (void)cudaEventDestroy(ev[1]);
   if (scratch) NOPAD_CUDA_CHECK(cudaFree(scratch));
   NOPAD_CUDA_CHECK(cudaGetLastError());
+  if (kLog)
+    std::fprintf(stderr, "gemm tune m=%lld n=%lld k=%lld ta=%d tb=%d bias=%d bgrad=%d fp32=%d beta=%g best=%d ms:%s\n",
+                 static_cast<long long>(p.m), static_cast<long long>(p.n), static_cast<long long>(p.k),
+                 static_cast<int>(p.trans_a), static_cast<int>(p.trans_b), p.bias != nullptr ? 1 : 0,
+                 p.bias_grad != nullptr ? 1 : 0, static_cast<int>(p.d_fp32), static_cast<double>(p.beta), best,
+                 log.c_str());
   if (best < 0) return;  // every candidate refused at run time: keep the heuristic's first (enqueue will report it)
   plan.algo = plan.candidates[best];
   tuned_[size_class(plan.key)] = plan.algo;
