@@ -1561,6 +1561,25 @@ TYPED_TEST(CudaPerf, GeluForward) {
                     ms, 0);
         }
     }
+    // Where the epilogue's cost lies: the probe moves the same data with no activation at all (y = gelu' = pre), and
+    // once more without the gelu' stores; the difference to the bias-only product above is the data movement's cost.
+    cuda::KernelVariants kv;
+    kv.gelu_gemm = true;
+    VariantScope scope(kv);
+    for (const int columns : {0, 2, 4}) {
+      const SwitchScope consumer_columns(cuda::gemm_sm90_consumer_columns(), columns);
+      for (const int probe : {1, 2}) {
+        const SwitchScope probe_on(cuda::gemm_sm90_gelu_probe(), probe);
+        const double ms = median_ms([&] {
+          gpu<E>().dense_forward(x->p, w->p, bias->p, T, k, n, ops::Activation::kGelu, y.p, pre.p);
+        });
+        perf_line("dense_fwd",
+                  std::string("k=1024 n=4096 GELU epilogue probe (no activation") +
+                      (probe == 2 ? ", no gelu' stores" : "") + "), consumers " + std::to_string(columns) +
+                      " box col" + (columns == 1 ? "" : "s"),
+                  ms, 0);
+      }
+    }
   }
   for (bool wide : {false, true}) {
     cuda::KernelVariants kv;

@@ -311,7 +311,14 @@ __device__ __forceinline__ void gelu_chunks_table(uint4 (&v)[kN], uint4 (&g)[kN]
 }
 // kN chunks of kGelu's unit work: from the table where the launch has one (bf16), else arithmetic.
 template <bool kFp16, bool kTanh, int kN>
-__device__ __forceinline__ void gelu_unit_chunks(uint4 (&v)[kN], uint4 (&g)[kN], int n_valid, bool table, uint32_t tab) {
+__device__ __forceinline__ void gelu_unit_chunks(uint4 (&v)[kN], uint4 (&g)[kN], int n_valid, bool table, uint32_t tab,
+                                                 int probe) {
+  if (probe != 0) {  // gemm_sm90_gelu_probe(): the data movement alone, y = gelu' = pre
+#pragma unroll
+    for (int i = 0; i < kN; ++i)
+      if (i + 1 < kN || i < n_valid) g[i] = v[i];
+    return;
+  }
   if constexpr (!kFp16) {
     if (table) {
       gelu_chunks_table<kTanh, kN>(v, g, n_valid, tab);
@@ -331,6 +338,7 @@ struct Args {
   float* partial;        // kScale: [ceil(m / 64), n] or null
   const uint32_t* gelu_table;  // kGelu, bf16: the table in global memory (copied to shared memory), or null
   int32_t consumer_bc;   // kGelu: box columns of each tile whose GELU the consumers compute (0 to 4)
+  int32_t probe;         // kGelu: gemm_sm90_gelu_probe() (a measurement, not an activation)
   int32_t early_release;  // 1: a k-block's stage is released before the epilogue work of the next k-block's slot
   int32_t aux_kb;         // kScale: the k-block of the main loop during which a consumer issues its aux load
 };
@@ -434,6 +442,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   // kGelu, bf16: the GELU table into shared memory (16 KB from the L2, once per CTA), read by the epilogue warps and
   // the consumers' units after the barrier below.
   [[maybe_unused]] const bool table = kEpi == 1 && !kFp16 && args.gelu_table != nullptr;
+  [[maybe_unused]] const int probe = kEpi == 1 ? args.probe : 0;
   [[maybe_unused]] uint32_t tab = 0;
   if constexpr (kEpi == 1 && !kFp16) {
     if (table) {
@@ -516,13 +525,13 @@ __global__ void __launch_bounds__(kThreads, 1)
             ptr[i] = reinterpret_cast<uint4*>(box + rr * 128 + (((et % 8) ^ (rr & 7)) * 16));
             if (i + 1 < kRows || i < n_valid) v[i] = *ptr[i];
           }
-          gelu_unit_chunks<kFp16, kTanh, kRows>(v, gv, n_valid, table, tab);
+          gelu_unit_chunks<kFp16, kTanh, kRows>(v, gv, n_valid, table, tab, probe);
 #pragma unroll
           for (int i = 0; i < kRows; ++i) {
             if (i + 1 < kRows || i < n_valid) {
               *ptr[i] = v[i];
               const int row = m0 + 64 * h + et / 8 + 12 * i;
-              if (row < args.m)
+              if (row < args.m && probe != 2)
                 *reinterpret_cast<uint4*>(args.act_grad + static_cast<int64_t>(row) * args.n + n0 + 64 * bc +
                                           8 * (et % 8)) = gv[i];
             }
@@ -564,10 +573,10 @@ __global__ void __launch_bounds__(kThreads, 1)
     uint8_t* box = stage_out + bc * kBoxBytes;
     uint4* p = reinterpret_cast<uint4*>(box + rr * 128 + (((tid % 8) ^ (rr & 7)) * 16));
     uint4 v[1] = {*p}, gv[1];
-    gelu_unit_chunks<kFp16, kTanh, 1>(v, gv, 1, table, tab);
+    gelu_unit_chunks<kFp16, kTanh, 1>(v, gv, 1, table, tab, probe);
     *p = v[0];
     const int row = pm0 + 64 * cw + rr;
-    if (row < args.m)
+    if (row < args.m && probe != 2)
       *reinterpret_cast<uint4*>(args.act_grad + static_cast<int64_t>(row) * args.n + pn0 + 64 * bc + 8 * (tid % 8)) =
           gv[0];
     if (u % 4 == 3) {
@@ -785,6 +794,11 @@ bool& gemm_sm90_gelu_table() {
   return on;
 }
 
+int& gemm_sm90_gelu_probe() {
+  static int probe = 0;
+  return probe;
+}
+
 bool gemm_sm90_available() {
 #ifdef NOPAD_CUDA_SM90A
   return fmha_detail::fmha_wgmma_available();  // the same condition: sm_90a code and a 9.0 device
@@ -858,6 +872,7 @@ void launch_gemm_sm90(GemmEpilogue epi, const T* a, const T* b, int64_t m, int32
   // The consumers' share: 2 box columns with the table (the epilogue warps alone, even at a few instructions per
   // element, hold the consumers at `freed`), 1 with the arithmetic GELU (docs/performance.md, 2026-11-25 midday).
   args.consumer_bc = gemm_sm90_consumer_columns() >= 0 ? gemm_sm90_consumer_columns() : args.gelu_table ? 2 : 1;
+  args.probe = gemm_sm90_gelu_probe();
   args.early_release = gemm_sm90_early_release() ? 1 : 0;
   args.aux_kb = gemm_sm90_aux_kblock() >= 0 ? gemm_sm90_aux_kblock() : k / gemm90::kBK / 2;
   NOPAD_CHECK(args.consumer_bc >= 0 && args.consumer_bc <= 4, "gemm_sm90: the consumers take 0 to 4 box columns, not ",

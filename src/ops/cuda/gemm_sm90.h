@@ -45,6 +45,10 @@ int& gemm_sm90_consumer_columns();
 // the exact activations correctly rounded; the arithmetic form's agree with them except in the last bit of a few
 // gelu' values. Process-wide, host-side; NOPAD_GELU_TABLE=0 turns it off at start (the default is on).
 bool& gemm_sm90_gelu_table();
+// A measurement switch, 0 (off) by default and never set by the library: 1 = kGelu writes y = gelu' = pre (no
+// activation), so that a benchmark can time the epilogue's data movement apart from its arithmetic; 2 = the same
+// without the gelu' stores (what the second output costs). Process-wide, host-side.
+int& gemm_sm90_gelu_probe();
 // Uploads the GELU tables to the current device (once per device; a synchronous copy). The CUDA backend calls it at
 // setup; a launch that finds the tables missing uploads them itself.
 void gemm_sm90_prepare();
