@@ -12,6 +12,8 @@
 #   PEER_ATTENTION=1      the attention-only peer (varlen_attn, 64 sequences) on the last batch's workload (0: skip)
 #   VARIANT_RUNS="A=0 B=1"  the last nopad batch again under each environment setting (kernel variants, dense.cu),
 #                         then the default once more, and a table of each variant against the two defaults' mean
+#   VARIANT_WARMUP=5      warm-up steps of the variant runs (more for a variant that tunes during its first steps,
+#                         e.g. NOPAD_GEMM_AUTOTUNE=1)
 #   BASE_TREE=DIR         another nopad source tree (e.g. `git archive <ref> | tar -x -C .carry/base`, carried), built
 #                         into DIR/build-gpu and timed at the last batch among the variants ("variant base"): a
 #                         before/after of a code change in one call, on one GPU
@@ -21,6 +23,9 @@
 #                         gelu_new (tanh approximation, in the same GEMM epilogues as the erf form)
 #   PEER_GELU_TANH=1      also run the compiled PyTorch peer with F.gelu(approximate="tanh") (a patched copy in
 #                         .carry/), so a nopad gelu_new line has a peer with the same activation beside it
+#   SMI_LOG=1             log the SM clock, power and power-cap state every 250 ms ($OUT/smi.csv) and print each
+#                         section's mean clock and power at the end (a GPU held at its power cap runs a kernel slower
+#                         inside the training step than alone)
 #   NOPAD_CMAKE_EXTRA     extra CMake arguments
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -32,11 +37,19 @@ LOG="$OUT/bench.log"
 exec > >(tee -a "$LOG") 2>&1
 
 echo "== $(date -u +%FT%TZ) $(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader 2>/dev/null || echo no-gpu)"
+stamp() { echo "== $(date -u +%T) $*"; }  # section headers carry the time: the clock table below splits on them
+if [ "${SMI_LOG:-0}" = 1 ] && command -v nvidia-smi >/dev/null; then
+  # SM clock, power and whether the software power cap holds the clock down, every 250 ms, for the clock table.
+  nvidia-smi --query-gpu=timestamp,clocks.sm,power.draw,clocks_throttle_reasons.sw_power_cap --format=csv,noheader \
+    -lms 250 >"$OUT/smi.csv" 2>&1 &
+  SMI_PID=$!
+  trap 'kill $SMI_PID 2>/dev/null' EXIT
+fi
 
 NOPAD_SKIP_INSTALL=1 NOPAD_BUILD_DIR=build-gpu NOPAD_CMAKE_ARGS="-DNOPAD_CUDA=ON ${NOPAD_CMAKE_EXTRA:-}" bash scripts/setup.sh
 NOPAD=build-gpu/nopad
 if [ -n "${BASE_TREE:-}" ]; then
-  echo "== build of the base tree $BASE_TREE"
+  stamp "build of the base tree $BASE_TREE"
   [ -f "$BASE_TREE/CMakeLists.txt" ] || { echo "bench.sh: BASE_TREE=$BASE_TREE has no CMakeLists.txt"; exit 1; }
   # shellcheck disable=SC2086
   cmake -S "$BASE_TREE" -B "$BASE_TREE/build-gpu" -G Ninja -DCMAKE_BUILD_TYPE=Release -DNOPAD_CUDA=ON \
@@ -56,7 +69,7 @@ LAST_BATCH=${BATCHES##* }
 HIDDEN_ACTS=${HIDDEN_ACTS:-gelu}
 for B in $BATCHES; do
   for ACT in $HIDDEN_ACTS; do
-    echo "== nopad bench model batch $B hidden_act $ACT"
+    stamp "nopad bench model batch $B hidden_act $ACT"
     BREAKDOWN=""
     if [ "$B" = "$LAST_BATCH" ]; then BREAKDOWN=--breakdown; fi  # per-op table (a second, event-timed pass)
     # The same shards, seed and batch give the same timed batches whatever the activation: one workload file.
@@ -68,20 +81,20 @@ done
 # VARIANT_RUNS="NOPAD_GELU_GEMM=0 NOPAD_DGELU_GEMM=0": the last batch again under each environment setting (one per
 # word, kernel variants that read the environment: dense.cu), without the breakdown, for side-by-side step times.
 if [ -n "${BASE_TREE:-}" ]; then
-  echo "== nopad bench model batch $LAST_BATCH with the base tree's binary"
+  stamp "nopad bench model batch $LAST_BATCH with the base tree's binary"
   "$BASE_TREE/build-gpu/nopad" bench model --model data/configs/bert-large-mlperf.json --data "$SHARDS" \
     --batch "$LAST_BATCH" --steps 20 --warmup 5 | sed "s/^{/variant base: {/"
 fi
 for V in ${VARIANT_RUNS:-}; do
-  echo "== nopad bench model batch $LAST_BATCH with $V"
+  stamp "nopad bench model batch $LAST_BATCH with $V"
   # Prefixed, so the summary below (nopad/peer ratios at the default variants) does not take these lines.
   env "$V" "$NOPAD" bench model --model data/configs/bert-large-mlperf.json --data "$SHARDS" --batch "$LAST_BATCH" \
-    --steps 20 --warmup 5 | sed "s/^{/variant $V: {/"
+    --steps 20 --warmup "${VARIANT_WARMUP:-5}" | sed "s/^{/variant $V: {/"
 done
 # After the variants, the default once more: a GPU whose clocks sag during the run shows here (one instance went from
 # 225 to 241 ms over a call), and each variant is compared with the mean of the two default runs.
 if [ -n "${VARIANT_RUNS:-}${BASE_TREE:-}" ]; then
-  echo "== nopad bench model batch $LAST_BATCH, the default again (drift check)"
+  stamp "nopad bench model batch $LAST_BATCH, the default again (drift check)"
   "$NOPAD" bench model --model data/configs/bert-large-mlperf.json --data "$SHARDS" --batch "$LAST_BATCH" \
     --steps 20 --warmup 5 | sed "s/^{/variant default-again: {/"
   python3 - "$LOG" "$LAST_BATCH" <<'EOF'
@@ -107,12 +120,12 @@ for name, ms in variants:
 EOF
 fi
 
-echo "== fmha PerfSmoke (dropout 0 vs 0.1)"
+stamp "fmha PerfSmoke (dropout 0 vs 0.1)"
 build-gpu/nopad_cuda_tests --gtest_filter='Fmha.PerfSmoke' || echo "fmha PerfSmoke failed"
 
 for B in $PEER_BATCHES; do
   [ -f "$OUT/workload-$B.txt" ] || { echo "no workload file for batch $B (add it to BATCHES)"; continue; }
-  echo "== peer_torch_varlen batch $B"
+  stamp "peer_torch_varlen batch $B"
   python3 .carry/peers/peer_torch_varlen.py --batch "$B" --steps 20 --compile --lengths "$OUT/workload-$B.txt" ||
     echo "peer_torch_varlen batch $B failed"
 done
@@ -126,30 +139,30 @@ open(".carry/peers/peer_torch_varlen_tanh.py", "w").write(src)
 EOF
   for B in $PEER_BATCHES; do
     [ -f "$OUT/workload-$B.txt" ] || continue
-    echo "== peer_torch_varlen with tanh GELU batch $B"
+    stamp "peer_torch_varlen with tanh GELU batch $B"
     python3 .carry/peers/peer_torch_varlen_tanh.py --batch "$B" --steps 20 --compile --lengths "$OUT/workload-$B.txt" |
       sed 's/^{/{"hidden_act": "gelu_new", /' || echo "peer_torch_varlen_tanh batch $B failed"
   done
 fi
 if [ "${PEER_ATTENTION:-1}" = 1 ] && [ -f "$OUT/workload-$LAST_BATCH.txt" ]; then
-  echo "== peer_attention (varlen_attn, batches of 64 from the batch-$LAST_BATCH workload)"
+  stamp "peer_attention (varlen_attn, batches of 64 from the batch-$LAST_BATCH workload)"
   (cd .carry/peers && python3 peer_attention.py --batch 64 --batches 2 --lengths "$OUT/workload-$LAST_BATCH.txt") ||
     echo "peer_attention failed"
 fi
 if [ -n "${PROFILE_BATCH:-}" ] && [ -f "$OUT/workload-$PROFILE_BATCH.txt" ]; then
-  echo "== profile of peer_torch_varlen --compile at batch $PROFILE_BATCH"
+  stamp "profile of peer_torch_varlen --compile at batch $PROFILE_BATCH"
   python3 scripts/profile_peer.py .carry/peers/peer_torch_varlen.py --batch "$PROFILE_BATCH" --steps 6 --warmup 4 \
     --compile --lengths "$OUT/workload-$PROFILE_BATCH.txt" 2>&1 | grep -v -i warn || echo "profile_peer failed"
 fi
 if [ "$HF_BATCH" != none ] && [ ! -f "$OUT/workload-$HF_BATCH.txt" ]; then
   echo "no workload file for the Hugging Face batch $HF_BATCH (add $HF_BATCH to BATCHES)"
 elif [ "$HF_BATCH" != none ]; then
-  echo "== peer_hf_bert batch $HF_BATCH"
+  stamp "peer_hf_bert batch $HF_BATCH"
   python3 .carry/peers/peer_hf_bert.py --batch "$HF_BATCH" --steps 10 --lengths "$OUT/workload-$HF_BATCH.txt" ||
     echo "peer_hf_bert failed"
 fi
 
-echo "== summary"
+stamp "summary"
 python3 - "$LOG" <<'EOF'
 import json, sys
 rows = []
@@ -183,3 +196,33 @@ for (pname, act), p in sorted(best_peer.items()):
         print(f"best: nopad ({nact}) {best['seqs_per_s']:.1f} seq/s at batch {best['batch']} vs {pname} ({act}) "
               f"{p['seqs_per_s']:.1f} at batch {p.get('batch')} -> {best['seqs_per_s'] / p['seqs_per_s']:.3f}x")
 EOF
+if [ "${SMI_LOG:-0}" = 1 ] && [ -s "$OUT/smi.csv" ]; then
+  kill "$SMI_PID" 2>/dev/null || true
+  sleep 0.5
+  stamp "clocks by section (samples above 200 W: the GPU at work)"
+  python3 - "$LOG" "$OUT/smi.csv" <<'EOF'
+import datetime, re, sys
+sections = []
+for line in open(sys.argv[1]):
+    m = re.match(r"== (\d\d:\d\d:\d\d) (.*)", line)
+    if m:
+        sections.append((m.group(1), m.group(2).strip()))
+samples = []
+for line in open(sys.argv[2]):
+    f = [x.strip() for x in line.split(",")]
+    try:
+        t = datetime.datetime.strptime(f[0], "%Y/%m/%d %H:%M:%S.%f").strftime("%H:%M:%S")
+        samples.append((t, float(f[1].split()[0]), float(f[2].split()[0]), f[3] if len(f) > 3 else "?"))
+    except (ValueError, IndexError):
+        pass
+for i, (start, name) in enumerate(sections):
+    end = sections[i + 1][0] if i + 1 < len(sections) else "99:99:99"
+    busy = [s for s in samples if start <= s[0] < end and s[2] > 200]
+    if not busy:
+        continue
+    mhz = sum(s[1] for s in busy) / len(busy)
+    watts = sum(s[2] for s in busy) / len(busy)
+    capped = sum(1 for s in busy if s[3].lower().startswith("active")) / len(busy)
+    print(f"  {name[:60]:60s} {len(busy):5d} samples  {mhz:6.0f} MHz  {watts:5.0f} W  power-capped {100 * capped:3.0f}%")
+EOF
+fi

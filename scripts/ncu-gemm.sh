@@ -5,6 +5,8 @@
 # states, memory, and per-instruction stall samples (SASS CSV) into $OUT. Usage: OUT=... bash scripts/ncu-gemm.sh
 #   PROFILES="fwd-bias fwd-gelu bwd-dgelu"   which launches to profile (default: these three; also fwd-gelu-cb0, the
 #                                            table with no consumer share, and fwd-gelu-arith, the arithmetic GELU)
+#   NCU_EXTRA_SECTIONS="--section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis_Tables"  more sections
+#                                            (pipe utilisation, shared-memory wavefronts and bank conflicts)
 set -u
 cd "$(dirname "$0")/.."
 OUT=${OUT:-out/ncu-gemm}
@@ -14,7 +16,7 @@ NOPAD_SKIP_INSTALL=1 NOPAD_BUILD_DIR=build-gpu NOPAD_CMAKE_ARGS="-DNOPAD_CUDA=ON
 prof() {  # name filter skip
   ncu --clock-control none -k regex:gemm_sm90_kernel --launch-skip $3 --launch-count 1 --section SpeedOfLight \
     --section WarpStateStats --section SchedulerStats --section MemoryWorkloadAnalysis --section LaunchStats \
-    --section SourceCounters --import-source no -f -o /tmp/$1 ./build-gpu/nopad_cuda_tests --gtest_filter="$2" > /tmp/$1.run 2>&1
+    --section SourceCounters ${NCU_EXTRA_SECTIONS:-} --import-source no -f -o /tmp/$1 ./build-gpu/nopad_cuda_tests --gtest_filter="$2" > /tmp/$1.run 2>&1
   ncu -i /tmp/$1.ncu-rep > $OUT/$1.txt 2>&1
   ncu -i /tmp/$1.ncu-rep --page source --csv --print-source sass > $OUT/$1-sass.csv 2>&1
   grep -E "Duration|Throughput|Eligible|Issue Slots|Warp Cycles Per|No Eligible" $OUT/$1.txt | head -20
@@ -22,9 +24,11 @@ prof() {  # name filter skip
 PROFILES=${PROFILES:-fwd-bias fwd-gelu bwd-dgelu}
 # Launch indices of gemm_sm90_kernel in CudaPerf/bf16.GeluForward: 28 per configuration (3 warm-up + 25 timed), the
 # bias product first (0-27), then the GELU configurations in the test's order: table with 0, 1, 2 consumer box columns
-# (erf, tanh each: 28-195), then the arithmetic GELU likewise (196-363). fwd-gelu = table, 1 column, erf (the default).
+# (erf, tanh each), then 3 and 4, then the arithmetic GELU likewise. fwd-gelu = table, 1 column, erf.
 [[ " $PROFILES " == *" fwd-bias "* ]] && prof fwd-bias 'CudaPerf/bf16.GeluForward' 3
 [[ " $PROFILES " == *" fwd-gelu "* ]] && prof fwd-gelu 'CudaPerf/bf16.GeluForward' 87
+# fwd-gelu2: table, 2 columns, erf (the default since the shares 0-4 were measured; 140-167).
+[[ " $PROFILES " == *" fwd-gelu2 "* ]] && prof fwd-gelu2 'CudaPerf/bf16.GeluForward' 143
 [[ " $PROFILES " == *" fwd-gelu-cb0 "* ]] && prof fwd-gelu-cb0 'CudaPerf/bf16.GeluForward' 31
 [[ " $PROFILES " == *" fwd-gelu-arith "* ]] && prof fwd-gelu-arith 'CudaPerf/bf16.GeluForward' 255
 [[ " $PROFILES " == *" bwd-dgelu "* ]] && prof bwd-dgelu 'CudaPerf/bf16.FfnBackward' 3
