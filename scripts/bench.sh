@@ -43,7 +43,7 @@ if [ "${SMI_LOG:-0}" = 1 ] && command -v nvidia-smi >/dev/null; then
   nvidia-smi --query-gpu=timestamp,clocks.sm,power.draw,clocks_throttle_reasons.sw_power_cap --format=csv,noheader \
     -lms 250 >"$OUT/smi.csv" 2>&1 &
   SMI_PID=$!
-  trap 'kill $SMI_PID 2>/dev/null' EXIT
+  trap 'kill $SMI_PID 2>/dev/null || true' EXIT
 fi
 
 NOPAD_SKIP_INSTALL=1 NOPAD_BUILD_DIR=build-gpu NOPAD_CMAKE_ARGS="-DNOPAD_CUDA=ON ${NOPAD_CMAKE_EXTRA:-}" bash scripts/setup.sh
