@@ -12,6 +12,7 @@
 #   PEER_ATTENTION=1      the attention-only peer (varlen_attn, 64 sequences) on the last batch's workload (0: skip)
 #   VARIANT_RUNS="A=0 B=1"  the last nopad batch again under each environment setting (kernel variants, dense.cu),
 #                         then the default once more, and a table of each variant against the two defaults' mean
+#   MODEL_VARIANTS="F.json"  the last nopad batch again with each model config (--model), among the variants
 #   VARIANT_WARMUP=5      warm-up steps of the variant runs (more for a variant that tunes during its first steps,
 #                         e.g. NOPAD_GEMM_AUTOTUNE=1)
 #   BASE_TREE=DIR         another nopad source tree (e.g. `git archive <ref> | tar -x -C .carry/base`, carried), built
@@ -91,9 +92,16 @@ for V in ${VARIANT_RUNS:-}; do
   env "$V" "$NOPAD" bench model --model data/configs/bert-large-mlperf.json --data "$SHARDS" --batch "$LAST_BATCH" \
     --steps 20 --warmup "${VARIANT_WARMUP:-5}" | sed "s/^{/variant $V: {/"
 done
+# MODEL_VARIANTS="a.json b.json": the last batch again with other model configs (e.g. the attention dropout off: what
+# the compiled peer, whose varlen_attn has no dropout, leaves out), in the same variant table.
+for CFG in ${MODEL_VARIANTS:-}; do
+  stamp "nopad bench model batch $LAST_BATCH with --model $CFG"
+  "$NOPAD" bench model --model "$CFG" --data "$SHARDS" --batch "$LAST_BATCH" --steps 20 --warmup 5 |
+    sed "s|^{|variant model=$(basename "$CFG"): {|"
+done
 # After the variants, the default once more: a GPU whose clocks sag during the run shows here (one instance went from
 # 225 to 241 ms over a call), and each variant is compared with the mean of the two default runs.
-if [ -n "${VARIANT_RUNS:-}${BASE_TREE:-}" ]; then
+if [ -n "${VARIANT_RUNS:-}${BASE_TREE:-}${MODEL_VARIANTS:-}" ]; then
   stamp "nopad bench model batch $LAST_BATCH, the default again (drift check)"
   "$NOPAD" bench model --model data/configs/bert-large-mlperf.json --data "$SHARDS" --batch "$LAST_BATCH" \
     --steps 20 --warmup 5 | sed "s/^{/variant default-again: {/"
