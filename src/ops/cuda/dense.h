@@ -134,7 +134,9 @@ class LtGemm {
   // cuBLASLt accepts it for them (cublasLtMatmulAlgoCheck, host only), else their heuristic's first. The GPU is waited
   // for once per new class. Measured on an H200 (BERT-large, batch 128, 20 steps after 5 warm-up,
   // docs/performance.md): 265.6 ms/step with it, 225.4 without; new classes keep appearing in the timed steps and
-  // the chosen algorithms win too little to pay for the timing runs, hence off unless asked for.
+  // the chosen algorithms win too little to pay for the timing runs, hence off unless asked for. Again on an H100
+  // (2026-11-26, 30 warm-up steps): 211.0 against 205.4-207.1 ms; the winners change with T and the clock.
+  // NOPAD_GEMM_TUNE_LOG=1 prints each tuned class's candidate times, NOPAD_GEMM_TUNE_REPS the timed calls each.
   struct TuningStats {
     int shapes = 0;        // size classes tuned
     int reused = 0;        // exact shapes that took their class's tuned algorithm
