@@ -151,6 +151,22 @@ for prec in bf16 fp16; do
     status=1
   fi
 done
+# The energy meter (core/energy.h, NVML): on a GPU machine the report carries the board's power and the SM clock
+# over the timed steps, within what an H100 / H200 can draw and clock.
+python3 - "$out/bench-bf16.json" <<'PY' 2>&1 | tee -a "$out/summary.txt" || status=1
+import json, sys
+j = json.load(open(sys.argv[1]))
+problems = [k for k in ("power_w", "energy_j_per_seq", "sm_clock_mhz", "power_capped") if k not in j]
+if not problems:
+    if not 50 < j["power_w"] < 1500: problems.append(f"power_w {j['power_w']}")
+    if not 100 < j["sm_clock_mhz"] < 3000: problems.append(f"sm_clock_mhz {j['sm_clock_mhz']}")
+    if not 0 < j["energy_j_per_seq"] < 100: problems.append(f"energy_j_per_seq {j['energy_j_per_seq']}")
+    if not 0 <= j["power_capped"] <= 1: problems.append(f"power_capped {j['power_capped']}")
+print(("energy meter: FAILED: " + ", ".join(problems)) if problems else
+      f"energy meter: OK ({j['power_w']:.0f} W, {j['energy_j_per_seq']:.3f} J/seq, SM {j['sm_clock_mhz']:.0f} MHz, "
+      f"power cap active in {100 * j['power_capped']:.0f}% of samples)")
+sys.exit(1 if problems else 0)
+PY
 
 step "done, status $status"
 exit $status

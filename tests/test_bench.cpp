@@ -94,6 +94,10 @@ TEST(BenchModel, CpuRunPrintsCompleteJson) {
   EXPECT_TRUE(std::isfinite(j["final_loss"].get<double>()));
   EXPECT_GT(j["final_loss"].get<double>(), 0.0);
   EXPECT_EQ(r.seqs, 8u);
+  // The CPU has no energy meter: no power fields rather than made-up ones.
+  for (const char* key : {"power_w", "energy_j_per_seq", "sm_clock_mhz", "power_capped"})
+    EXPECT_FALSE(j.contains(key)) << "unexpected key " << key;
+  EXPECT_FALSE(r.energy.valid);
 
   // The workload file: one "length masked" line per timed sequence, and its FLOPs are the report's.
   std::ifstream f(o.workload);
@@ -112,6 +116,35 @@ TEST(BenchModel, CpuRunPrintsCompleteJson) {
   EXPECT_EQ(lines, 8);
   EXPECT_EQ(flops, r.flops);
   EXPECT_EQ(tokens, r.tokens);
+}
+
+// The energy reading's arithmetic: counter deltas in millijoules over host seconds, the sampled clock's mean and the
+// share of samples with the power cap active.
+TEST(Energy, ReadingFromCounterDeltas) {
+  const EnergyReading r = make_energy_reading(5'000'000, 5'000'000 + 2'079'000, 3.0, 1600.0 + 1650.0 + 1700.0, 2, 3);
+  ASSERT_TRUE(r.valid);
+  EXPECT_DOUBLE_EQ(r.joules, 2079.0);
+  EXPECT_DOUBLE_EQ(r.seconds, 3.0);
+  EXPECT_DOUBLE_EQ(r.watts(), 693.0);
+  EXPECT_DOUBLE_EQ(r.sm_mhz, 1650.0);
+  EXPECT_DOUBLE_EQ(r.power_capped, 2.0 / 3.0);
+  EXPECT_EQ(r.samples, 3);
+  const EnergyReading no_samples = make_energy_reading(0, 1000, 0.5, 0.0, 0, 0);  // a window shorter than a sample
+  ASSERT_TRUE(no_samples.valid);
+  EXPECT_DOUBLE_EQ(no_samples.watts(), 2.0);
+  EXPECT_DOUBLE_EQ(no_samples.sm_mhz, 0.0);
+  EXPECT_FALSE(make_energy_reading(2000, 1000, 1.0, 0.0, 0, 0).valid);  // the counter went back (a driver reset)
+  EXPECT_FALSE(make_energy_reading(1000, 2000, 0.0, 0.0, 0, 0).valid);  // no time elapsed
+}
+
+// A meter for a device NVML does not have (or on a machine without the driver, as in CI) is unavailable, says why,
+// and its window gives no reading.
+TEST(Energy, MeterWithoutTheDeviceIsUnavailable) {
+  EnergyMeter m("00000000:FF:1F.7");
+  EXPECT_FALSE(m.available());
+  EXPECT_FALSE(m.why_unavailable().empty());
+  m.begin();
+  EXPECT_FALSE(m.end().valid);
 }
 
 // --graph on a device without graphs: the experiment says so, and still reports what T buckets would pad.

@@ -191,6 +191,8 @@ ModelBenchResult run_model_bench(const ModelBenchOptions& o) {
   std::vector<double> step_ms;
   double final_loss = 0;
   runner->synchronize();
+  EnergyMeter* meter = runner->energy_meter();
+  if (meter != nullptr) meter->begin();  // between two synchronisations: the timed steps' work and nothing else
   const auto t0 = Clock::now();
   for (uint64_t i = o.warmup; i < total; ++i) {
     const auto s0 = Clock::now();
@@ -202,6 +204,7 @@ ModelBenchResult run_model_bench(const ModelBenchOptions& o) {
   }
   runner->synchronize();
   const double secs = std::chrono::duration<double>(Clock::now() - t0).count();
+  const EnergyReading energy = meter != nullptr ? meter->end() : EnergyReading{};
   final_loss = runner->last_result().loss;
   const int64_t skipped = runner->skipped_steps();  // warm-up and timed steps whose update was skipped
   NOPAD_CHECK(secs > 0, "timed loop took no time");
@@ -220,6 +223,7 @@ ModelBenchResult run_model_bench(const ModelBenchOptions& o) {
   res.mfu = flops_per_s / kPeakBf16Flops;
   res.max_mem_gib = static_cast<double>(runner->peak_memory_bytes()) / (1024.0 * 1024.0 * 1024.0);
   res.final_loss = final_loss;
+  res.energy = energy;
   const std::string gpu = runner->device_name();
 
   // --breakdown: the same timed batches once more with per-op event timing, after (never during) the timed run, so
@@ -309,6 +313,12 @@ ModelBenchResult run_model_bench(const ModelBenchOptions& o) {
   j["max_mem_gib"] = res.max_mem_gib;
   j["final_loss"] = res.final_loss;  // a non-finite loss is written as null
   j["mean_length"] = static_cast<double>(res.tokens) / static_cast<double>(res.seqs);
+  if (energy.valid) {  // the board's energy counter over the timed steps, and the SM clock they ran at
+    j["power_w"] = energy.watts();
+    j["energy_j_per_seq"] = energy.joules / static_cast<double>(res.seqs);
+    j["sm_clock_mhz"] = energy.sm_mhz;
+    j["power_capped"] = energy.power_capped;
+  }
   if (o.graph) j["graph_experiment"] = graph_json;
   if (o.breakdown) {
     nlohmann::ordered_json per_step = nlohmann::ordered_json::object();
@@ -326,6 +336,13 @@ ModelBenchResult run_model_bench(const ModelBenchOptions& o) {
                static_cast<unsigned long long>(o.warmup), res.step_ms, o.per_step ? "median" : "mean",
                res.seqs_per_s, res.real_tokens_per_s, res.model_tflops, 100.0 * res.mfu, res.max_mem_gib,
                res.final_loss);
+  if (energy.valid)
+    std::fprintf(stderr, "  power %.0f W   energy %.3f J/sequence   SM clock %.0f MHz   power cap holding the clock in "
+                 "%.0f%% of %d samples\n", energy.watts(), energy.joules / static_cast<double>(res.seqs), energy.sm_mhz,
+                 100.0 * energy.power_capped, energy.samples);
+  else if (meter != nullptr)
+    std::fprintf(stderr, "  no energy reading: %s\n",
+                 meter->available() ? "the energy counter could not be read" : meter->why_unavailable().c_str());
   if (!std::isfinite(final_loss)) std::fprintf(stderr, "  WARNING: the last timed step's loss is not finite\n");
   if (skipped > 0)
     std::fprintf(stderr, "  WARNING: %lld of %llu steps skipped their update (gradients not finite: lower "

@@ -10,6 +10,7 @@
 #include <utility>
 #include <vector>
 
+#include "core/energy.h"
 #include "data/batch.h"
 #include "model/bert.h"
 #include "model/config.h"
@@ -40,6 +41,9 @@ class StepRunner {
     return false;
   }
   virtual void replay_captured() {}
+  // The device's energy meter (core/energy.h), read over the timed steps; null: none (the CPU). A GPU runner always
+  // has one, which may be unavailable (no NVML): bench says why.
+  virtual EnergyMeter* energy_meter() { return nullptr; }
 };
 
 // CpuBackend<CpuF32> + BertModel + the CPU LAMB; BERT init from `seed`. threads <= 0: all cores. loss_scale as
@@ -87,6 +91,7 @@ struct ModelBenchResult {
   double step_ms = 0, seqs_per_s = 0, real_tokens_per_s = 0, model_tflops = 0, mfu = 0, max_mem_gib = 0;
   double final_loss = 0;
   uint64_t seqs = 0, tokens = 0, flops = 0;
+  EnergyReading energy;  // over the timed steps (valid only where the device has a meter)
   bool lead = true;  // this process prints the report (rank 0 of a multi-rank run)
 };
 

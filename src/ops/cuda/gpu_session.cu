@@ -248,6 +248,12 @@ std::string GpuSession::device_name() const {
   return prop.name;
 }
 
+std::string GpuSession::pci_bus_id() const {
+  char id[64] = {};
+  NOPAD_CUDA_CHECK(cudaDeviceGetPCIBusId(id, sizeof id, impl_->session->device()));
+  return id;
+}
+
 void GpuSession::set_op_timing(bool on) { impl_->session->set_op_timing(on); }
 
 std::vector<std::pair<std::string, double>> GpuSession::op_times_ms() { return impl_->session->op_times_ms(); }
@@ -274,7 +280,8 @@ class GpuRunner final : public StepRunner {
  public:
   GpuRunner(const BertConfig& config, int32_t max_tokens, int32_t max_seqs, int32_t max_masked, uint64_t seed,
             const OptimizerOptions& options, const std::string& precision, double loss_scale)
-      : session_(config, max_tokens, max_seqs, max_masked, seed, options, precision, loss_scale) {}
+      : session_(config, max_tokens, max_seqs, max_masked, seed, options, precision, loss_scale),
+        meter_(session_.pci_bus_id()) {}
   void train_step(const HostBatch& batch, float lr, uint64_t seed, uint64_t step) override {
     session_.train_step(batch, lr, seed, step);
   }
@@ -290,9 +297,11 @@ class GpuRunner final : public StepRunner {
     return true;
   }
   void replay_captured() override { session_.replay_captured(); }
+  EnergyMeter* energy_meter() override { return &meter_; }
 
  private:
   GpuSession session_;
+  EnergyMeter meter_;
 };
 
 }  // namespace

@@ -43,6 +43,7 @@ class GpuSession {
   double elapsed_ms_since_mark();  // synchronises and reads it
   size_t peak_memory_bytes();     // device memory taken since the session started (cudaMemGetInfo), high-water
   std::string device_name() const;
+  std::string pci_bus_id() const;  // the device's, as NVML takes it (core/energy.h)
   static bool available();  // a CUDA device is visible
 
   // Per-op GPU time (CudaBackend's op timing plus "lamb" for the optimiser step). Turning it on clears the totals;
