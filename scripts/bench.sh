@@ -79,32 +79,27 @@ for B in $BATCHES; do
   done
 done
 
-# VARIANT_RUNS="NOPAD_GELU_GEMM=0 NOPAD_DGELU_GEMM=0": the last batch again under each environment setting (one per
-# word, kernel variants that read the environment: dense.cu), without the breakdown, for side-by-side step times.
-if [ -n "${BASE_TREE:-}" ]; then
-  stamp "nopad bench model batch $LAST_BATCH with the base tree's binary"
-  "$BASE_TREE/build-gpu/nopad" bench model --model data/configs/bert-large-mlperf.json --data "$SHARDS" \
-    --batch "$LAST_BATCH" --steps 20 --warmup 5 | sed "s/^{/variant base: {/"
-fi
-for V in ${VARIANT_RUNS:-}; do
-  stamp "nopad bench model batch $LAST_BATCH with $V"
-  # Prefixed, so the summary below (nopad/peer ratios at the default variants) does not take these lines.
-  env "$V" "$NOPAD" bench model --model data/configs/bert-large-mlperf.json --data "$SHARDS" --batch "$LAST_BATCH" \
-    --steps 20 --warmup "${VARIANT_WARMUP:-5}" | sed "s/^{/variant $V: {/"
-done
-# MODEL_VARIANTS="a.json b.json": the last batch again with other model configs (e.g. the attention dropout off: what
-# the compiled peer, whose varlen_attn has no dropout, leaves out), in the same variant table.
-for CFG in ${MODEL_VARIANTS:-}; do
-  stamp "nopad bench model batch $LAST_BATCH with --model $CFG"
-  "$NOPAD" bench model --model "$CFG" --data "$SHARDS" --batch "$LAST_BATCH" --steps 20 --warmup 5 |
-    sed "s|^{|variant model=$(basename "$CFG"): {|"
-done
+# The last batch once more, without the breakdown, as a line prefixed "variant NAME: " (so the summary below, nopad/peer
+# ratios at the defaults, does not take it): variant NAME BINARY CONFIG WARMUP [VAR=VALUE ...].
+variant() {
+  local name=$1 bin=$2 cfg=$3 warmup=$4
+  shift 4
+  stamp "nopad bench model batch $LAST_BATCH: variant $name"
+  env "$@" "$bin" bench model --model "$cfg" --data "$SHARDS" --batch "$LAST_BATCH" --steps 20 --warmup "$warmup" |
+    sed "s|^{|variant $name: {|"
+}
+BERT_LARGE=data/configs/bert-large-mlperf.json
+[ -z "${BASE_TREE:-}" ] || variant base "$BASE_TREE/build-gpu/nopad" $BERT_LARGE 5
+# VARIANT_RUNS="NOPAD_GELU_GEMM=0 NOPAD_DGELU_GEMM=0": each environment setting (one per word, kernel variants that
+# read the environment: dense.cu).
+for V in ${VARIANT_RUNS:-}; do variant "$V" "$NOPAD" $BERT_LARGE "${VARIANT_WARMUP:-5}" "$V"; done
+# MODEL_VARIANTS="a.json b.json": other model configs (e.g. the attention dropout off: what the compiled peer, whose
+# varlen_attn has no dropout, leaves out).
+for CFG in ${MODEL_VARIANTS:-}; do variant "model=$(basename "$CFG")" "$NOPAD" "$CFG" 5; done
 # After the variants, the default once more: a GPU whose clocks sag during the run shows here (one instance went from
 # 225 to 241 ms over a call), and each variant is compared with the mean of the two default runs.
 if [ -n "${VARIANT_RUNS:-}${BASE_TREE:-}${MODEL_VARIANTS:-}" ]; then
-  stamp "nopad bench model batch $LAST_BATCH, the default again (drift check)"
-  "$NOPAD" bench model --model data/configs/bert-large-mlperf.json --data "$SHARDS" --batch "$LAST_BATCH" \
-    --steps 20 --warmup 5 | sed "s/^{/variant default-again: {/"
+  variant default-again "$NOPAD" $BERT_LARGE 5
   python3 - "$LOG" "$LAST_BATCH" <<'EOF'
 import json, sys
 first, variants = None, []
