@@ -17,6 +17,9 @@
 #   NCU_KERNELS NCU_DROPOUT NCU_VARIANTS   the ncu stage's kernel regexes, dropout and backward variants (default:
 #                                 BWD_VARIANTS); NCU_SOURCE=1 adds per-instruction stall samples (ncu-*-sass.csv)
 #   NOPAD_CMAKE_EXTRA             extra CMake arguments (e.g. -DCMAKE_CUDA_ARCHITECTURES=90a-real)
+#   BASE_TREE=DIR                 another nopad source tree (`git archive <ref> | tar -x -C .carry/base`, carried):
+#                                 built too, and the bench stage runs its `nopad bench attention` right after this
+#                                 tree's, on the same batches, for a before/after in one call
 # Needs .carry/enwiki-20150515-AA.txt.xz and .carry/peers/ (copies of ../shared/data/enwiki and ../shared/peers).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -40,6 +43,15 @@ if has build; then
   fi
   cmake --build build-gpu -j "$(nproc)" --target nopad nopad_cuda_tests >>"$OUT/build.log" 2>&1 ||
     { grep -E "error|FAILED" "$OUT/build.log" | head -30; exit 1; }
+  if [ -n "${BASE_TREE:-}" ]; then
+    say "build of the base tree $BASE_TREE"
+    [ -f "$BASE_TREE/CMakeLists.txt" ] || { echo "gpu-attention.sh: BASE_TREE=$BASE_TREE has no CMakeLists.txt"; exit 1; }
+    { [ -f "$BASE_TREE/build-gpu/CMakeCache.txt" ] ||
+        cmake -S "$BASE_TREE" -B "$BASE_TREE/build-gpu" -G Ninja -DCMAKE_BUILD_TYPE=Release -DNOPAD_CUDA=ON \
+          ${NOPAD_CMAKE_EXTRA:-}; } >"$OUT/build-base.log" 2>&1 &&
+      cmake --build "$BASE_TREE/build-gpu" -j "$(nproc)" --target nopad >>"$OUT/build-base.log" 2>&1 ||
+      { grep -E "error|FAILED" "$OUT/build-base.log" | head -30; exit 1; }
+  fi
   nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader | tee -a "$OUT/summary.txt"
 fi
 
@@ -66,12 +78,17 @@ with_bwd() {
 
 if has bench; then
   for V in ${BWD_VARIANTS:-default}; do
-    say "nopad bench attention (batch $BATCH x $BATCHES, real lengths), backward variant $V"
-    with_bwd "$V" timeout "${BENCH_TIMEOUT:-300}" "$NOPAD" bench attention --data "$SHARDS" --batch "$BATCH" \
-      --batches "$BATCHES" --streams "${BENCH_STREAMS:-1,2,4}" --buckets "${BENCH_BUCKETS:-64,128}" \
-      ${VARIANTS:+--variants} ${BENCH_BIAS:+--bias-grad} --workload "$OUT/attn-workload.txt" \
-      >"$OUT/attention-bwd$V.jsonl" 2>"$OUT/attention-bwd$V.txt" || { status=1; tail -5 "$OUT/attention-bwd$V.txt"; }
-    grep -v "group " "$OUT/attention-bwd$V.txt" | tee -a "$OUT/summary.txt"
+    for TREE in this ${BASE_TREE:+base}; do
+      BIN=$NOPAD TAG=""
+      [ "$TREE" = base ] && BIN=$BASE_TREE/build-gpu/nopad TAG=-base
+      say "nopad bench attention (batch $BATCH x $BATCHES, real lengths), backward variant $V, $TREE tree"
+      with_bwd "$V" timeout "${BENCH_TIMEOUT:-300}" "$BIN" bench attention --data "$SHARDS" --batch "$BATCH" \
+        --batches "$BATCHES" --streams "${BENCH_STREAMS:-1,2,4}" --buckets "${BENCH_BUCKETS:-64,128}" \
+        ${VARIANTS:+--variants} ${BENCH_BIAS:+--bias-grad} --workload "$OUT/attn-workload.txt" \
+        >"$OUT/attention$TAG-bwd$V.jsonl" 2>"$OUT/attention$TAG-bwd$V.txt" ||
+        { status=1; tail -5 "$OUT/attention$TAG-bwd$V.txt"; }
+      grep -v "group " "$OUT/attention$TAG-bwd$V.txt" | tee -a "$OUT/summary.txt"
+    done
   done
 fi
 

@@ -194,8 +194,12 @@ void LtGemm::tune(Plan& plan, const GemmProblem& p, cudaStream_t stream) {
   // class with every candidate's time, so a run shows what tuning would win per shape.
   static const int kReps = [] {
     const char* e = std::getenv("NOPAD_GEMM_TUNE_REPS");
-    const int r = e ? std::atoi(e) : 3;
-    return r >= 1 && r <= 1000 ? r : 3;
+    if (e == nullptr) return 3;
+    char* end = nullptr;
+    const long r = std::strtol(e, &end, 10);
+    NOPAD_CHECK(end != e && *end == '\0' && r >= 1 && r <= 1000, "NOPAD_GEMM_TUNE_REPS=", e,
+                ": expected a whole number of timed calls per candidate from 1 to 1000 (unset: 3)");
+    return static_cast<int>(r);
   }();
   static const bool kLog = [] {
     const char* e = std::getenv("NOPAD_GEMM_TUNE_LOG");
