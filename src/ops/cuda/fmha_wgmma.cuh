@@ -201,21 +201,6 @@ __device__ __forceinline__ void bulk_wait() {
 #endif
 }
 
-// bulk_wait<n> for a run-time n (the immediate is part of the instruction); n above 7 waits for all but 7, which is
-// stricter and so still correct.
-__device__ __forceinline__ void bulk_wait_at_most(int n) {
-  switch (n) {
-    case 0: bulk_wait<0>(); break;
-    case 1: bulk_wait<1>(); break;
-    case 2: bulk_wait<2>(); break;
-    case 3: bulk_wait<3>(); break;
-    case 4: bulk_wait<4>(); break;
-    case 5: bulk_wait<5>(); break;
-    case 6: bulk_wait<6>(); break;
-    default: bulk_wait<7>(); break;
-  }
-}
-
 // Keeps the compiler from moving reads or writes of registers that an in-flight wgmma owns across the wait (or the
 // issue): an empty volatile asm that "modifies" them.
 template <int N>
