@@ -125,7 +125,6 @@ std::vector<std::string> run_attention_bench_gpu(const AttentionBenchOptions& o,
     Buf<int32_t> cu_d(cu.size()), order_d(order.size());
     Buf<uint64_t> ids_d(ids.size());
     Buf<unsigned char> ws(fmha_backward_workspace_bytes(T, o.heads, o.head_dim));
-    NOPAD_CUDA_CHECK(cudaMemset(ws.ptr, 0, ws.bytes()));  // zero once: fmha_backward keeps its front zero (fmha.h)
     Buf<float> bias(o.bias_grad ? static_cast<size_t>(3) * H : 0);  // summed into across calls: only timed
     NOPAD_CUDA_CHECK(cudaMemcpy(qkv.ptr, qkv_h.data(), qkv.bytes(), cudaMemcpyHostToDevice));
     NOPAD_CUDA_CHECK(cudaMemcpy(dctx.ptr, dctx_h.data(), dctx.bytes(), cudaMemcpyHostToDevice));

@@ -759,16 +759,11 @@ void CudaBackendT<P>::attention_backward_impl(const A* d_ctx, const A* qkv, cons
   const bool bias_in_kernels =
       kernel_variants().qkv_bias_in_attention && fmha_backward_bias_supported(num_heads, head_dim);
   p.d_qkv_bias = bias_in_kernels ? d_qkv_bias : nullptr;
-  // The workspace is ours, grown to the largest size seen. Its front must be zero on entry and fmha_backward leaves
-  // it so (fmha.h): zeroed once here whenever it is (re)allocated, never again.
-  const size_t ws_need =
+  // The workspace is ours, grown once to the largest size seen. fmha_backward initialises the part of it that its
+  // launch uses (fmha.h), so it needs no memset here.
+  p.workspace_bytes =
       fmha_backward_workspace_bytes(q_seqs != nullptr ? q_seqs->num_tokens : seqs.num_tokens, num_heads, head_dim);
-  if (ws_need > 0) {
-    const size_t had = scratch_bytes_[kFmhaWorkspace];
-    p.workspace = scratch(kFmhaWorkspace, ws_need);
-    p.workspace_bytes = scratch_bytes_[kFmhaWorkspace];
-    if (p.workspace_bytes != had) NOPAD_CUDA_CHECK(cudaMemsetAsync(p.workspace, 0, p.workspace_bytes, stream_));
-  }
+  if (p.workspace_bytes > 0) p.workspace = scratch(kFmhaWorkspace, p.workspace_bytes);
   if (q_seqs == nullptr && plan_attention_launches(seqs)) {
     fmha_backward_planned(p, seqs.by_length, attn_plan_, *attn_streams_, stream_);
   } else {

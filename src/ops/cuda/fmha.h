@@ -18,12 +18,10 @@
 // Kernel variants (tile shapes, docs/fmha.md "Variants") are chosen per call: fwd_variant / bwd_variant when >= 0,
 // else the environment variables NOPAD_FMHA_FWD_VARIANT / NOPAD_FMHA_BWD_VARIANT (read once per process) when set,
 // else the built-in default. Every variant computes the same function (same mask bits; fp32 summation order differs).
-// No host synchronisation, no allocation: the backward's scratch is the caller's (fmha_backward_workspace_bytes;
-// workspace_bytes is the buffer's whole size). Its first fmha_backward_zeroed_bytes bytes (the fp32 dQ accumulator
-// and its counters) must be zero on entry, and fmha_backward leaves them zero: zero the buffer once when it is
-// allocated, and it stays ready for every later call, whatever its T (up to what the buffer was sized for). The rest
-// fmha_backward writes before it reads. A launch touches only its own sequences' rows, so launches over disjoint
-// sequences may share one workspace.
+// No host synchronisation, no allocation: the backward's fp32 scratch is the caller's (fmha_backward_workspace_bytes).
+// It needs no initialisation: fmha_backward writes every workspace element that its launch reads (the D rows and
+// the zeroed dq accumulator rows of the launch's sequences) before reading it, and touches no other rows, so
+// launches over disjoint sequences may share one workspace.
 #pragma once
 #include <cuda_runtime.h>
 
@@ -88,10 +86,8 @@ int fmha_backward_variant(const FmhaParams& p);
 // conversion keeps one 8-column chunk per thread of a 256-thread block); elsewhere the caller sums d_qkv's columns.
 bool fmha_backward_bias_supported(int32_t num_heads, int32_t head_dim);
 
-// Bytes of scratch fmha_backward needs for these sizes (num_tokens: the query rows), and how many of its first bytes
-// must be zero on entry (and are left zero).
+// Bytes of scratch fmha_backward needs for these sizes.
 size_t fmha_backward_workspace_bytes(int32_t num_tokens, int32_t num_heads, int32_t head_dim);
-size_t fmha_backward_zeroed_bytes(int32_t num_tokens, int32_t num_heads, int32_t head_dim);
 // Throws nopad::Error for unsupported head_dim/sizes; launch errors are checked.
 void fmha_forward(const FmhaParams& p, cudaStream_t stream);
 void fmha_backward(const FmhaParams& p, cudaStream_t stream);

@@ -1,31 +1,22 @@
 // FMHA backward (FlashAttention-2 style):
-//   1. fmha_bwd_pre_kernel: D = rowsum(dO * O) / keep_scale and lse * log2(e) per (head, token) into the workspace.
+//   1. fmha_bwd_pre_kernel: D = rowsum(dO * O) / keep_scale and lse * log2(e) per (head, token) into the workspace;
+//      zeroes the launch's dq_accum rows.
 //   2. main kernel, one CTA per (key tile, head, sequence), looping over the query tiles of 64 (Q, dO, lse and D
 //      double-buffered with cp.async), recomputing P, regenerating the dropout mask (one Philox block per 8 keys of a
 //      query, bits exchanged over 8 lanes), accumulating dK, dV in registers and adding dQ into fp32 dq_accum:
 //      fmha_bwd_kernel (mma.sync, any GPU; tile shapes per variant) or fmha_bwd_wgmma_kernel (head_dim 64 on sm_90a;
 //      dQ by float4 atomics, or by one bulk reduction per query row from shared memory). fmha_bwd_wsq_kernel (`ws128q`,
 //      head_dim 64 on sm_90a, the default there) is persistent and warp-specialised instead: 128 keys per item on two
-//      consumer warpgroups against 128-query tiles from a producer warpgroup, dQ sent by tensor-map reductions, and
-//      the CTA that completes a (sequence, head) converts its dQ itself while it is in the L2 (no step 3). The
+//      consumer warpgroups against 128-query tiles from a producer warpgroup, dQ sent by tensor-map reductions. The
 //      variants of kBwdVariants are instantiated and chosen per call (fmha.h).
-//   3. fmha_bwd_dq_kernel:  dq_accum -> d_qkv's q block (bf16/fp16), dq_accum zeroed again; with
-//      FmhaParams::d_qkv_bias, fmha_bwd_dq_bias_kernel, which also adds the q block's column sums (the main kernels
-//      add the v block's; the k bias has no gradient, fmha.h).
-// Workspace (bytes from p.workspace; Tq = the query rows: FmhaParams::num_q_tokens when the queries are a subset of
-// the rows, else T):
-//   front, zero on entry and left zero (fmha.h): dq_accum [Tq, H] fp32, then ws128q's per-(sequence, head) arrival
-//     counters [Tq * heads] int32 (slot s0 * heads + head);
-//   back, the buffer's last bytes (256-byte aligned start): D [heads, Tq] fp32, lse2 [heads, Tq] fp32, ws128q's
-//     item counters [Tq + 1] int32.
-// The back part is placed from the end of the buffer so that the two never meet, whatever the T of the calls a
-// buffer serves: the front of a call with more rows covers only bytes that earlier fronts left zero or that nothing
-// wrote since the caller zeroed the buffer.
+//   3. fmha_bwd_dq_kernel:  dq_accum -> d_qkv's q block (bf16/fp16); with FmhaParams::d_qkv_bias,
+//      fmha_bwd_dq_bias_kernel, which also adds the q block's column sums (the main kernels add the v block's; the k
+//      bias has no gradient, fmha.h).
+// Workspace: D [heads, T] fp32, lse2 [heads, T] fp32, then (256-byte aligned) dq_accum [T, H] fp32, then ws128q's item
+// counters [T + 1] int32; T = the query rows (FmhaParams::num_q_tokens when the queries are a subset of the rows).
 // Design: docs/fmha.md.
 #include <algorithm>
 #include <cmath>
-#include <cstdlib>
-#include <string_view>
 #include <type_traits>
 
 #include "ops/cuda/fmha_common.cuh"
@@ -35,47 +26,37 @@
 namespace nopad::cuda {
 namespace fmha_detail {
 
-__host__ __device__ inline size_t lse2_offset(int32_t num_tokens, int32_t num_heads) {  // in floats, from D
+__host__ __device__ inline size_t lse2_offset(int32_t num_tokens, int32_t num_heads) {  // in floats
   return static_cast<size_t>(num_heads) * static_cast<size_t>(num_tokens);
 }
-__host__ __device__ inline size_t dq_accum_bytes(int32_t num_tokens, int32_t num_heads, int32_t head_dim) {
-  return static_cast<size_t>(num_tokens) * static_cast<size_t>(num_heads) * static_cast<size_t>(head_dim) * 4;
+__host__ __device__ inline size_t dq_accum_offset(int32_t num_tokens, int32_t num_heads) {
+  const size_t d_bytes = 2 * lse2_offset(num_tokens, num_heads) * sizeof(float);
+  return (d_bytes + 255) / 256 * 256;
 }
-// The front part: dq_accum, then the (sequence, head) counters; a multiple of 256 bytes.
-__host__ __device__ inline size_t zeroed_bytes(int32_t num_tokens, int32_t num_heads, int32_t head_dim) {
-  const size_t bytes = dq_accum_bytes(num_tokens, num_heads, head_dim) +
-                       static_cast<size_t>(num_tokens) * static_cast<size_t>(num_heads) * 4;
-  return (bytes + 255) / 256 * 256;
+// The work-item counters of the persistent backward (`ws128q`), [num_tokens + 1] ints after dq_accum: a launch uses
+// the slot of its first sequence's start s0 (launches running at one time on one workspace cover different sequences,
+// and planned launches hold no empty ones, so their first starts differ); the pre kernel zeroes it.
+__host__ __device__ inline size_t item_counter_offset(int32_t num_tokens, int32_t num_heads, int32_t head_dim) {
+  return dq_accum_offset(num_tokens, num_heads) +
+         static_cast<size_t>(num_tokens) * static_cast<size_t>(num_heads) * static_cast<size_t>(head_dim) * 4;
 }
-__host__ __device__ inline size_t back_bytes(int32_t num_tokens, int32_t num_heads) {
-  return 2 * lse2_offset(num_tokens, num_heads) * sizeof(float) + (static_cast<size_t>(num_tokens) + 1) * sizeof(int);
-}
-// Where the back part starts in a workspace of workspace_bytes (fmha_backward checks that it fits after the front).
-__host__ __device__ inline size_t back_offset(size_t workspace_bytes, int32_t num_tokens, int32_t num_heads) {
-  return (workspace_bytes - back_bytes(num_tokens, num_heads)) / 256 * 256;
-}
-__device__ inline float* workspace_d(const FmhaParams& p) {
-  return reinterpret_cast<float*>(static_cast<char*>(p.workspace) +
-                                  back_offset(p.workspace_bytes, query_tokens(p), p.num_heads));
-}
-// The work-item counters of the persistent backward (`ws128q`), after D and lse2: a launch uses the slot of its first
-// sequence's start s0 (launches running at one time on one workspace cover different sequences, and planned launches
-// hold no empty ones, so their first starts differ); the pre kernel zeroes it. Only launches without query rows
-// (FmhaParams::q_cu_seqlens null) use the counters.
+// Only launches without query rows (FmhaParams::q_cu_seqlens null) use the counters.
 __device__ inline int* item_counter(const FmhaParams& p) {
   int b, s0, L;
   launch_sequence(p, 0, b, s0, L);
-  return reinterpret_cast<int*>(workspace_d(p) + 2 * lse2_offset(query_tokens(p), p.num_heads)) + s0;
+  return reinterpret_cast<int*>(static_cast<char*>(p.workspace) +
+                                item_counter_offset(p.num_tokens, p.num_heads, p.head_dim)) +
+         s0;
 }
 
 constexpr int kPreRows = 8;  // rows per CTA of the pre/post kernels (one warp each)
 
-// D[h, t] = sum_d dO[t, h*hd + d] * O[t, h*hd + d] / keep_scale; lse2[h, t] = lse[h, t] * log2(e).
+// D[h, t] = sum_d dO[t, h*hd + d] * O[t, h*hd + d] / keep_scale; lse2[h, t] = lse[h, t] * log2(e); dq_accum[t, :] = 0.
 // One warp per token row; lanes take 16-byte chunks, the hd/8 lanes of one head reduce with shuffles. D is divided by
 // the keep-scale c (an exact multiplication by (65536 - threshold) / 65536) so that p_and_ds can leave c out of every
 // score: the main kernel applies it once to dK, dV and dQ.
 template <bool kFp16>
-__global__ void __launch_bounds__(32 * kPreRows) fmha_bwd_pre_kernel(const KernelArgs args, float* D) {
+__global__ void __launch_bounds__(32 * kPreRows) fmha_bwd_pre_kernel(const KernelArgs args, float* D, float* dq_acc) {
   const FmhaParams& p = args.p;
   int b, s0, L, qs0, Lq;
   launch_sequence(p, static_cast<int>(blockIdx.y), b, s0, L);
@@ -108,13 +89,14 @@ __global__ void __launch_bounds__(32 * kPreRows) fmha_bwd_pre_kernel(const Kerne
       D[lse2_offset(Tq, p.num_heads) + i] = p.lse[i] * kLog2e;
     }
   }
+  float4* dq = reinterpret_cast<float4*>(dq_acc + tok * H);
+  for (int c = lane; c < H / 4; c += 32) dq[c] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
 }
 
-// d_qkv[t, 0:H] = dq_accum[t, :] (the scale is already applied), rounded to 16 bits, and dq_accum[t, :] = 0 again
-// (the workspace's front is left zero, fmha.h). With query rows (FmhaParams::q_cu_seqlens) dq_accum's row i goes to
-// the d_qkv row of query i's position.
+// d_qkv[t, 0:H] = dq_accum[t, :] (the scale is already applied), rounded to 16 bits. With query rows
+// (FmhaParams::q_cu_seqlens) dq_accum's row i goes to the d_qkv row of query i's position.
 template <bool kFp16>
-__global__ void __launch_bounds__(32 * kPreRows) fmha_bwd_dq_kernel(const KernelArgs args, float* dq_acc) {
+__global__ void __launch_bounds__(32 * kPreRows) fmha_bwd_dq_kernel(const KernelArgs args, const float* dq_acc) {
   const FmhaParams& p = args.p;
   int b, s0, L, qs0, Lq;
   launch_sequence(p, static_cast<int>(blockIdx.y), b, s0, L);
@@ -123,29 +105,13 @@ __global__ void __launch_bounds__(32 * kPreRows) fmha_bwd_dq_kernel(const Kernel
   const int row = static_cast<int>(blockIdx.x) * kPreRows + warp;
   if (row >= Lq) return;
   const int H = p.num_heads * p.head_dim;
-  float4* src = reinterpret_cast<float4*>(dq_acc + int64_t{qs0 + row} * H);
+  const float4* src = reinterpret_cast<const float4*>(dq_acc + int64_t{qs0 + row} * H);
   const int64_t tok = s0 + query_position(p, qs0, Lq, row);
   uint4* dst = reinterpret_cast<uint4*>(static_cast<uint16_t*>(p.d_qkv) + tok * 3 * H);
-  constexpr int kBatch = 8;  // 8-column chunks per lane whose loads are in flight together (all of them at H <= 2048)
-  for (int c0 = lane; c0 < H / 8; c0 += 32 * kBatch) {
-    float4 a[kBatch], bb[kBatch];
-#pragma unroll
-    for (int k = 0; k < kBatch; ++k) {  // the batch's loads first, then its stores (zeros behind the loads)
-      const int c = c0 + 32 * k;
-      if (c < H / 8) {
-        a[k] = src[2 * c];
-        bb[k] = src[2 * c + 1];
-      }
-    }
-#pragma unroll
-    for (int k = 0; k < kBatch; ++k) {
-      const int c = c0 + 32 * k;
-      if (c < H / 8) {
-        dst[c] = make_uint4(pack2<kFp16>(a[k].x, a[k].y), pack2<kFp16>(a[k].z, a[k].w),
-                            pack2<kFp16>(bb[k].x, bb[k].y), pack2<kFp16>(bb[k].z, bb[k].w));
-        src[2 * c] = src[2 * c + 1] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-      }
-    }
+  for (int c = lane; c < H / 8; c += 32) {
+    const float4 a = src[2 * c], bb = src[2 * c + 1];
+    dst[c] = make_uint4(pack2<kFp16>(a.x, a.y), pack2<kFp16>(a.z, a.w), pack2<kFp16>(bb.x, bb.y),
+                        pack2<kFp16>(bb.z, bb.w));
   }
 }
 
@@ -159,7 +125,7 @@ constexpr int kDqBiasRows = 64;
 constexpr int kDqBiasThreads = 256;
 template <bool kFp16>
 __global__ void __launch_bounds__(kDqBiasThreads) fmha_bwd_dq_bias_kernel(const KernelArgs args,
-                                                                          float* __restrict__ dq_acc) {
+                                                                          const float* __restrict__ dq_acc) {
   const FmhaParams& p = args.p;
   int b, s0, L, qs0, Lq;
   launch_sequence(p, static_cast<int>(blockIdx.y), b, s0, L);
@@ -186,15 +152,6 @@ __global__ void __launch_bounds__(kDqBiasThreads) fmha_bwd_dq_bias_kernel(const 
           const float4* src = reinterpret_cast<const float4*>(dq_acc + int64_t{qs0 + row} * H) + 2 * chunk;
           v[j][0] = src[0];
           v[j][1] = src[1];
-        }
-      }
-      // The front is left zero (fmha.h): stored after all the batch's loads, which stay in flight together.
-#pragma unroll
-      for (int j = 0; j < kBatch; ++j) {
-        const int row = r + j * phases;
-        if (row < row_end) {
-          float4* dst = reinterpret_cast<float4*>(dq_acc + int64_t{qs0 + row} * H) + 2 * chunk;
-          dst[0] = dst[1] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
         }
       }
 #pragma unroll
@@ -861,11 +818,10 @@ struct BwdWsqShape {
   static constexpr int kOffDq = kOffDs + 8 * kTileBytes;                 // + c stages
   static constexpr int kOffLse = kOffDq + 2 * kDqStageBytes;             // [kStages][lse2 128, D 128] fp32
   static constexpr int kOffBar = kOffLse + kStages * 2 * kBlockM * 4;
-  // kv_full[2], kv_empty[2], item_full[2], full[kStages], empty[kStages]; then the published item per K/V buffer and
-  // the consumers' "this CTA completed the (sequence, head)" flag.
+  // kv_full[2], kv_empty[2], item_full[2], full[kStages], empty[kStages]; then the published item per K/V buffer
   static constexpr int kNumBars = 6 + 2 * kStages;
   // No alignment slack: the kernel declares its dynamic shared memory 1024-byte aligned (and checks it).
-  static constexpr int kSmemBytes = kOffBar + kNumBars * 8 + 3 * 4;
+  static constexpr int kSmemBytes = kOffBar + kNumBars * 8 + 2 * 4;
   static_assert(kSmemBytes <= 227 * 1024, "shared memory of one CTA");
   // setmaxnreg moves registers within the CTA's launch allocation (168 per thread under __launch_bounds__(384, 1)):
   // the budgets must fit it, or the consumers' increase would wait forever.
@@ -873,10 +829,8 @@ struct BwdWsqShape {
   static_assert(kProducerRegs * 128 + kConsumerRegs * 256 <= 168 * kThreads, "register budget of the CTA");
   static constexpr uint64_t kDescTile = kTileBytes >> 4;  // descriptor advance of one 64-row tile (64 x 128 bytes)
   // Named barriers of the consumers (id + c for consumer c): kBarStage, consumer c's dQ stage written (its 128
-  // threads); kBarDsDone, consumer c's dS^T rows written (c arrives, the other consumer waits: 256 threads);
-  // kBarItem, both consumers at an item's dQ publication (256 threads).
-  static constexpr int kBarStage = 1, kBarDsDone = 3, kBarItem = 5;
-  static constexpr int kConvertThreads = 256;  // the consumers, converting a completed (sequence, head)
+  // threads); kBarDsDone, consumer c's dS^T rows written (c arrives, the other consumer waits: 256 threads).
+  static constexpr int kBarStage = 1, kBarDsDone = 3;
 };
 
 // The work items of a launch over n sequences are (sequence z, head, key block kb of 128 keys), item =
@@ -906,56 +860,10 @@ __device__ __forceinline__ void stage_dq_swz(float* sdQ, const float (&dq)[8][4]
   }
 }
 
-// The dQ of one (sequence s0, L, head), complete in dq_accum: rounded to 16 bits into d_qkv's q block, the rows zeroed
-// again (the workspace's front is left zero, fmha.h) and, with the bias gradient, the rounded values' column sums
-// added into d_qkv_bias[head * 64, + 64). Run by the 256 consumer threads ct of the CTA that completed it, right after
-// the other CTAs' reductions into these rows, so the rows come from the L2: thread ct takes the 16-byte column chunk
-// ct % 16 of rows ct / 16 + 16 k, kBatch rows' loads in flight together (the conversion is latency-bound: its loads
-// are what the CTA waits for). L2 loads (ld.global.cg): this SM's L1 may hold nothing of rows the copy engines wrote.
-// The reductions keep the rows in the L2 (evict_last) until this reads them; its loads and stores give them up.
-template <bool kFp16>
-__device__ __forceinline__ void wsq_convert_dq(const FmhaParams& p, float* dq_acc, int s0, int L, int head, int ct) {
-  constexpr int kBatch = 8, kRowStep = BwdWsqShape::kConvertThreads / 16;  // 256 rows per batch: 2 round trips at 512
-  const int H = p.num_heads * 64, chunk = ct & 15;
-  float* src = dq_acc + int64_t{s0} * H + head * 64 + 4 * chunk;
-  uint16_t* dst = static_cast<uint16_t*>(p.d_qkv) + int64_t{s0} * 3 * H + head * 64 + 4 * chunk;
-  float sum[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-  const uint64_t done = l2_policy_evict_first();  // these dq_accum lines are not read again in this call
-  for (int r = ct >> 4; r < L; r += kBatch * kRowStep) {
-    float4 v[kBatch];
-#pragma unroll
-    for (int j = 0; j < kBatch; ++j)
-      if (r + j * kRowStep < L) v[j] = ld_cg_hint(src + int64_t{r + j * kRowStep} * H, done);
-#pragma unroll
-    for (int j = 0; j < kBatch; ++j) {
-      const int row = r + j * kRowStep;
-      if (row < L) {
-        const uint32_t w0 = pack2<kFp16>(v[j].x, v[j].y), w1 = pack2<kFp16>(v[j].z, v[j].w);
-        *reinterpret_cast<uint2*>(dst + int64_t{row} * 3 * H) = make_uint2(w0, w1);
-        st_cg_hint(src + int64_t{row} * H, make_float4(0.0f, 0.0f, 0.0f, 0.0f), done);
-        sum[0] += to_f32<kFp16>(static_cast<uint16_t>(w0));
-        sum[1] += to_f32<kFp16>(static_cast<uint16_t>(w0 >> 16));
-        sum[2] += to_f32<kFp16>(static_cast<uint16_t>(w1));
-        sum[3] += to_f32<kFp16>(static_cast<uint16_t>(w1 >> 16));
-      }
-    }
-  }
-  if (p.d_qkv_bias != nullptr) {  // uniform
-#pragma unroll
-    for (int e = 0; e < 4; ++e) sum[e] += __shfl_xor_sync(0xffffffffu, sum[e], 16);  // lane ^ 16: the same chunk
-    if ((ct & 16) == 0) {
-      float* qbias = p.d_qkv_bias + head * 64 + 4 * chunk;
-      red_add2(qbias, sum[0], sum[1]);
-      red_add2(qbias + 2, sum[2], sum[3]);
-    }
-  }
-}
-
 template <bool kFp16, bool kDrop>
 __global__ void __launch_bounds__(384, 1)
     fmha_bwd_wsq_kernel(const __grid_constant__ KernelArgs args, const float* D,
-                        const __grid_constant__ CUtensorMap dq_map, float* dq_acc, int* seq_counters,
-                        int num_items, bool convert_dq) {
+                        const __grid_constant__ CUtensorMap dq_map, int num_items) {
 #if NOPAD_FMHA_WGMMA
   constexpr int HD = 64;
   using Sh = BwdWsqShape;
@@ -981,7 +889,6 @@ __global__ void __launch_bounds__(384, 1)
   uint64_t* full = bars + 6;
   uint64_t* empty = full + kStages;
   volatile int* sItem = reinterpret_cast<volatile int*>(bars + Sh::kNumBars);
-  volatile int* sLast = sItem + 2;
 
   const int tid = static_cast<int>(threadIdx.x);
   const int wg = tid >> 7, warp = (tid >> 5) & 3, lane = tid & 31;
@@ -1084,43 +991,6 @@ __global__ void __launch_bounds__(384, 1)
     if (lane == 0) mbar_arrive(bar);
   };
 
-  // dQ publication. A (sequence, head)'s dQ rows are complete when the reductions of all its ceil(L / 128) items
-  // have been performed; each item counts itself in the pair's counter once both of its consumers' reductions are
-  // known complete, and the CTA that counts last converts the rows (wsq_convert_dq) and resets the counter. An item is
-  // counted after the query loop of the CTA's next item (or at the end), waiting for every reduction but that next
-  // item's own (`newer`, issued since): the counted ones went out a whole item ago, so the wait costs nothing, where
-  // waiting right after an item's last reductions would hold the CTA for their L2 round trip. Counting before the dK/dV
-  // stores keeps the fences cheap (no global stores of this thread in flight); converting after them leaves the
-  // conversion the registers of dK and dV. Returns whether this CTA converts.
-  // The count is made by a thread that issues no bulk operations (the second of consumer 0): its fences then wait for
-  // nothing in flight, where those of a thread with reductions outstanding would wait for them. The barrier carries
-  // the issuing threads' completed waits to it, and its fences are cumulative.
-  const auto count_item = [&](int pitem, int newer) -> bool {
-    if (ctid == 0) bulk_wait_at_most(newer);  // this consumer's reductions of the item are performed
-    named_barrier_sync(Sh::kBarItem, Sh::kConvertThreads);
-    if (tid == 129) {
-      asm volatile("fence.proxy.async.global;\n" ::: "memory");  // the copy engines' writes, then the generic proxy's
-      __threadfence();
-      int pb, ps0, pL, phead, pk0;
-      wsq_item(p, pitem, pb, ps0, pL, phead, pk0);
-      int* counter = seq_counters + int64_t{ps0} * p.num_heads + phead;
-      const bool last = atomicAdd(counter, 1) == (pL + Sh::kBlockN - 1) / Sh::kBlockN - 1;
-      if (last) {
-        *counter = 0;      // the front is left zero (fmha.h); no other item of the pair is left to count
-        __threadfence();   // the other CTAs' reductions, counted before ours, are visible to the reads below
-      }
-      *sLast = last ? 1 : 0;
-    }
-    named_barrier_sync(Sh::kBarItem, Sh::kConvertThreads);
-    return *sLast != 0;  // written again only after the next count's first barrier, which every reader passes first
-  };
-  const auto convert_item = [&](int pitem) {
-    int pb, ps0, pL, phead, pk0;
-    wsq_item(p, pitem, pb, ps0, pL, phead, pk0);
-    wsq_convert_dq<kFp16>(p, dq_acc, ps0, pL, phead, tid - 128);
-  };
-  int prev_item = -1;  // the item waiting to be published (-1: none); one register, its fields found again
-
   int gt = 0;
   for (int it = 0;; ++it) {
     const int kvb = it & 1;
@@ -1156,10 +1026,8 @@ __global__ void __launch_bounds__(384, 1)
       named_barrier_sync(Sh::kBarStage + c, 128);
       const int q0 = q_tile + 64 * c;
       if (ctid == 0 && q0 < L) {
-        // evict_last when this kernel converts the rows: they must still be in the L2 then (~an item later).
-        const uint64_t policy = convert_dq ? l2_policy_evict_last() : l2_policy_evict_first();
-        bulk_reduce_tensor_add_hint(&dq_map, sdQ, head * HD, s0 + q0, policy);
-        bulk_reduce_tensor_add_hint(&dq_map, sdQ + 64 * 32, head * HD + 32, s0 + q0, policy);
+        bulk_reduce_tensor_add(&dq_map, sdQ, head * HD, s0 + q0);
+        bulk_reduce_tensor_add(&dq_map, sdQ + 64 * 32, head * HD + 32, s0 + q0);
         bulk_commit();
       }
     };
@@ -1262,39 +1130,19 @@ __global__ void __launch_bounds__(384, 1)
       finish_dq(qs);
     }
     release(kv_empty + kvb);  // the last dQ product, the last reader of this K, has completed
-    // This consumer's reductions of this item: one per query tile with queries of its half.
-    const int newer = L > 64 * c ? (L - 64 * c + kM - 1) / kM : 0;
-    const bool convert_prev = convert_dq && prev_item >= 0 && count_item(prev_item, newer);
 
     // dK (scaled) and dV into d_qkv's k and v blocks, rows of keys that exist.
     float colsum[8][2];
     store_dk_dv<HD, kFp16>(p, dk, dv, args.grad_scale, args.keep_scale, s0, k0 + krow + g, L, head, t, colsum);
     if (p.d_qkv_bias != nullptr) add_dv_bias<HD>(p, colsum, head, lane);  // uniform
-    if (convert_prev) convert_item(prev_item);
-    prev_item = item;
   }
   if (ctid == 0) bulk_wait<0>();  // the reductions complete before the CTA ends
-  if (convert_dq && prev_item >= 0 && count_item(prev_item, 0)) convert_item(prev_item);
 #else
   __trap();  // never launched: the host selects this kernel only where fmha_wgmma_available()
 #endif
 }
 
-// Whether ws128q converts dQ itself (the default) or leaves it to fmha_bwd_dq_kernel like the other variants:
-// NOPAD_FMHA_WSQ_DQ=1 / 0, read once, so that one build can time both (docs/fmha.md).
-inline bool wsq_converts_dq() {
-  static const bool on = [] {
-    const char* e = std::getenv("NOPAD_FMHA_WSQ_DQ");
-    const std::string_view s = e != nullptr ? std::string_view(e) : std::string_view("1");
-    NOPAD_CHECK(s == "0" || s == "1", "environment variable NOPAD_FMHA_WSQ_DQ=", s,
-                " must be 1 (ws128q converts dQ in the kernel) or 0 (a separate pass does)");
-    return s == "1";
-  }();
-  return on;
-}
-
-// One CTA per SM (fewer when there are fewer items), taking items from the counter the pre kernel zeroed. dq_acc: the
-// workspace's front (dq_accum, then the (sequence, head) counters), zero on entry; the kernel leaves it zero.
+// One CTA per SM (fewer when there are fewer items), taking items from the counter the pre kernel zeroed.
 template <bool kFp16>
 void launch_backward_wsq(const KernelArgs& args, const float* D, float* dq_acc, int32_t n, cudaStream_t stream) {
   using Sh = BwdWsqShape;
@@ -1304,8 +1152,6 @@ void launch_backward_wsq(const KernelArgs& args, const float* D, float* dq_acc, 
   if (grid == 0) return;
   // dq_accum [T, H] fp32 in boxes of 64 rows x 32 columns (128 bytes: the stage's 128-byte swizzle).
   const int64_t T = args.p.num_tokens, H = int64_t{args.p.num_heads} * 64;
-  int* seq_counters = reinterpret_cast<int*>(reinterpret_cast<char*>(dq_acc) +
-                                             dq_accum_bytes(static_cast<int32_t>(T), args.p.num_heads, 64));
   const CUtensorMap dq_map =
       tensor_map_2d(CU_TENSOR_MAP_DATA_TYPE_FLOAT32, dq_acc, static_cast<uint64_t>(T), static_cast<uint64_t>(H),
                     static_cast<uint64_t>(H) * 4, 32, 64, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_NONE,
@@ -1313,13 +1159,11 @@ void launch_backward_wsq(const KernelArgs& args, const float* D, float* dq_acc, 
   if (args.dropout) {
     constexpr auto kernel = fmha_bwd_wsq_kernel<kFp16, true>;
     ensure_smem<kernel>(Sh::kSmemBytes);
-    kernel<<<grid, Sh::kThreads, Sh::kSmemBytes, stream>>>(args, D, dq_map, dq_acc, seq_counters,
-                                                           static_cast<int>(items), wsq_converts_dq());
+    kernel<<<grid, Sh::kThreads, Sh::kSmemBytes, stream>>>(args, D, dq_map, static_cast<int>(items));
   } else {
     constexpr auto kernel = fmha_bwd_wsq_kernel<kFp16, false>;
     ensure_smem<kernel>(Sh::kSmemBytes);
-    kernel<<<grid, Sh::kThreads, Sh::kSmemBytes, stream>>>(args, D, dq_map, dq_acc, seq_counters,
-                                                           static_cast<int>(items), wsq_converts_dq());
+    kernel<<<grid, Sh::kThreads, Sh::kSmemBytes, stream>>>(args, D, dq_map, static_cast<int>(items));
   }
   NOPAD_CUDA_CHECK_LAUNCH();
 }
@@ -1385,9 +1229,9 @@ void launch_backward_wgmma(const KernelArgs& args, const float* D, float* dq_acc
 template <int HD, bool kFp16>
 void launch_backward(const KernelArgs& args, int variant, int32_t n, cudaStream_t stream) {
   const FmhaParams& p = args.p;
-  float* D = reinterpret_cast<float*>(static_cast<char*>(p.workspace) +
-                                      back_offset(p.workspace_bytes, query_tokens(p), p.num_heads));
-  float* dq_acc = static_cast<float*>(p.workspace);
+  float* D = static_cast<float*>(p.workspace);
+  float* dq_acc =
+      reinterpret_cast<float*>(static_cast<char*>(p.workspace) + dq_accum_offset(query_tokens(p), p.num_heads));
   // The pre and dQ kernels run over the queries: every row, or query rows (FmhaParams::q_cu_seqlens), whose d_qkv q
   // block is zeroed first in every row (the dQ kernel then writes the queries' rows).
   const int32_t q_rows = query_seqlen(p);
@@ -1397,7 +1241,7 @@ void launch_backward(const KernelArgs& args, int variant, int32_t n, cudaStream_
     NOPAD_CUDA_CHECK(cudaMemset2DAsync(p.d_qkv, 3 * row_bytes, 0, row_bytes, static_cast<size_t>(p.num_tokens), stream));
   }
   if (q_rows > 0) {
-    fmha_bwd_pre_kernel<kFp16><<<row_grid, 32 * kPreRows, 0, stream>>>(args, D);
+    fmha_bwd_pre_kernel<kFp16><<<row_grid, 32 * kPreRows, 0, stream>>>(args, D, dq_acc);
     NOPAD_CUDA_CHECK_LAUNCH();
   }
   // At HD = 128 the register cap makes no difference (never capped there), so variant 1 runs variant 0's kernel.
@@ -1426,7 +1270,7 @@ void launch_backward(const KernelArgs& args, int variant, int32_t n, cudaStream_
       break;
     default: fail("fmha_backward: no variant ", variant);
   }
-  if (q_rows == 0 || (variant == kWsqVariant && wsq_converts_dq())) return;  // ws128q converts dQ itself
+  if (q_rows == 0) return;
   if (p.d_qkv_bias == nullptr) {
     fmha_bwd_dq_kernel<kFp16><<<row_grid, 32 * kPreRows, 0, stream>>>(args, dq_acc);
   } else {
@@ -1467,14 +1311,8 @@ bool fmha_backward_bias_supported(int32_t num_heads, int32_t head_dim) {
 
 size_t fmha_backward_workspace_bytes(int32_t num_tokens, int32_t num_heads, int32_t head_dim) {
   NOPAD_CHECK(num_tokens >= 0 && num_heads >= 0 && head_dim >= 0, "fmha_backward_workspace_bytes: negative size");
-  // + 255: back_offset rounds the back part's start down to 256 bytes.
-  return fmha_detail::zeroed_bytes(num_tokens, num_heads, head_dim) + fmha_detail::back_bytes(num_tokens, num_heads) +
-         255;
-}
-
-size_t fmha_backward_zeroed_bytes(int32_t num_tokens, int32_t num_heads, int32_t head_dim) {
-  NOPAD_CHECK(num_tokens >= 0 && num_heads >= 0 && head_dim >= 0, "fmha_backward_zeroed_bytes: negative size");
-  return fmha_detail::zeroed_bytes(num_tokens, num_heads, head_dim);
+  return fmha_detail::item_counter_offset(num_tokens, num_heads, head_dim) +
+         (static_cast<size_t>(num_tokens) + 1) * sizeof(int);
 }
 
 void fmha_backward(const FmhaParams& p, cudaStream_t stream) {

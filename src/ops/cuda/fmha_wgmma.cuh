@@ -108,48 +108,6 @@ __device__ __forceinline__ void bulk_reduce_tensor_add(const void* map, const fl
   (void)map, (void)src, (void)x, (void)y;
 #endif
 }
-// The same with an L2 cache policy (l2_policy_*): the reduced lines' eviction priority.
-__device__ __forceinline__ void bulk_reduce_tensor_add_hint(const void* map, const float* src, int x, int y,
-                                                            uint64_t policy) {
-#if NOPAD_FMHA_WGMMA
-  asm volatile(
-      "cp.reduce.async.bulk.tensor.2d.global.shared::cta.add.tile.bulk_group.L2::cache_hint [%0, {%1, %2}], [%3], "
-      "%4;\n" ::"l"(reinterpret_cast<uint64_t>(map)),
-      "r"(x), "r"(y), "r"(smem_u32(src)), "l"(policy)
-      : "memory");
-#else
-  (void)map, (void)src, (void)x, (void)y, (void)policy;
-#endif
-}
-// L2 cache policies (sm_80+) for the accesses that take one: lines kept before others (evict_last) or given up first
-// (evict_first).
-__device__ __forceinline__ uint64_t l2_policy_evict_last() {
-  uint64_t policy = 0;
-#if NOPAD_FMHA_WGMMA
-  asm volatile("createpolicy.fractional.L2::evict_last.b64 %0, 1.0;\n" : "=l"(policy));
-#endif
-  return policy;
-}
-__device__ __forceinline__ uint64_t l2_policy_evict_first() {
-  uint64_t policy = 0;
-#if NOPAD_FMHA_WGMMA
-  asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;\n" : "=l"(policy));
-#endif
-  return policy;
-}
-// 16-byte L2 load / store (bypassing L1) with an L2 cache policy.
-__device__ __forceinline__ float4 ld_cg_hint(const float* p, uint64_t policy) {
-  float4 v;
-  asm volatile("ld.global.cg.L2::cache_hint.v4.f32 {%0, %1, %2, %3}, [%4], %5;\n"
-               : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w)
-               : "l"(p), "l"(policy));
-  return v;
-}
-__device__ __forceinline__ void st_cg_hint(float* p, float4 v, uint64_t policy) {
-  asm volatile("st.global.cg.L2::cache_hint.v4.f32 [%0], {%1, %2, %3, %4}, %5;\n" ::"l"(p), "f"(v.x), "f"(v.y),
-               "f"(v.z), "f"(v.w), "l"(policy)
-               : "memory");
-}
 __device__ __forceinline__ void bulk_commit() {
 #if NOPAD_FMHA_WGMMA
   asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
@@ -241,21 +199,6 @@ __device__ __forceinline__ void bulk_wait() {
 #if NOPAD_FMHA_WGMMA
   asm volatile("cp.async.bulk.wait_group %0;\n" ::"n"(N) : "memory");
 #endif
-}
-
-// bulk_wait<n> for a run-time n (the immediate is part of the instruction); n above 7 waits for all but 7, which is
-// stricter and so still correct.
-__device__ __forceinline__ void bulk_wait_at_most(int n) {
-  switch (n) {
-    case 0: bulk_wait<0>(); break;
-    case 1: bulk_wait<1>(); break;
-    case 2: bulk_wait<2>(); break;
-    case 3: bulk_wait<3>(); break;
-    case 4: bulk_wait<4>(); break;
-    case 5: bulk_wait<5>(); break;
-    case 6: bulk_wait<6>(); break;
-    default: bulk_wait<7>(); break;
-  }
 }
 
 // Keeps the compiler from moving reads or writes of registers that an in-flight wgmma owns across the wait (or the
