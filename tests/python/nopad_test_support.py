@@ -1,7 +1,7 @@
-"""Helpers shared by the Python tests that launch nopad under mpiexec or a torchrun-style environment: the mpiexec
+"""Helpers shared by the Python tests that run a nopad build (NOPAD_BINARY and NOPAD_SOURCE_DIR set): the mpiexec
 command line, the bert-tiny-sized dataset they train on (MLPerf's wiki sample prepared at 64 tokens), the short
 bert-tiny `nopad train` / `nopad bench model` runs on it (and the single-process reference run), a free TCP port and a
-run's per-step losses."""
+run's per-step losses. check() and failures are in nopad_checks.py."""
 import json
 import os
 import shutil

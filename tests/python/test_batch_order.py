@@ -14,15 +14,11 @@ import tempfile
 import nopad_order
 import nopad_shards
 
+from nopad_checks import check, failures
+from nopad_test_support import prepare_sample
+
 NOPAD = os.environ["NOPAD_BINARY"]
 SRC = os.environ["NOPAD_SOURCE_DIR"]
-failures = []
-
-
-def check(cond, what):
-    if not cond:
-        failures.append(what)
-        print("FAIL:", what)
 
 
 def bench_ids(data, seed, batch, steps, dump):
@@ -38,10 +34,7 @@ def main():
     tmp = tempfile.mkdtemp(prefix="nopad-order-")
     try:
         data = os.path.join(tmp, "data")
-        r = subprocess.run([NOPAD, "prepare", "--input", os.path.join(SRC, "data/wiki-sample/wiki_00"), "--vocab",
-                            os.path.join(SRC, "data/vocab/bert-uncased-vocab.txt"), "--output", data,
-                            "--max-seq-length", "64", "--max-predictions", "10", "--dupe-factor", "1",
-                            "--seqs-per-shard", "300", "--quiet"], capture_output=True, text=True)
+        r = prepare_sample(data, "--seqs-per-shard", "300")
         check(r.returncode == 0, f"prepare: {r.stderr}")
         ds = nopad_shards.open_dataset(data)
         n = ds.num_seqs

@@ -11,15 +11,8 @@ import subprocess
 import sys
 import tempfile
 
+from nopad_checks import check, failures
 from nopad_test_support import NOPAD, SRC, mpiexec, prepare_sample
-
-failures = []
-
-
-def check(cond, what):
-    if not cond:
-        failures.append(what)
-        print("FAIL:", what)
 
 
 def bench(data, ranks, batch, extra=()):

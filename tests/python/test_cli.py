@@ -8,21 +8,17 @@ import subprocess
 import sys
 import tempfile
 
+from nopad_checks import check, failures
+
 NOPAD = os.environ["NOPAD_BINARY"]
 SRC = os.environ["NOPAD_SOURCE_DIR"]
 VOCAB = os.path.join(SRC, "data/vocab/bert-uncased-vocab.txt")
 WIKI = os.path.join(SRC, "data/wiki-sample/wiki_00")
-failures = []
 
 
 def run(*args, stdin=None):
     return subprocess.run([NOPAD, *args], input=stdin, capture_output=True, text=True)
 
-
-def check(cond, what):
-    if not cond:
-        failures.append(what)
-        print("FAIL:", what)
 
 
 def expect_error(result, needle, what):

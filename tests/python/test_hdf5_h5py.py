@@ -20,6 +20,8 @@ except ImportError as e:  # a missing package is a failure, never a skip
 
 import nopad_shards
 
+from nopad_checks import check, failures
+
 BINARY = os.environ.get("NOPAD_BINARY")
 SOURCE = os.environ.get("NOPAD_SOURCE_DIR")
 if not BINARY or not SOURCE:
@@ -123,15 +125,6 @@ def write_packed(path, insts):
                                     ("next_sentence_labels", "nsp", i8, np.int8)]:
             f.create_dataset(name, data=vlen_column(rows[key], npdt), dtype=dt, compression="gzip")
     return r
-
-
-failures = []
-
-
-def check(cond, what):
-    if not cond:
-        failures.append(what)
-        print("FAIL:", what)
 
 
 def main():

@@ -13,15 +13,10 @@ import subprocess
 import sys
 import tempfile
 
+from nopad_checks import check, failures
+
 NOPAD = os.environ["NOPAD_BINARY"]
 SRC = os.environ["NOPAD_SOURCE_DIR"]
-failures = []
-
-
-def check(cond, what):
-    if not cond:
-        failures.append(what)
-        print("FAIL:", what)
 
 
 def prepare(part, out):

@@ -14,16 +14,12 @@ import sys
 import tempfile
 import xml.dom.minidom
 
+from nopad_checks import check, failures
+
 SRC = os.environ.get("NOPAD_SOURCE_DIR", os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
 SCRIPT = os.path.join(SRC, "scripts", "plot_convergence.py")
-failures = []
 BATCH, STEPS, INTERVAL = 256, 1500, 25_000
 
-
-def check(cond, what):
-    if not cond:
-        failures.append(what)
-        print("FAIL:", what)
 
 
 def write_run(path, seed, rate, offset=0.0, prefix=None, after_step=None):

@@ -14,15 +14,10 @@ import tempfile
 
 import nopad_shards
 
+from nopad_checks import check, failures
+
 NOPAD = os.environ["NOPAD_BINARY"]
 SRC = os.environ["NOPAD_SOURCE_DIR"]
-failures = []
-
-
-def check(cond, what):
-    if not cond:
-        failures.append(what)
-        print("FAIL:", what)
 
 
 def prepare(out, *extra):

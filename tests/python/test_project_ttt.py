@@ -11,18 +11,12 @@ import subprocess
 import sys
 import tempfile
 
+from nopad_checks import check, failures
+
 SRC = os.environ.get("NOPAD_SOURCE_DIR", os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
 SCRIPT = os.path.join(SRC, "scripts", "project_ttt.py")
 sys.path.insert(0, os.path.join(SRC, "scripts"))
 import project_ttt as pt  # noqa: E402
-
-failures = []
-
-
-def check(cond, what):
-    if not cond:
-        failures.append(what)
-        print("FAIL:", what)
 
 
 def run(*args):

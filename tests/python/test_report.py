@@ -10,25 +10,18 @@ import sys
 import tempfile
 import xml.dom.minidom
 
+from nopad_checks import check, failures
+from nopad_test_support import prepare_sample
+
 NOPAD = os.environ["NOPAD_BINARY"]
 SRC = os.environ["NOPAD_SOURCE_DIR"]
-failures = []
-
-
-def check(cond, what):
-    if not cond:
-        failures.append(what)
-        print("FAIL:", what)
 
 
 def main():
     tmp = tempfile.mkdtemp(prefix="nopad-report-")
     try:
         data = os.path.join(tmp, "data")
-        r = subprocess.run([NOPAD, "prepare", "--input", os.path.join(SRC, "data/wiki-sample/wiki_00"), "--vocab",
-                            os.path.join(SRC, "data/vocab/bert-uncased-vocab.txt"), "--output", data,
-                            "--max-seq-length", "64", "--max-predictions", "10", "--dupe-factor", "1", "--quiet"],
-                           capture_output=True, text=True)
+        r = prepare_sample(data)
         check(r.returncode == 0, f"prepare: {r.stderr}")
         run = os.path.join(tmp, "run")
         r = subprocess.run([NOPAD, "train", "--config", os.path.join(SRC, "configs/bert-tiny-sample.toml"),

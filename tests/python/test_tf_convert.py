@@ -21,17 +21,12 @@ import numpy as np
 import nopad_shards
 from nopad_twin import read_safetensors
 
+from nopad_checks import check, failures
+
 NOPAD = os.environ["NOPAD_BINARY"]
 SRC = os.environ["NOPAD_SOURCE_DIR"]
 FIXTURE = os.path.join(SRC, "tests/data/tf-bert-checkpoint")
 VOCAB = os.path.join(SRC, "data/vocab/bert-uncased-vocab.txt")
-failures = []
-
-
-def check(cond, what):
-    if not cond:
-        failures.append(what)
-        print("FAIL:", what)
 
 
 def convert(*args):

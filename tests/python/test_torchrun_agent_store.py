@@ -27,10 +27,9 @@ import tempfile
 import threading
 import time
 
+from nopad_checks import check, failures
 from nopad_test_support import (NOPAD, SRC, free_port, losses, prepare_sample, run_tiny_train, tiny_bench_cmd,
                                 tiny_train_cmd)
-
-failures = []
 
 # PyTorch's c10d TCPStore protocol (torch/csrc/distributed/c10d/TCPStoreBackend.hpp, TCPStoreLibUvBackend.cpp).
 VALIDATE, SET, COMPARE_SET, GET, ADD, CHECK, WAIT, GETNUMKEYS, DELETE_KEY, APPEND, MULTI_GET, MULTI_SET, \
@@ -39,11 +38,6 @@ MAGIC = 0x3C85F7CE
 READY, NOT_READY = 0, 1
 STOP_WAITING, WAIT_CANCELED = 0, 1
 
-
-def check(cond, what):
-    if not cond:
-        failures.append(what)
-        print("FAIL:", what)
 
 
 class Closed(Exception):

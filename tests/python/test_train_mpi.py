@@ -12,15 +12,9 @@ import tempfile
 
 import numpy as np
 
+from nopad_checks import check, failures
 from nopad_test_support import NOPAD, SRC, losses, mpiexec, prepare_sample
 from nopad_twin import read_safetensors
-failures = []
-
-
-def check(cond, what):
-    if not cond:
-        failures.append(what)
-        print("FAIL:", what)
 
 
 def train(ranks, run_dir, data, extra=(), check_rc=True):
@@ -35,8 +29,6 @@ def train(ranks, run_dir, data, extra=(), check_rc=True):
     if check_rc and r.returncode != 0:
         print(r.stdout, r.stderr)
     return r
-
-
 
 
 def weights(run_dir):

@@ -12,21 +12,9 @@ import subprocess
 import sys
 import tempfile
 
+from nopad_checks import check, failures
 from nopad_test_support import (NOPAD, SRC, free_port, losses, prepare_sample, run_tiny_train, tiny_bench_cmd,
                                 tiny_train_cmd)
-failures = []
-
-
-def check(cond, what):
-    if not cond:
-        failures.append(what)
-        print("FAIL:", what)
-
-
-
-
-
-
 
 
 def launch(run_dir, data, world_sizes, argv=None):
@@ -48,8 +36,6 @@ def launch(run_dir, data, world_sizes, argv=None):
             o, e = p.communicate()
         out.append((p.returncode, o, e))
     return out
-
-
 
 
 def main():

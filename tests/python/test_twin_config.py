@@ -20,15 +20,11 @@ import numpy as np
 
 import nopad_twin
 
+from nopad_checks import check, failures
+from nopad_test_support import prepare_sample
+
 NOPAD = os.environ["NOPAD_BINARY"]
 SRC = os.environ["NOPAD_SOURCE_DIR"]
-failures = []
-
-
-def check(cond, what):
-    if not cond:
-        failures.append(what)
-        print("FAIL:", what)
 
 
 def help_defaults():
@@ -64,10 +60,7 @@ def main():
     tmp = tempfile.mkdtemp(prefix="nopad-twin-")
     try:
         data = os.path.join(tmp, "data")
-        r = subprocess.run([NOPAD, "prepare", "--input", os.path.join(SRC, "data/wiki-sample/wiki_00"), "--vocab",
-                            os.path.join(SRC, "data/vocab/bert-uncased-vocab.txt"), "--output", data,
-                            "--max-seq-length", "64", "--max-predictions", "10", "--dupe-factor", "1", "--quiet"],
-                           capture_output=True, text=True)
+        r = prepare_sample(data)
         check(r.returncode == 0, f"prepare: {r.stderr}")
         mc = nopad_twin.read_hf_config(os.path.join(SRC, "data/configs/bert-tiny.json"))
         init = nopad_twin.init_params_numpy(mc, 7)
