@@ -51,11 +51,8 @@ NOPAD_SKIP_INSTALL=1 NOPAD_BUILD_DIR=build-gpu NOPAD_CMAKE_ARGS="-DNOPAD_CUDA=ON
 NOPAD=build-gpu/nopad
 if [ -n "${BASE_TREE:-}" ]; then
   stamp "build of the base tree $BASE_TREE"
-  [ -f "$BASE_TREE/CMakeLists.txt" ] || { echo "bench.sh: BASE_TREE=$BASE_TREE has no CMakeLists.txt"; exit 1; }
-  # shellcheck disable=SC2086
-  cmake -S "$BASE_TREE" -B "$BASE_TREE/build-gpu" -G Ninja -DCMAKE_BUILD_TYPE=Release -DNOPAD_CUDA=ON \
-    ${NOPAD_CMAKE_EXTRA:-} >/dev/null
-  cmake --build "$BASE_TREE/build-gpu" -j "$(nproc)" --target nopad >/dev/null
+  source scripts/base-tree.sh
+  build_base_tree "$BASE_TREE" "$OUT/build-base.log" || exit 1
 fi
 
 # Real Wikipedia shards, phase-2 settings (scripts/phase2-shards.sh).

@@ -45,12 +45,8 @@ if has build; then
     { grep -E "error|FAILED" "$OUT/build.log" | head -30; exit 1; }
   if [ -n "${BASE_TREE:-}" ]; then
     say "build of the base tree $BASE_TREE"
-    [ -f "$BASE_TREE/CMakeLists.txt" ] || { echo "gpu-attention.sh: BASE_TREE=$BASE_TREE has no CMakeLists.txt"; exit 1; }
-    { [ -f "$BASE_TREE/build-gpu/CMakeCache.txt" ] ||
-        cmake -S "$BASE_TREE" -B "$BASE_TREE/build-gpu" -G Ninja -DCMAKE_BUILD_TYPE=Release -DNOPAD_CUDA=ON \
-          ${NOPAD_CMAKE_EXTRA:-}; } >"$OUT/build-base.log" 2>&1 &&
-      cmake --build "$BASE_TREE/build-gpu" -j "$(nproc)" --target nopad >>"$OUT/build-base.log" 2>&1 ||
-      { grep -E "error|FAILED" "$OUT/build-base.log" | head -30; exit 1; }
+    source scripts/base-tree.sh
+    build_base_tree "$BASE_TREE" "$OUT/build-base.log" || exit 1
   fi
   nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader | tee -a "$OUT/summary.txt"
 fi
