@@ -224,6 +224,7 @@ ModelBenchResult run_model_bench(const ModelBenchOptions& o) {
   res.max_mem_gib = static_cast<double>(runner->peak_memory_bytes()) / (1024.0 * 1024.0 * 1024.0);
   res.final_loss = final_loss;
   res.energy = energy;
+  const double joules_per_seq = energy.valid ? energy.joules / static_cast<double>(res.seqs) : 0.0;
   const std::string gpu = runner->device_name();
 
   // --breakdown: the same timed batches once more with per-op event timing, after (never during) the timed run, so
@@ -315,7 +316,7 @@ ModelBenchResult run_model_bench(const ModelBenchOptions& o) {
   j["mean_length"] = static_cast<double>(res.tokens) / static_cast<double>(res.seqs);
   if (energy.valid) {  // the board's energy counter over the timed steps, and the SM clock they ran at
     j["power_w"] = energy.watts();
-    j["energy_j_per_seq"] = energy.joules / static_cast<double>(res.seqs);
+    j["energy_j_per_seq"] = joules_per_seq;
     j["sm_clock_mhz"] = energy.sm_mhz;
     j["power_capped"] = energy.power_capped;
   }
@@ -338,7 +339,7 @@ ModelBenchResult run_model_bench(const ModelBenchOptions& o) {
                res.final_loss);
   if (energy.valid)
     std::fprintf(stderr, "  power %.0f W   energy %.3f J/sequence   SM clock %.0f MHz   power cap holding the clock in "
-                 "%.0f%% of %d samples\n", energy.watts(), energy.joules / static_cast<double>(res.seqs), energy.sm_mhz,
+                 "%.0f%% of %d samples\n", energy.watts(), joules_per_seq, energy.sm_mhz,
                  100.0 * energy.power_capped, energy.samples);
   else if (meter != nullptr)
     std::fprintf(stderr, "  no energy reading: %s\n",
