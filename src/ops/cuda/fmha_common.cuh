@@ -269,64 +269,6 @@ __host__ __device__ inline const uint16_t* query_source(const FmhaParams& p) {
   return static_cast<const uint16_t*>(p.q_cu_seqlens != nullptr ? p.q_qkv : p.qkv);
 }
 
-// ------------------------------------------------------------------------------------------------ stored keep bits
-// FmhaParams::keep_bits: the bytes of (row s0 + q, head), one per 8 keys.
-__device__ __forceinline__ uint8_t* keep_bits_row(const FmhaParams& p, int s0, int q, int head) {
-  return p.keep_bits + (int64_t{s0 + q} * p.num_heads + head) * kFmhaKeepBitsPitch;
-}
-// Forward: stores a lane's word from fmha_dropout::fwd_lane_bits_at before its exchange. Its byte rr + 2 hh holds the
-// block of row (rr ? r8 : r0), keys 8 (key_tile / 8 + t + 4 hh) .. + 7, so each row gets two bytes 4 apart. Rows past
-// the sequence (r >= L) belong to no query and are not stored. Full launches only (row = query position).
-__device__ __forceinline__ void store_keep_bytes(const FmhaParams& p, uint32_t x, int s0, int L, int head, int r0,
-                                                 int r8, int key_tile, int t) {
-  const int k8 = (key_tile >> 3) + t;
-  if (r0 < L) {
-    uint8_t* r = keep_bits_row(p, s0, r0, head) + k8;
-    r[0] = static_cast<uint8_t>(x);
-    r[4] = static_cast<uint8_t>(x >> 16);
-  }
-  if (r8 < L) {
-    uint8_t* r = keep_bits_row(p, s0, r8, head) + k8;
-    r[0] = static_cast<uint8_t>(x >> 8);
-    r[4] = static_cast<uint8_t>(x >> 24);
-  }
-}
-// The same stores from row pointers computed once per CTA (keep_bits_row(...) + t, or null for a row past the
-// sequence or without stored bits): only the key offset changes from tile to tile.
-__device__ __forceinline__ void store_keep_bytes_at(uint8_t* row0_t, uint8_t* row8_t, uint32_t x, int key_tile) {
-  const int k8 = key_tile >> 3;
-  if (row0_t != nullptr) {
-    row0_t[k8] = static_cast<uint8_t>(x);
-    row0_t[k8 + 4] = static_cast<uint8_t>(x >> 16);
-  }
-  if (row8_t != nullptr) {
-    row8_t[k8] = static_cast<uint8_t>(x >> 8);
-    row8_t[k8 + 4] = static_cast<uint8_t>(x >> 24);
-  }
-}
-// Backward: the word fmha_dropout::bwd_lane_bits_at(draw, ..., q0, q1, key16) would draw, from the stored bytes: byte
-// j + 2 kg = the block of query q_j, keys key16 + 8 kg .. + 7 (key16 % 16 == 0, so each query's two bytes are one
-// aligned 16-bit load). Queries past the sequence get 0 (their P and dS are 0 whatever the bits).
-__device__ __forceinline__ uint32_t load_keep_bytes(const FmhaParams& p, int s0, int L, int head, int q0, int q1,
-                                                    int key16) {
-  const int k8 = key16 >> 3;
-  const uint32_t a =
-      q0 < L ? __ldg(reinterpret_cast<const unsigned short*>(keep_bits_row(p, s0, q0, head) + k8)) : 0u;
-  const uint32_t b =
-      q1 < L ? __ldg(reinterpret_cast<const unsigned short*>(keep_bits_row(p, s0, q1, head) + k8)) : 0u;
-  return __byte_perm(a, b, 0x5140);
-}
-// The two 16-bit loads of load_keep_bytes, apart (raw[0] for q0, raw[1] for q1), so that a kernel can issue them a
-// query tile ahead of their use; keep_word_of(raw) is then load_keep_bytes' result.
-__device__ __forceinline__ void load_keep_raw(const FmhaParams& p, int s0, int L, int head, int q0, int key16,
-                                              uint32_t (&raw)[2]) {
-  const int k8 = key16 >> 3;
-#pragma unroll
-  for (int j = 0; j < 2; ++j)
-    raw[j] = q0 + j < L ? __ldg(reinterpret_cast<const unsigned short*>(keep_bits_row(p, s0, q0 + j, head) + k8)) : 0u;
-}
-__device__ __forceinline__ uint32_t keep_word_of(const uint32_t (&raw)[2]) { return __byte_perm(raw[0], raw[1], 0x5140); }
-
 // ------------------------------------------------------------------------------------------------ host side
 inline bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
 
@@ -364,11 +306,6 @@ inline int32_t validate_common(const FmhaParams& p, const char* op) {
                 " must be >= 0, max_q_seqlen <= max_seqlen ", p.max_seqlen);
   } else {
     NOPAD_CHECK(p.q_qkv == nullptr && p.q_positions == nullptr, op, ": q_qkv / q_positions need q_cu_seqlens");
-  }
-  if (p.keep_bits != nullptr) {
-    NOPAD_CHECK(p.q_cu_seqlens == nullptr, op, ": keep_bits needs every row as a query (q_cu_seqlens must be null)");
-    NOPAD_CHECK(p.max_seqlen <= kFmhaKeepBitsMaxSeqlen, op, ": keep_bits serves sequences of at most ",
-                kFmhaKeepBitsMaxSeqlen, " tokens, max_seqlen is ", p.max_seqlen, " (pass keep_bits = null)");
   }
   return n;
 }
