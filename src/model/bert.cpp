@@ -79,12 +79,6 @@ BertModel<P>::BertModel(const BertConfig& config, ops::Backend<P>& backend, int3
     L.out2 = alloc<A>(T * H);
     L.ln2_mean = alloc<St>(T);
     L.ln2_rstd = alloc<St>(T);
-    // The attention's keep bits, from its forward to its backward, where the backend keeps them (ops.h).
-    if (config.attention_probs_dropout_prob > 0) {
-      const size_t keep_bytes = backend_.attention_keep_bits_bytes(max_tokens, config.num_attention_heads,
-                                                                   config.max_position_embeddings);
-      if (keep_bytes > 0) L.attn_keep_bits = alloc<uint8_t>(keep_bytes);
-    }
     layers_.push_back(L);
   }
   // Gradient buckets (bert.h): each layer's tensors must fill [lo, hi) alone (alignment gaps included) to be a bucket.
@@ -432,8 +426,7 @@ uint64_t BertModel<P>::forward_async(const HostBatch& batch, bool train, uint64_
     const int32_t R = sparse ? num_last_rows_ : T;
     const ops::SeqView& rows = sparse ? last_seqs_ : seqs_;
     backend_.dense_forward(h, L.w_qkv, L.b_qkv, T, H, 3 * H, ops::Activation::kNone, L.qkv, nullptr);
-    ops::Dropout attn_drop = dropout(p_attn, op_id_attention_probs(l));
-    attn_drop.keep_bits = L.attn_keep_bits;
+    const ops::Dropout attn_drop = dropout(p_attn, op_id_attention_probs(l));
     if (sparse && sparse_attn_) {
       backend_.gather_rows(L.qkv, T, last_rows_, R, 3 * H, last_qkv_);
       backend_.attention_forward_rows(L.qkv, seqs_, last_qkv_, last_seqs_, NH, config_.head_dim(), attn_drop,
@@ -567,8 +560,7 @@ void BertModel<P>::backward(double loss_scale) {
                                                       sparse ? d_last_h_ : d_hidden_, g + L.off_b_attn_out,
                                                       g + L.off_ln1_gamma, g + L.off_ln1_beta);
     // d(b_qkv) comes out of the attention backward (the column sums of d_qkv as it writes them).
-    ops::Dropout attn_drop = dropout(p_attn, op_id_attention_probs(l));
-    attn_drop.keep_bits = L.attn_keep_bits;
+    const ops::Dropout attn_drop = dropout(p_attn, op_id_attention_probs(l));
     if (sparse) {
       // d(ctx) of the N rows (in d_hidden2_, free again); d(h_in) spread over [T, H] with zeros in the rows the heads
       // never read, so that the QKV backward adds into it as in the other layers.

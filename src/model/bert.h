@@ -147,7 +147,6 @@ class BertModel {
     A *qkv, *ctx, *attn_dense, *out1, *inter_act, *ffn_dense, *out2;
     A* inter_grad;  // gelu'(intermediate pre-activation), saved by the forward for the FFN backward
     St *lse, *ln1_mean, *ln1_rstd, *ln2_mean, *ln2_rstd;
-    uint8_t* attn_keep_bits = nullptr;  // the attention's dropout keep bits (ops::Dropout::keep_bits), or null
   };
   template <class U>
   U* alloc(size_t count);

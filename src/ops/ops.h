@@ -72,11 +72,6 @@ struct Dropout {
   uint64_t seed = 0;
   uint64_t step = 0;
   uint32_t op_id = 0;  // distinct per op instance in the model (see model/bert.h)
-  // attention_forward / attention_backward only, optional: backend memory of
-  // Backend::attention_keep_bits_bytes() bytes, private to this op instance between its forward and its backward.
-  // The forward may leave its keep bits there for the backward to read instead of drawing them again; the mask is the
-  // same either way. Null, or a backend whose attention_keep_bits_bytes() is 0: the backward draws them.
-  uint8_t* keep_bits = nullptr;
 };
 
 // kGelu: the exact erf GELU, 0.5 x (1 + erf(x / sqrt 2)) (Hugging Face "gelu").
@@ -184,14 +179,6 @@ class Backend {
   virtual void upload_bytes(void* dst, const void* host_src, size_t bytes) = 0;
   virtual void download_bytes(void* host_dst, const void* src, size_t bytes) = 0;
   virtual void zero_bytes(void* x, size_t bytes) = 0;
-  // Bytes of Dropout::keep_bits an attention op over num_tokens rows, num_heads heads and sequences of at most
-  // max_seqlen tokens can use; 0 (the default): the backend draws the backward's mask again and needs none.
-  virtual size_t attention_keep_bits_bytes(int64_t num_tokens, int32_t num_heads, int32_t max_seqlen) const {
-    (void)num_tokens;
-    (void)num_heads;
-    (void)max_seqlen;
-    return 0;
-  }
   virtual void synchronize() {}
 
   // ---- copies beside compute (optional: the defaults are the ordered, synchronous copies above) ----

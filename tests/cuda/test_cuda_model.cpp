@@ -47,7 +47,6 @@
 #include "model/config.h"
 #include "ops/cpu/cpu_backend.h"
 #include "ops/cuda/cuda_backend.h"
-#include "ops/cuda/dense.h"
 
 namespace nopad {
 namespace {
@@ -237,67 +236,6 @@ INSTANTIATE_TEST_SUITE_P(Configs, CudaModelTest,
                                            ModelCase{"fp16_gelu_tanh_bert_base_dropout", Arch::kBase, true, true,
                                                      true}),
                          [](const ::testing::TestParamInfo<ModelCase>& info) { return std::string(info.param.name); });
-
-// The attention's stored keep bits (ops::Dropout::keep_bits, kernel_variants().attention_keep_bits): a model whose
-// backend keeps them and one whose backend draws the backward's masks again, same weights and batch, dropout on. The
-// masks are the same, so the two models differ only in summation orders: the attention backward's dQ atomics, and
-// cuBLASLt algorithms chosen for other pointer alignments (the keep-bit buffers move the activations). The losses
-// agree to 1e-6 relative, the full gradient vectors to a cosine of 1 - 1e-6 and every tensor's norm to 1e-4 of the
-// global norm. (Fmha.StoredKeepBits* checks the stored bits themselves; this test checks the model's wiring.)
-TEST(CudaModelKeepBits, StoredAndDrawnMasksTrainAlike) {
-  BertConfig config = wide_config();
-  const HostBatch batch = make_batch(config, 5);
-  const int32_t T = batch.num_tokens(), B = batch.num_seqs(), M = batch.num_masked();
-  const cuda::KernelVariants saved = cuda::kernel_variants();
-  struct Restore {
-    cuda::KernelVariants v;
-    ~Restore() { cuda::kernel_variants() = v; }
-  } restore{saved};
-  std::vector<float> w;
-  std::vector<ParamTensor> tensors;
-  std::vector<StepResult> results;
-  std::vector<std::vector<float>> grads;
-  for (int stored = 1; stored >= 0; --stored) {
-    cuda::kernel_variants().attention_keep_bits = stored != 0;
-    cuda::CudaBackendT<ops::GpuBf16> backend(0);
-    ASSERT_EQ(backend.attention_keep_bits_bytes(T, config.num_attention_heads, config.max_position_embeddings) > 0,
-              stored != 0);
-    BertModel<ops::GpuBf16> model(config, backend, T, B, M);
-    if (w.empty()) {
-      model.init_params(99);
-      w.resize(model.num_params());
-      model.get_params(w.data());
-      tensors = model.layout().tensors();
-    }
-    model.set_params(w.data());
-    model.zero_grad();
-    results.push_back(model.forward(batch, /*dropout=*/true, 7, 3));
-    model.backward(1.0);
-    grads.emplace_back(model.num_params(), std::nanf(""));
-    model.get_grads(grads.back().data());
-  }
-  EXPECT_NEAR(results[0].mlm_loss, results[1].mlm_loss, 1e-6 * results[1].mlm_loss)
-      << "MLM loss with stored and with drawn keep bits";
-  EXPECT_NEAR(results[0].nsp_loss, results[1].nsp_loss, 1e-6 * results[1].nsp_loss);
-  const std::vector<float>& a = grads[0];
-  const std::vector<float>& b = grads[1];
-  const size_t n = a.size();
-  double dot = 0;
-  size_t nonfinite = 0;
-  for (size_t i = 0; i < n; ++i) {
-    nonfinite += !std::isfinite(a[i]) || !std::isfinite(b[i]);
-    dot += double(a[i]) * b[i];
-  }
-  ASSERT_EQ(nonfinite, 0u);
-  const double na = norm(a.data(), n), nb = norm(b.data(), n);
-  std::printf("    keep bits stored / drawn: mlm loss %.9f / %.9f, grad norm %.9g / %.9g, cosine %.9f\n",
-              results[0].mlm_loss, results[1].mlm_loss, na, nb, dot / (na * nb));
-  EXPECT_GT(dot / (na * nb), 1.0 - 1e-6);
-  for (const ParamTensor& t : tensors) {
-    const double ta = norm(a.data() + t.offset, t.numel), tb = norm(b.data() + t.offset, t.numel);
-    EXPECT_NEAR(ta, tb, 1e-4 * na) << "gradient norm of " << t.name;
-  }
-}
 
 }  // namespace
 }  // namespace nopad

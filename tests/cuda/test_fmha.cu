@@ -639,119 +639,6 @@ TEST(Fmha, DropoutFractionOfTheMask) {
   EXPECT_LE(std::fabs(frac - q), 5 * sigma);
 }
 
-// Stored keep bits (FmhaParams::keep_bits), every variant: the forward stores exactly the CPU twin's keep bits of every
-// (row, head, 8-key block) a sequence has and writes nothing past the 64-key tile that holds a row's last block (the
-// buffer is poisoned first, and the bytes past that tile must keep the poison); with them the forward computes what it computes without them
-// (ctx, lse bitwise), and the backward, reading them instead of drawing, too (dk, dv bitwise; dq up to its atomics'
-// order). With the stored bits inverted, dk and dv change: the backward does read them.
-void run_keep_bits_case(const std::vector<int32_t>& lens, int heads, int hd, bool fp16, bool all_variants) {
-  ASSERT_TRUE(have_gpu()) << "no CUDA device: nopad_cuda_tests runs on a GPU machine (scripts/gpu-tests.sh)";
-  const Problem pr = make_problem(lens, heads, hd, 0.1f, fp16, 23);
-  GpuRun g(pr);
-  upload(g, pr);
-  const size_t keep_bytes = fmha_keep_bits_bytes(pr.T, pr.heads, pr.max_len);
-  ASSERT_EQ(keep_bytes, static_cast<size_t>(pr.T) * pr.heads * kFmhaKeepBitsPitch);
-  DevBuf<uint8_t> keep(keep_bytes);
-  ASSERT_NE(keep.ptr, nullptr);
-  constexpr uint8_t kPoison = 0x5A;
-  const uint64_t key = dropout_stream_key(pr.seed, pr.step, pr.op_id);
-  const int H = pr.H();
-  const auto compare = [&](const Out& a, const Out& b, bool expect_equal_kv) {
-    EXPECT_EQ(0, std::memcmp(a.ctx.data(), b.ctx.data(), a.ctx.size() * sizeof(float))) << "ctx differs";
-    EXPECT_EQ(0, std::memcmp(a.lse.data(), b.lse.data(), a.lse.size() * sizeof(float))) << "lse differs";
-    size_t bad_kv = 0, bad_q = 0;
-    for (int t = 0; t < pr.T; ++t)
-      for (int c = 0; c < 3 * H; ++c) {
-        const float x = a.dqkv[static_cast<size_t>(t) * 3 * H + c], y = b.dqkv[static_cast<size_t>(t) * 3 * H + c];
-        if (c >= H) {
-          bad_kv += x != y;
-        } else {
-          bad_q += !(std::fabs(x - y) <= std::fabs(x) * (1.0f / 128) + 1e-6f);
-        }
-      }
-    if (expect_equal_kv) {
-      EXPECT_EQ(bad_kv, 0u) << "dk/dv differ between drawn and stored keep bits";
-      EXPECT_EQ(bad_q, 0u) << "dq differs by more than one 16-bit ulp between drawn and stored keep bits";
-    } else {
-      EXPECT_GT(bad_kv, static_cast<size_t>(pr.T)) << "inverted stored bits left dk/dv as they were";
-    }
-  };
-  // The CPU twin's keep bits per (row, head, block), as the forward must store them.
-  std::vector<uint8_t> want(keep_bytes, kPoison);
-  for (size_t b = 0; b < pr.lens.size(); ++b)
-    for (int q = 0; q < pr.lens[b]; ++q)
-      for (int h = 0; h < pr.heads; ++h)
-        for (int k8 = 0; k8 < (pr.lens[b] + 7) / 8; ++k8) {
-          uint8_t bits = 0;
-          for (int f = 0; f < 8; ++f)
-            if (dropout_keep_key(key, pr.sample_ids[b], element_attention(h, q, 8 * k8 + f), pr.p,
-                                 kAttentionPhiloxRounds))
-              bits |= static_cast<uint8_t>(1u << f);
-          want[(static_cast<size_t>(h) * kFmhaKeepBitsPitch + k8) * pr.T + pr.cu[b] + q] = bits;
-        }
-  const int nf = fmha_forward_variant_count(), nb = fmha_backward_variant_count();
-  const int passes = all_variants ? std::max(nf, nb) : 1;
-  for (int v = 0; v < passes; ++v) {
-    g.p.fwd_variant = all_variants ? v % nf : -1;
-    g.p.bwd_variant = all_variants ? v % nb : -1;
-    SCOPED_TRACE(variant_label(fmha_forward_variant(g.p), fmha_backward_variant(g.p)));
-    g.p.keep_bits = nullptr;
-    poison(g);
-    fmha_forward(g.p, nullptr);
-    fmha_backward(g.p, nullptr);
-    CK(cudaDeviceSynchronize());
-    const Out drawn = download(g, pr);
-    ASSERT_EQ(count_nonfinite(drawn.ctx) + count_nonfinite(drawn.dqkv), 0u);
-
-    poison(g);
-    CK(cudaMemset(keep.ptr, kPoison, keep.bytes()));
-    g.p.keep_bits = keep.ptr;
-    fmha_forward(g.p, nullptr);
-    CK(cudaDeviceSynchronize());
-    std::vector<uint8_t> bytes(keep.count);
-    CK(cudaMemcpy(bytes.data(), keep.ptr, keep.bytes(), cudaMemcpyDeviceToHost));
-    size_t wrong = 0, touched = 0;
-    for (size_t b = 0; b < pr.lens.size(); ++b) {
-      const int L = pr.lens[b], blocks = (L + 7) / 8, tile_blocks = (blocks + 7) / 8 * 8;
-      for (int q = 0; q < L; ++q)
-        for (int h = 0; h < pr.heads; ++h) {
-          for (int k8 = 0; k8 < kFmhaKeepBitsPitch; ++k8) {
-            const size_t at = (static_cast<size_t>(h) * kFmhaKeepBitsPitch + k8) * pr.T + pr.cu[b] + q;
-            if (k8 >= tile_blocks) {
-              touched += bytes[at] != kPoison;
-            } else if (k8 < blocks) {
-              wrong += bytes[at] != want[at];
-            }
-          }
-        }
-    }
-    EXPECT_EQ(wrong, 0u) << "stored keep bytes that differ from the CPU twin's mask";
-    EXPECT_EQ(touched, 0u) << "bytes past the 64-key tile of a row's last block were written";
-    fmha_backward(g.p, nullptr);
-    CK(cudaDeviceSynchronize());
-    compare(drawn, download(g, pr), true);
-
-    // Every stored bit inverted: the backward must follow the buffer, not the Philox draws.
-    for (uint8_t& x : bytes) x = static_cast<uint8_t>(~x);
-    CK(cudaMemcpy(keep.ptr, bytes.data(), keep.bytes(), cudaMemcpyHostToDevice));
-    poison(g);
-    FmhaParams fwd_only = g.p;
-    fwd_only.keep_bits = nullptr;
-    fmha_forward(fwd_only, nullptr);  // ctx and lse as before, the buffer left inverted
-    fmha_backward(g.p, nullptr);
-    CK(cudaDeviceSynchronize());
-    compare(drawn, download(g, pr), false);
-    g.p.keep_bits = nullptr;
-  }
-}
-const std::vector<int32_t> kKeepBitsLens = {1, 2, 17, 63, 64, 65, 127, 128, 129, 255, 300, 511, 512};
-TEST(Fmha, StoredKeepBitsBf16Hd64) { run_keep_bits_case(kKeepBitsLens, 3, 64, false, true); }
-TEST(Fmha, StoredKeepBitsFp16Hd64) { run_keep_bits_case(kKeepBitsLens, 2, 64, true, false); }
-TEST(Fmha, StoredKeepBitsBf16Hd32Hd128) {
-  run_keep_bits_case({1, 17, 64, 65, 200, 512}, 2, 32, false, false);
-  run_keep_bits_case({1, 17, 64, 65, 200, 512}, 2, 128, false, false);
-}
-
 // Grouped launches: the short and the long sequences as two launches (seq_index subsets, one shared workspace) give
 // the same results as one launch over all sequences, for every variant. ctx, lse, dk, dv are deterministic (bitwise
 // equal); dq is summed with float atomics in an unspecified order, so it is compared to 1 unit in the last 16-bit
@@ -944,16 +831,8 @@ TEST(Fmha, RejectsBadParams) {
   p.num_launch_seqs = 1;
   EXPECT_THROW(fmha_forward(p, nullptr), nopad::Error) << "query rows with seq_index";
   p.seq_index = nullptr;
-  p.keep_bits = reinterpret_cast<uint8_t*>(dummy);
-  EXPECT_THROW(fmha_forward(p, nullptr), nopad::Error) << "keep_bits with query rows";
   p.q_cu_seqlens = nullptr;
   EXPECT_THROW(fmha_backward(p, nullptr), nopad::Error) << "q_qkv without q_cu_seqlens";
-  p.q_qkv = nullptr;
-  p.q_positions = nullptr;
-  p.max_seqlen = kFmhaKeepBitsMaxSeqlen + 1;
-  EXPECT_THROW(fmha_forward(p, nullptr), nopad::Error) << "keep_bits with sequences longer than they serve";
-  EXPECT_EQ(fmha_keep_bits_bytes(10, 3, kFmhaKeepBitsMaxSeqlen + 1), 0u);
-  EXPECT_EQ(fmha_keep_bits_bytes(10, 3, 512), 10u * 3 * 64);
 }
 
 // Variant selection: the field when >= 0, else NOPAD_FMHA_{FWD,BWD}_VARIANT, else the default; names exist.

@@ -21,7 +21,6 @@
 #include "ops/attention_groups.h"
 #include "ops/cuda/attention_bench.h"
 #include "ops/cuda/check.h"
-#include "ops/cuda/dense.h"
 #include "ops/cuda/fmha.h"
 
 namespace nopad::cuda {
@@ -127,11 +126,6 @@ std::vector<std::string> run_attention_bench_gpu(const AttentionBenchOptions& o,
     Buf<uint64_t> ids_d(ids.size());
     Buf<unsigned char> ws(fmha_backward_workspace_bytes(T, o.heads, o.head_dim));
     Buf<float> bias(o.bias_grad ? static_cast<size_t>(3) * H : 0);  // summed into across calls: only timed
-    // With dropout, the forward stores its keep bits for the backward as training does (NOPAD_ATTENTION_KEEP_BITS=0:
-    // the backward draws them again).
-    const size_t keep_bytes =
-        kernel_variants().attention_keep_bits ? fmha_keep_bits_bytes(T, o.heads, max_len) : size_t{0};
-    Buf<uint8_t> keep(keep_bytes);
     NOPAD_CUDA_CHECK(cudaMemcpy(qkv.ptr, qkv_h.data(), qkv.bytes(), cudaMemcpyHostToDevice));
     NOPAD_CUDA_CHECK(cudaMemcpy(dctx.ptr, dctx_h.data(), dctx.bytes(), cudaMemcpyHostToDevice));
     NOPAD_CUDA_CHECK(cudaMemcpy(cu_d.ptr, cu.data(), cu_d.bytes(), cudaMemcpyHostToDevice));
@@ -191,7 +185,6 @@ std::vector<std::string> run_attention_bench_gpu(const AttentionBenchOptions& o,
     for (const double drop : o.dropouts) {
       p.dropout_p = static_cast<float>(drop);
       NOPAD_CHECK(dropout_p_supported(p.dropout_p), "--dropout ", drop, " is outside [0, 1 - 2^-16]");
-      p.keep_bits = drop > 0 && keep_bytes > 0 ? keep.ptr : nullptr;
       std::vector<uint16_t> ref_ctx;
       std::vector<float> ref_lse;
       NOPAD_CUDA_CHECK(cudaMemsetAsync(ctx.ptr, 0xFF, ctx.bytes(), stream));
@@ -230,7 +223,6 @@ std::vector<std::string> run_attention_bench_gpu(const AttentionBenchOptions& o,
         j["head_dim"] = o.head_dim;
         j["dropout"] = drop;
         j["bias_grad"] = o.bias_grad;
-        j["keep_bits"] = p.keep_bits != nullptr;
         j["schedule"] = ops::attention_mode_name(sc.s.mode);
         j["streams"] = plan.num_streams;
         j["bucket"] = sc.s.mode == ops::AttentionMode::kGrouped ? sc.s.bucket_tokens : 0;
@@ -280,7 +272,6 @@ std::vector<std::string> run_attention_bench_gpu(const AttentionBenchOptions& o,
               j["batch_index"] = bi;
               j["dropout"] = drop;
               j["bias_grad"] = o.bias_grad;
-              j["keep_bits"] = r.keep_bits != nullptr;
               j["group"] = g;
               j["group_max_len"] = gr.max_seqlen;
               j["group_seqs"] = gr.count;

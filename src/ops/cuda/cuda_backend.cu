@@ -334,11 +334,6 @@ void CudaBackendT<P>::download_bytes(void* host_dst, const void* src, size_t byt
 }
 
 template <class P>
-size_t CudaBackendT<P>::attention_keep_bits_bytes(int64_t num_tokens, int32_t num_heads, int32_t max_seqlen) const {
-  return kernel_variants().attention_keep_bits ? fmha_keep_bits_bytes(num_tokens, num_heads, max_seqlen) : 0;
-}
-
-template <class P>
 void CudaBackendT<P>::zero_bytes(void* x, size_t bytes) {
   if (!bytes) return;
   OpScope timed(*this, "zero");
@@ -673,16 +668,6 @@ FmhaParams fmha_params(const ops::SeqView& seqs, int32_t num_heads, int32_t head
   p.fp16 = fp16;
   return p;
 }
-
-// The attention's stored keep bits (FmhaParams::keep_bits) where the caller gave memory for them and this batch's
-// sequences fit them; forward and backward of one op instance decide alike (same dropout, same sequences), so the
-// backward reads only what its forward wrote. The query-row ops draw their masks (they never pass this).
-uint8_t* keep_bits_for(const ops::Dropout& drop, const ops::SeqView& seqs) {
-  if (drop.keep_bits == nullptr || drop.p <= 0.0f || !kernel_variants().attention_keep_bits ||
-      seqs.max_seqlen > kFmhaKeepBitsMaxSeqlen)
-    return nullptr;
-  return drop.keep_bits;
-}
 }  // namespace
 
 template <class P>
@@ -696,7 +681,6 @@ void CudaBackendT<P>::attention_forward(const A* qkv, const ops::SeqView& seqs, 
   p.qkv = qkv;
   p.ctx = ctx;
   p.lse = lse;
-  p.keep_bits = keep_bits_for(drop, seqs);
   if (plan_attention_launches(seqs)) {
     fmha_forward_planned(p, seqs.by_length, attn_plan_, *attn_streams_, stream_);
   } else {
@@ -770,11 +754,7 @@ void CudaBackendT<P>::attention_backward_impl(const A* d_ctx, const A* qkv, cons
   p.lse = const_cast<St*>(lse);   // likewise
   p.d_ctx = d_ctx;
   p.d_qkv = d_qkv;
-  if (q_seqs != nullptr) {
-    set_query_rows(p, q_qkv, *q_seqs, seqs, "attention_backward_rows");
-  } else {
-    p.keep_bits = keep_bits_for(drop, seqs);
-  }
+  if (q_seqs != nullptr) set_query_rows(p, q_qkv, *q_seqs, seqs, "attention_backward_rows");
   // The bias gradient from the kernels' registers where they take it, else by the column-sum pass after.
   const bool bias_in_kernels =
       kernel_variants().qkv_bias_in_attention && fmha_backward_bias_supported(num_heads, head_dim);

@@ -59,8 +59,6 @@ class CudaBackendT final : public ops::Backend<P> {
   void upload_bytes(void* dst, const void* host_src, size_t bytes) override;      // ordered on stream(), no wait
   void download_bytes(void* host_dst, const void* src, size_t bytes) override;    // waits for stream()
   void zero_bytes(void* x, size_t bytes) override;                                // cudaMemsetAsync on stream()
-  // fmha_keep_bits_bytes (fmha.h) when kernel_variants().attention_keep_bits, else 0.
-  size_t attention_keep_bits_bytes(int64_t num_tokens, int32_t num_heads, int32_t max_seqlen) const override;
   void synchronize() override;                                                    // waits for both streams
 
   // Copies beside compute (ops.h): async uploads run on copy_stream(), ordered against stream() with events; async

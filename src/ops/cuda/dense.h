@@ -106,9 +106,6 @@ struct KernelVariants {
   // attention_backward's d_qkv_bias: the FMHA kernels sum the columns of d_qkv as they write it (FmhaParams::
   // d_qkv_bias), else the one-pass column-sum kernel reads d_qkv afterwards (what dense_backward's d_bias costs).
   bool qkv_bias_in_attention = true;
-  // Attention dropout: the forward stores its keep bits (FmhaParams::keep_bits, 64 bytes per row and head) and the
-  // backward reads them instead of drawing them again (attention_keep_bits_bytes > 0), else the backward draws them.
-  bool attention_keep_bits = true;
 };
 KernelVariants& kernel_variants();  // dense.cu
 // How the last dense_backward with a d_bias obtained it (set by CudaBackend; tests read it to see whether the

@@ -71,23 +71,7 @@ struct FmhaParams {
   const int32_t* q_positions = nullptr;   // [num_q_tokens], device
   int32_t num_q_tokens = 0;
   int32_t max_q_seqlen = 0;
-  // Stored keep bits (optional, with dropout, every row a query, max_seqlen <= kFmhaKeepBitsMaxSeqlen): backend
-  // memory of fmha_keep_bits_bytes() bytes. The forward writes there the keep bits it draws: byte
-  // [head][key / 8][row], i.e. at (head * kFmhaKeepBitsPitch + key / 8) * num_tokens + row (row = cu_seqlens[b] + query
-  // position), holds the bits of keys 8 (key / 8) .. + 7 of that query, bit f for key 8 (key / 8) + f: one Philox
-  // block's 8 keep bits as the CPU twin draws them. The backward then
-  // reads them instead of drawing them again (the same bits: its results do not change). Bytes of keys past a
-  // sequence's end that no block covers may be written up to the end of its last 64-key tile (a block of keys past
-  // the end carries bits nothing uses); nothing reads them as a kept element.
-  uint8_t* keep_bits = nullptr;
 };
-
-// FmhaParams::keep_bits: the longest sequence it serves and the 8-key blocks per (row, head).
-constexpr int32_t kFmhaKeepBitsMaxSeqlen = 512;
-constexpr int32_t kFmhaKeepBitsPitch = kFmhaKeepBitsMaxSeqlen / 8;
-// Bytes of keep_bits for num_tokens rows and num_heads heads when sequences may be max_seqlen long; 0 where the
-// stored form does not apply (max_seqlen > kFmhaKeepBitsMaxSeqlen: the backward draws the bits again).
-size_t fmha_keep_bits_bytes(int64_t num_tokens, int32_t num_heads, int32_t max_seqlen);
 
 // The variants, for tests and benchmarks: count, and a short name of each ("m64w4" ...: tile rows x warps).
 int fmha_forward_variant_count();

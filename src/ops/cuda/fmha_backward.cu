@@ -495,11 +495,9 @@ __global__ void __launch_bounds__(32 * kWarps, kMinCtas)
       if constexpr (kDrop) {
         const int qc = qs + 8 * g + 2 * t;  // this lane's two query columns qc, qc + 1 draw the blocks
         keep = lane_transpose<1, 2>(
-            p.keep_bits != nullptr
-                ? load_keep_bytes(p, s0, L, head, qc, k0 + wrow)
-                : fmha_dropout::bwd_lane_bits_at(draw, args.threshold, static_cast<uint32_t>(head),
-                                                 query_position(p, qs0, Lq, qc), query_position(p, qs0, Lq, qc + 1),
-                                                 static_cast<uint32_t>(k0 + wrow)),
+            fmha_dropout::bwd_lane_bits_at(draw, args.threshold, static_cast<uint32_t>(head),
+                                           query_position(p, qs0, Lq, qc), query_position(p, qs0, Lq, qc + 1),
+                                           static_cast<uint32_t>(k0 + wrow)),
             static_cast<uint32_t>(g));
       }
 
@@ -716,11 +714,9 @@ __global__ void __launch_bounds__(128, kMinCtas)
     if constexpr (kDrop) {
       const int qc = qs + 8 * g + 2 * t;  // this lane's two query columns qc, qc + 1 draw the blocks
       keep = lane_transpose<1, 2>(
-          p.keep_bits != nullptr
-              ? load_keep_bytes(p, s0, L, head, qc, k0 + wrow)
-              : fmha_dropout::bwd_lane_bits_at(draw, args.threshold, static_cast<uint32_t>(head),
-                                               query_position(p, qs0, Lq, qc), query_position(p, qs0, Lq, qc + 1),
-                                               static_cast<uint32_t>(k0 + wrow)),
+          fmha_dropout::bwd_lane_bits_at(draw, args.threshold, static_cast<uint32_t>(head),
+                                         query_position(p, qs0, Lq, qc), query_position(p, qs0, Lq, qc + 1),
+                                         static_cast<uint32_t>(k0 + wrow)),
           static_cast<uint32_t>(g));
     }
     wgmma_wait<0>();
@@ -1036,31 +1032,9 @@ __global__ void __launch_bounds__(384, 1)
       }
     };
 
-    // Stored keep bits (p.keep_bits): this lane's bytes of a query tile are loaded one tile ahead of their use (an L2
-    // round trip would otherwise stall the consumer between its S/dP products and their softmax).
-    [[maybe_unused]] uint32_t keep_raw[2][4] = {};  // [half][query j + 2 key group]
-    [[maybe_unused]] const bool keep_stored = kDrop && p.keep_bits != nullptr;
-    const auto load_keep_tile = [&](int qs_next) {
-      if constexpr (kDrop) {
-        if (keep_stored) {
-#pragma unroll
-          for (int h = 0; h < 2; ++h) load_keep_raw(p, s0, L, head, qs_next + 64 * h + 8 * g + 2 * t, k0 + krow, keep_raw[h]);
-        }
-      }
-    };
-    load_keep_tile(0);
-
     mbar_wait(kv_full + kvb, (it >> 1) & 1);
     for (int i = 0; i < num_qt; ++i, ++gt) {
       const int s = gt % kStages, qs = i * kM;
-      [[maybe_unused]] uint32_t keep_now[2] = {0u, 0u};  // this tile's pre-exchange keep words (stored bits)
-      if constexpr (kDrop) {
-        if (keep_stored) {
-          keep_now[0] = keep_word_of(keep_raw[0]);
-          keep_now[1] = keep_word_of(keep_raw[1]);
-          if (i + 1 < num_qt) load_keep_tile(qs + kM);
-        }
-      }
       mbar_wait(full + s, (gt / kStages) & 1);
       fence_proxy_async();  // the producer's cp.async writes, visible to this thread's wgmma reads
       const uint64_t desc_q = wgmma_desc(sQ(s)), desc_do = wgmma_desc(sdO(s));
@@ -1087,13 +1061,11 @@ __global__ void __launch_bounds__(384, 1)
       };
       const auto keep_bits = [&](int h) -> uint32_t {
         if constexpr (kDrop) {
-          const int qc = qs + 64 * h + 8 * g + 2 * t;  // this lane's two query columns qc, qc + 1
-          return lane_transpose<1, 2>(keep_stored ? keep_now[h]
-                                                  : fmha_dropout::bwd_lane_bits_at(
-                                                        draw, args.threshold, static_cast<uint32_t>(head),
-                                                        static_cast<uint32_t>(qc), static_cast<uint32_t>(qc + 1),
-                                                        static_cast<uint32_t>(k0 + krow)),
-                                      static_cast<uint32_t>(g));
+          return lane_transpose<1, 2>(
+              fmha_dropout::bwd_lane_bits(draw, args.threshold, static_cast<uint32_t>(head),
+                                          static_cast<uint32_t>(qs + 64 * h), static_cast<uint32_t>(k0 + krow),
+                                          static_cast<uint32_t>(g), static_cast<uint32_t>(t)),
+              static_cast<uint32_t>(g));
         } else {
           return 0u;
         }

@@ -269,65 +269,6 @@ __host__ __device__ inline const uint16_t* query_source(const FmhaParams& p) {
   return static_cast<const uint16_t*>(p.q_cu_seqlens != nullptr ? p.q_qkv : p.qkv);
 }
 
-// ------------------------------------------------------------------------------------------------ stored keep bits
-// FmhaParams::keep_bits, byte (head, key / 8, row) at ((head * kFmhaKeepBitsPitch + key / 8) * num_tokens + row): for
-// one head and 8-key block the rows are consecutive, so a warp's loads of neighbouring queries share sectors.
-__device__ __forceinline__ uint8_t* keep_bits_column(const FmhaParams& p, int head, int k8) {
-  return p.keep_bits + (int64_t{head} * kFmhaKeepBitsPitch + k8) * p.num_tokens;
-}
-// Forward: stores a lane's word from fmha_dropout::fwd_lane_bits_at before its exchange. Its byte rr + 2 hh holds the
-// block of row (rr ? r8 : r0), keys 8 (key_tile / 8 + t + 4 hh) .. + 7. Rows past the sequence (r >= L) belong to no
-// query and are not stored. Full launches only (row = query position).
-__device__ __forceinline__ void store_keep_bytes(const FmhaParams& p, uint32_t x, int s0, int L, int head, int r0,
-                                                 int r8, int key_tile, int t) {
-  const int64_t T = p.num_tokens;
-  uint8_t* col = keep_bits_column(p, head, (key_tile >> 3) + t) + s0;
-  if (r0 < L) {
-    col[r0] = static_cast<uint8_t>(x);
-    col[4 * T + r0] = static_cast<uint8_t>(x >> 16);
-  }
-  if (r8 < L) {
-    col[r8] = static_cast<uint8_t>(x >> 8);
-    col[4 * T + r8] = static_cast<uint8_t>(x >> 24);
-  }
-}
-// The same stores from pointers computed once per CTA (keep_bits_column(p, head, t) + s0 + row, or null for a row
-// past the sequence or without stored bits); T = num_tokens, the distance between consecutive 8-key blocks.
-__device__ __forceinline__ void store_keep_bytes_at(uint8_t* row0_t, uint8_t* row8_t, int64_t T, uint32_t x,
-                                                    int key_tile) {
-  const int64_t off = (key_tile >> 3) * T;
-  if (row0_t != nullptr) {
-    row0_t[off] = static_cast<uint8_t>(x);
-    row0_t[off + 4 * T] = static_cast<uint8_t>(x >> 16);
-  }
-  if (row8_t != nullptr) {
-    row8_t[off] = static_cast<uint8_t>(x >> 8);
-    row8_t[off + 4 * T] = static_cast<uint8_t>(x >> 24);
-  }
-}
-// Backward: the four bytes of fmha_dropout::bwd_lane_bits_at(draw, ..., q0, q0 + 1, key16), loaded apart so that a
-// kernel can issue them ahead of their use (raw[j + 2 kg] = the block of query q0 + j, keys key16 + 8 kg .. + 7;
-// key16 % 16 == 0). Queries past the sequence get 0 (their P and dS are 0 whatever the bits).
-__device__ __forceinline__ void load_keep_raw(const FmhaParams& p, int s0, int L, int head, int q0, int key16,
-                                              uint32_t (&raw)[4]) {
-  const uint8_t* col = keep_bits_column(p, head, key16 >> 3) + s0;
-  const int64_t T = p.num_tokens;
-#pragma unroll
-  for (int kg = 0; kg < 2; ++kg)
-#pragma unroll
-    for (int j = 0; j < 2; ++j) raw[j + 2 * kg] = q0 + j < L ? __ldg(col + kg * T + q0 + j) : 0u;
-}
-// The pre-exchange word from load_keep_raw's bytes: byte j + 2 kg = raw[j + 2 kg].
-__device__ __forceinline__ uint32_t keep_word_of(const uint32_t (&raw)[4]) {
-  return __byte_perm(__byte_perm(raw[0], raw[1], 0x0040), __byte_perm(raw[2], raw[3], 0x0040), 0x5410);
-}
-// Both at once, for the kernels that use the bits right away. q1 must be q0 + 1 (full launches).
-__device__ __forceinline__ uint32_t load_keep_bytes(const FmhaParams& p, int s0, int L, int head, int q0, int key16) {
-  uint32_t raw[4];
-  load_keep_raw(p, s0, L, head, q0, key16, raw);
-  return keep_word_of(raw);
-}
-
 // ------------------------------------------------------------------------------------------------ host side
 inline bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
 
@@ -365,11 +306,6 @@ inline int32_t validate_common(const FmhaParams& p, const char* op) {
                 " must be >= 0, max_q_seqlen <= max_seqlen ", p.max_seqlen);
   } else {
     NOPAD_CHECK(p.q_qkv == nullptr && p.q_positions == nullptr, op, ": q_qkv / q_positions need q_cu_seqlens");
-  }
-  if (p.keep_bits != nullptr) {
-    NOPAD_CHECK(p.q_cu_seqlens == nullptr, op, ": keep_bits needs every row as a query (q_cu_seqlens must be null)");
-    NOPAD_CHECK(p.max_seqlen <= kFmhaKeepBitsMaxSeqlen, op, ": keep_bits serves sequences of at most ",
-                kFmhaKeepBitsMaxSeqlen, " tokens, max_seqlen is ", p.max_seqlen, " (pass keep_bits = null)");
   }
   return n;
 }

@@ -233,12 +233,10 @@ __global__ void __launch_bounds__(32 * kWarps, kMinCtas) fmha_fwd_kernel(const _
     if constexpr (kDrop) {
 #pragma unroll
       for (int mt = 0; mt < kMT; ++mt) {
-        const uint32_t x = fmha_dropout::fwd_lane_bits_at(draw, args.threshold, static_cast<uint32_t>(head),
-                                                          qpos[mt][0], qpos[mt][1], static_cast<uint32_t>(kbase),
-                                                          static_cast<uint32_t>(t));
-        if (p.keep_bits != nullptr)
-          store_keep_bytes(p, x, s0, L, head, static_cast<int>(qpos[mt][0]), static_cast<int>(qpos[mt][1]), kbase, t);
-        keep[mt] = lane_transpose<2, 0>(x, static_cast<uint32_t>(t));
+        keep[mt] = lane_transpose<2, 0>(
+            fmha_dropout::fwd_lane_bits_at(draw, args.threshold, static_cast<uint32_t>(head), qpos[mt][0],
+                                           qpos[mt][1], static_cast<uint32_t>(kbase), static_cast<uint32_t>(t)),
+            static_cast<uint32_t>(t));
       }
     }
 
@@ -373,16 +371,6 @@ __global__ void __launch_bounds__(128 * kWG, kMinCtas) fmha_fwd_wgmma_kernel(con
     qpos[0] = query_position(p, qs0, Lq, q0 + wrow + g);
     qpos[1] = query_position(p, qs0, Lq, q0 + wrow + g + 8);
   }
-  // Stored keep bits (full launches: the positions are the rows): the lane's two rows in the column of 8-key block t.
-  [[maybe_unused]] uint8_t* keep_row0 = nullptr;
-  [[maybe_unused]] uint8_t* keep_row8 = nullptr;
-  if constexpr (kDrop) {
-    if (p.keep_bits != nullptr) {
-      uint8_t* col = keep_bits_column(p, head, t) + s0;
-      if (static_cast<int>(qpos[0]) < L) keep_row0 = col + qpos[0];
-      if (static_cast<int>(qpos[1]) < L) keep_row8 = col + qpos[1];
-    }
-  }
 
   const auto tile = [&](const uint16_t* k, const uint16_t* v, int kbase, auto partial) {
     constexpr bool kPartial = decltype(partial)::value;
@@ -396,10 +384,10 @@ __global__ void __launch_bounds__(128 * kWG, kMinCtas) fmha_fwd_wgmma_kernel(con
     wgmma_commit();
     [[maybe_unused]] uint32_t keep = 0;  // read only with dropout
     if constexpr (kDrop) {
-      const uint32_t x = fmha_dropout::fwd_lane_bits_at(draw, args.threshold, static_cast<uint32_t>(head), qpos[0],
-                                                        qpos[1], static_cast<uint32_t>(kbase), static_cast<uint32_t>(t));
-      store_keep_bytes_at(keep_row0, keep_row8, p.num_tokens, x, kbase);
-      keep = lane_transpose<2, 0>(x, static_cast<uint32_t>(t));
+      keep = lane_transpose<2, 0>(fmha_dropout::fwd_lane_bits_at(draw, args.threshold, static_cast<uint32_t>(head),
+                                                                 qpos[0], qpos[1], static_cast<uint32_t>(kbase),
+                                                                 static_cast<uint32_t>(t)),
+                                  static_cast<uint32_t>(t));
     }
     wgmma_wait<0>();
     fence_regs(s);
@@ -590,11 +578,6 @@ int fmha_sm_count() {
 }
 
 }  // namespace fmha_detail
-
-size_t fmha_keep_bits_bytes(int64_t num_tokens, int32_t num_heads, int32_t max_seqlen) {
-  if (max_seqlen > kFmhaKeepBitsMaxSeqlen || num_tokens <= 0 || num_heads <= 0) return 0;
-  return static_cast<size_t>(num_tokens) * static_cast<size_t>(num_heads) * kFmhaKeepBitsPitch;
-}
 
 int fmha_forward_variant_count() { return fmha_detail::kNumFwdVariants; }
 const char* fmha_forward_variant_name(int variant) {
