@@ -1,3 +1,4 @@
+# shellcheck shell=bash
 # Sourced by the GPU scripts that time another nopad source tree beside this one (bench.sh and gpu-attention.sh,
 # BASE_TREE=DIR, e.g. `git archive <ref> | tar -x -C .carry/base`, carried): its `nopad` built into DIR/build-gpu with
 # the CUDA backend and NOPAD_CMAKE_EXTRA.

@@ -22,7 +22,7 @@
 #                                 tree's, on the same batches, for a before/after in one call
 # Needs .carry/enwiki-20150515-AA.txt.xz and .carry/peers/ (copies of ../shared/data/enwiki and ../shared/peers).
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/.." || exit 1
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-$PWD/out/attention}
 mkdir -p "$OUT"
