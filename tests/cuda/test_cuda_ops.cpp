@@ -807,23 +807,29 @@ TYPED_TEST(CudaOps, GemmSm90Epilogues) {
         }
         // The consumers' share of the GELU (0 to 4 box columns per tile), the stage release before or
         // after that share (gemm_sm90_early_release), and with bf16 the lookup table or the arithmetic GELU.
+        // With the table, some configurations compute the last arith_words words of each 8-column chunk
+        // arithmetically (gemm_sm90_gelu_arith_words).
         struct Config {
           int columns;
           bool early, table;
+          int arith_words = 0;
         };
         const std::vector<Config> configs =
             std::is_same_v<E, bf16>
                 ? std::vector<Config>{{0, true, true},  {1, true, true},  {1, false, true}, {2, true, true},
                                       {3, true, true},  {4, true, true},  {4, false, true}, {0, true, false},
-                                      {1, true, false}, {4, true, false}}
+                                      {1, true, false}, {4, true, false}, {0, true, true, 2}, {2, true, true, 1},
+                                      {2, true, true, 2}, {2, true, true, 4}}
                 : std::vector<Config>{{0, true, false}, {1, true, false}, {1, false, false}, {2, true, false},
                                       {4, true, false}};
         for (const Config& cf : configs) {
           SCOPED_TRACE("consumer columns " + std::to_string(cf.columns) + (cf.early ? ", early" : ", late") +
-                       " stage release" + (cf.table ? ", table" : ", arithmetic"));
+                       " stage release" + (cf.table ? ", table" : ", arithmetic") + ", arithmetic words " +
+                       std::to_string(cf.arith_words));
           const SwitchScope columns(cuda::gemm_sm90_consumer_columns(), cf.columns);
           const SwitchScope early(cuda::gemm_sm90_early_release(), cf.early);
           const SwitchScope table(cuda::gemm_sm90_gelu_table(), cf.table);
+          const SwitchScope arith_words(cuda::gemm_sm90_gelu_arith_words(), cf.arith_words);
           out0.poison();
           out1.poison();
           cuda::launch_gemm_sm90<D>(cuda::GemmEpilogue::kGelu, cdev(da->p), cdev(db->p), c.m, c.n, c.k,
@@ -895,12 +901,16 @@ TEST(CudaGemmSm90, GeluEpilogueOnEveryBf16Input) {
     for (const bool tanh : {false, true}) {
       const std::vector<uint32_t> table = ops::gelu_table_bf16(tanh);
       for (const bool use_table : {true, false})
-        for (const int columns : {0, 1, 2, 3, 4}) {
-          if (!use_table && (columns == 2 || columns == 3)) continue;
+        for (const int columns : {0, 1, 2, 3, 4})
+          for (const int aw : {0, 1, 2, 4}) {  // words of each 8-column chunk computed arithmetically beside the table
+          if (!use_table && (columns == 2 || columns == 3 || aw != 0)) continue;
+          if (aw != 0 && columns != 0 && columns != 2) continue;
           SCOPED_TRACE(std::string(by_row ? "row" : "column") + " layout, " + (tanh ? "tanh" : "erf") +
-                       (use_table ? ", table" : ", arithmetic") + ", consumer columns " + std::to_string(columns));
+                       (use_table ? ", table" : ", arithmetic") + ", consumer columns " + std::to_string(columns) +
+                       ", arithmetic words " + std::to_string(aw));
           const SwitchScope consumer_columns(cuda::gemm_sm90_consumer_columns(), columns);
           const SwitchScope table_on(cuda::gemm_sm90_gelu_table(), use_table);
+          const SwitchScope arith_words(cuda::gemm_sm90_gelu_arith_words(), aw);
           out0.poison();
           out1.poison();
           cuda::launch_gemm_sm90<D>(cuda::GemmEpilogue::kGelu, reinterpret_cast<const D*>(da->p),
@@ -913,12 +923,20 @@ TEST(CudaGemmSm90, GeluEpilogueOnEveryBf16Input) {
           ASSERT_EQ(cudaMemcpyAsync(y.data(), out1.p, y.size() * 2, cudaMemcpyDeviceToHost, current().stream),
                     cudaSuccess);
           ASSERT_EQ(cudaStreamSynchronize(current().stream), cudaSuccess);
-          int table_checked = 0, table_wrong = 0, outside_checked = 0, outside_wrong = 0;
+          int table_checked = 0, table_wrong = 0, outside_checked = 0, outside_wrong = 0, split_checked = 0,
+              split_differ = 0;
           for (int r = 0; r < kN; ++r)
             for (int j = 0; j < kN; ++j) {
               const uint16_t h = b[j * kN + r].bits;
               const uint16_t gy = y[r * kN + j].bits, gg = g[r * kN + j].bits;
-              if (use_table && ops::gelu_table_covers(h)) {
+              // Words (j % 8) / 2 >= 4 - aw of each chunk are computed arithmetically: checked like the inputs
+              // outside the table (and counted where they differ from the correctly rounded table entry).
+              if (use_table && ops::gelu_table_covers(h) && (j % 8) / 2 >= 4 - aw) {
+                const uint32_t want = table[ops::gelu_table_index(h)];
+                ++split_checked;
+                if (gy != (want & 0xFFFFu) || gg != (want >> 16)) ++split_differ;
+              }
+              if (use_table && ops::gelu_table_covers(h) && (j % 8) / 2 < 4 - aw) {
                 const uint32_t want = table[ops::gelu_table_index(h)];
                 ++table_checked;
                 if (gy != (want & 0xFFFFu) || gg != (want >> 16)) {
@@ -950,11 +968,16 @@ TEST(CudaGemmSm90, GeluEpilogueOnEveryBf16Input) {
             }
           EXPECT_EQ(table_wrong, 0);
           EXPECT_EQ(outside_wrong, 0);
-          std::printf("  gelu epilogue, %s layout, %s, %s, consumers %d: %d table entries exact, %d outside within a step\n",
-                      by_row ? "row" : "column", tanh ? "tanh" : "erf", use_table ? "table" : "arithmetic", columns,
+          std::printf("  gelu epilogue, %s layout, %s, %s, consumers %d, arithmetic words %d: %d table entries exact, "
+                      "%d others within a step\n",
+                      by_row ? "row" : "column", tanh ? "tanh" : "erf", use_table ? "table" : "arithmetic", columns, aw,
                       table_checked - table_wrong, outside_checked - outside_wrong);
-          if (use_table) {
+          if (use_table && aw == 0) {
             EXPECT_EQ(table_checked, ops::kGeluTableEntries);  // every entry met once
+          }
+          if (split_checked > 0) {
+            std::printf("    arithmetic words on table inputs: %d of %d differ from the correctly rounded entry\n",
+                        split_differ, split_checked);
           }
         }
     }
@@ -1558,6 +1581,24 @@ TYPED_TEST(CudaPerf, GeluForward) {
                         (cuda::last_gelu_path() == cuda::GeluPath::kGemmSm90 ? "nopad GEMM epilogue" : "(fell back)") +
                         (table ? ", table" : ", arithmetic") + ", consumers " + std::to_string(columns) + " box col" +
                         (columns == 1 ? "" : "s"),
+                    ms, 0);
+        }
+    }
+    // The table beside the arithmetic erf GELU: the last aw words of each 8-column chunk computed arithmetically.
+    if (std::is_same_v<E, bf16>) {
+      for (const int columns : {0, 1, 2})
+        for (const int aw : {1, 2, 3, 4}) {
+          cuda::KernelVariants kv;
+          kv.gelu_gemm = true;
+          VariantScope scope(kv);
+          const SwitchScope consumer_columns(cuda::gemm_sm90_consumer_columns(), columns);
+          const SwitchScope arith_words(cuda::gemm_sm90_gelu_arith_words(), aw);
+          const double ms = median_ms([&] {
+            gpu<E>().dense_forward(x->p, w->p, bias->p, T, k, n, ops::Activation::kGelu, y.p, pre.p);
+          });
+          perf_line("dense_fwd",
+                    "k=1024 n=4096 GELU, table + " + std::to_string(aw) + " arithmetic words of 4, consumers " +
+                        std::to_string(columns) + " box col" + (columns == 1 ? "" : "s"),
                     ms, 0);
         }
     }

@@ -196,6 +196,41 @@ __device__ __forceinline__ float gelu_and_grad(float x, float& grad) {
     return x * cdf;
   }
 }
+// The erf GELU of the split epilogue's arithmetic words (gemm_sm90_gelu_arith_words()): Phi(-|x|) = exp(-x^2 / 2)
+// u R(u), u = 1 / (1 + 0.26 |x|), R of degree 6 fitted for relative error (2.6e-7 in double, ~6e-7 evaluated in fp32,
+// for |x| <= 9; beyond, Phi(-|x|) < 1e-19 and the absolute error is what counts), the exp shared with phi(x): ~19
+// instructions with two MUFU ops instead of normal_cdf's ~27 with three. Its bf16 results may differ from the
+// correctly rounded ones by one step where the exact value lies within ~1e-6 of a rounding boundary.
+__device__ __forceinline__ float gelu_and_grad_split(float x, float& grad) {
+  const float e = fmha_detail::exp2_ftz(x * x * -0.72134752044448170368f);  // exp(-x^2 / 2)
+  const float u = fast_rcp(fmaf(0.26f, fabsf(x), 1.0f));
+  float r = -7.566994937e-02f;
+  r = fmaf(r, u, 2.393602107e-01f);
+  r = fmaf(r, u, -1.225119073e-01f);
+  r = fmaf(r, u, 1.792051443e-01f);
+  r = fmaf(r, u, 6.781883204e-02f);
+  r = fmaf(r, u, 1.083864759e-01f);
+  r = fmaf(r, u, 1.034110636e-01f);
+  const float q = e * (u * r);  // Phi(-|x|)
+  const float cdf = x < 0.0f ? q : 1.0f - q;
+  grad = fmaf(x * 0.39894228040143267794f, e, cdf);
+  return x * cdf;
+}
+// y and gelu' of both halves of x by the split epilogue's arithmetic (the tanh GELU: gelu_and_grad's).
+template <bool kTanh>
+__device__ __forceinline__ void arith_word(uint32_t x, uint32_t& y, uint32_t& g) {
+  const float2 f = unpack2<false>(x);
+  float ga, gb, ya, yb;
+  if constexpr (kTanh) {
+    ya = gelu_and_grad<true>(f.x, ga);
+    yb = gelu_and_grad<true>(f.y, gb);
+  } else {
+    ya = gelu_and_grad_split(f.x, ga);
+    yb = gelu_and_grad_split(f.y, gb);
+  }
+  y = fmha_detail::pack2<false>(ya, yb);
+  g = fmha_detail::pack2<false>(ga, gb);
+}
 // kGelu's unit work on one 16-byte chunk (8 columns of a row) of staged pre-activations: y in place, gelu' returned.
 template <bool kFp16, bool kTanh>
 __device__ __forceinline__ uint4 gelu_chunk(uint4& v) {
@@ -251,11 +286,14 @@ __device__ __forceinline__ void merge_arith_word(uint32_t x, uint32_t& y, uint32
   y = (y & keep) | (fmha_detail::pack2<false>(ya, yb) & ~keep);
   g = (g & keep) | (fmha_detail::pack2<false>(ga, gb) & ~keep);
 }
-// kN >= 2 chunks (8 bf16 each) of pre-activations -> y in place, gelu' into g: every element looked up first, so all
-// of a thread's loads are in flight together, then the chunks with an element outside the range anywhere in the warp
-// fixed up. Chunks i >= n_valid (n_valid warp-uniform, >= kN - 1) are left alone.
+// kN >= 2 chunks (8 bf16 each) of pre-activations -> y in place, gelu' into g: every table word looked up first, so
+// all of a thread's loads are in flight together, then the chunks with an element outside the range anywhere in the
+// warp fixed up. Words e >= 4 - aw of each chunk (aw = gemm_sm90_gelu_arith_words(), warp-uniform) take the
+// arithmetic form instead, which relieves the shared-memory pipe the products' operands need. Chunks i >= n_valid
+// (n_valid warp-uniform, >= kN - 1) are left alone.
 template <bool kTanh, int kN>
-__device__ __forceinline__ void gelu_chunks_table_batch(uint4 (&v)[kN], uint4 (&g)[kN], int n_valid, uint32_t tab) {
+__device__ __forceinline__ void gelu_chunks_table_batch(uint4 (&v)[kN], uint4 (&g)[kN], int n_valid, uint32_t tab,
+                                                        int aw) {
   uint4 y[kN];
   bool outside[kN];
 #pragma unroll
@@ -264,9 +302,12 @@ __device__ __forceinline__ void gelu_chunks_table_batch(uint4 (&v)[kN], uint4 (&
       uint32_t missing = 0;
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
-        const uint32_t x = (&v[i].x)[e], in = table_halves(x);
-        missing |= in ^ 0x80008000u;
-        lookup_word(tab, x, in, (&y[i].x)[e], (&g[i].x)[e]);
+        const uint32_t x = (&v[i].x)[e];
+        if (e < 4 - aw) {
+          const uint32_t in = table_halves(x);
+          missing |= in ^ 0x80008000u;
+          lookup_word(tab, x, in, (&y[i].x)[e], (&g[i].x)[e]);
+        }
       }
       outside[i] = missing != 0;
     }
@@ -274,45 +315,61 @@ __device__ __forceinline__ void gelu_chunks_table_batch(uint4 (&v)[kN], uint4 (&
 #pragma unroll
   for (int i = 0; i < kN; ++i) {
     if (i + 1 < kN || i < n_valid) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e)
+        if (e >= 4 - aw) arith_word<kTanh>((&v[i].x)[e], (&y[i].x)[e], (&g[i].x)[e]);
       if (__any_sync(0xffffffffu, outside[i])) {
 #pragma unroll
-        for (int e = 0; e < 4; ++e) merge_arith_word<kTanh>((&v[i].x)[e], (&y[i].x)[e], (&g[i].x)[e]);
+        for (int e = 0; e < 4; ++e)
+          if (e < 4 - aw) merge_arith_word<kTanh>((&v[i].x)[e], (&y[i].x)[e], (&g[i].x)[e]);
       }
       v[i] = y[i];
     }
   }
 }
-// kN chunks of pre-activations -> y in place, gelu' into g, from the table. One chunk (the consumers' units, between
-// two k-blocks, beside 128 accumulator registers): the lean form when the whole warp is in range, else looked-up and
-// arithmetic halves merged word by word (this shape keeps the consumers free of spills).
+// kN chunks of pre-activations -> y in place, gelu' into g, from the table (words e >= 4 - aw arithmetic). One chunk
+// (the consumers' units, between two k-blocks, beside 128 accumulator registers): the lean form when the whole warp
+// is in range, else looked-up and arithmetic halves merged word by word (this shape keeps the consumers free of
+// spills).
 template <bool kTanh, int kN>
-__device__ __forceinline__ void gelu_chunks_table(uint4 (&v)[kN], uint4 (&g)[kN], int n_valid, uint32_t tab) {
+__device__ __forceinline__ void gelu_chunks_table(uint4 (&v)[kN], uint4 (&g)[kN], int n_valid, uint32_t tab, int aw) {
   if constexpr (kN == 1) {
     uint32_t* w = &v[0].x;
     uint32_t* gw = &g[0].x;
     uint32_t missing = 0;
 #pragma unroll
-    for (int e = 0; e < 4; ++e) missing |= table_halves(w[e]) ^ 0x80008000u;
+    for (int e = 0; e < 4; ++e)
+      if (e < 4 - aw) missing |= table_halves(w[e]) ^ 0x80008000u;
     if (!__any_sync(0xffffffffu, missing != 0)) {
 #pragma unroll
-      for (int e = 0; e < 4; ++e) lookup_word(tab, w[e], 0x80008000u, w[e], gw[e]);
+      for (int e = 0; e < 4; ++e) {
+        if (e < 4 - aw) {
+          lookup_word(tab, w[e], 0x80008000u, w[e], gw[e]);
+        } else {
+          arith_word<kTanh>(w[e], w[e], gw[e]);
+        }
+      }
     } else {
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const uint32_t x = w[e];
-        lookup_word(tab, x, table_halves(x), w[e], gw[e]);
-        merge_arith_word<kTanh>(x, w[e], gw[e]);
+        if (e < 4 - aw) {
+          lookup_word(tab, x, table_halves(x), w[e], gw[e]);
+          merge_arith_word<kTanh>(x, w[e], gw[e]);
+        } else {
+          arith_word<kTanh>(x, w[e], gw[e]);
+        }
       }
     }
     (void)n_valid;
   } else {
-    gelu_chunks_table_batch<kTanh, kN>(v, g, n_valid, tab);
+    gelu_chunks_table_batch<kTanh, kN>(v, g, n_valid, tab, aw);
   }
 }
 // kN chunks of kGelu's unit work: from the table where the launch has one (bf16), else arithmetic.
 template <bool kFp16, bool kTanh, int kN>
 __device__ __forceinline__ void gelu_unit_chunks(uint4 (&v)[kN], uint4 (&g)[kN], int n_valid, bool table, uint32_t tab,
-                                                 int probe) {
+                                                 int probe, int aw) {
   if (probe != 0) {  // gemm_sm90_gelu_probe(): the data movement alone, y = gelu' = pre
 #pragma unroll
     for (int i = 0; i < kN; ++i)
@@ -321,7 +378,7 @@ __device__ __forceinline__ void gelu_unit_chunks(uint4 (&v)[kN], uint4 (&g)[kN],
   }
   if constexpr (!kFp16) {
     if (table) {
-      gelu_chunks_table<kTanh, kN>(v, g, n_valid, tab);
+      gelu_chunks_table<kTanh, kN>(v, g, n_valid, tab, aw);
       return;
     }
   }
@@ -339,6 +396,7 @@ struct Args {
   const uint32_t* gelu_table;  // kGelu, bf16: the table in global memory (copied to shared memory), or null
   int32_t consumer_bc;   // kGelu: box columns of each tile whose GELU the consumers compute (0 to 4)
   int32_t probe;         // kGelu: gemm_sm90_gelu_probe() (a measurement, not an activation)
+  int32_t arith_words;   // kGelu with the table: words of each 8-column chunk computed arithmetically (0 to 4)
   int32_t early_release;  // 1: a k-block's stage is released before the epilogue work of the next k-block's slot
   int32_t aux_kb;         // kScale: the k-block of the main loop during which a consumer issues its aux load
 };
@@ -525,7 +583,7 @@ __global__ void __launch_bounds__(kThreads, 1)
             ptr[i] = reinterpret_cast<uint4*>(box + rr * 128 + (((et % 8) ^ (rr & 7)) * 16));
             if (i + 1 < kRows || i < n_valid) v[i] = *ptr[i];
           }
-          gelu_unit_chunks<kFp16, kTanh, kRows>(v, gv, n_valid, table, tab, probe);
+          gelu_unit_chunks<kFp16, kTanh, kRows>(v, gv, n_valid, table, tab, probe, args.arith_words);
 #pragma unroll
           for (int i = 0; i < kRows; ++i) {
             if (i + 1 < kRows || i < n_valid) {
@@ -573,7 +631,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     uint8_t* box = stage_out + bc * kBoxBytes;
     uint4* p = reinterpret_cast<uint4*>(box + rr * 128 + (((tid % 8) ^ (rr & 7)) * 16));
     uint4 v[1] = {*p}, gv[1];
-    gelu_unit_chunks<kFp16, kTanh, 1>(v, gv, 1, table, tab, probe);
+    gelu_unit_chunks<kFp16, kTanh, 1>(v, gv, 1, table, tab, probe, args.arith_words);
     *p = v[0];
     const int row = pm0 + 64 * cw + rr;
     if (row < args.m && probe != 2)
@@ -794,6 +852,19 @@ bool& gemm_sm90_gelu_table() {
   return on;
 }
 
+int& gemm_sm90_gelu_arith_words() {
+  static int words = [] {
+    const char* e = std::getenv("NOPAD_GELU_ARITH_WORDS");
+    if (e == nullptr) return 0;
+    const std::string_view v(e);
+    NOPAD_CHECK(v.size() == 1 && v[0] >= '0' && v[0] <= '4', "NOPAD_GELU_ARITH_WORDS must be 0 to 4 (of each 8-column ",
+                "chunk's four words, how many the GELU epilogue computes arithmetically beside the table), got '", v,
+                "'; unset it for the default");
+    return v[0] - '0';
+  }();
+  return words;
+}
+
 int& gemm_sm90_gelu_probe() {
   static int probe = 0;
   return probe;
@@ -873,6 +944,9 @@ void launch_gemm_sm90(GemmEpilogue epi, const T* a, const T* b, int64_t m, int32
   // element, hold the consumers at `freed`), 1 with the arithmetic GELU (docs/performance.md, 2026-11-25 midday).
   args.consumer_bc = gemm_sm90_consumer_columns() >= 0 ? gemm_sm90_consumer_columns() : args.gelu_table ? 2 : 1;
   args.probe = gemm_sm90_gelu_probe();
+  args.arith_words = args.gelu_table ? gemm_sm90_gelu_arith_words() : 0;
+  NOPAD_CHECK(args.arith_words >= 0 && args.arith_words <= 4, "gemm_sm90: 0 to 4 arithmetic words per chunk, not ",
+              args.arith_words);
   args.early_release = gemm_sm90_early_release() ? 1 : 0;
   args.aux_kb = gemm_sm90_aux_kblock() >= 0 ? gemm_sm90_aux_kblock() : k / gemm90::kBK / 2;
   NOPAD_CHECK(args.consumer_bc >= 0 && args.consumer_bc <= 4, "gemm_sm90: the consumers take 0 to 4 box columns, not ",

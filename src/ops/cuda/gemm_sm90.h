@@ -45,6 +45,12 @@ int& gemm_sm90_consumer_columns();
 // the exact activations correctly rounded; the arithmetic form's agree with them except in the last bit of a few
 // gelu' values. Process-wide, host-side; NOPAD_GELU_TABLE=0 turns it off at start (the default is on).
 bool& gemm_sm90_gelu_table();
+// kGelu with the table: of each 8-column chunk's four 2-element words, how many (the last ones) the epilogue computes
+// with an arithmetic erf GELU (two MUFU ops, ~19 instructions; the tanh GELU's own form) instead of looking them up,
+// which moves work from the shared-memory pipe, which the products' operands also use, to the FMA and MUFU pipes.
+// 0 (the default): every word from the table. Their bf16 values may differ from the table's by one step where the exact
+// value lies within ~1e-6 of a rounding boundary. Process-wide, host-side; NOPAD_GELU_ARITH_WORDS=0..4 at start.
+int& gemm_sm90_gelu_arith_words();
 // A measurement switch, 0 (off) by default and never set by the library: 1 = kGelu writes y = gelu' = pre (no
 // activation), so that a benchmark can time the epilogue's data movement apart from its arithmetic; 2 = the same
 // without the gelu' stores (what the second output costs). Process-wide, host-side.
