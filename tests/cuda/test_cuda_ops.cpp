@@ -1586,7 +1586,7 @@ TYPED_TEST(CudaPerf, GeluForward) {
     }
     // The table beside the arithmetic erf GELU: the last aw words of each 8-column chunk computed arithmetically.
     if (std::is_same_v<E, bf16>) {
-      for (const int columns : {0, 1, 2})
+      for (const int columns : {1, 2, 3})
         for (const int aw : {1, 2, 3, 4}) {
           cuda::KernelVariants kv;
           kv.gelu_gemm = true;
