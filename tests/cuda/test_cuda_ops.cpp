@@ -880,7 +880,9 @@ TYPED_TEST(CudaOps, GemmSm90Epilogues) {
 // GELU) within one bf16 step of the exact values, or below 1e-30 in magnitude. Two layouts: pattern r * 256 + j (a
 // row holds one sign and two binades, so whole warps fall inside the range and take the all-table path) and
 // j * 256 + r (most chunks straddle the range: the per-element mixed path). Table and arithmetic GELU, erf and tanh,
-// the consumers' share 0, 1 and 2 box columns.
+// the consumers' share 0 to 4 box columns; with the table also 1, 2 and 4 arithmetic words per 8-column chunk
+// (gemm_sm90_gelu_arith_words: those elements are held to the arithmetic forms' tolerance, and the count of those that
+// differ from the correctly rounded table entry is printed).
 TEST(CudaGemmSm90, GeluEpilogueOnEveryBf16Input) {
   using E = bf16;
   using D = __nv_bfloat16;

@@ -14,9 +14,11 @@
 //   memory from registers, TMA-store each box of y when complete, and release the staging ("freed", which
 //   also carries the next tile's bias) while the consumers run the next tile's main loop. The consumers take the
 //   last gemm_sm90_consumer_columns() box columns of their own half themselves, one 16-row unit per k-block of the
-//   next main loop, so that the two shares fit beside the products. With bf16, y and gelu' of each element come from
-//   a 16 KB table copied into shared memory at the start (ops/gelu_table.h; the arithmetic GELU only for the rare
-//   elements outside its range), about a sixth of the arithmetic form's instructions.
+//   next main loop, so that the two shares fit beside the products. With bf16, y and gelu' of half the elements
+//   (the first two 2-element words of each 8-column chunk) come from a 16 KB table copied into shared memory at the
+//   start (ops/gelu_table.h; the arithmetic GELU for the rare elements outside its range), the other half from a
+//   two-MUFU arithmetic form (gemm_sm90_gelu_arith_words()): the table alone keeps the shared-memory pipe, which the
+//   products' operands need, too busy (its random lookups conflict ~5-way), the arithmetic alone the epilogue warps.
 // - kScale: no epilogue warps (the producer warpgroup gives its registers away). Each consumer warpgroup TMA-loads
 //   its half of the tile's aux into its staging half-way through the main loop (its thread 0 first waits for the
 //   previous tile's stores to have read the staging: late enough that this rarely holds the warpgroup), multiplies
@@ -855,7 +857,7 @@ bool& gemm_sm90_gelu_table() {
 int& gemm_sm90_gelu_arith_words() {
   static int words = [] {
     const char* e = std::getenv("NOPAD_GELU_ARITH_WORDS");
-    if (e == nullptr) return 0;
+    if (e == nullptr) return 2;  // half the elements each way: -2% of a BERT-large step (docs/performance.md)
     const std::string_view v(e);
     NOPAD_CHECK(v.size() == 1 && v[0] >= '0' && v[0] <= '4', "NOPAD_GELU_ARITH_WORDS must be 0 to 4 (of each 8-column ",
                 "chunk's four words, how many the GELU epilogue computes arithmetically beside the table), got '", v,

@@ -11,7 +11,8 @@
 // These are the values of the cuBLASLt product followed by the GELU / one-pass scale kernels (dense.cu), up to fp32
 // summation order and, for the erf GELU, the normal CDF: a Chebyshev erfc fit (fractional error < 1.2e-7; every bf16
 // input's bf16 GELU equals the double-precision one) instead of erff; with bf16 and gemm_sm90_gelu_table(), y and gelu'
-// of 2^-12 <= |pre| < 16 are looked up (the exact values, correctly rounded: ops/gelu_table.h). The CPU twins are
+// of 2^-12 <= |pre| < 16 are looked up (the exact values, correctly rounded: ops/gelu_table.h) except in the words
+// gemm_sm90_gelu_arith_words() computes with a cheaper fit (within one bf16 step of them). The CPU twins are
 // dense_forward / dense_backward_through_act (ops/cpu/cpu_backend.cpp).
 //
 // Requirements (gemm_sm90_supported): the sm_90a build on a compute-capability 9.0 device, N % 256 == 0, K % 64 == 0,
@@ -48,8 +49,9 @@ bool& gemm_sm90_gelu_table();
 // kGelu with the table: of each 8-column chunk's four 2-element words, how many (the last ones) the epilogue computes
 // with an arithmetic erf GELU (two MUFU ops, ~19 instructions; the tanh GELU's own form) instead of looking them up,
 // which moves work from the shared-memory pipe, which the products' operands also use, to the FMA and MUFU pipes.
-// 0 (the default): every word from the table. Their bf16 values may differ from the table's by one step where the exact
-// value lies within ~1e-6 of a rounding boundary. Process-wide, host-side; NOPAD_GELU_ARITH_WORDS=0..4 at start.
+// The default is 2 (half the elements each way; 0: every word from the table). The arithmetic words' bf16 values may
+// differ from the table's correctly rounded ones by one step where the exact value lies within ~1e-6 of a rounding
+// boundary (~1% of them). Process-wide, host-side; NOPAD_GELU_ARITH_WORDS=0..4 at start.
 int& gemm_sm90_gelu_arith_words();
 // A measurement switch, 0 (off) by default and never set by the library: 1 = kGelu writes y = gelu' = pre (no
 // activation), so that a benchmark can time the epilogue's data movement apart from its arithmetic; 2 = the same
