@@ -37,12 +37,8 @@ say() { echo "== $(date -u +%T) $*" | tee -a "$OUT/summary.txt"; }
 
 if has build; then
   say "build"
-  if [ ! -f build-gpu/CMakeCache.txt ]; then
-    cmake -S . -B build-gpu -G Ninja -DCMAKE_BUILD_TYPE=Release -DNOPAD_CUDA=ON ${NOPAD_CMAKE_EXTRA:-} \
-      >"$OUT/build.log" 2>&1 || { tail -30 "$OUT/build.log"; exit 1; }
-  fi
-  cmake --build build-gpu -j "$(nproc)" --target nopad nopad_cuda_tests >>"$OUT/build.log" 2>&1 ||
-    { grep -E "error|FAILED" "$OUT/build.log" | head -30; exit 1; }
+  source scripts/gpu-build.sh
+  build_gpu "$OUT/build.log" || exit 1
   if [ -n "${BASE_TREE:-}" ]; then
     say "build of the base tree $BASE_TREE"
     source scripts/base-tree.sh
