@@ -218,20 +218,21 @@ __device__ __forceinline__ float gelu_and_grad_split(float x, float& grad) {
   grad = fmaf(x * 0.39894228040143267794f, e, cdf);
   return x * cdf;
 }
-// y and gelu' of both halves of x by the split epilogue's arithmetic (the tanh GELU: gelu_and_grad's).
-template <bool kTanh>
-__device__ __forceinline__ void arith_word(uint32_t x, uint32_t& y, uint32_t& g) {
-  const float2 f = unpack2<false>(x);
+// y and gelu' of both 16-bit halves of x. kSplit: the erf GELU by gelu_and_grad_split (the split epilogue's
+// arithmetic words); otherwise, and for the tanh GELU always, by gelu_and_grad.
+template <bool kFp16, bool kTanh, bool kSplit>
+__device__ __forceinline__ void gelu_word(uint32_t x, uint32_t& y, uint32_t& g) {
+  const float2 f = unpack2<kFp16>(x);
   float ga, gb, ya, yb;
-  if constexpr (kTanh) {
-    ya = gelu_and_grad<true>(f.x, ga);
-    yb = gelu_and_grad<true>(f.y, gb);
-  } else {
+  if constexpr (kSplit && !kTanh) {
     ya = gelu_and_grad_split(f.x, ga);
     yb = gelu_and_grad_split(f.y, gb);
+  } else {
+    ya = gelu_and_grad<kTanh>(f.x, ga);
+    yb = gelu_and_grad<kTanh>(f.y, gb);
   }
-  y = fmha_detail::pack2<false>(ya, yb);
-  g = fmha_detail::pack2<false>(ga, gb);
+  y = fmha_detail::pack2<kFp16>(ya, yb);
+  g = fmha_detail::pack2<kFp16>(ga, gb);
 }
 // kGelu's unit work on one 16-byte chunk (8 columns of a row) of staged pre-activations: y in place, gelu' returned.
 template <bool kFp16, bool kTanh>
@@ -240,13 +241,7 @@ __device__ __forceinline__ uint4 gelu_chunk(uint4& v) {
   uint32_t* w = &v.x;
   uint32_t* gw = &gv.x;
 #pragma unroll
-  for (int e = 0; e < 4; ++e) {
-    const float2 f = unpack2<kFp16>(w[e]);
-    float ga, gb;
-    const float ya = gelu_and_grad<kTanh>(f.x, ga), yb = gelu_and_grad<kTanh>(f.y, gb);
-    w[e] = fmha_detail::pack2<kFp16>(ya, yb);
-    gw[e] = fmha_detail::pack2<kFp16>(ga, gb);
-  }
+  for (int e = 0; e < 4; ++e) gelu_word<kFp16, kTanh, false>(w[e], w[e], gw[e]);
   return gv;
 }
 
@@ -282,11 +277,10 @@ __device__ __forceinline__ void lookup_word(uint32_t tab, uint32_t x, uint32_t i
 template <bool kTanh>
 __device__ __forceinline__ void merge_arith_word(uint32_t x, uint32_t& y, uint32_t& g) {
   const uint32_t keep = (table_halves(x) >> 15) * 0xffffu;  // 0xffff per half with an entry
-  const float2 f = unpack2<false>(x);
-  float ga, gb;
-  const float ya = gelu_and_grad<kTanh>(f.x, ga), yb = gelu_and_grad<kTanh>(f.y, gb);
-  y = (y & keep) | (fmha_detail::pack2<false>(ya, yb) & ~keep);
-  g = (g & keep) | (fmha_detail::pack2<false>(ga, gb) & ~keep);
+  uint32_t ay, ag;
+  gelu_word<false, kTanh, false>(x, ay, ag);
+  y = (y & keep) | (ay & ~keep);
+  g = (g & keep) | (ag & ~keep);
 }
 // kN >= 2 chunks (8 bf16 each) of pre-activations -> y in place, gelu' into g: every table word looked up first, so
 // all of a thread's loads are in flight together, then the chunks with an element outside the range anywhere in the
@@ -319,7 +313,7 @@ __device__ __forceinline__ void gelu_chunks_table_batch(uint4 (&v)[kN], uint4 (&
     if (i + 1 < kN || i < n_valid) {
 #pragma unroll
       for (int e = 0; e < 4; ++e)
-        if (e >= 4 - aw) arith_word<kTanh>((&v[i].x)[e], (&y[i].x)[e], (&g[i].x)[e]);
+        if (e >= 4 - aw) gelu_word<false, kTanh, true>((&v[i].x)[e], (&y[i].x)[e], (&g[i].x)[e]);
       if (__any_sync(0xffffffffu, outside[i])) {
 #pragma unroll
         for (int e = 0; e < 4; ++e)
@@ -348,7 +342,7 @@ __device__ __forceinline__ void gelu_chunks_table(uint4 (&v)[kN], uint4 (&g)[kN]
         if (e < 4 - aw) {
           lookup_word(tab, w[e], 0x80008000u, w[e], gw[e]);
         } else {
-          arith_word<kTanh>(w[e], w[e], gw[e]);
+          gelu_word<false, kTanh, true>(w[e], w[e], gw[e]);
         }
       }
     } else {
@@ -359,7 +353,7 @@ __device__ __forceinline__ void gelu_chunks_table(uint4 (&v)[kN], uint4 (&g)[kN]
           lookup_word(tab, x, table_halves(x), w[e], gw[e]);
           merge_arith_word<kTanh>(x, w[e], gw[e]);
         } else {
-          arith_word<kTanh>(x, w[e], gw[e]);
+          gelu_word<false, kTanh, true>(x, w[e], gw[e]);
         }
       }
     }
