@@ -577,11 +577,9 @@ void BertModel<P>::backward(double loss_scale) {
         backend_.attention_backward(d_ctx_, L.qkv, L.ctx, L.lse, seqs_, NH, config_.head_dim(), attn_drop, d_qkv_,
                                     g + L.off_b_qkv);
       }
-    } else {
-      backend_.dense_backward(d_tmp_, L.ctx, L.w_attn_out, nullptr, T, H, H, ops::Activation::kNone, d_ctx_, false,
-                              g + L.off_w_attn_out, nullptr);
-      backend_.attention_backward(d_ctx_, L.qkv, L.ctx, L.lse, seqs_, NH, config_.head_dim(), attn_drop, d_qkv_,
-                                  g + L.off_b_qkv);
+    } else {  // d(ctx) = d_tmp W_attn_out into d_ctx_, then the attention backward (one op: a backend may fuse them)
+      backend_.attention_output_backward(d_tmp_, L.w_attn_out, L.qkv, L.ctx, L.lse, seqs_, NH, config_.head_dim(),
+                                         attn_drop, d_ctx_, g + L.off_w_attn_out, d_qkv_, g + L.off_b_qkv);
     }
     backend_.dense_backward(d_qkv_, h_in, L.w_qkv, nullptr, T, H, 3 * H, ops::Activation::kNone, d_hidden_,
                             /*accumulate_dx=*/true, g + L.off_w_qkv, nullptr);

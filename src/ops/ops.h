@@ -250,6 +250,19 @@ class Backend {
   virtual void attention_backward(const A* d_ctx, const A* qkv, const A* ctx, const St* lse, const SeqView& seqs,
                                   int32_t num_heads, int32_t head_dim, const Dropout& drop, A* d_qkv,
                                   G* d_qkv_bias) = 0;
+  // The attention block's backward from the gradient dy [T, H] of the attention output projection's output (H =
+  // num_heads * head_dim; w_out [H, H] the projection's weight, ctx its input): d_w_out += dy^T ctx, d_ctx = dy w_out
+  // (written; the caller's [T, H] buffer), then attention_backward(d_ctx, ...). One op so that a backend can fuse the
+  // two: the CUDA backend computes the attention backward's first pass (the per-head row dots of d_ctx with ctx) in the
+  // d_ctx product's epilogue. The projection's bias gradient is not taken here (the residual LayerNorm's backward
+  // takes it). This default runs the two ops.
+  virtual void attention_output_backward(const A* dy, const W* w_out, const A* qkv, const A* ctx, const St* lse,
+                                         const SeqView& seqs, int32_t num_heads, int32_t head_dim,
+                                         const Dropout& drop, A* d_ctx, G* d_w_out, A* d_qkv, G* d_qkv_bias) {
+    const int32_t H = num_heads * head_dim;
+    dense_backward(dy, ctx, w_out, nullptr, seqs.num_tokens, H, H, Activation::kNone, d_ctx, false, d_w_out, nullptr);
+    attention_backward(d_ctx, qkv, ctx, lse, seqs, num_heads, head_dim, drop, d_qkv, d_qkv_bias);
+  }
 
   // Attention for a subset of each sequence's query rows (the sparse last encoder layer, model/bert.h): keys and values
   // are every row of `seqs` in qkv [T, 3H]; the queries are the N rows of `q_seqs` (the same sequences and sample_ids

@@ -868,6 +868,76 @@ TYPED_TEST(CudaOps, GemmSm90Epilogues) {
           expect_close("scale: column partials", down(partial), sums, kTolOut<E>);
         }
       }
+      if (!tanh) {  // kRowDot: out0 = round(acc), rowdot = per-64-column-box row dots with aux, and the side jobs
+        Vec want(mn);
+        for (size_t i = 0; i < mn; ++i) want[i] = r16(acc[i]);
+        const int64_t ld = c.m + 5;  // rows m .. ld - 1 of each box's slot must stay poisoned
+        const int boxes = c.n / 64;
+        const float scale = 0.8999939f;  // the FMHA's D scale at dropout 0.1: 58982 / 65536
+        DBuf<float> rowdot(size_t(boxes) * ld);
+        // Side jobs: zero 16-byte vectors inside a poisoned buffer (offset 16 bytes, so both ends are checked) and
+        // dst = src * log2(e) over a count that is not a multiple of anything.
+        const size_t zero_vec = 37 + size_t(c.m) % 101, mul_count = 777 + size_t(c.m) % 13;
+        DBuf<float> zbuf(4 * zero_vec + 12), mdst(mul_count + 9);
+        Vec msrc_h(mul_count);
+        for (auto& x : msrc_h) x = static_cast<float>(-20.0 + 40.0 * rng.uniform());
+        auto msrc = up(msrc_h);
+        cuda::GemmSideJobs jobs;
+        jobs.zero = zbuf.p + 4;
+        jobs.zero_bytes = 16 * zero_vec;
+        jobs.mul_src = msrc->p;
+        jobs.mul_dst = mdst.p;
+        jobs.mul_count = static_cast<int64_t>(mul_count);
+        jobs.mul_by = 1.4426950408889634f;
+        for (const int aux_kb : {-1, 0, 1000}) {
+          SCOPED_TRACE("rowdot, aux k-block " + std::to_string(aux_kb));
+          const SwitchScope aux_k(cuda::gemm_sm90_aux_kblock(), aux_kb);
+          out0.poison();
+          rowdot.poison();
+          zbuf.poison();
+          mdst.poison();
+          cuda::launch_gemm_sm90_rowdot<D>(cdev(da->p), cdev(db->p), c.m, c.n, c.k, dev(out0.p), cdev(daux->p),
+                                           rowdot.p, ld, scale, jobs, gpu<E>().multiprocessors(), current().stream);
+          check("rowdot: out", out0, want, kTolChain<E>);
+          // The dots against the stored output itself (so that only the fp32 summation order is left): within 1e-5
+          // of the sum of the terms' magnitudes.
+          const Vec out = down(out0), got = down(rowdot);
+          size_t bad = 0, unwritten = 0, written_past = 0;
+          for (int bx = 0; bx < boxes; ++bx)
+            for (int64_t r = 0; r < ld; ++r) {
+              const float v = got[size_t(bx) * ld + r];
+              if (r >= c.m) {
+                written_past += !std::isnan(v);
+                continue;
+              }
+              double dot = 0, mag = 0;
+              for (int j = 0; j < 64; ++j) {
+                const size_t i = size_t(r) * c.n + 64 * bx + j;
+                dot += double(out[i]) * aux[i];
+                mag += std::fabs(double(out[i]) * aux[i]);
+              }
+              if (std::isnan(v)) {
+                ++unwritten;
+              } else if (std::fabs(v - dot * scale) > 1e-5 * mag * scale + 1e-30) {
+                if (bad++ < 3)
+                  ADD_FAILURE() << "rowdot box " << bx << " row " << r << ": " << v << " vs " << dot * scale;
+              }
+            }
+          EXPECT_EQ(bad, 0u) << "rowdot values off";
+          EXPECT_EQ(unwritten, 0u) << "rowdot entries left unwritten";
+          EXPECT_EQ(written_past, 0u) << "rowdot entries past m written";
+          const Vec z = down(zbuf), md = down(mdst);
+          size_t zero_bad = 0, mul_bad = 0;
+          for (size_t i = 0; i < z.size(); ++i) {
+            const bool inside = i >= 4 && i < 4 + 4 * zero_vec;
+            zero_bad += inside ? z[i] != 0.0f || std::signbit(z[i]) : !std::isnan(z[i]);
+          }
+          for (size_t i = 0; i < md.size(); ++i)
+            mul_bad += i < mul_count ? md[i] != msrc_h[i] * 1.4426950408889634f : !std::isnan(md[i]);
+          EXPECT_EQ(zero_bad, 0u) << "side job: the zero range (or past it)";
+          EXPECT_EQ(mul_bad, 0u) << "side job: dst = src * c (or past it)";
+        }
+      }
     }
     ASSERT_EQ(cudaGetLastError(), cudaSuccess);
   }
@@ -1094,6 +1164,50 @@ TYPED_TEST(CudaOps, Attention) {
             c.push_back(dqkv_c[(static_cast<size_t>(t) * 3 + part) * H + j]);
           }
         expect_close(part == 0 ? "d_q" : part == 1 ? "d_k" : "d_v", g, c, kTolDeep<E>);  // through 16-bit dS and P
+      }
+      // attention_output_backward: d_w_out += dy^T ctx, d_ctx = dy w_out, then the backward; fused where nopad's GEMM
+      // runs (H % 256 == 0: its epilogue computes the backward's D and its idle warps lse2 and the zeroed dQ
+      // accumulator) and as the two ops (attention_prep_gemm off, and H = 128): against the CPU twin's composition.
+      {
+        const float wsc = 1.0f / std::sqrt(static_cast<float>(H));
+        Vec dy = rand_vec<E>(rng, static_cast<size_t>(T) * H, -1, 1);
+        Vec w_out = rand_vec<E>(rng, size_t(H) * H, -wsc, wsc);
+        Vec dw0 = rand_vec<E>(rng, size_t(H) * H, -1, 1), dw_c = dw0, bias_c2 = bias0;
+        Vec dctx_c2(static_cast<size_t>(T) * H), dqkv_c2(static_cast<size_t>(T) * 3 * H);
+        cpu().attention_output_backward(dy.data(), w_out.data(), qkv.data(), ctx_c.data(), lse_c.data(), b.host(),
+                                        heads, hd, drop, dctx_c2.data(), dw_c.data(), dqkv_c2.data(), bias_c2.data());
+        auto d_dy = up16<E>(dy);
+        auto d_w = up16<E>(w_out);
+        const bool can_fuse = cuda::gemm_sm90_available() && H % 256 == 0;
+        for (const bool fuse : {true, false}) {
+          SCOPED_TRACE(fuse ? "attention_output_backward, fusion allowed" : "attention_output_backward, unfused");
+          cuda::KernelVariants v = cuda::kernel_variants();
+          v.attention_prep_gemm = fuse;
+          const VariantScope scope(v);
+          DBuf<E> dctx_g(static_cast<size_t>(T) * H), dqkv_g2(static_cast<size_t>(T) * 3 * H);
+          dctx_g.poison();
+          dqkv_g2.poison();
+          auto dw_g = up(dw0);
+          auto bias_g2 = up(bias0);
+          cuda::last_attention_output_fused() = !fuse;  // the op must set it
+          gpu<E>().attention_output_backward(d_dy->p, d_w->p, d_qkv_in->p, ctx_g.p, lse_g.p, b.device(), heads, hd,
+                                             drop, dctx_g.p, dw_g->p, dqkv_g2.p, bias_g2->p);
+          EXPECT_EQ(cuda::last_attention_output_fused(), fuse && can_fuse);
+          std::printf("    attention_output_backward: %s\n", cuda::last_attention_output_fused() ? "fused" : "two ops");
+          expect_close("aob d_ctx", down(dctx_g), dctx_c2, kTolChain<E>);
+          expect_close("aob d_w_out", down(*dw_g), dw_c, kTolOut<E>);
+          expect_close("aob d_qkv_bias", down(*bias_g2), bias_c2, kTolDeep<E>);
+          const Vec dq2 = down(dqkv_g2);
+          for (int part = 0; part < 3; ++part) {
+            Vec g, c;
+            for (int32_t t = 0; t < T; ++t)
+              for (int32_t j = 0; j < H; ++j) {
+                g.push_back(dq2[(static_cast<size_t>(t) * 3 + part) * H + j]);
+                c.push_back(dqkv_c2[(static_cast<size_t>(t) * 3 + part) * H + j]);
+              }
+            expect_close(part == 0 ? "aob d_q" : part == 1 ? "aob d_k" : "aob d_v", g, c, kTolDeep<E>);
+          }
+        }
       }
     }
 }

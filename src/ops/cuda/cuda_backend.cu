@@ -729,6 +729,54 @@ void CudaBackendT<P>::attention_backward(const A* d_ctx, const A* qkv, const A* 
 }
 
 template <class P>
+void CudaBackendT<P>::attention_output_backward(const A* dy, const W* w_out, const A* qkv, const A* ctx, const St* lse,
+                                                const ops::SeqView& seqs, int32_t num_heads, int32_t head_dim,
+                                                const ops::Dropout& drop, A* d_ctx, G* d_w_out, A* d_qkv,
+                                                G* d_qkv_bias) {
+  static_assert(std::is_same_v<St, float>, "the FMHA workspace is fp32");
+  const int32_t H = num_heads * head_dim, T = seqs.num_tokens;
+  // One box of the GEMM's tile (64 columns) is one head's columns.
+  const bool fuse = std::is_same_v<A, W> && kernel_variants().attention_prep_gemm && head_dim == 64 && T > 0 &&
+                    gemm_sm90_supported(T, H, H, dy, w_out, d_ctx, nullptr, ctx, nullptr);
+  last_attention_output_fused() = fuse;
+  if (!fuse) {
+    ops::Backend<P>::attention_output_backward(dy, w_out, qkv, ctx, lse, seqs, num_heads, head_dim, drop, d_ctx,
+                                               d_w_out, d_qkv, d_qkv_bias);
+    return;
+  }
+  require_whole_sequences(seqs, "attention_output_backward");
+  check_seqs(seqs, drop.p > 0.0f);
+  // d_w_out += dy^T ctx (cuBLASLt), alone.
+  dense_backward(dy, ctx, w_out, nullptr, T, H, H, ops::Activation::kNone, nullptr, false, d_w_out, nullptr);
+  {
+    OpScope timed(*this, "dense_bwd_rowdot", H, H);
+    // The workspace as attention_backward_impl takes it (grow-only, so the same buffer), with room for the zero
+    // range rounded up to whole 16-byte vectors.
+    const FmhaWorkspaceLayout ws = fmha_backward_workspace_layout(T, num_heads, head_dim);
+    const size_t zero_bytes = (ws.zero_bytes + 15) / 16 * 16;  // <= d_offset (256-byte aligned)
+    char* base = static_cast<char*>(scratch(kFmhaWorkspace, ws.total_bytes));
+    // The B operand is K-major: w_out [H, H] transposed into scratch (as dense_backward_through_act).
+    A* w_t = static_cast<A*>(scratch(kWeightT, sizeof(A) * static_cast<size_t>(H) * H));
+    launch_transpose16(dev(w_out), H, H, dev(w_t), stream_);
+    // The zeroing costs about as much wherever it runs (measured: a memset, these idle warps, or those of the FFN-out
+    // dx product before this op; docs/performance.md): here it needs no state across ops.
+    GemmSideJobs jobs;
+    jobs.zero = base;
+    jobs.zero_bytes = zero_bytes;
+    jobs.mul_src = lse;
+    jobs.mul_dst = reinterpret_cast<float*>(base + ws.lse2_offset);
+    jobs.mul_count = int64_t{num_heads} * T;
+    jobs.mul_by = 1.4426950408889634f;  // log2(e), as the FMHA's first pass
+    launch_gemm_sm90_rowdot<device_t<A>>(dev(dy), dev(w_t), T, H, H, dev(d_ctx), dev(ctx),
+                                         reinterpret_cast<float*>(base + ws.d_offset), T,
+                                         fmha_backward_d_scale(drop.p), jobs, sm_count_, stream_);
+  }
+  OpScope timed(*this, "attention_bwd");
+  attention_backward_impl(d_ctx, qkv, seqs, nullptr, nullptr, ctx, lse, num_heads, head_dim, drop, d_qkv, d_qkv_bias,
+                          /*prepared=*/true);
+}
+
+template <class P>
 void CudaBackendT<P>::attention_backward_rows(const A* d_ctx, const A* qkv, const ops::SeqView& seqs, const A* q_qkv,
                                               const ops::SeqView& q_seqs, const A* ctx, const St* lse,
                                               int32_t num_heads, int32_t head_dim, const ops::Dropout& drop,
@@ -744,7 +792,7 @@ template <class P>
 void CudaBackendT<P>::attention_backward_impl(const A* d_ctx, const A* qkv, const ops::SeqView& seqs, const A* q_qkv,
                                               const ops::SeqView* q_seqs, const A* ctx, const St* lse,
                                               int32_t num_heads, int32_t head_dim, const ops::Dropout& drop,
-                                              A* d_qkv, G* d_qkv_bias) {
+                                              A* d_qkv, G* d_qkv_bias, bool prepared) {
   static_assert(std::is_same_v<G, float>, "FmhaParams::d_qkv_bias is fp32");
   check_seqs(seqs, drop.p > 0.0f);
   if (seqs.num_tokens == 0) return;
@@ -754,6 +802,7 @@ void CudaBackendT<P>::attention_backward_impl(const A* d_ctx, const A* qkv, cons
   p.lse = const_cast<St*>(lse);   // likewise
   p.d_ctx = d_ctx;
   p.d_qkv = d_qkv;
+  p.prepared = prepared;
   if (q_seqs != nullptr) set_query_rows(p, q_qkv, *q_seqs, seqs, "attention_backward_rows");
   // The bias gradient from the kernels' registers where they take it, else by the column-sum pass after.
   const bool bias_in_kernels =

@@ -118,6 +118,12 @@ class CudaBackendT final : public ops::Backend<P> {
   void attention_backward(const A* d_ctx, const A* qkv, const A* ctx, const St* lse, const ops::SeqView& seqs,
                           int32_t num_heads, int32_t head_dim, const ops::Dropout& drop, A* d_qkv,
                           G* d_qkv_bias) override;
+  // Fused where nopad's sm_90a GEMM runs (head_dim 64, H % 256 == 0; KernelVariants::attention_prep_gemm): d_ctx
+  // by launch_gemm_sm90_rowdot, whose epilogue writes the FMHA backward's D and whose idle warps write lse2 and zero
+  // the dQ accumulator, so the backward skips its first pass (FmhaParams::prepared). Elsewhere the two ops.
+  void attention_output_backward(const A* dy, const W* w_out, const A* qkv, const A* ctx, const St* lse,
+                                 const ops::SeqView& seqs, int32_t num_heads, int32_t head_dim,
+                                 const ops::Dropout& drop, A* d_ctx, G* d_w_out, A* d_qkv, G* d_qkv_bias) override;
   void attention_forward_rows(const A* qkv, const ops::SeqView& seqs, const A* q_qkv, const ops::SeqView& q_seqs,
                               int32_t num_heads, int32_t head_dim, const ops::Dropout& drop, A* ctx,
                               St* lse) override;
@@ -174,7 +180,8 @@ class CudaBackendT final : public ops::Backend<P> {
   bool plan_attention_launches(const ops::SeqView& seqs);
   void attention_backward_impl(const A* d_ctx, const A* qkv, const ops::SeqView& seqs, const A* q_qkv,
                                const ops::SeqView* q_seqs, const A* ctx, const St* lse, int32_t num_heads,
-                               int32_t head_dim, const ops::Dropout& drop, A* d_qkv, G* d_qkv_bias);
+                               int32_t head_dim, const ops::Dropout& drop, A* d_qkv, G* d_qkv_bias,
+                               bool prepared = false);
 
   int device_ = 0;
   int sm_count_ = 0;

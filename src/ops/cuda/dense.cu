@@ -290,7 +290,8 @@ bool LtGemm::try_run(const GemmProblem& p, cudaStream_t stream) {
 // ------------------------------------------------------------------------------------------------ variants
 
 // The process-wide variants: the defaults of dense.h, except that NOPAD_GELU_GEMM=0|1, NOPAD_DGELU_GEMM=0|1 and
-// NOPAD_QKV_BIAS_IN_ATTENTION=0|1 set gelu_gemm / dgelu_gemm / qkv_bias_in_attention, and NOPAD_LN_FWD_STAGES /
+// NOPAD_QKV_BIAS_IN_ATTENTION=0|1, NOPAD_ATTN_PREP_GEMM=0|1 set gelu_gemm / dgelu_gemm / qkv_bias_in_attention /
+// attention_prep_gemm, and NOPAD_LN_FWD_STAGES /
 // NOPAD_LN_BWD_STAGES = 0|2|3|4 pick the residual LayerNorm's forward / backward kernel (the pipelined row-group
 // kernel with that many stages; 0: the forward's default, the backward's register-prefetch row-group kernel),
 // NOPAD_LN_FWD_WARP_PIPE=0|1 the warp-per-row forward without / with its pipeline (so one build can time the model
@@ -320,6 +321,8 @@ KernelVariants& kernel_variants() {
     if (const char* e = std::getenv("NOPAD_GELU_GEMM")) k.gelu_gemm = std::string_view(e) != "0";
     if (const char* e = std::getenv("NOPAD_DGELU_GEMM")) k.dgelu_gemm = std::string_view(e) != "0";
     if (const char* e = std::getenv("NOPAD_QKV_BIAS_IN_ATTENTION")) k.qkv_bias_in_attention = std::string_view(e) != "0";
+    if (const char* e = std::getenv("NOPAD_ATTN_PREP_GEMM")) k.attention_prep_gemm = std::string_view(e) != "0";
+
     return k;
   }();
   return v;
@@ -331,6 +334,10 @@ GeluPath& last_gelu_path() {
 BiasGradPath& last_bias_grad_path() {
   static BiasGradPath path = BiasGradPath::kSeparate;
   return path;
+}
+bool& last_attention_output_fused() {
+  static bool fused = false;
+  return fused;
 }
 
 // ------------------------------------------------------------------------------------------------ elementwise

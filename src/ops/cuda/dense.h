@@ -106,6 +106,10 @@ struct KernelVariants {
   // attention_backward's d_qkv_bias: the FMHA kernels sum the columns of d_qkv as they write it (FmhaParams::
   // d_qkv_bias), else the one-pass column-sum kernel reads d_qkv afterwards (what dense_backward's d_bias costs).
   bool qkv_bias_in_attention = true;
+  // attention_output_backward: the FMHA backward's first pass (D, lse2, the zeroed dQ accumulator) done by the
+  // attention-output dx product (nopad's sm_90a GEMM, its epilogue and idle warps) instead of a memory-bound pass, else
+  // the cuBLASLt product and the pass.
+  bool attention_prep_gemm = true;
 };
 KernelVariants& kernel_variants();  // dense.cu
 // How the last dense_backward with a d_bias obtained it (set by CudaBackend; tests read it to see whether the
@@ -115,6 +119,9 @@ BiasGradPath& last_bias_grad_path();
 // GELU / scale epilogue), kKernel (the cuBLASLt product and elementwise kernels). Tests read it to see which path ran.
 enum class GeluPath { kKernel, kGemmSm90 };
 GeluPath& last_gelu_path();
+// Whether the last attention_output_backward ran fused (its first pass in the d_ctx product: KernelVariants::
+// attention_prep_gemm) or as the two ops. Tests read it.
+bool& last_attention_output_fused();
 
 class LtGemm {
  public:

@@ -71,6 +71,10 @@ struct FmhaParams {
   const int32_t* q_positions = nullptr;   // [num_q_tokens], device
   int32_t num_q_tokens = 0;
   int32_t max_q_seqlen = 0;
+  // Backward: the caller has already done the first pass over every row of the workspace (fmha_backward_workspace
+  // below: D and lse2 written, the dQ accumulator and the item counters zeroed), as the attention-output dx product's
+  // epilogue does (CudaBackend::attention_output_backward); the launch then skips it. Not with query rows.
+  bool prepared = false;
 };
 
 // The variants, for tests and benchmarks: count, and a short name of each ("m64w4" ...: tile rows x warps).
@@ -88,6 +92,19 @@ bool fmha_backward_bias_supported(int32_t num_heads, int32_t head_dim);
 
 // Bytes of scratch fmha_backward needs for these sizes.
 size_t fmha_backward_workspace_bytes(int32_t num_tokens, int32_t num_heads, int32_t head_dim);
+// Where the first pass's results lie in the workspace (bytes): [0, zero_bytes) must be zero (the dQ accumulator, then
+// the item counters; its extent depends on T and H = num_heads * head_dim alone), D [num_heads, T] fp32 at d_offset
+// (D[h, t] = the sum over the head's columns of d_ctx * ctx, times fmha_backward_d_scale), lse2 [num_heads, T] fp32 at
+// lse2_offset (lse * log2(e)); total_bytes = fmha_backward_workspace_bytes.
+struct FmhaWorkspaceLayout {
+  size_t zero_bytes = 0;
+  size_t d_offset = 0;
+  size_t lse2_offset = 0;
+  size_t total_bytes = 0;
+};
+FmhaWorkspaceLayout fmha_backward_workspace_layout(int32_t num_tokens, int32_t num_heads, int32_t head_dim);
+// The factor D carries: (65536 - threshold) / 65536 of the 16-bit dropout contract (1 without dropout).
+float fmha_backward_d_scale(float dropout_p);
 // Throws nopad::Error for unsupported head_dim/sizes; launch errors are checked.
 void fmha_forward(const FmhaParams& p, cudaStream_t stream);
 void fmha_backward(const FmhaParams& p, cudaStream_t stream);

@@ -12,8 +12,9 @@
 //   3. fmha_bwd_dq_kernel:  dq_accum -> d_qkv's q block (bf16/fp16); with FmhaParams::d_qkv_bias,
 //      fmha_bwd_dq_bias_kernel, which also adds the q block's column sums (the main kernels add the v block's; the k
 //      bias has no gradient, fmha.h).
-// Workspace: D [heads, T] fp32, lse2 [heads, T] fp32, then (256-byte aligned) dq_accum [T, H] fp32, then ws128q's item
-// counters [T + 1] int32; T = the query rows (FmhaParams::num_q_tokens when the queries are a subset of the rows).
+// Workspace: dq_accum [T, H] fp32, ws128q's item counters [T + 1] int32 (the region the first pass zeroes, first so
+// that its extent depends on T and H alone: fmha_backward_workspace_layout), then (256-byte aligned) D [heads, T] fp32
+// and lse2 [heads, T] fp32; T = the query rows (FmhaParams::num_q_tokens when the queries are a subset of the rows).
 // Design: docs/fmha.md.
 #include <algorithm>
 #include <cmath>
@@ -26,19 +27,21 @@
 namespace nopad::cuda {
 namespace fmha_detail {
 
-__host__ __device__ inline size_t lse2_offset(int32_t num_tokens, int32_t num_heads) {  // in floats
+__host__ __device__ inline size_t lse2_offset(int32_t num_tokens, int32_t num_heads) {  // in floats, from D
   return static_cast<size_t>(num_heads) * static_cast<size_t>(num_tokens);
 }
-__host__ __device__ inline size_t dq_accum_offset(int32_t num_tokens, int32_t num_heads) {
-  const size_t d_bytes = 2 * lse2_offset(num_tokens, num_heads) * sizeof(float);
-  return (d_bytes + 255) / 256 * 256;
-}
-// The work-item counters of the persistent backward (`ws128q`), [num_tokens + 1] ints after dq_accum: a launch uses
-// the slot of its first sequence's start s0 (launches running at one time on one workspace cover different sequences,
-// and planned launches hold no empty ones, so their first starts differ); the pre kernel zeroes it.
+// The work-item counters of the persistent backward (`ws128q`), [num_tokens + 1] ints after dq_accum (at 0): a launch
+// uses the slot of its first sequence's start s0 (launches running at one time on one workspace cover different
+// sequences, and planned launches hold no empty ones, so their first starts differ); the pre kernel zeroes it.
 __host__ __device__ inline size_t item_counter_offset(int32_t num_tokens, int32_t num_heads, int32_t head_dim) {
-  return dq_accum_offset(num_tokens, num_heads) +
-         static_cast<size_t>(num_tokens) * static_cast<size_t>(num_heads) * static_cast<size_t>(head_dim) * 4;
+  return static_cast<size_t>(num_tokens) * static_cast<size_t>(num_heads) * static_cast<size_t>(head_dim) * 4;
+}
+// The end of the zeroed region (dq_accum and the counters), and D's offset after it.
+__host__ __device__ inline size_t zero_region_bytes(int32_t num_tokens, int32_t num_heads, int32_t head_dim) {
+  return item_counter_offset(num_tokens, num_heads, head_dim) + (static_cast<size_t>(num_tokens) + 1) * sizeof(int);
+}
+__host__ __device__ inline size_t d_offset(int32_t num_tokens, int32_t num_heads, int32_t head_dim) {
+  return (zero_region_bytes(num_tokens, num_heads, head_dim) + 255) / 256 * 256;
 }
 // Only launches without query rows (FmhaParams::q_cu_seqlens null) use the counters.
 __device__ inline int* item_counter(const FmhaParams& p) {
@@ -1229,9 +1232,9 @@ void launch_backward_wgmma(const KernelArgs& args, const float* D, float* dq_acc
 template <int HD, bool kFp16>
 void launch_backward(const KernelArgs& args, int variant, int32_t n, cudaStream_t stream) {
   const FmhaParams& p = args.p;
-  float* D = static_cast<float*>(p.workspace);
-  float* dq_acc =
-      reinterpret_cast<float*>(static_cast<char*>(p.workspace) + dq_accum_offset(query_tokens(p), p.num_heads));
+  float* D = reinterpret_cast<float*>(static_cast<char*>(p.workspace) +
+                                      d_offset(query_tokens(p), p.num_heads, p.head_dim));
+  float* dq_acc = static_cast<float*>(p.workspace);
   // The pre and dQ kernels run over the queries: every row, or query rows (FmhaParams::q_cu_seqlens), whose d_qkv q
   // block is zeroed first in every row (the dQ kernel then writes the queries' rows).
   const int32_t q_rows = query_seqlen(p);
@@ -1240,7 +1243,7 @@ void launch_backward(const KernelArgs& args, int variant, int32_t n, cudaStream_
     const size_t row_bytes = static_cast<size_t>(p.num_heads) * p.head_dim * 2;
     NOPAD_CUDA_CHECK(cudaMemset2DAsync(p.d_qkv, 3 * row_bytes, 0, row_bytes, static_cast<size_t>(p.num_tokens), stream));
   }
-  if (q_rows > 0) {
+  if (q_rows > 0 && !p.prepared) {
     fmha_bwd_pre_kernel<kFp16><<<row_grid, 32 * kPreRows, 0, stream>>>(args, D, dq_acc);
     NOPAD_CUDA_CHECK_LAUNCH();
   }
@@ -1311,8 +1314,22 @@ bool fmha_backward_bias_supported(int32_t num_heads, int32_t head_dim) {
 
 size_t fmha_backward_workspace_bytes(int32_t num_tokens, int32_t num_heads, int32_t head_dim) {
   NOPAD_CHECK(num_tokens >= 0 && num_heads >= 0 && head_dim >= 0, "fmha_backward_workspace_bytes: negative size");
-  return fmha_detail::item_counter_offset(num_tokens, num_heads, head_dim) +
-         (static_cast<size_t>(num_tokens) + 1) * sizeof(int);
+  return fmha_detail::d_offset(num_tokens, num_heads, head_dim) +
+         2 * fmha_detail::lse2_offset(num_tokens, num_heads) * sizeof(float);
+}
+
+float fmha_backward_d_scale(float dropout_p) {
+  const uint32_t threshold = dropout_threshold(dropout_p);
+  return static_cast<float>(kDropoutRange - threshold) / static_cast<float>(kDropoutRange);
+}
+
+FmhaWorkspaceLayout fmha_backward_workspace_layout(int32_t num_tokens, int32_t num_heads, int32_t head_dim) {
+  FmhaWorkspaceLayout w;
+  w.total_bytes = fmha_backward_workspace_bytes(num_tokens, num_heads, head_dim);
+  w.zero_bytes = fmha_detail::zero_region_bytes(num_tokens, num_heads, head_dim);
+  w.d_offset = fmha_detail::d_offset(num_tokens, num_heads, head_dim);
+  w.lse2_offset = w.d_offset + fmha_detail::lse2_offset(num_tokens, num_heads) * sizeof(float);
+  return w;
 }
 
 void fmha_backward(const FmhaParams& p, cudaStream_t stream) {
@@ -1328,6 +1345,7 @@ void fmha_backward(const FmhaParams& p, cudaStream_t stream) {
   NOPAD_CHECK(p.d_qkv_bias == nullptr || fmha_backward_bias_supported(p.num_heads, p.head_dim), "fmha_backward: ",
               "the bias gradient supports num_heads * head_dim <= ", 8 * fmha_detail::kDqBiasThreads, ", got ",
               int64_t{p.num_heads} * p.head_dim, " (leave d_qkv_bias null and sum the columns of d_qkv separately)");
+  NOPAD_CHECK(!p.prepared || p.q_cu_seqlens == nullptr, "fmha_backward: a prepared workspace needs every row a query");
   NOPAD_CHECK(reinterpret_cast<uintptr_t>(p.d_qkv_bias) % 8 == 0, "fmha_backward: d_qkv_bias must be 8-byte aligned ",
               "(its sums are added two columns at a time)");
   const int variant = fmha_backward_variant(p);

@@ -19,11 +19,14 @@
 //   start (ops/gelu_table.h; the arithmetic GELU for the rare elements outside its range), the other half from a
 //   two-MUFU arithmetic form (gemm_sm90_gelu_arith_words()): the table alone keeps the shared-memory pipe, which the
 //   products' operands need, too busy (its random lookups conflict ~5-way), the arithmetic alone the epilogue warps.
-// - kScale: no epilogue warps (the producer warpgroup gives its registers away). Each consumer warpgroup TMA-loads
+// - kScale / kRowDot: no epilogue warps (the producer warpgroup gives its registers away; with kRowDot its warps 1-3
+//   do the launch's side jobs, GemmSideJobs, and exit). Each consumer warpgroup TMA-loads
 //   its half of the tile's aux into its staging half-way through the main loop (its thread 0 first waits for the
 //   previous tile's stores to have read the staging: late enough that this rarely holds the warpgroup), multiplies
 //   in place at staging time, and stores by TMA. Column sums: a thread's columns over its two rows, summed over the
 //   warp by a halving shuffle butterfly, the 4 warps' sums combined in a fixed order through shared memory.
+//   kRowDot stores round(acc) instead (written over the aux) and sums its products with the aux per row and 64-column
+//   box: a thread's 16 columns of a box, then over the 4 lanes of its row (two shuffles).
 // Between k-blocks the consumers first release the previous k-block's stage (wgmma wait, `empty` arrival), then do
 // their epilogue share of that k-block (a GELU unit, the aux load), so the producer refills the stage meanwhile.
 // Measured design history: docs/performance.md ("nopad's own GEMM with the GELU epilogue", "the saved GELU
@@ -80,7 +83,7 @@ constexpr int kRedBytes = 2 * 4 * kBN * 4;  // kScale: per consumer warpgroup, i
 constexpr int kTabBytes = ops::kGeluTableBytes;
 constexpr int kRegionBytes = kRedBytes > kTabBytes ? kRedBytes : kTabBytes;
 constexpr int kBiasBytes = 2 * kBN * 2;     // kGelu: the bias of a CTA's next two tiles, by tile parity
-constexpr int kBarBytes = (2 * kStages + 6) * 8;
+constexpr int kBarBytes = (2 * kStages + 6) * 8 + 8;  // the mbarriers, then kRowDot's tile counter (side jobs)
 // kGelu: the consumers compute y and gelu' of the last gemm_sm90_consumer_columns() box columns of their own half
 // (units of 16 rows, one per k-block of the next tile's main loop), the epilogue warps those of the others, so that
 // their shares of the GELU's issue time fit beside the products.
@@ -394,8 +397,38 @@ struct Args {
   int32_t probe;         // kGelu: gemm_sm90_gelu_probe() (a measurement, not an activation)
   int32_t arith_words;   // kGelu with the table: words of each 8-column chunk computed arithmetically (0 to 4)
   int32_t early_release;  // 1: a k-block's stage is released before the epilogue work of the next k-block's slot
-  int32_t aux_kb;         // kScale: the k-block of the main loop during which a consumer issues its aux load
+  int32_t aux_kb;         // kScale / kRowDot: the k-block of the main loop during which a consumer issues its aux load
+  float* rowdot;           // kRowDot: [n / 64, rowdot_ld]
+  int64_t rowdot_ld;
+  float rowdot_scale;
+  // Side jobs (GemmSideJobs) of warps 1-3 (kRowDot): zero_vec 16-byte zeros at zero_ptr; mul_dst = mul_src * mul_by
+  // over mul_count floats.
+  uint4* zero_ptr;
+  int64_t zero_vec;
+  const float* mul_src;
+  float* mul_dst;
+  int64_t mul_count;
+  float mul_by;
 };
+
+// GemmSideJobs on the 96 threads t of a CTA's warps 1-3: element i of each job on CTA i / 96 % grid, so that a warp's
+// stores are consecutive. The zeroing is paced by the main loop: the CTA's share in one slice per tile, each once the
+// producer has issued that tile's loads (tiles_issued), so that its DRAM writes spread over the kernel instead of
+// competing with the first tiles' operand loads all at once.
+__device__ __forceinline__ void side_jobs(const Args& a, int t, volatile int* tiles_issued) {
+  const int64_t stride = int64_t{gridDim.x} * 96;
+  const int64_t i0 = int64_t{blockIdx.x} * 96 + t;
+  for (int64_t i = i0; i < a.mul_count; i += stride) a.mul_dst[i] = a.mul_src[i] * a.mul_by;
+  const int my_tiles = (a.tiles - static_cast<int>(blockIdx.x) + static_cast<int>(gridDim.x) - 1) /
+                       static_cast<int>(gridDim.x);
+  const int64_t mine = i0 < a.zero_vec ? (a.zero_vec - i0 + stride - 1) / stride : 0;  // this thread's vectors
+  for (int slice = 0; slice < my_tiles; ++slice) {
+    const int64_t begin = mine * slice / my_tiles, end = mine * (slice + 1) / my_tiles;
+    if (begin == end) continue;
+    while (*tiles_issued <= slice) __nanosleep(256);
+    for (int64_t j = begin; j < end; ++j) a.zero_ptr[i0 + j * stride] = make_uint4(0u, 0u, 0u, 0u);
+  }
+}
 
 // The 16-bit accumulator tile of one consumer warpgroup (64 rows x 256 columns, + bias) into its staging boxes:
 // this thread's 4-byte pairs at (row warp 16 + g, column 2 tq) and row + 8 of box nt / 8, chunk nt % 8. The bias
@@ -440,6 +473,31 @@ __device__ __forceinline__ void stage_scale(uint8_t* stage_out, float (&acc)[32]
     *q1 = fmha_detail::pack2<kFp16>(a1, b1);
     acc[nt][0] = a0 + a1;
     acc[nt][1] = b0 + b1;
+  }
+}
+
+// kRowDot's staging: g = round(acc) written over the aux pair that the TMA put at the same place (read first);
+// dot[b][j] accumulates g * aux over this thread's columns of box b (columns 64 b .. 64 b + 63) in row g + 8 j, nt
+// ascending, from the rounded g (what the stored output holds).
+template <bool kFp16>
+__device__ __forceinline__ void stage_rowdot(uint8_t* stage_out, const float (&acc)[32][4], float (&dot)[4][2],
+                                             int warp, int g, int tq) {
+  const int rr0 = warp * 16 + g;
+#pragma unroll
+  for (int b = 0; b < 4; ++b) dot[b][0] = dot[b][1] = 0.0f;
+#pragma unroll
+  for (int nt = 0; nt < 32; ++nt) {
+    const int off0 = (nt / 8) * kBoxBytes + rr0 * 128 + (((nt % 8) ^ g) * 16) + 4 * tq, off1 = off0 + 8 * 128;
+    uint32_t* q0 = reinterpret_cast<uint32_t*>(stage_out + off0);
+    uint32_t* q1 = reinterpret_cast<uint32_t*>(stage_out + off1);
+    const float2 x0 = unpack2<kFp16>(*q0), x1 = unpack2<kFp16>(*q1);
+    const uint32_t p0 = fmha_detail::pack2<kFp16>(acc[nt][0], acc[nt][1]);
+    const uint32_t p1 = fmha_detail::pack2<kFp16>(acc[nt][2], acc[nt][3]);
+    const float2 g0 = unpack2<kFp16>(p0), g1 = unpack2<kFp16>(p1);
+    dot[nt / 8][0] = fmaf(g0.y, x0.y, fmaf(g0.x, x0.x, dot[nt / 8][0]));
+    dot[nt / 8][1] = fmaf(g1.y, x1.y, fmaf(g1.x, x1.x, dot[nt / 8][1]));
+    *q0 = p0;
+    *q1 = p1;
   }
 }
 
@@ -491,6 +549,8 @@ __global__ void __launch_bounds__(kThreads, 1)
   uint64_t* staged = empty + kStages;  // [2]: consumer warpgroup cw's staging holds the tile (128 arrivals)
   uint64_t* freed = staged + 2;  // [2]: phase i: the consumers may stage the CTA's i-th tile (1 arrival)
   uint64_t* aux_full = freed + 2;  // [2]: kScale: phase i: consumer cw's staging holds the i-th tile's aux half
+  // kRowDot: the tiles whose loads the producer has issued, which paces the side jobs (volatile shared accesses).
+  volatile int* tiles_issued = reinterpret_cast<volatile int*>(aux_full + 2);
   const int wg = threadIdx.x / 128, tid = threadIdx.x % 128;
   const int cb = args.consumer_bc;  // kGelu: box columns 4 - cb .. 3 are the consumers'
   // kGelu, bf16: the GELU table into shared memory (16 KB from the L2, once per CTA), read by the epilogue warps and
@@ -511,6 +571,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       mbar_init(&full[s], 1);
       mbar_init(&empty[s], 8);  // one arrival per consumer warp
     }
+    *tiles_issued = 0;
     for (int i = 0; i < 2; ++i) {
       mbar_init(&staged[i], 128);
       mbar_init(&freed[i], 1);
@@ -521,11 +582,18 @@ __global__ void __launch_bounds__(kThreads, 1)
   __syncthreads();
   if (wg == 0 && (kEpi != 1 || tid < 32)) {  // ------------------------------------ producer
     if constexpr (kEpi != 1) setmaxnreg_dec<kProducerRegs>();
+    if constexpr (kEpi == 3) {
+      if (tid >= 32) {
+        side_jobs(args, tid - 32, tiles_issued);
+        return;
+      }
+    }
     if (tid != 0) return;
     asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(&map_a)) : "memory");
     asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(&map_b)) : "memory");
     const int nk = args.k / kBK;
     uint32_t s = 0, ph = 0;  // ring slot and its lap's parity
+    int issued = 0;
     for (int t = blockIdx.x; t < args.tiles; t += gridDim.x) {
       const int m0 = (t / args.tiles_n) * kBM, n0 = (t % args.tiles_n) * kBN;
       for (int kb = 0; kb < nk; ++kb, s = s + 1 == kStages ? 0 : s + 1, ph ^= s == 0) {
@@ -535,6 +603,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         tma_load_2d(st, &map_a, kb * kBK, m0, &full[s]);
         tma_load_2d(st + kABytes, &map_b, kb * kBK, n0, &full[s]);
       }
+      if constexpr (kEpi == 3) *tiles_issued = ++issued;
     }
     return;
   }
@@ -681,7 +750,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       if constexpr (kEpi == 1) {
         if (pending && kb >= 1 && kb <= 4 * cb) consumer_unit(kb - 1);
       }
-      if constexpr (kEpi == 2) {
+      if constexpr (kEpi >= 2) {
         if (tid == 0 && kb == min(args.aux_kb, nk - 1)) load_aux(t);
       }
       if (kb > 0 && !args.early_release) release_prev();
@@ -741,6 +810,38 @@ __global__ void __launch_bounds__(kThreads, 1)
           out[c] = ((red_wg[c] + red_wg[kBN + c]) + red_wg[2 * kBN + c]) + red_wg[3 * kBN + c];
       }
       named_barrier_sync(bar_wg, 128);  // red_wg is read before the next tile writes it
+    } else if constexpr (kEpi == 3) {  // out0 = round(acc) in place of the aux, and the per-box row dots with it
+      mbar_wait(&aux_full[cw], tile_parity);
+      float dot[4][2];
+      stage_rowdot<kFp16>(stage_out, acc, dot, warp, g, tq);
+      fence_proxy_async();
+      named_barrier_sync(bar_wg, 128);
+      if (tid == 0) {
+        if (m0 + 64 * cw < args.m) {
+#pragma unroll
+          for (int box = 0; box < 4; ++box)
+            tma_store_2d(&map_out0, stage_out + box * kBoxBytes, n0 + 64 * box, m0 + 64 * cw);
+        }
+        bulk_commit();
+      }
+#pragma unroll
+      for (int b = 0; b < 4; ++b)
+#pragma unroll
+        for (int j = 0; j < 2; ++j) {
+          dot[b][j] += __shfl_xor_sync(0xffffffffu, dot[b][j], 1);
+          dot[b][j] += __shfl_xor_sync(0xffffffffu, dot[b][j], 2);
+        }
+      if (tq == 0) {
+#pragma unroll
+        for (int j = 0; j < 2; ++j) {
+          const int row = m0 + 64 * cw + 16 * warp + g + 8 * j;
+          if (row < args.m) {
+#pragma unroll
+            for (int b = 0; b < 4; ++b)
+              args.rowdot[static_cast<int64_t>(n0 / 64 + b) * args.rowdot_ld + row] = dot[b][j] * args.rowdot_scale;
+          }
+        }
+      }
     } else {  // kGelu: the staged tile goes to the epilogue warps, once they are done with the previous one
       mbar_wait(&freed[cw], tile_parity);
       stage_tile<kFp16, true>(stage_out, acc, reinterpret_cast<const uint32_t*>(bias_tile + tile_parity * kBN) + tq,
@@ -799,6 +900,19 @@ __global__ void transpose16_kernel(const T* __restrict__ in, int32_t rows, int32
     const int c = c0 + i, r = r0 + threadIdx.x;
     if (r < rows && c < cols) out[static_cast<int64_t>(c) * rows + r] = tile[threadIdx.x][i];
   }
+}
+
+void set_side_jobs(Args& args, const GemmSideJobs& jobs) {
+  NOPAD_CHECK(reinterpret_cast<uintptr_t>(jobs.zero) % 16 == 0 && jobs.zero_bytes % 16 == 0 &&
+                  (jobs.zero != nullptr || jobs.zero_bytes == 0) && jobs.mul_count >= 0 &&
+                  (jobs.mul_count == 0 || (jobs.mul_src != nullptr && jobs.mul_dst != nullptr)),
+              "gemm_sm90: side jobs need a 16-byte aligned zero range of whole 16-byte vectors and mul pointers");
+  args.zero_ptr = static_cast<uint4*>(jobs.zero);
+  args.zero_vec = static_cast<int64_t>(jobs.zero_bytes / 16);
+  args.mul_src = jobs.mul_src;
+  args.mul_dst = jobs.mul_dst;
+  args.mul_count = jobs.mul_count;
+  args.mul_by = jobs.mul_by;
 }
 
 // The bf16 GELU tables ([0] erf, [1] tanh), filled once per device by gemm_sm90_prepare.
@@ -952,7 +1066,8 @@ void launch_gemm_sm90(GemmEpilogue epi, const T* a, const T* b, int64_t m, int32
   // kBias / kScale store out0 through the first output map; kGelu stores out0 (gelu') from registers and y (out1)
   // through the second; kScale reads aux through the second (64 x 64 boxes into the staging).
   const CUtensorMap mo0 = gemm90::tensor_map(out0, m, n, 64, kFp16);
-  const CUtensorMap mo1 = epi == GemmEpilogue::kScale ? gemm90::tensor_map(aux, m, n, 64, kFp16)
+  const CUtensorMap mo1 = epi == GemmEpilogue::kScale || epi == GemmEpilogue::kRowDot
+                              ? gemm90::tensor_map(aux, m, n, 64, kFp16)
                           : out1                      ? gemm90::tensor_map(out1, m, n, 64, kFp16)
                                                       : mo0;
   switch (epi) {
@@ -964,7 +1079,39 @@ void launch_gemm_sm90(GemmEpilogue epi, const T* a, const T* b, int64_t m, int32
         gemm90::launch<1, kFp16, false>(ma, mb, mo0, mo1, args, sm_count, stream);
       break;
     case GemmEpilogue::kScale: gemm90::launch<2, kFp16, false>(ma, mb, mo0, mo1, args, sm_count, stream); break;
+    case GemmEpilogue::kRowDot: fail("gemm_sm90: kRowDot is launch_gemm_sm90_rowdot's");
   }
+}
+
+template <class T>
+void launch_gemm_sm90_rowdot(const T* a, const T* b, int64_t m, int32_t n, int32_t k, T* out0, const T* aux,
+                             float* rowdot, int64_t rowdot_ld, float rowdot_scale, const GemmSideJobs& jobs,
+                             int sm_count, cudaStream_t stream) {
+  NOPAD_CHECK(gemm_sm90_supported(m, n, k, a, b, out0, nullptr, aux, nullptr), "gemm_sm90: unsupported product m=",
+              m, " n=", n, " k=", k,
+              " (needs the sm_90a build on a 9.0 device, n % 256 == 0, k % 64 == 0, 16-byte alignment)");
+  NOPAD_CHECK(out0 != nullptr && aux != nullptr && rowdot != nullptr && rowdot_ld >= m,
+              "gemm_sm90 kRowDot: needs out0, aux and rowdot with rowdot_ld >= m");
+  constexpr bool kFp16 = std::is_same_v<T, hf>;
+  gemm90::Args args{};
+  args.m = static_cast<int32_t>(m);
+  args.n = n;
+  args.k = k;
+  args.tiles_n = n / gemm90::kBN;
+  const int64_t tiles = (m + gemm90::kBM - 1) / gemm90::kBM * args.tiles_n;
+  NOPAD_CHECK(tiles < (int64_t{1} << 31), "gemm_sm90: too many tiles (", tiles, ")");
+  args.tiles = static_cast<int32_t>(tiles);
+  args.early_release = gemm_sm90_early_release() ? 1 : 0;
+  args.aux_kb = gemm_sm90_aux_kblock() >= 0 ? gemm_sm90_aux_kblock() : k / gemm90::kBK / 2;
+  args.rowdot = rowdot;
+  args.rowdot_ld = rowdot_ld;
+  args.rowdot_scale = rowdot_scale;
+  gemm90::set_side_jobs(args, jobs);
+  const CUtensorMap ma = gemm90::tensor_map(a, m, k, gemm90::kBM, kFp16);
+  const CUtensorMap mb = gemm90::tensor_map(b, n, k, gemm90::kBN, kFp16);
+  const CUtensorMap mo0 = gemm90::tensor_map(out0, m, n, 64, kFp16);
+  const CUtensorMap mo1 = gemm90::tensor_map(aux, m, n, 64, kFp16);
+  gemm90::launch<3, kFp16, false>(ma, mb, mo0, mo1, args, sm_count, stream);
 }
 
 template <class T>
@@ -979,7 +1126,9 @@ void launch_transpose16(const T* in, int32_t rows, int32_t cols, T* out, cudaStr
 #define NOPAD_GEMM90_INSTANTIATE(T)                                                                              \
   template void launch_gemm_sm90<T>(GemmEpilogue, const T*, const T*, int64_t, int32_t, int32_t, const T*, T*, T*, \
                                     const T*, float*, bool, int, cudaStream_t);                                    \
-  template void launch_transpose16<T>(const T*, int32_t, int32_t, T*, cudaStream_t);
+  template void launch_transpose16<T>(const T*, int32_t, int32_t, T*, cudaStream_t);                           \
+  template void launch_gemm_sm90_rowdot<T>(const T*, const T*, int64_t, int32_t, int32_t, T*, const T*, float*,   \
+                                           int64_t, float, const GemmSideJobs&, int, cudaStream_t);
 NOPAD_GEMM90_INSTANTIATE(bf)
 NOPAD_GEMM90_INSTANTIATE(hf)
 #undef NOPAD_GEMM90_INSTANTIATE

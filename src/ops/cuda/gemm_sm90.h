@@ -1,13 +1,17 @@
 // nopad's own Hopper GEMM (gemm_sm90.cu) for the two products whose outputs feed an elementwise GELU pass in the
 // cuBLASLt path: the FFN-in forward (bias + GELU in the epilogue: the activation and its derivative written at once)
 // and the FFN-out dx product (the saved derivative applied and the d_bias column partials taken in the epilogue).
-// The exact erf GELU (which cuBLASLt's GELU epilogues do not offer) as well as the tanh form.
+// The exact erf GELU (which cuBLASLt's GELU epilogues do not offer) as well as the tanh form. Also the attention
+// output projection's dx product, whose epilogue does the FMHA backward's first pass (kRowDot, GemmSideJobs).
 //
 // Problem (row-major, K contiguous in both operands):  C[M, N] = A[M, K] B[N, K]^T, fp32 accumulation, then
 //   kBias:  out0 = round(C + bias)                                   (bias may be null)
 //   kGelu:  pre = round(C + bias) (not stored);  out0 = round(gelu'(pre));  out1 = round(gelu(pre))
 //   kScale: g = round(C);  out0 = round(g * aux);  partial[M/64 chunk][N] = column sums of the unrounded g * aux over
 //           the chunk's 64 rows (fixed order); launch_column_finish adds the chunks.
+//   kRowDot (launch_gemm_sm90_rowdot): out0 = g = round(C);  rowdot[c][row] = scale * sum over the 64 columns
+//           64c .. 64c + 63 of g * aux (fp32, a fixed order): per head, the row dot products of an attention output
+//           gradient with the attention output that the FMHA backward's first pass would compute (D = rowsum(dO O)).
 // These are the values of the cuBLASLt product followed by the GELU / one-pass scale kernels (dense.cu), up to fp32
 // summation order and, for the erf GELU, the normal CDF: a Chebyshev erfc fit (fractional error < 1.2e-7; every bf16
 // input's bf16 GELU equals the double-precision one) instead of erff; with bf16 and gemm_sm90_gelu_table(), y and gelu'
@@ -24,7 +28,7 @@
 
 namespace nopad::cuda {
 
-enum class GemmEpilogue { kBias, kGelu, kScale };
+enum class GemmEpilogue { kBias, kGelu, kScale, kRowDot };
 
 bool gemm_sm90_available();  // sm_90a code in this build and a compute-capability 9.0 device
 bool gemm_sm90_supported(int64_t m, int64_t n, int64_t k, const void* a, const void* b, const void* out0,
@@ -32,10 +36,29 @@ bool gemm_sm90_supported(int64_t m, int64_t n, int64_t k, const void* a, const v
 
 // T = bf or hf (kernels.cuh). partial: kScale only, fp32 [ceil(m / 64), n], or null (no column sums). tanh: kGelu
 // only (the tanh GELU instead of erf). sm_count: the device's multiprocessors (one persistent CTA each).
+int gemm_sm90_row_chunks(int64_t m);  // rows of partial: ceil(m / 64)
+
+// Memory work that the producer warpgroup's three otherwise idle warps do beside a kRowDot product (its DRAM traffic
+// then overlaps the products instead of costing a memory-bound pass of its own): zero `zero_bytes` bytes
+// at `zero` (16-byte aligned, a multiple of 16), and mul_dst[i] = mul_src[i] * mul_by for i < mul_count (fp32).
+// Unordered with the product's own reads and writes: the ranges must not overlap its operands or outputs.
+struct GemmSideJobs {
+  void* zero = nullptr;
+  size_t zero_bytes = 0;
+  const float* mul_src = nullptr;
+  float* mul_dst = nullptr;
+  int64_t mul_count = 0;
+  float mul_by = 1.0f;
+};
 template <class T>
 void launch_gemm_sm90(GemmEpilogue epi, const T* a, const T* b, int64_t m, int32_t n, int32_t k, const T* bias,
                       T* out0, T* out1, const T* aux, float* partial, bool tanh, int sm_count, cudaStream_t stream);
-int gemm_sm90_row_chunks(int64_t m);  // rows of partial: ceil(m / 64)
+// kRowDot: out0 [m, n] = round(a b^T), rowdot [n / 64, rowdot_ld] (rowdot_ld >= m) as above, aux [m, n], and the side
+// jobs. Same requirements as launch_gemm_sm90 (gemm_sm90_supported with aux).
+template <class T>
+void launch_gemm_sm90_rowdot(const T* a, const T* b, int64_t m, int32_t n, int32_t k, T* out0, const T* aux,
+                             float* rowdot, int64_t rowdot_ld, float rowdot_scale, const GemmSideJobs& jobs,
+                             int sm_count, cudaStream_t stream);
 // kGelu: how many of a tile's four 64-column box columns the consumer warpgroups compute the GELU of themselves (one
 // 16-row unit per k-block of their next main loop), 0 to 4; the three epilogue warps take the others. -1 (the
 // default): 2 where the launch uses the GELU table, else 1 (the fastest of each, measured). Process-wide, host-side;
