@@ -7,6 +7,8 @@
 #   VARIANTS="A=1 B=2,C=3"   the switches, one variant per word (commas join several settings into one variant)
 #   ROUNDS=2 BATCH=128       rounds of the alternation; BERT-large batch
 #   CUDA_TEST_FILTER=...     GoogleTest filter to run first (unset: no tests)
+#   BREAKDOWN=1              each run with --breakdown (an event-timed pass after the timed steps), and a table of
+#                            the per-op ms per step, each variant's mean
 #   NOPAD_CMAKE_EXTRA        extra CMake arguments (e.g. -DCMAKE_CUDA_ARCHITECTURES=90a-real)
 # Needs .carry/enwiki-20150515-AA.txt.xz (a copy of ../shared/data/enwiki's) in the device call's carry.
 set -uo pipefail
@@ -41,7 +43,8 @@ for ((r = 1; r <= ROUNDS; ++r)); do
     envs=()
     [ "$V" = default ] || IFS=, read -r -a envs <<<"$V"
     line=$(env "${envs[@]}" "$NOPAD" bench model --model data/configs/bert-large-mlperf.json --data "$SHARDS" \
-      --batch "$BATCH" --steps 20 --warmup 5 2>>"$OUT/model.err") || { status=1; continue; }
+      --batch "$BATCH" --steps 20 --warmup 5 ${BREAKDOWN:+--breakdown} 2>>"$OUT/model.err" | grep '^{') ||
+      { status=1; continue; }
     echo "{\"variant\": \"$V\", \"round\": $r, ${line#\{}" >>"$OUT/model.jsonl"
     python3 -c "import json,sys; j=json.loads(sys.argv[1]); print('  %-40s round %d  %8.2f ms  %6.1f seq/s  %5.1f GiB  %4.0f MHz' % (sys.argv[2], int(sys.argv[3]), j['step_ms'], j['seqs_per_s'], j['max_mem_gib'], j.get('sm_clock_mhz', 0)))" \
       "$line" "$V" "$r" | tee -a "$OUT/summary.txt"
@@ -58,5 +61,22 @@ for v, ms in runs.items():
     m = sum(ms) / len(ms)
     print(f"  {v:40s} mean {m:8.2f} ms over {len(ms)} runs  {m - base:+6.2f} ms vs the defaults ({(m / base - 1) * 100:+.2f}%)")
 EOF
+if [ -n "${BREAKDOWN:-}" ]; then
+  python3 - "$OUT/model.jsonl" <<'EOF' | tee -a "$OUT/summary.txt"
+import json, sys, collections
+ops = collections.defaultdict(lambda: collections.defaultdict(list))
+for line in open(sys.argv[1]):
+    j = json.loads(line)
+    for k, ms in j.get("breakdown_ms_per_step", {}).items():
+        ops[j["variant"]][k].append(ms)
+variants = list(ops)
+mean = lambda x: sum(x) / len(x)
+largest = lambda k: max(mean(ops[v][k]) if ops[v].get(k) else 0 for v in variants)
+names = sorted({k for v in variants for k in ops[v]}, key=lambda k: -largest(k))
+print("  per-op ms per step (mean over rounds): " + " | ".join(variants))
+for k in names:
+    print(f"  {k:32s}" + "".join(f" {mean(ops[v][k]):9.3f}" if ops[v].get(k) else "         -" for v in variants))
+EOF
+fi
 say "done, status $status"
 exit $status
