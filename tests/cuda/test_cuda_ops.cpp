@@ -1155,16 +1155,19 @@ TYPED_TEST(CudaOps, Attention) {
                                     d_bias2->p);
         check_bias("by the column-sum pass", *d_bias2, down(dqkv2));
       }
-      // q, k and v blocks separately, so a wrong block is named.
-      for (int part = 0; part < 3; ++part) {
-        Vec g, c;
-        for (int32_t t = 0; t < T; ++t)
-          for (int32_t j = 0; j < H; ++j) {
-            g.push_back(dqkv[(static_cast<size_t>(t) * 3 + part) * H + j]);
-            c.push_back(dqkv_c[(static_cast<size_t>(t) * 3 + part) * H + j]);
-          }
-        expect_close(part == 0 ? "d_q" : part == 1 ? "d_k" : "d_v", g, c, kTolDeep<E>);  // through 16-bit dS and P
-      }
+      // q, k and v blocks separately, so a wrong block is named (through 16-bit dS and P: kTolDeep).
+      const auto check_blocks = [&](const std::string& prefix, const Vec& got, const Vec& want) {
+        for (int part = 0; part < 3; ++part) {
+          Vec g, c;
+          for (int32_t t = 0; t < T; ++t)
+            for (int32_t j = 0; j < H; ++j) {
+              g.push_back(got[(static_cast<size_t>(t) * 3 + part) * H + j]);
+              c.push_back(want[(static_cast<size_t>(t) * 3 + part) * H + j]);
+            }
+          expect_close(prefix + (part == 0 ? "d_q" : part == 1 ? "d_k" : "d_v"), g, c, kTolDeep<E>);
+        }
+      };
+      check_blocks("", dqkv, dqkv_c);
       // attention_output_backward: d_w_out += dy^T ctx, d_ctx = dy w_out, then the backward; fused where nopad's GEMM
       // runs (H % 256 == 0: its epilogue computes the backward's D and its idle warps lse2 and the zeroed dQ
       // accumulator) and as the two ops (attention_prep_gemm off, and H = 128): against the CPU twin's composition.
@@ -1197,16 +1200,7 @@ TYPED_TEST(CudaOps, Attention) {
           expect_close("aob d_ctx", down(dctx_g), dctx_c2, kTolChain<E>);
           expect_close("aob d_w_out", down(*dw_g), dw_c, kTolOut<E>);
           expect_close("aob d_qkv_bias", down(*bias_g2), bias_c2, kTolDeep<E>);
-          const Vec dq2 = down(dqkv_g2);
-          for (int part = 0; part < 3; ++part) {
-            Vec g, c;
-            for (int32_t t = 0; t < T; ++t)
-              for (int32_t j = 0; j < H; ++j) {
-                g.push_back(dq2[(static_cast<size_t>(t) * 3 + part) * H + j]);
-                c.push_back(dqkv_c2[(static_cast<size_t>(t) * 3 + part) * H + j]);
-              }
-            expect_close(part == 0 ? "aob d_q" : part == 1 ? "aob d_k" : "aob d_v", g, c, kTolDeep<E>);
-          }
+          check_blocks("aob ", down(dqkv_g2), dqkv_c2);
         }
       }
     }

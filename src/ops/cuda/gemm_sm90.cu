@@ -454,6 +454,15 @@ __device__ __forceinline__ void stage_tile(uint8_t* stage_out, const float (&acc
   }
 }
 
+// This thread's two 4-byte pairs of fragment nt in a consumer warpgroup's staging (stage_tile's layout): rows
+// rr0 = warp 16 + g and rr0 + 8, columns 8 nt + 2 tq, + 1.
+__device__ __forceinline__ void staged_pairs(uint8_t* stage_out, int nt, int rr0, int g, int tq, uint32_t*& q0,
+                                             uint32_t*& q1) {
+  const int off0 = (nt / 8) * kBoxBytes + rr0 * 128 + (((nt % 8) ^ g) * 16) + 4 * tq, off1 = off0 + 8 * 128;
+  q0 = reinterpret_cast<uint32_t*>(stage_out + off0);
+  q1 = reinterpret_cast<uint32_t*>(stage_out + off1);
+}
+
 // kScale's staging: g = round(acc) times the aux pair that the TMA put at the same place of the staging, written
 // back rounded; this thread's column sums of the unrounded products over its two rows left in acc[nt][0] (column
 // 8 nt + 2 tq) and acc[nt][1] (the next column).
@@ -462,9 +471,8 @@ __device__ __forceinline__ void stage_scale(uint8_t* stage_out, float (&acc)[32]
   const int rr0 = warp * 16 + g;
 #pragma unroll
   for (int nt = 0; nt < 32; ++nt) {
-    const int off0 = (nt / 8) * kBoxBytes + rr0 * 128 + (((nt % 8) ^ g) * 16) + 4 * tq, off1 = off0 + 8 * 128;
-    uint32_t* q0 = reinterpret_cast<uint32_t*>(stage_out + off0);
-    uint32_t* q1 = reinterpret_cast<uint32_t*>(stage_out + off1);
+    uint32_t *q0, *q1;
+    staged_pairs(stage_out, nt, rr0, g, tq, q0, q1);
     const float2 x0 = unpack2<kFp16>(*q0), x1 = unpack2<kFp16>(*q1);
     const float2 g0 = unpack2<kFp16>(fmha_detail::pack2<kFp16>(acc[nt][0], acc[nt][1]));
     const float2 g1 = unpack2<kFp16>(fmha_detail::pack2<kFp16>(acc[nt][2], acc[nt][3]));
@@ -487,9 +495,8 @@ __device__ __forceinline__ void stage_rowdot(uint8_t* stage_out, const float (&a
   for (int b = 0; b < 4; ++b) dot[b][0] = dot[b][1] = 0.0f;
 #pragma unroll
   for (int nt = 0; nt < 32; ++nt) {
-    const int off0 = (nt / 8) * kBoxBytes + rr0 * 128 + (((nt % 8) ^ g) * 16) + 4 * tq, off1 = off0 + 8 * 128;
-    uint32_t* q0 = reinterpret_cast<uint32_t*>(stage_out + off0);
-    uint32_t* q1 = reinterpret_cast<uint32_t*>(stage_out + off1);
+    uint32_t *q0, *q1;
+    staged_pairs(stage_out, nt, rr0, g, tq, q0, q1);
     const float2 x0 = unpack2<kFp16>(*q0), x1 = unpack2<kFp16>(*q1);
     const uint32_t p0 = fmha_detail::pack2<kFp16>(acc[nt][0], acc[nt][1]);
     const uint32_t p1 = fmha_detail::pack2<kFp16>(acc[nt][2], acc[nt][3]);
@@ -680,6 +687,17 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int warp = tid / 32, lane = tid % 32, g = lane / 4, tq = lane % 4;
   uint8_t* stage_out = staging + cw * kStageOutBytes;  // this warpgroup's 64 rows x 256 columns: 4 boxes
   const int bar_wg = 2 + cw;                            // named barrier of this warpgroup's 128 threads
+  // kBias / kRowDot: the warpgroup's staged half of tile (m0, n0), its 4 boxes, to out0 as one bulk group. kScale keeps
+  // its own copy: through this lambda ptxas moved a few of its instructions out of the uniform datapath.
+  [[maybe_unused]] const auto store_staged = [&](int m0, int n0) {
+    if (tid != 0) return;
+    if (m0 + 64 * cw < args.m) {
+#pragma unroll
+      for (int box = 0; box < 4; ++box)
+        tma_store_2d(&map_out0, stage_out + box * kBoxBytes, n0 + 64 * box, m0 + 64 * cw);
+    }
+    bulk_commit();
+  };
   const int nk = args.k / kBK;
   uint32_t s = 0, ph = 0;  // ring slot and its lap's parity
   uint32_t tile_parity = 0;
@@ -774,14 +792,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       stage_tile<kFp16, true>(stage_out, acc, bias2, 1, warp, g, tq);
       fence_proxy_async();
       named_barrier_sync(bar_wg, 128);
-      if (tid == 0) {
-        if (m0 + 64 * cw < args.m) {
-#pragma unroll
-          for (int box = 0; box < 4; ++box)
-            tma_store_2d(&map_out0, stage_out + box * kBoxBytes, n0 + 64 * box, m0 + 64 * cw);
-        }
-        bulk_commit();
-      }
+      store_staged(m0, n0);
     } else if constexpr (kEpi == 2) {  // out0 = round(round(acc) * aux) in place of the aux, and the column sums
       mbar_wait(&aux_full[cw], tile_parity);
       stage_scale<kFp16>(stage_out, acc, warp, g, tq);
@@ -816,14 +827,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       stage_rowdot<kFp16>(stage_out, acc, dot, warp, g, tq);
       fence_proxy_async();
       named_barrier_sync(bar_wg, 128);
-      if (tid == 0) {
-        if (m0 + 64 * cw < args.m) {
-#pragma unroll
-          for (int box = 0; box < 4; ++box)
-            tma_store_2d(&map_out0, stage_out + box * kBoxBytes, n0 + 64 * box, m0 + 64 * cw);
-        }
-        bulk_commit();
-      }
+      store_staged(m0, n0);
 #pragma unroll
       for (int b = 0; b < 4; ++b)
 #pragma unroll
@@ -900,6 +904,25 @@ __global__ void transpose16_kernel(const T* __restrict__ in, int32_t rows, int32
     const int c = c0 + i, r = r0 + threadIdx.x;
     if (r < rows && c < cols) out[static_cast<int64_t>(c) * rows + r] = tile[threadIdx.x][i];
   }
+}
+
+// The shape, the tile count and the settings every epilogue reads, after checking the problem is supported.
+Args base_args(int64_t m, int32_t n, int32_t k, const void* a, const void* b, const void* out0, const void* out1,
+               const void* aux, const void* bias) {
+  NOPAD_CHECK(gemm_sm90_supported(m, n, k, a, b, out0, out1, aux, bias), "gemm_sm90: unsupported product m=", m,
+              " n=", n, " k=", k,
+              " (needs the sm_90a build on a 9.0 device, n % 256 == 0, k % 64 == 0, 16-byte alignment)");
+  Args args{};
+  args.m = static_cast<int32_t>(m);
+  args.n = n;
+  args.k = k;
+  args.tiles_n = n / kBN;
+  const int64_t tiles = (m + kBM - 1) / kBM * args.tiles_n;
+  NOPAD_CHECK(tiles < (int64_t{1} << 31), "gemm_sm90: too many tiles (", tiles, ")");
+  args.tiles = static_cast<int32_t>(tiles);
+  args.early_release = gemm_sm90_early_release() ? 1 : 0;
+  args.aux_kb = gemm_sm90_aux_kblock() >= 0 ? gemm_sm90_aux_kblock() : k / kBK / 2;
+  return args;
 }
 
 void set_side_jobs(Args& args, const GemmSideJobs& jobs) {
@@ -1030,21 +1053,11 @@ template <class T>
 void launch_gemm_sm90(GemmEpilogue epi, const T* a, const T* b, int64_t m, int32_t n, int32_t k, const T* bias,
                       T* out0, T* out1, const T* aux, float* partial, bool tanh, int sm_count,
                       cudaStream_t stream) {
-  NOPAD_CHECK(gemm_sm90_supported(m, n, k, a, b, out0, out1, aux, bias), "gemm_sm90: unsupported product m=", m,
-              " n=", n, " k=", k,
-              " (needs the sm_90a build on a 9.0 device, n % 256 == 0, k % 64 == 0, 16-byte alignment)");
   NOPAD_CHECK(out0 != nullptr && (epi != GemmEpilogue::kGelu || out1 != nullptr) &&
                   (epi != GemmEpilogue::kScale || aux != nullptr),
               "gemm_sm90: missing output or scale");
   constexpr bool kFp16 = std::is_same_v<T, hf>;
-  gemm90::Args args{};
-  args.m = static_cast<int32_t>(m);
-  args.n = n;
-  args.k = k;
-  args.tiles_n = n / gemm90::kBN;
-  const int64_t tiles = (m + gemm90::kBM - 1) / gemm90::kBM * args.tiles_n;
-  NOPAD_CHECK(tiles < (int64_t{1} << 31), "gemm_sm90: too many tiles (", tiles, ")");
-  args.tiles = static_cast<int32_t>(tiles);
+  gemm90::Args args = gemm90::base_args(m, n, k, a, b, out0, out1, aux, bias);
   args.bias = reinterpret_cast<const uint16_t*>(bias);
   args.act_grad = epi == GemmEpilogue::kGelu ? reinterpret_cast<uint16_t*>(out0) : nullptr;
   args.partial = partial;
@@ -1057,8 +1070,6 @@ void launch_gemm_sm90(GemmEpilogue epi, const T* a, const T* b, int64_t m, int32
   args.arith_words = args.gelu_table ? gemm_sm90_gelu_arith_words() : 0;
   NOPAD_CHECK(args.arith_words >= 0 && args.arith_words <= 4, "gemm_sm90: 0 to 4 arithmetic words per chunk, not ",
               args.arith_words);
-  args.early_release = gemm_sm90_early_release() ? 1 : 0;
-  args.aux_kb = gemm_sm90_aux_kblock() >= 0 ? gemm_sm90_aux_kblock() : k / gemm90::kBK / 2;
   NOPAD_CHECK(args.consumer_bc >= 0 && args.consumer_bc <= 4, "gemm_sm90: the consumers take 0 to 4 box columns, not ",
               args.consumer_bc);
   const CUtensorMap ma = gemm90::tensor_map(a, m, k, gemm90::kBM, kFp16);
@@ -1087,22 +1098,10 @@ template <class T>
 void launch_gemm_sm90_rowdot(const T* a, const T* b, int64_t m, int32_t n, int32_t k, T* out0, const T* aux,
                              float* rowdot, int64_t rowdot_ld, float rowdot_scale, const GemmSideJobs& jobs,
                              int sm_count, cudaStream_t stream) {
-  NOPAD_CHECK(gemm_sm90_supported(m, n, k, a, b, out0, nullptr, aux, nullptr), "gemm_sm90: unsupported product m=",
-              m, " n=", n, " k=", k,
-              " (needs the sm_90a build on a 9.0 device, n % 256 == 0, k % 64 == 0, 16-byte alignment)");
   NOPAD_CHECK(out0 != nullptr && aux != nullptr && rowdot != nullptr && rowdot_ld >= m,
               "gemm_sm90 kRowDot: needs out0, aux and rowdot with rowdot_ld >= m");
   constexpr bool kFp16 = std::is_same_v<T, hf>;
-  gemm90::Args args{};
-  args.m = static_cast<int32_t>(m);
-  args.n = n;
-  args.k = k;
-  args.tiles_n = n / gemm90::kBN;
-  const int64_t tiles = (m + gemm90::kBM - 1) / gemm90::kBM * args.tiles_n;
-  NOPAD_CHECK(tiles < (int64_t{1} << 31), "gemm_sm90: too many tiles (", tiles, ")");
-  args.tiles = static_cast<int32_t>(tiles);
-  args.early_release = gemm_sm90_early_release() ? 1 : 0;
-  args.aux_kb = gemm_sm90_aux_kblock() >= 0 ? gemm_sm90_aux_kblock() : k / gemm90::kBK / 2;
+  gemm90::Args args = gemm90::base_args(m, n, k, a, b, out0, nullptr, aux, nullptr);
   args.rowdot = rowdot;
   args.rowdot_ld = rowdot_ld;
   args.rowdot_scale = rowdot_scale;
