@@ -150,6 +150,11 @@ NOPAD_HOST_DEVICE inline float dropout_keep_scale(uint32_t threshold) {
 #endif
 }
 
+// Its inverse (65536 - threshold) / 65536, exact in float: the kept fraction.
+NOPAD_HOST_DEVICE inline float dropout_keep_fraction(uint32_t threshold) {
+  return static_cast<float>(kDropoutRange - threshold) / static_cast<float>(kDropoutRange);
+}
+
 // Keep decisions. threshold 0 keeps everything without drawing.
 NOPAD_HOST_DEVICE inline bool dropout_keep_threshold(uint64_t stream_key, uint64_t sample_id, uint64_t element,
                                                      uint32_t threshold, int rounds) {

@@ -1673,20 +1673,26 @@ TYPED_TEST(CudaPerf, GeluForward) {
                                 current().stream);
     });
     perf_line("dense_fwd", "k=1024 n=4096, no activation (nopad GEMM)", own, 0);
+    // The GEMM's GELU epilogue, timed under one setting of its switches (the consumers' box columns, the table, the
+    // arithmetic words of each chunk).
+    const auto gelu_ms = [&](int columns, bool table, int arith_words, bool tanh) {
+      cuda::KernelVariants kv;
+      kv.gelu_gemm = true;
+      VariantScope scope(kv);
+      const SwitchScope consumer_columns(cuda::gemm_sm90_consumer_columns(), columns);
+      const SwitchScope table_on(cuda::gemm_sm90_gelu_table(), table);
+      const SwitchScope words(cuda::gemm_sm90_gelu_arith_words(), arith_words);
+      return median_ms([&] {
+        gpu<E>().dense_forward(x->p, w->p, bias->p, T, k, n, tanh ? ops::Activation::kGeluTanh : ops::Activation::kGelu,
+                               y.p, pre.p);
+      });
+    };
     // The GELU epilogue: lookup table (bf16 only) or arithmetic, the consumers' share 0-4 box columns, both GELUs.
     for (const bool table : {true, false}) {
       if (table && !std::is_same_v<E, bf16>) continue;
       for (const int columns : {0, 1, 2, 3, 4})
         for (bool tanh : {false, true}) {
-          cuda::KernelVariants kv;
-          kv.gelu_gemm = true;
-          VariantScope scope(kv);
-          const SwitchScope consumer_columns(cuda::gemm_sm90_consumer_columns(), columns);
-          const SwitchScope table_on(cuda::gemm_sm90_gelu_table(), table);
-          const double ms = median_ms([&] {
-            gpu<E>().dense_forward(x->p, w->p, bias->p, T, k, n,
-                                   tanh ? ops::Activation::kGeluTanh : ops::Activation::kGelu, y.p, pre.p);
-          });
+          const double ms = gelu_ms(columns, table, cuda::gemm_sm90_gelu_arith_words(), tanh);
           perf_line("dense_fwd",
                     std::string("k=1024 n=4096 GELU") + (tanh ? " tanh" : "") + ", " +
                         (cuda::last_gelu_path() == cuda::GeluPath::kGemmSm90 ? "nopad GEMM epilogue" : "(fell back)") +
@@ -1699,14 +1705,7 @@ TYPED_TEST(CudaPerf, GeluForward) {
     if (std::is_same_v<E, bf16>) {
       for (const int columns : {1, 2, 3})
         for (const int aw : {1, 2, 3, 4}) {
-          cuda::KernelVariants kv;
-          kv.gelu_gemm = true;
-          VariantScope scope(kv);
-          const SwitchScope consumer_columns(cuda::gemm_sm90_consumer_columns(), columns);
-          const SwitchScope arith_words(cuda::gemm_sm90_gelu_arith_words(), aw);
-          const double ms = median_ms([&] {
-            gpu<E>().dense_forward(x->p, w->p, bias->p, T, k, n, ops::Activation::kGelu, y.p, pre.p);
-          });
+          const double ms = gelu_ms(columns, true, aw, false);
           perf_line("dense_fwd",
                     "k=1024 n=4096 GELU, table + " + std::to_string(aw) + " arithmetic words of 4, consumers " +
                         std::to_string(columns) + " box col" + (columns == 1 ? "" : "s"),

@@ -766,7 +766,7 @@ void CudaBackendT<P>::attention_output_backward(const A* dy, const W* w_out, con
     jobs.mul_src = lse;
     jobs.mul_dst = reinterpret_cast<float*>(base + ws.lse2_offset);
     jobs.mul_count = int64_t{num_heads} * T;
-    jobs.mul_by = 1.4426950408889634f;  // log2(e), as the FMHA's first pass
+    jobs.mul_by = kFmhaLog2e;
     launch_gemm_sm90_rowdot<device_t<A>>(dev(dy), dev(w_t), T, H, H, dev(d_ctx), dev(ctx),
                                          reinterpret_cast<float*>(base + ws.d_offset), T,
                                          fmha_backward_d_scale(drop.p), jobs, sm_count_, stream_);

@@ -322,7 +322,6 @@ KernelVariants& kernel_variants() {
     if (const char* e = std::getenv("NOPAD_DGELU_GEMM")) k.dgelu_gemm = std::string_view(e) != "0";
     if (const char* e = std::getenv("NOPAD_QKV_BIAS_IN_ATTENTION")) k.qkv_bias_in_attention = std::string_view(e) != "0";
     if (const char* e = std::getenv("NOPAD_ATTN_PREP_GEMM")) k.attention_prep_gemm = std::string_view(e) != "0";
-
     return k;
   }();
   return v;

@@ -32,6 +32,9 @@
 
 namespace nopad::cuda {
 
+// log2(e): the backward's lse2 = lse * kFmhaLog2e (exp2 of scores scaled by it is the softmax's exp).
+inline constexpr float kFmhaLog2e = 1.4426950408889634f;
+
 struct FmhaParams {
   const void* qkv = nullptr;      // [T, 3H]
   void* ctx = nullptr;            // [T, H]          forward output; backward input

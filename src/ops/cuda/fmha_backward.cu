@@ -1318,10 +1318,7 @@ size_t fmha_backward_workspace_bytes(int32_t num_tokens, int32_t num_heads, int3
          2 * fmha_detail::lse2_offset(num_tokens, num_heads) * sizeof(float);
 }
 
-float fmha_backward_d_scale(float dropout_p) {
-  const uint32_t threshold = dropout_threshold(dropout_p);
-  return static_cast<float>(kDropoutRange - threshold) / static_cast<float>(kDropoutRange);
-}
+float fmha_backward_d_scale(float dropout_p) { return dropout_keep_fraction(dropout_threshold(dropout_p)); }
 
 FmhaWorkspaceLayout fmha_backward_workspace_layout(int32_t num_tokens, int32_t num_heads, int32_t head_dim) {
   FmhaWorkspaceLayout w;

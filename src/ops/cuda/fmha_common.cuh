@@ -20,7 +20,7 @@
 namespace nopad::cuda::fmha_detail {
 
 constexpr int kTile = 64;  // keys per K/V tile (forward), queries per Q/dO tile (backward)
-constexpr float kLog2e = 1.4426950408889634f;
+constexpr float kLog2e = kFmhaLog2e;
 constexpr int kMaxSeqlen = 1 << 20;  // element_attention packs positions in 20 bits
 
 // ------------------------------------------------------------------------------------------------ shared memory
@@ -317,7 +317,7 @@ inline KernelArgs make_args(const FmhaParams& p) {
   a.dropout = a.threshold > 0;
   a.stream_key = a.dropout ? dropout_stream_key(p.seed, p.step, p.op_id) : 0;
   a.keep_scale = a.dropout ? dropout_keep_scale(a.threshold) : 1.0f;
-  a.inv_keep_scale = static_cast<float>(kDropoutRange - a.threshold) / static_cast<float>(kDropoutRange);
+  a.inv_keep_scale = dropout_keep_fraction(a.threshold);
   a.grad_scale = p.scale * a.keep_scale;
   a.scale_log2 = p.scale * kLog2e;
   uint32_t k0 = static_cast<uint32_t>(a.stream_key), k1 = static_cast<uint32_t>(a.stream_key >> 32);

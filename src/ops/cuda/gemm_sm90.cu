@@ -1077,8 +1077,7 @@ void launch_gemm_sm90(GemmEpilogue epi, const T* a, const T* b, int64_t m, int32
   // kBias / kScale store out0 through the first output map; kGelu stores out0 (gelu') from registers and y (out1)
   // through the second; kScale reads aux through the second (64 x 64 boxes into the staging).
   const CUtensorMap mo0 = gemm90::tensor_map(out0, m, n, 64, kFp16);
-  const CUtensorMap mo1 = epi == GemmEpilogue::kScale || epi == GemmEpilogue::kRowDot
-                              ? gemm90::tensor_map(aux, m, n, 64, kFp16)
+  const CUtensorMap mo1 = epi == GemmEpilogue::kScale ? gemm90::tensor_map(aux, m, n, 64, kFp16)
                           : out1                      ? gemm90::tensor_map(out1, m, n, 64, kFp16)
                                                       : mo0;
   switch (epi) {
@@ -1090,7 +1089,6 @@ void launch_gemm_sm90(GemmEpilogue epi, const T* a, const T* b, int64_t m, int32
         gemm90::launch<1, kFp16, false>(ma, mb, mo0, mo1, args, sm_count, stream);
       break;
     case GemmEpilogue::kScale: gemm90::launch<2, kFp16, false>(ma, mb, mo0, mo1, args, sm_count, stream); break;
-    case GemmEpilogue::kRowDot: fail("gemm_sm90: kRowDot is launch_gemm_sm90_rowdot's");
   }
 }
 

@@ -28,7 +28,7 @@
 
 namespace nopad::cuda {
 
-enum class GemmEpilogue { kBias, kGelu, kScale, kRowDot };
+enum class GemmEpilogue { kBias, kGelu, kScale };  // launch_gemm_sm90_rowdot is kRowDot's own launcher
 
 bool gemm_sm90_available();  // sm_90a code in this build and a compute-capability 9.0 device
 bool gemm_sm90_supported(int64_t m, int64_t n, int64_t k, const void* a, const void* b, const void* out0,
