@@ -1029,6 +1029,14 @@ int& gemm_sm90_aux_kblock() {
   return kb;
 }
 
+int& gemm_sm90_scale_aux_kblock() {
+  static int kb = [] {
+    const char* e = std::getenv("NOPAD_GEMM_SCALE_AUX_KB");
+    return e != nullptr ? std::atoi(e) : -1;
+  }();
+  return kb;
+}
+
 bool& gemm_sm90_early_release() {
   static bool early = [] {
     const char* e = std::getenv("NOPAD_GEMM_EARLY_RELEASE");
@@ -1068,6 +1076,12 @@ void launch_gemm_sm90(GemmEpilogue epi, const T* a, const T* b, int64_t m, int32
   args.consumer_bc = gemm_sm90_consumer_columns() >= 0 ? gemm_sm90_consumer_columns() : args.gelu_table ? 2 : 1;
   args.probe = gemm_sm90_gelu_probe();
   args.arith_words = args.gelu_table ? gemm_sm90_gelu_arith_words() : 0;
+  if (epi == GemmEpilogue::kScale) {
+    const int nk = k / gemm90::kBK;
+    args.aux_kb = gemm_sm90_scale_aux_kblock() >= 0 ? gemm_sm90_scale_aux_kblock()
+                  : gemm_sm90_aux_kblock() >= 0     ? gemm_sm90_aux_kblock()
+                                                    : 3 * nk / 4;
+  }
   NOPAD_CHECK(args.arith_words >= 0 && args.arith_words <= 4, "gemm_sm90: 0 to 4 arithmetic words per chunk, not ",
               args.arith_words);
   NOPAD_CHECK(args.consumer_bc >= 0 && args.consumer_bc <= 4, "gemm_sm90: the consumers take 0 to 4 box columns, not ",

@@ -87,11 +87,14 @@ void gemm_sm90_prepare();
 // they do between k-blocks (kGelu's units, kScale's aux load) rather than after it. Process-wide, host-side;
 // NOPAD_GEMM_EARLY_RELEASE=0 sets false at start (the default is true).
 bool& gemm_sm90_early_release();
-// kScale: the k-block of each tile's main loop at which a consumer warpgroup loads its aux half into its staging (its
-// thread 0 first waits there for the previous tile's stores to have read the staging, holding its warp, and with it
-// the warpgroup's next products, until then). -1: half-way through the main loop (the default), else the k-block
-// (clamped to the last). Process-wide, host-side; NOPAD_GEMM_AUX_KB sets it at start.
+// kScale / kRowDot: the k-block of each tile's main loop at which a consumer warpgroup loads its aux half into its
+// staging (its thread 0 first waits there for the previous tile's stores to have read the staging, holding its warp,
+// and with it the warpgroup's next products, until then). -1: the epilogue's default, else the k-block (clamped to
+// the last). kRowDot's default is half-way through the main loop, kScale's three quarters of the way (the fastest of
+// each, measured: docs/performance.md, 2026-11-27). Process-wide, host-side; NOPAD_GEMM_AUX_KB sets both at start,
+// NOPAD_GEMM_SCALE_AUX_KB kScale's alone (it takes precedence).
 int& gemm_sm90_aux_kblock();
+int& gemm_sm90_scale_aux_kblock();
 
 // out[cols, rows] = in[rows, cols]^T for 16-bit elements (the backward's B operand: W [n, k] -> W^T [k, n]).
 template <class T>
