@@ -5,9 +5,9 @@
 #   BATCHES="32 64"       nopad batch sizes (the per-op breakdown runs at the last one)
 #   PEER_BATCHES="32 64"  batch sizes of the compiled PyTorch peer (each on the workload of the same nopad batch)
 #                         The summary puts nopad's best batch against the peer's best. On an 80 GB H100 the peer's
-#                         best is 128 (it runs out of memory at 192) and nopad's 192: BATCHES="192 128" PEER_BATCHES=128;
-#                         on an H200 the peer's is 256 (out of memory at 384), nopad's 384: BATCHES="384 256"
-#                         PEER_BATCHES=256
+#                         best is 128 or 160 (within 1%; it runs out of memory at 192) and nopad's 192-208:
+#                         BATCHES="208 160 128" PEER_BATCHES="160 128"; on an H200 the peer's is 256 (out of memory
+#                         at 384), nopad's 384: BATCHES="384 256" PEER_BATCHES=256
 #   HF_BATCH=32           batch of the Hugging Face peer (none: skip it)
 #   PEER_ATTENTION=1      the attention-only peer (varlen_attn, 64 sequences) on the last batch's workload (0: skip)
 #   VARIANT_RUNS="A=0 B=1"  the last nopad batch again under each environment setting (kernel variants, dense.cu),
