@@ -36,6 +36,7 @@
 #include "ops/cuda/check.h"
 #include "ops/cuda/cuda_backend.h"
 #include "ops/cuda/dense.h"  // KernelVariants: which implementation of each memory-bound op runs
+#include "ops/cuda/fmha.h"   // kFmhaLog2e
 #include "ops/cuda/gemm_sm90.h"
 #include "ops/gelu_table.h"
 
@@ -888,7 +889,7 @@ TYPED_TEST(CudaOps, GemmSm90Epilogues) {
         jobs.mul_src = msrc->p;
         jobs.mul_dst = mdst.p;
         jobs.mul_count = static_cast<int64_t>(mul_count);
-        jobs.mul_by = 1.4426950408889634f;
+        jobs.mul_by = cuda::kFmhaLog2e;
         for (const int aux_kb : {-1, 0, 1000}) {
           SCOPED_TRACE("rowdot, aux k-block " + std::to_string(aux_kb));
           const SwitchScope aux_k(cuda::gemm_sm90_aux_kblock(), aux_kb);
@@ -933,7 +934,7 @@ TYPED_TEST(CudaOps, GemmSm90Epilogues) {
             zero_bad += inside ? z[i] != 0.0f || std::signbit(z[i]) : !std::isnan(z[i]);
           }
           for (size_t i = 0; i < md.size(); ++i)
-            mul_bad += i < mul_count ? md[i] != msrc_h[i] * 1.4426950408889634f : !std::isnan(md[i]);
+            mul_bad += i < mul_count ? md[i] != msrc_h[i] * cuda::kFmhaLog2e : !std::isnan(md[i]);
           EXPECT_EQ(zero_bad, 0u) << "side job: the zero range (or past it)";
           EXPECT_EQ(mul_bad, 0u) << "side job: dst = src * c (or past it)";
         }

@@ -750,10 +750,8 @@ void CudaBackendT<P>::attention_output_backward(const A* dy, const W* w_out, con
   dense_backward(dy, ctx, w_out, nullptr, T, H, H, ops::Activation::kNone, nullptr, false, d_w_out, nullptr);
   {
     OpScope timed(*this, "dense_bwd_rowdot", H, H);
-    // The workspace as attention_backward_impl takes it (grow-only, so the same buffer), with room for the zero
-    // range rounded up to whole 16-byte vectors.
+    // The workspace as attention_backward_impl takes it (grow-only, so the same buffer).
     const FmhaWorkspaceLayout ws = fmha_backward_workspace_layout(T, num_heads, head_dim);
-    const size_t zero_bytes = (ws.zero_bytes + 15) / 16 * 16;  // <= d_offset (256-byte aligned)
     char* base = static_cast<char*>(scratch(kFmhaWorkspace, ws.total_bytes));
     // The B operand is K-major: w_out [H, H] transposed into scratch (as dense_backward_through_act).
     A* w_t = static_cast<A*>(scratch(kWeightT, sizeof(A) * static_cast<size_t>(H) * H));
@@ -762,7 +760,7 @@ void CudaBackendT<P>::attention_output_backward(const A* dy, const W* w_out, con
     // dx product before this op; docs/performance.md): here it needs no state across ops.
     GemmSideJobs jobs;
     jobs.zero = base;
-    jobs.zero_bytes = zero_bytes;
+    jobs.zero_bytes = ws.zero_bytes;
     jobs.mul_src = lse;
     jobs.mul_dst = reinterpret_cast<float*>(base + ws.lse2_offset);
     jobs.mul_count = int64_t{num_heads} * T;

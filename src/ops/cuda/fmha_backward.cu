@@ -1323,7 +1323,7 @@ float fmha_backward_d_scale(float dropout_p) { return dropout_keep_fraction(drop
 FmhaWorkspaceLayout fmha_backward_workspace_layout(int32_t num_tokens, int32_t num_heads, int32_t head_dim) {
   FmhaWorkspaceLayout w;
   w.total_bytes = fmha_backward_workspace_bytes(num_tokens, num_heads, head_dim);
-  w.zero_bytes = fmha_detail::zero_region_bytes(num_tokens, num_heads, head_dim);
+  w.zero_bytes = (fmha_detail::zero_region_bytes(num_tokens, num_heads, head_dim) + 15) / 16 * 16;  // <= d_offset
   w.d_offset = fmha_detail::d_offset(num_tokens, num_heads, head_dim);
   w.lse2_offset = w.d_offset + fmha_detail::lse2_offset(num_tokens, num_heads) * sizeof(float);
   return w;

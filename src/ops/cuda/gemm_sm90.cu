@@ -921,8 +921,16 @@ Args base_args(int64_t m, int32_t n, int32_t k, const void* a, const void* b, co
   NOPAD_CHECK(tiles < (int64_t{1} << 31), "gemm_sm90: too many tiles (", tiles, ")");
   args.tiles = static_cast<int32_t>(tiles);
   args.early_release = gemm_sm90_early_release() ? 1 : 0;
-  args.aux_kb = gemm_sm90_aux_kblock() >= 0 ? gemm_sm90_aux_kblock() : k / kBK / 2;
   return args;
+}
+
+// kScale / kRowDot's aux load k-block: the switches (gemm_sm90.h), else the epilogue's default (kScale three quarters
+// of the way through the main loop, kRowDot half-way).
+int aux_kblock(bool scale, int32_t k) {
+  if (scale && gemm_sm90_scale_aux_kblock() >= 0) return gemm_sm90_scale_aux_kblock();
+  if (gemm_sm90_aux_kblock() >= 0) return gemm_sm90_aux_kblock();
+  const int nk = k / kBK;
+  return scale ? 3 * nk / 4 : nk / 2;
 }
 
 void set_side_jobs(Args& args, const GemmSideJobs& jobs) {
@@ -1076,12 +1084,7 @@ void launch_gemm_sm90(GemmEpilogue epi, const T* a, const T* b, int64_t m, int32
   args.consumer_bc = gemm_sm90_consumer_columns() >= 0 ? gemm_sm90_consumer_columns() : args.gelu_table ? 2 : 1;
   args.probe = gemm_sm90_gelu_probe();
   args.arith_words = args.gelu_table ? gemm_sm90_gelu_arith_words() : 0;
-  if (epi == GemmEpilogue::kScale) {
-    const int nk = k / gemm90::kBK;
-    args.aux_kb = gemm_sm90_scale_aux_kblock() >= 0 ? gemm_sm90_scale_aux_kblock()
-                  : gemm_sm90_aux_kblock() >= 0     ? gemm_sm90_aux_kblock()
-                                                    : 3 * nk / 4;
-  }
+  args.aux_kb = gemm90::aux_kblock(epi == GemmEpilogue::kScale, k);
   NOPAD_CHECK(args.arith_words >= 0 && args.arith_words <= 4, "gemm_sm90: 0 to 4 arithmetic words per chunk, not ",
               args.arith_words);
   NOPAD_CHECK(args.consumer_bc >= 0 && args.consumer_bc <= 4, "gemm_sm90: the consumers take 0 to 4 box columns, not ",
@@ -1117,6 +1120,7 @@ void launch_gemm_sm90_rowdot(const T* a, const T* b, int64_t m, int32_t n, int32
   args.rowdot = rowdot;
   args.rowdot_ld = rowdot_ld;
   args.rowdot_scale = rowdot_scale;
+  args.aux_kb = gemm90::aux_kblock(false, k);
   gemm90::set_side_jobs(args, jobs);
   const CUtensorMap ma = gemm90::tensor_map(a, m, k, gemm90::kBM, kFp16);
   const CUtensorMap mb = gemm90::tensor_map(b, n, k, gemm90::kBN, kFp16);
