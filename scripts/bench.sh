@@ -3,7 +3,8 @@
 # training steps at batch 32 and 64, then the peer benchmarks on the same sequences, and prints the JSON lines and
 # nopad/peer ratios. Everything is tee'd into $OUT/bench.log (OUT defaults to ./out).
 #   BATCHES="32 64"       nopad batch sizes (the per-op breakdown runs at the last one)
-#   PEER_BATCHES="32 64"  batch sizes of the compiled PyTorch peer (each on the workload of the same nopad batch)
+#   PEER_BATCHES="32 64"  batch sizes of the compiled PyTorch peer (each on the workload of the same nopad batch, so
+#                         each must be in BATCHES, as must HF_BATCH: checked before the build)
 #                         The summary puts nopad's best batch against the peer's best. On an 80 GB H100 the peer's
 #                         best is 128 or 160 (within 1%; it runs out of memory at 192) and nopad's 192-208:
 #                         BATCHES="208 160 128" PEER_BATCHES="160 128"; on an H200 the peer's is 256 (out of memory
@@ -47,6 +48,20 @@ if [ "${SMI_LOG:-0}" = 1 ] && command -v nvidia-smi >/dev/null; then
   trap 'kill $SMI_PID 2>/dev/null || true' EXIT
 fi
 
+BATCHES=${BATCHES:-32 64}
+PEER_BATCHES=${PEER_BATCHES:-$BATCHES}
+HF_BATCH=${HF_BATCH:-32}
+# The peers run on the workload file of a nopad batch of the same size: a peer batch missing from BATCHES would only be
+# skipped at the end of the run, so it stops the run here, before any device time is spent.
+for B in $PEER_BATCHES $([ "$HF_BATCH" = none ] || echo "$HF_BATCH"); do
+  [ "$B" = none ] && continue
+  if [[ " $BATCHES " != *" $B "* ]]; then
+    echo "bench.sh: peer batch $B has no nopad batch of that size in BATCHES=\"$BATCHES\" (whose workload file the peers" \
+      "read): add $B to BATCHES, or drop it from PEER_BATCHES / HF_BATCH (HF_BATCH=none skips Hugging Face)" >&2
+    exit 2
+  fi
+done
+
 NOPAD_SKIP_INSTALL=1 NOPAD_BUILD_DIR=build-gpu NOPAD_CMAKE_ARGS="-DNOPAD_CUDA=ON ${NOPAD_CMAKE_EXTRA:-}" bash scripts/setup.sh
 NOPAD=build-gpu/nopad
 if [ -n "${BASE_TREE:-}" ]; then
@@ -60,9 +75,6 @@ source scripts/phase2-shards.sh
 SHARDS=/tmp/nopad-enwiki-shards
 phase2_shards "$NOPAD" "$SHARDS"
 
-BATCHES=${BATCHES:-32 64}
-PEER_BATCHES=${PEER_BATCHES:-$BATCHES}
-HF_BATCH=${HF_BATCH:-32}
 LAST_BATCH=${BATCHES##* }
 HIDDEN_ACTS=${HIDDEN_ACTS:-gelu}
 for B in $BATCHES; do

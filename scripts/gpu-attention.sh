@@ -5,7 +5,8 @@
 # with each attention schedule. Logs and JSON lines go to $OUT (default out/attention); a summary is printed last.
 #   STAGES="build tests bench peer standin model ncu sanitize"   what to run (default: build tests bench peer model)
 #   BATCH=128 BATCHES=2           attention batches (sequences per batch, how many)
-#   MODEL_BATCH=128               BERT-large batch of the model ablation; MODEL_SCHEDULES="single grouped"
+#   MODEL_BATCH=128               BERT-large batch of the model ablation; MODEL_SCHEDULES="single grouped";
+#                                 MODEL_ROUNDS=1 (with BASE_TREE: both trees, alternating, this many times)
 #   BWD_VARIANTS="3 5"            backward kernel variants to compare in the bench and model stages (indices of
 #                                 docs/fmha.md's list, run as NOPAD_FMHA_BWD_VARIANT); default: the built-in choice
 #   BENCH_STREAMS=1,2,4 BENCH_BUCKETS=64,128   the bench stage's --streams and --buckets
@@ -18,8 +19,9 @@
 #                                 BWD_VARIANTS); NCU_SOURCE=1 adds per-instruction stall samples (ncu-*-sass.csv)
 #   NOPAD_CMAKE_EXTRA             extra CMake arguments (e.g. -DCMAKE_CUDA_ARCHITECTURES=90a-real)
 #   BASE_TREE=DIR                 another nopad source tree (`git archive <ref> | tar -x -C .carry/base`, carried):
-#                                 built too, and the bench stage runs its `nopad bench attention` right after this
-#                                 tree's, on the same batches, for a before/after in one call
+#                                 built too (beside this tree), the bench stage runs its `nopad bench attention` right
+#                                 after this tree's, on the same batches, and the model stage its training steps, for a
+#                                 before/after in one call
 # Needs .carry/enwiki-20150515-AA.txt.xz and .carry/peers/ (copies of ../shared/data/enwiki and ../shared/peers).
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 1
@@ -36,14 +38,15 @@ has() { [[ " $STAGES " == *" $1 "* ]]; }
 say() { echo "== $(date -u +%T) $*" | tee -a "$OUT/summary.txt"; }
 
 if has build; then
-  say "build"
+  say "build${BASE_TREE:+ (and, beside it, the base tree $BASE_TREE)}"
   source scripts/gpu-build.sh
-  build_gpu "$OUT/build.log" || exit 1
-  if [ -n "${BASE_TREE:-}" ]; then
-    say "build of the base tree $BASE_TREE"
+  if [ -n "${BASE_TREE:-}" ]; then  # both at once: each build waits mostly on its few longest CUDA files
     source scripts/base-tree.sh
-    build_base_tree "$BASE_TREE" "$OUT/build-base.log" || exit 1
+    build_base_tree "$BASE_TREE" "$OUT/build-base.log" &
+    base_pid=$!
   fi
+  build_gpu "$OUT/build.log" || exit 1
+  if [ -n "${BASE_TREE:-}" ]; then wait "$base_pid" || exit 1; fi
   nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader | tee -a "$OUT/summary.txt"
 fi
 
@@ -109,16 +112,36 @@ for batch in load_workload(None, $BATCH, $BATCHES):
 fi
 
 if has model; then
-  for V in ${BWD_VARIANTS:-default}; do
-    for S in ${MODEL_SCHEDULES:-single grouped}; do
-      say "BERT-large batch $MODEL_BATCH, attention schedule $S, backward variant $V"
-      with_bwd "$V" env NOPAD_FMHA_SCHEDULE=$S "$NOPAD" bench model --model data/configs/bert-large-mlperf.json \
-        --data "$SHARDS" --batch "$MODEL_BATCH" --steps 20 --warmup 5 ${BREAKDOWN:+--breakdown} \
-        2>"$OUT/model-$S-bwd$V.txt" |
-        sed "s/^{/{\"attention_schedule\": \"$S\", \"bwd_variant\": \"$V\", /" | tee -a "$OUT/model.jsonl" |
-        tee -a "$OUT/summary.txt" || status=1
+  # With BASE_TREE, each configuration runs in both trees, alternating, MODEL_ROUNDS times (default 1), and the
+  # summary gives each tree's mean step time.
+  for R in $(seq "${MODEL_ROUNDS:-1}"); do
+    for V in ${BWD_VARIANTS:-default}; do
+      for S in ${MODEL_SCHEDULES:-single grouped}; do
+        for TREE in this ${BASE_TREE:+base}; do
+          BIN=$NOPAD
+          [ "$TREE" = base ] && BIN=$BASE_TREE/build-gpu/nopad
+          say "BERT-large batch $MODEL_BATCH, attention schedule $S, backward variant $V, $TREE tree, round $R"
+          with_bwd "$V" env NOPAD_FMHA_SCHEDULE=$S "$BIN" bench model --model data/configs/bert-large-mlperf.json \
+            --data "$SHARDS" --batch "$MODEL_BATCH" --steps 20 --warmup 5 ${BREAKDOWN:+--breakdown} \
+            2>"$OUT/model-$S-bwd$V-$TREE-$R.txt" |
+            sed "s/^{/{\"attention_schedule\": \"$S\", \"bwd_variant\": \"$V\", \"tree\": \"$TREE\", /" |
+            tee -a "$OUT/model.jsonl" | tee -a "$OUT/summary.txt" || status=1
+        done
+      done
     done
   done
+  if [ -n "${BASE_TREE:-}" ]; then
+    python3 - "$OUT/model.jsonl" <<'EOF' | tee -a "$OUT/summary.txt"
+import json, sys, collections
+runs = collections.defaultdict(list)
+for line in open(sys.argv[1]):
+    r = json.loads(line)
+    runs[(r["attention_schedule"], r["bwd_variant"], r["tree"])].append(r["step_ms"])
+for (s, v, tree), ms in sorted(runs.items()):
+    print(f"model step: schedule {s}, backward {v}, {tree:4s} tree: mean {sum(ms) / len(ms):.2f} ms over {len(ms)} runs"
+          f" ({', '.join(f'{x:.2f}' for x in ms)})")
+EOF
+  fi
 fi
 
 if has ncu; then
