@@ -56,8 +56,9 @@ HF_BATCH=${HF_BATCH:-32}
 for B in $PEER_BATCHES $([ "$HF_BATCH" = none ] || echo "$HF_BATCH"); do
   [ "$B" = none ] && continue
   if [[ " $BATCHES " != *" $B "* ]]; then
-    echo "bench.sh: peer batch $B has no nopad batch of that size in BATCHES=\"$BATCHES\" (whose workload file the peers" \
-      "read): add $B to BATCHES, or drop it from PEER_BATCHES / HF_BATCH (HF_BATCH=none skips Hugging Face)" >&2
+    echo "bench.sh: peer batch $B has no nopad batch of that size in BATCHES=\"$BATCHES\"" \
+      "(whose workload file the peers read): add $B to BATCHES, or drop it from PEER_BATCHES / HF_BATCH" \
+      "(HF_BATCH=none skips Hugging Face)" >&2
     exit 2
   fi
 done

@@ -96,9 +96,10 @@ bool fmha_backward_bias_supported(int32_t num_heads, int32_t head_dim);
 // Bytes of scratch fmha_backward needs for these sizes.
 size_t fmha_backward_workspace_bytes(int32_t num_tokens, int32_t num_heads, int32_t head_dim);
 // Where the first pass's results lie in the workspace (bytes): [0, zero_bytes) must be zero (the dQ accumulator, then
-// the item counters, rounded up to whole 16-byte vectors; its extent depends on T and H = num_heads * head_dim alone), D [num_heads, T] fp32 at d_offset
-// (D[h, t] = the sum over the head's columns of d_ctx * ctx, times fmha_backward_d_scale), lse2 [num_heads, T] fp32 at
-// lse2_offset (lse * log2(e)); total_bytes = fmha_backward_workspace_bytes.
+// the item counters, rounded up to whole 16-byte vectors; its extent depends on T and H = num_heads * head_dim alone),
+// D [num_heads, T] fp32 at d_offset (D[h, t] = the sum over the head's columns of d_ctx * ctx, times
+// fmha_backward_d_scale), lse2 [num_heads, T] fp32 at lse2_offset (lse * log2(e)); total_bytes =
+// fmha_backward_workspace_bytes.
 struct FmhaWorkspaceLayout {
   size_t zero_bytes = 0;
   size_t d_offset = 0;
