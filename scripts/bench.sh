@@ -11,7 +11,8 @@
 #                         at 384), nopad's 384: BATCHES="384 256" PEER_BATCHES=256
 #   HF_BATCH=32           batch of the Hugging Face peer (none: skip it)
 #   PEER_ATTENTION=1      the attention-only peer (varlen_attn, 64 sequences) on the last batch's workload (0: skip)
-#   VARIANT_RUNS="A=0 B=1"  the last nopad batch again under each environment setting (kernel variants, dense.cu),
+#   VARIANT_RUNS="A=0 B=1,C=2"  the last nopad batch again under each environment setting (kernel variants, dense.cu;
+#                         settings joined by a comma form one variant),
 #                         then the default once more, and a table of each variant against the two defaults' mean
 #   MODEL_VARIANTS="F.json"  the last nopad batch again with each model config (--model), among the variants
 #   VARIANT_WARMUP=5      warm-up steps of the variant runs (more for a variant that tunes during its first steps,
@@ -102,7 +103,9 @@ BERT_LARGE=data/configs/bert-large-mlperf.json
 [ -z "${BASE_TREE:-}" ] || variant base "$BASE_TREE/build-gpu/nopad" $BERT_LARGE 5
 # VARIANT_RUNS="NOPAD_GELU_GEMM=0 NOPAD_DGELU_GEMM=0": each environment setting (one per word, kernel variants that
 # read the environment: dense.cu).
-for V in ${VARIANT_RUNS:-}; do variant "$V" "$NOPAD" $BERT_LARGE "${VARIANT_WARMUP:-5}" "$V"; done
+# Settings joined by commas ("A=1,B=2") form one variant.
+# shellcheck disable=SC2086
+for V in ${VARIANT_RUNS:-}; do variant "$V" "$NOPAD" $BERT_LARGE "${VARIANT_WARMUP:-5}" ${V//,/ }; done
 # MODEL_VARIANTS="a.json b.json": other model configs (e.g. the attention dropout off: what the compiled peer, whose
 # varlen_attn has no dropout, leaves out).
 for CFG in ${MODEL_VARIANTS:-}; do variant "model=$(basename "$CFG")" "$NOPAD" "$CFG" 5; done
