@@ -16,7 +16,8 @@
 #   TEST_TIMEOUT=300 BENCH_TIMEOUT=300   seconds before the tests / each attention bench are stopped (a kernel that
 #                                 hangs costs minutes, not the whole device call)
 #   NCU_KERNELS NCU_DROPOUT NCU_VARIANTS   the ncu stage's kernel regexes, dropout and backward variants (default:
-#                                 BWD_VARIANTS); NCU_SOURCE=1 adds per-instruction stall samples (ncu-*-sass.csv)
+#                                 BWD_VARIANTS); NCU_SOURCE=1 adds per-instruction stall samples (ncu-*-sass.csv,
+#                                 summarised by scripts/ncu_sass_summary.py into ncu-*-summary.txt)
 #   NOPAD_CMAKE_EXTRA             extra CMake arguments (e.g. -DCMAKE_CUDA_ARCHITECTURES=90a-real)
 #   BASE_TREE=DIR                 another nopad source tree (`git archive <ref> | tar -x -C .carry/base`, carried):
 #                                 built too (beside this tree), the bench stage runs its `nopad bench attention` right
@@ -171,6 +172,7 @@ smsp__average_warp_latency_issue_stalled_imc_miss.ratio,smsp__average_warp_laten
       if [ -n "${NCU_SOURCE:-}" ]; then  # NCU_SOURCE=1: the report saved, its details and per-instruction stall samples
         ncu -i "$OUT/ncu-$K-bwd$V.ncu-rep" >>"$OUT/ncu-$K-bwd$V.txt" 2>&1
         ncu -i "$OUT/ncu-$K-bwd$V.ncu-rep" --page source --csv --print-source sass >"$OUT/ncu-$K-bwd$V-sass.csv" 2>&1
+        python3 scripts/ncu_sass_summary.py "$OUT/ncu-$K-bwd$V-sass.csv" >"$OUT/ncu-$K-bwd$V-summary.txt" 2>&1 || true
         rm -f "$OUT/ncu-$K-bwd$V.ncu-rep"
       fi
       grep -E "Duration|Throughput|Registers Per|Achieved Occupancy|Eligible Warps|Issue Slots|Spilling Requests  |op_red|gmma|wavefronts|inst_executed.sum|stalled|Warp Cycles Per|Active Warps|No Eligible" \

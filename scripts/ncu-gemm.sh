@@ -2,7 +2,8 @@
 # ncu of nopad's sm_90a GEMM (gemm_sm90.cu) on the GPU machine: builds build-gpu (sm_90a only) and profiles one launch
 # each of the bias epilogue and the erf-GELU epilogue (CudaPerf.GeluForward, T = 24,657, k=1024 n=4096) and of the
 # scale epilogue (the saved GELU derivative, CudaPerf.FfnBackward; profile name bwd-dgelu): speed of light, warp
-# states, memory, and per-instruction stall samples (SASS CSV) into $OUT. Usage: OUT=... bash scripts/ncu-gemm.sh
+# states, memory, and per-instruction stall samples (SASS CSV, summarised by scripts/ncu_sass_summary.py into
+# NAME-summary.txt) into $OUT. Usage: OUT=... bash scripts/ncu-gemm.sh
 #   PROFILES="fwd-bias fwd-gelu bwd-dgelu"   which launches to profile (default: these three; also fwd-gelu-cb0, the
 #                                            table with no consumer share, and fwd-gelu-arith, the arithmetic GELU)
 #   NCU_EXTRA_SECTIONS="--section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis_Tables"  more sections
@@ -19,7 +20,10 @@ prof() {  # name filter skip
     --section SourceCounters ${NCU_EXTRA_SECTIONS:-} --import-source no -f -o /tmp/$1 ./build-gpu/nopad_cuda_tests --gtest_filter="$2" > /tmp/$1.run 2>&1
   ncu -i /tmp/$1.ncu-rep > $OUT/$1.txt 2>&1
   ncu -i /tmp/$1.ncu-rep --page source --csv --print-source sass > $OUT/$1-sass.csv 2>&1
+  # Where the samples fall: by stall reason, opcode, code block (a loop body: equal execution counts), instruction.
+  python3 scripts/ncu_sass_summary.py $OUT/$1-sass.csv > $OUT/$1-summary.txt 2>&1 || true
   grep -E "Duration|Throughput|Eligible|Issue Slots|Warp Cycles Per|No Eligible" $OUT/$1.txt | head -20
+  head -12 $OUT/$1-summary.txt
 }
 PROFILES=${PROFILES:-fwd-bias fwd-gelu bwd-dgelu}
 # Launch indices of gemm_sm90_kernel in CudaPerf/bf16.GeluForward: 28 per configuration (3 warm-up + 25 timed), the
@@ -32,5 +36,4 @@ PROFILES=${PROFILES:-fwd-bias fwd-gelu bwd-dgelu}
 [[ " $PROFILES " == *" fwd-gelu-cb0 "* ]] && prof fwd-gelu-cb0 'CudaPerf/bf16.GeluForward' 31
 [[ " $PROFILES " == *" fwd-gelu-arith "* ]] && prof fwd-gelu-arith 'CudaPerf/bf16.GeluForward' 255
 [[ " $PROFILES " == *" bwd-dgelu "* ]] && prof bwd-dgelu 'CudaPerf/bf16.FfnBackward' 3
-rm -f $OUT/fwd-bias-sass.csv
 ls -la $OUT
