@@ -101,9 +101,8 @@ variant() {
 }
 BERT_LARGE=data/configs/bert-large-mlperf.json
 [ -z "${BASE_TREE:-}" ] || variant base "$BASE_TREE/build-gpu/nopad" $BERT_LARGE 5
-# VARIANT_RUNS="NOPAD_GELU_GEMM=0 NOPAD_DGELU_GEMM=0": each environment setting (one per word, kernel variants that
-# read the environment: dense.cu).
-# Settings joined by commas ("A=1,B=2") form one variant.
+# VARIANT_RUNS="NOPAD_GELU_GEMM=0 NOPAD_DGELU_GEMM=0,NOPAD_GELU_TABLE=0": one variant per word (kernel variants that
+# read the environment: dense.cu, gemm_sm90.cu); a word's comma-joined settings apply together.
 # shellcheck disable=SC2086
 for V in ${VARIANT_RUNS:-}; do variant "$V" "$NOPAD" $BERT_LARGE "${VARIANT_WARMUP:-5}" ${V//,/ }; done
 # MODEL_VARIANTS="a.json b.json": other model configs (e.g. the attention dropout off: what the compiled peer, whose

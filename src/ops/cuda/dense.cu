@@ -291,10 +291,11 @@ bool LtGemm::try_run(const GemmProblem& p, cudaStream_t stream) {
 
 // The process-wide variants: the defaults of dense.h, except that NOPAD_GELU_GEMM=0|1, NOPAD_DGELU_GEMM=0|1,
 // NOPAD_QKV_BIAS_IN_ATTENTION=0|1 and NOPAD_ATTN_PREP_GEMM=0|1 set gelu_gemm / dgelu_gemm / qkv_bias_in_attention /
-// attention_prep_gemm, and NOPAD_LN_FWD_STAGES / NOPAD_LN_BWD_STAGES = 0|2|3|4 pick the residual LayerNorm's forward / backward kernel (the pipelined row-group
-// kernel with that many stages; 0: the forward's default, the backward's register-prefetch row-group kernel),
-// NOPAD_LN_FWD_WARP_PIPE=0|1 the warp-per-row forward without / with its pipeline (so one build can time the model
-// both ways, scripts/bench.sh VARIANT_RUNS). A malformed value stops the run with a message.
+// attention_prep_gemm, and NOPAD_LN_FWD_STAGES / NOPAD_LN_BWD_STAGES = 0|2|3|4 pick the residual LayerNorm's
+// forward / backward kernel (the pipelined row-group kernel with that many stages; 0: the forward's default, the
+// backward's register-prefetch row-group kernel), NOPAD_LN_FWD_WARP_PIPE=0|1 the warp-per-row forward without / with
+// its pipeline (so one build can time the model both ways, scripts/bench.sh VARIANT_RUNS). A malformed value stops
+// the run with a message.
 namespace {
 int ln_stages_from_env(const char* name) {
   const char* e = std::getenv(name);
