@@ -43,27 +43,6 @@ __host__ __device__ inline size_t zero_region_bytes(int32_t num_tokens, int32_t 
 __host__ __device__ inline size_t d_offset(int32_t num_tokens, int32_t num_heads, int32_t head_dim) {
   return (zero_region_bytes(num_tokens, num_heads, head_dim) + 255) / 256 * 256;
 }
-// `ws128p`'s private dQ accumulators, after lse2 (256-byte aligned): per CTA of a launch, round_up(max_seqlen, 128)
-// rows of 64 fp32 (max_seqlen <= kPrivMaxSeqlen), for as many CTAs as the device has SMs. Host only.
-constexpr int kPrivMaxSeqlen = 512;
-inline size_t priv_dq_offset(int32_t num_tokens, int32_t num_heads, int32_t head_dim) {
-  return (d_offset(num_tokens, num_heads, head_dim) + 2 * lse2_offset(num_tokens, num_heads) * sizeof(float) + 255) /
-         256 * 256;
-}
-inline size_t priv_dq_bytes(int32_t num_tokens, int32_t head_dim) {
-  if (head_dim != 64 || num_tokens == 0 || !fmha_wgmma_available()) return 0;
-  const size_t rows = std::min<size_t>((static_cast<size_t>(num_tokens) + 127) / 128 * 128, kPrivMaxSeqlen);
-  return static_cast<size_t>(fmha_sm_count()) * rows * 64 * sizeof(float);
-}
-// Whether a launch of `variant` runs ws128p: head_dim 64 on sm_90a, every row a query, sequences of at most
-// kPrivMaxSeqlen, and the launch covering every sequence of the batch, so that no other launch (grouped launches run
-// concurrently on one workspace) shares the private rows. Where it does not hold, ws128p runs as ws128q.
-inline bool dq_private(const FmhaParams& p, int variant) {
-  return variant == 7 && p.head_dim == 64 && fmha_wgmma_available() && p.q_cu_seqlens == nullptr &&
-         (p.seq_index == nullptr || p.num_launch_seqs == p.num_seqs) && p.max_seqlen > 0 &&
-         p.max_seqlen <= kPrivMaxSeqlen;
-}
-
 // Only launches without query rows (FmhaParams::q_cu_seqlens null) use the counters.
 __device__ inline int* item_counter(const FmhaParams& p) {
   int b, s0, L;
@@ -113,7 +92,6 @@ __global__ void __launch_bounds__(32 * kPreRows) fmha_bwd_pre_kernel(const Kerne
       D[lse2_offset(Tq, p.num_heads) + i] = p.lse[i] * kLog2e;
     }
   }
-  if (dq_acc == nullptr) return;  // `ws128p`: no shared accumulator
   float4* dq = reinterpret_cast<float4*>(dq_acc + tok * H);
   for (int c = lane; c < H / 4; c += 32) dq[c] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
 }
@@ -843,12 +821,10 @@ struct BwdWsqShape {
   static constexpr int kOffDq = kOffDs + 8 * kTileBytes;                 // + c stages
   static constexpr int kOffLse = kOffDq + 2 * kDqStageBytes;             // [kStages][lse2 128, D 128] fp32
   static constexpr int kOffBar = kOffLse + kStages * 2 * kBlockM * 4;
-  // kv_full[2], kv_empty[2], item_full[2], full[kStages], empty[kStages], conv_full[2] (ws128p: consumer c's dQ
-  // stage loaded with private rows to convert); then the published item per K/V buffer
-  static constexpr int kNumBars = 8 + 2 * kStages;
+  // kv_full[2], kv_empty[2], item_full[2], full[kStages], empty[kStages]; then the published item per K/V buffer
+  static constexpr int kNumBars = 6 + 2 * kStages;
   // No alignment slack: the kernel declares its dynamic shared memory 1024-byte aligned (and checks it).
-  // ws128p: per consumer, the pending item's (s0, L, head, tiles) after the published items.
-  static constexpr int kSmemBytes = kOffBar + kNumBars * 8 + 2 * 4 + 2 * 4 * 4;
+  static constexpr int kSmemBytes = kOffBar + kNumBars * 8 + 2 * 4;
   static_assert(kSmemBytes <= 227 * 1024, "shared memory of one CTA");
   // setmaxnreg moves registers within the CTA's launch allocation (168 per thread under __launch_bounds__(384, 1)):
   // the budgets must fit it, or the consumers' increase would wait forever.
@@ -887,59 +863,10 @@ __device__ __forceinline__ void stage_dq_swz(float* sdQ, const float (&dq)[8][4]
   }
 }
 
-// `ws128p` (kPriv): one 64-row box pair of a finished (sequence, head)'s private dQ rows, brought into consumer c's dQ
-// stage by the copy engine (stage_dq_swz's layout; queries q0 .. q0 + 63, the scale applied), into d_qkv's q block
-// rounded to 16 bits; with the bias gradient their column sums are added to the q bias. Thread ctid takes the 8
-// columns 8 (ctid & 7) .. + 7 of rows ctid / 8 + 16 j.
-template <bool kFp16>
-__device__ __forceinline__ void convert_priv_tile(const FmhaParams& p, const float* sdQ, int s0, int L, int q0, int head,
-                                                  int ctid) {
-  constexpr int HD = 64;
-  const int64_t ld = 3 * int64_t{p.num_heads} * HD;
-  const int c8 = ctid & 7, r0 = ctid >> 3;
-  const float* box = sdQ + (c8 >> 2) * 64 * 32;  // columns 0..31 or 32..63
-  const int ch = 2 * (c8 & 3);                    // the first of the two 16-byte chunks within the box's row
-  uint16_t* out = static_cast<uint16_t*>(p.d_qkv) + int64_t{s0} * ld + head * HD + c8 * 8;
-  const bool bias = p.d_qkv_bias != nullptr;
-  float sum[8];
-#pragma unroll
-  for (int k = 0; k < 8; ++k) sum[k] = 0.0f;
-#pragma unroll
-  for (int j = 0; j < 4; ++j) {
-    const int r = r0 + 16 * j, q = q0 + r;
-    if (q >= L) break;  // rows grow with j
-    const float4 a = *reinterpret_cast<const float4*>(box + r * 32 + ((ch ^ (r & 7)) << 2));
-    const float4 b = *reinterpret_cast<const float4*>(box + r * 32 + (((ch + 1) ^ (r & 7)) << 2));
-    const uint32_t w[4] = {pack2<kFp16>(a.x, a.y), pack2<kFp16>(a.z, a.w), pack2<kFp16>(b.x, b.y),
-                           pack2<kFp16>(b.z, b.w)};
-    *reinterpret_cast<uint4*>(out + int64_t{q} * ld) = make_uint4(w[0], w[1], w[2], w[3]);
-    if (bias) {
-#pragma unroll
-      for (int k = 0; k < 4; ++k) {
-        sum[2 * k] += to_f32<kFp16>(static_cast<uint16_t>(w[k]));
-        sum[2 * k + 1] += to_f32<kFp16>(static_cast<uint16_t>(w[k] >> 16));
-      }
-    }
-  }
-  if (bias) {  // uniform: lanes l, l ^ 8, l ^ 16, l ^ 24 share the columns
-#pragma unroll
-    for (int k = 0; k < 8; ++k) {
-      sum[k] += __shfl_xor_sync(0xffffffffu, sum[k], 8);
-      sum[k] += __shfl_xor_sync(0xffffffffu, sum[k], 16);
-    }
-    if ((ctid & 31) < 8) {
-      float* qbias = p.d_qkv_bias + head * HD + c8 * 8;
-#pragma unroll
-      for (int k = 0; k < 8; k += 2) red_add2(qbias + k, sum[k], sum[k + 1]);
-    }
-  }
-}
-
-template <bool kFp16, bool kDrop, bool kPriv>
+template <bool kFp16, bool kDrop>
 __global__ void __launch_bounds__(384, 1)
     fmha_bwd_wsq_kernel(const __grid_constant__ KernelArgs args, const float* D,
-                        const __grid_constant__ CUtensorMap dq_map, int num_items, const float* dq_priv,
-                        int priv_rows) {
+                        const __grid_constant__ CUtensorMap dq_map, int num_items) {
 #if NOPAD_FMHA_WGMMA
   constexpr int HD = 64;
   using Sh = BwdWsqShape;
@@ -964,7 +891,6 @@ __global__ void __launch_bounds__(384, 1)
   uint64_t* item_full = bars + 4;
   uint64_t* full = bars + 6;
   uint64_t* empty = full + kStages;
-  uint64_t* conv_full = empty + kStages;
   volatile int* sItem = reinterpret_cast<volatile int*>(bars + Sh::kNumBars);
 
   const int tid = static_cast<int>(threadIdx.x);
@@ -979,8 +905,6 @@ __global__ void __launch_bounds__(384, 1)
       mbar_init(full + s, 128);
       mbar_init(empty + s, 8);
     }
-    mbar_init(conv_full, 1);  // thread 0 of the consumer, with the bytes of its load
-    mbar_init(conv_full + 1, 1);
     mbar_init_fence();
   }
   __syncthreads();
@@ -1008,46 +932,17 @@ __global__ void __launch_bounds__(384, 1)
     const int64_t g_ld = is_q ? ld : H;
     int gt = 0;  // tiles of this CTA so far
     int* counter = item_counter(p);
-    // kPriv (warp 0): the (sequence, head) whose key blocks are being published, the next one and how many it has.
-    int cur_zh = 0, next_kb = 0, cur_kbs = 0;
-    const int key_blocks = (p.max_seqlen + BwdWsqShape::kBlockN - 1) / BwdWsqShape::kBlockN;
     for (int it = 0;; ++it) {  // items of this CTA
       const int kvb = it & 1;
       int item, b, s0, L, head, k0;
       if (warp == 0) {
         // Fetch the next item that has keys, wait until the K/V buffer is free, publish it (-1: no more).
-        if constexpr (kPriv) {
-          // The counter deals (sequence, head) pairs; their key blocks follow one another on this CTA.
+        do {
           item = 0;
-          if (next_kb >= cur_kbs) {
-            int zh;
-            do {
-              zh = 0;
-              if (lane == 0) zh = atomicAdd(counter, 1);
-              zh = __shfl_sync(0xffffffffu, zh, 0);
-              if (zh >= num_items) break;
-              launch_sequence(p, zh / p.num_heads, b, s0, L);
-            } while (L == 0);
-            if (zh >= num_items) {
-              item = -1;
-            } else {
-              cur_zh = zh;
-              next_kb = 0;
-              cur_kbs = (L + BwdWsqShape::kBlockN - 1) / BwdWsqShape::kBlockN;
-            }
-          }
-          if (item == 0) {
-            item = cur_zh * key_blocks + next_kb++;
-            wsq_item(p, item, b, s0, L, head, k0);
-          }
-        } else {
-          do {
-            item = 0;
-            if (lane == 0) item = atomicAdd(counter, 1);
-            item = __shfl_sync(0xffffffffu, item, 0);
-          } while (item < num_items && !wsq_item(p, item, b, s0, L, head, k0));
-          if (item >= num_items) item = -1;
-        }
+          if (lane == 0) item = atomicAdd(counter, 1);
+          item = __shfl_sync(0xffffffffu, item, 0);
+        } while (item < num_items && !wsq_item(p, item, b, s0, L, head, k0));
+        if (item >= num_items) item = -1;
         if (it >= 2) mbar_wait(kv_empty + kvb, ((it >> 1) & 1) ^ 1);
         if (lane == 0) {
           sItem[kvb] = item;
@@ -1100,28 +995,6 @@ __global__ void __launch_bounds__(384, 1)
   };
 
   int gt = 0;
-  // kPriv: the last finished (sequence, head), whose dQ rows this consumer converts while the next item's first key
-  // block runs: tile i's rows during its tile i (loaded by the copy engine into the dQ stage at the dS barrier,
-  // converted after the dQ product is issued, before this tile's store overwrites the rows), the tiles the new item
-  // does not have after its first key block.
-  // The pending item's fields live in shared memory (this consumer's 4 ints), not in registers the tile loop needs.
-  bool pend = false;
-  int* pend_info = const_cast<int*>(sItem) + 2 + 4 * c;  // s0, L, head, tiles
-  uint32_t conv_phase = 0;
-  const auto conv_rows = [&](int i) { return kPriv && i * kM + 64 * c < pend_info[1]; };  // this consumer has rows
-  const auto conv_load = [&](int i) {  // thread 0: its stage read and the rows' sends performed
-    mbar_arrive_expect_tx(conv_full + c, Sh::kDqStageBytes);
-    const int y = static_cast<int>(blockIdx.x) * priv_rows + i * kM + 64 * c;
-    bulk_load_tensor(sdQ, &dq_map, 0, y, conv_full + c);
-    bulk_load_tensor(sdQ + 64 * 32, &dq_map, 32, y, conv_full + c);
-  };
-  const auto conv_tile = [&](int i) {
-    mbar_wait(conv_full + c, conv_phase & 1);
-    ++conv_phase;
-    convert_priv_tile<kFp16>(p, sdQ, pend_info[0], pend_info[1], i * kM + 64 * c, pend_info[2], ctid);
-    named_barrier_sync(Sh::kBarStage + c, 128);  // every read of the stage done before it is written or loaded again
-  };
-  (void)dq_priv;
   for (int it = 0;; ++it) {
     const int kvb = it & 1;
     mbar_wait(item_full + kvb, (it >> 1) & 1);
@@ -1156,21 +1029,8 @@ __global__ void __launch_bounds__(384, 1)
       named_barrier_sync(Sh::kBarStage + c, 128);
       const int q0 = q_tile + 64 * c;
       if (ctid == 0 && q0 < L) {
-        if constexpr (kPriv) {
-          // This CTA's rows of the private accumulator: the item's first key block stores, the others add (the
-          // store of the same rows completed before: the full bulk wait ahead of every dQ product).
-          const int y = static_cast<int>(blockIdx.x) * priv_rows + q0;
-          if (k0 == 0) {
-            bulk_store_tensor(&dq_map, sdQ, 0, y);
-            bulk_store_tensor(&dq_map, sdQ + 64 * 32, 32, y);
-          } else {
-            bulk_reduce_tensor_add(&dq_map, sdQ, 0, y);
-            bulk_reduce_tensor_add(&dq_map, sdQ + 64 * 32, 32, y);
-          }
-        } else {
-          bulk_reduce_tensor_add(&dq_map, sdQ, head * HD, s0 + q0);
-          bulk_reduce_tensor_add(&dq_map, sdQ + 64 * 32, head * HD + 32, s0 + q0);
-        }
+        bulk_reduce_tensor_add(&dq_map, sdQ, head * HD, s0 + q0);
+        bulk_reduce_tensor_add(&dq_map, sdQ + 64 * 32, head * HD + 32, s0 + q0);
         bulk_commit();
       }
     };
@@ -1250,28 +1110,8 @@ __global__ void __launch_bounds__(384, 1)
       issue_dkv(1);
       wgmma_commit();
       fence_proxy_async();  // this thread's dS^T stores, visible to the tensor cores
-      // kPriv: thread 0's waits below can be long (a full bulk wait), so this consumer arrives after them: arriving
-      // first would let the other consumer arrive on its next tile's instance of this barrier before thread 0 syncs
-      // on this one (two arrivals in one instance: the consumers would fall out of step).
-      if constexpr (!kPriv) named_barrier_arrive(Sh::kBarDsDone + c, 256);
-      // kPriv: this tile converts the previous item's tile-i rows (the first key block of an item only).
-      const bool conv = kPriv && pend && k0 == 0 && i < pend_info[3] && conv_rows(i);
-      if (ctid == 0) {
-        if constexpr (kPriv) {
-          if (conv && i == 0) {
-            bulk_wait<0>();  // the previous item's sends performed (and the stage read) before its rows are loaded
-            fence_proxy_async_global();
-          } else {
-            // Key block kb > 0 adds to rows whose store or add was sent num_qt - 1 >= 1 groups ago: performed.
-            if (k0 > 0) bulk_wait<1>();
-            bulk_wait_read<0>();  // the dQ stage's last sends have read it
-          }
-          if (conv) conv_load(i);
-        } else {
-          bulk_wait_read<0>();  // the dQ stage's last reductions have read it
-        }
-      }
-      if constexpr (kPriv) named_barrier_arrive(Sh::kBarDsDone + c, 256);
+      named_barrier_arrive(Sh::kBarDsDone + c, 256);
+      if (ctid == 0) bulk_wait_read<0>();  // the dQ stage's last reductions have read it
       // The other consumer's dS^T rows are written (and, as all of this consumer's threads pass, its dQ stage free).
       named_barrier_sync(Sh::kBarDsDone + (1 - c), 256);
 
@@ -1289,9 +1129,6 @@ __global__ void __launch_bounds__(384, 1)
       fence_regs(da[0]);
       fence_regs(da[1]);
       release(empty + s);
-      if constexpr (kPriv) {
-        if (conv) conv_tile(i);  // beside the dQ product
-      }
       wgmma_wait<0>();
       finish_dq(qs);
     }
@@ -1301,55 +1138,6 @@ __global__ void __launch_bounds__(384, 1)
     float colsum[8][2];
     store_dk_dv<HD, kFp16>(p, dk, dv, args.grad_scale, args.keep_scale, s0, k0 + krow + g, L, head, t, colsum);
     if (p.d_qkv_bias != nullptr) add_dv_bias<HD>(p, colsum, head, lane);  // uniform
-    if constexpr (kPriv) {
-      // After an item's first key block, the previous item's tiles it did not have; after its last, it is pending.
-      const auto convert_rest = [&](int from) {
-        bool waited = false;
-        for (int i = from; i < pend_info[3]; ++i) {
-          if (!conv_rows(i)) continue;
-          if (ctid == 0) {
-            if (!waited) {
-              bulk_wait<0>();
-              fence_proxy_async_global();
-            }
-            bulk_wait_read<0>();
-            conv_load(i);
-          }
-          waited = true;
-          conv_tile(i);
-        }
-        pend = false;
-      };
-      if (pend && k0 == 0) convert_rest(num_qt);
-      if (k0 + Sh::kBlockN >= L) {
-        named_barrier_sync(Sh::kBarStage + c, 128);  // every thread has read the previous item's fields
-        if (ctid == 0) {
-          pend_info[0] = s0;
-          pend_info[1] = L;
-          pend_info[2] = head;
-          pend_info[3] = num_qt;
-        }
-        named_barrier_sync(Sh::kBarStage + c, 128);
-        pend = true;
-      }
-    }
-  }
-  if constexpr (kPriv) {
-    if (pend) {  // the CTA's last item: all its tiles, its sends performed first
-      bool waited = false;
-      for (int i = 0; i < pend_info[3]; ++i) {
-        if (!conv_rows(i)) continue;
-        if (ctid == 0) {
-          if (!waited) {
-            bulk_wait<0>();
-            fence_proxy_async_global();
-          }
-          conv_load(i);
-        }
-        waited = true;
-        conv_tile(i);
-      }
-    }
   }
   if (ctid == 0) bulk_wait<0>();  // the reductions complete before the CTA ends
 #else
@@ -1357,34 +1145,28 @@ __global__ void __launch_bounds__(384, 1)
 #endif
 }
 
-// One CTA per SM (fewer when there are fewer items), taking items from the counter the pre kernel zeroed. kPriv
-// (`ws128p`): items are (sequence, head) pairs and dQ goes to `dq` = the CTA-private accumulators (priv_dq_bytes),
-// else items are key blocks and `dq` = dq_accum.
-template <bool kFp16, bool kPriv>
-void launch_backward_wsq(const KernelArgs& args, const float* D, float* dq, int32_t n, cudaStream_t stream) {
+// One CTA per SM (fewer when there are fewer items), taking items from the counter the pre kernel zeroed.
+template <bool kFp16>
+void launch_backward_wsq(const KernelArgs& args, const float* D, float* dq_acc, int32_t n, cudaStream_t stream) {
   using Sh = BwdWsqShape;
-  const int64_t key_blocks = (args.p.max_seqlen + Sh::kBlockN - 1) / Sh::kBlockN;
-  const int64_t items = (kPriv ? 1 : key_blocks) * args.p.num_heads * n;
+  const int64_t items = int64_t{(args.p.max_seqlen + Sh::kBlockN - 1) / Sh::kBlockN} * args.p.num_heads * n;
   NOPAD_CHECK(items < (int64_t{1} << 30), "fmha_backward: too many work items (", items, ")");
   const int grid = static_cast<int>(std::min<int64_t>(items, fmha_sm_count()));
   if (grid == 0) return;
-  // dq_accum [T, H] fp32, or the private rows [grid x priv_rows, 64], in boxes of 64 rows x 32 columns (128 bytes:
-  // the stage's 128-byte swizzle).
-  const int priv_rows = static_cast<int>(key_blocks * Sh::kBlockN);
-  const int64_t rows = kPriv ? int64_t{grid} * priv_rows : args.p.num_tokens;
-  const int64_t cols = kPriv ? 64 : int64_t{args.p.num_heads} * 64;
+  // dq_accum [T, H] fp32 in boxes of 64 rows x 32 columns (128 bytes: the stage's 128-byte swizzle).
+  const int64_t T = args.p.num_tokens, H = int64_t{args.p.num_heads} * 64;
   const CUtensorMap dq_map =
-      tensor_map_2d(CU_TENSOR_MAP_DATA_TYPE_FLOAT32, dq, static_cast<uint64_t>(rows), static_cast<uint64_t>(cols),
-                    static_cast<uint64_t>(cols) * 4, 32, 64, CU_TENSOR_MAP_SWIZZLE_128B,
-                    CU_TENSOR_MAP_L2_PROMOTION_NONE, kPriv ? "fmha_backward private dQ" : "fmha_backward dq_accum");
+      tensor_map_2d(CU_TENSOR_MAP_DATA_TYPE_FLOAT32, dq_acc, static_cast<uint64_t>(T), static_cast<uint64_t>(H),
+                    static_cast<uint64_t>(H) * 4, 32, 64, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_NONE,
+                    "fmha_backward dq_accum");
   if (args.dropout) {
-    constexpr auto kernel = fmha_bwd_wsq_kernel<kFp16, true, kPriv>;
+    constexpr auto kernel = fmha_bwd_wsq_kernel<kFp16, true>;
     ensure_smem<kernel>(Sh::kSmemBytes);
-    kernel<<<grid, Sh::kThreads, Sh::kSmemBytes, stream>>>(args, D, dq_map, static_cast<int>(items), dq, priv_rows);
+    kernel<<<grid, Sh::kThreads, Sh::kSmemBytes, stream>>>(args, D, dq_map, static_cast<int>(items));
   } else {
-    constexpr auto kernel = fmha_bwd_wsq_kernel<kFp16, false, kPriv>;
+    constexpr auto kernel = fmha_bwd_wsq_kernel<kFp16, false>;
     ensure_smem<kernel>(Sh::kSmemBytes);
-    kernel<<<grid, Sh::kThreads, Sh::kSmemBytes, stream>>>(args, D, dq_map, static_cast<int>(items), dq, priv_rows);
+    kernel<<<grid, Sh::kThreads, Sh::kSmemBytes, stream>>>(args, D, dq_map, static_cast<int>(items));
   }
   NOPAD_CUDA_CHECK_LAUNCH();
 }
@@ -1405,12 +1187,10 @@ constexpr BwdVariant kBwdVariants[] = {
     {"wg64r", 4, 2, true},    // 4: the same with 2 CTAs per SM and no register cap
     {"wg64b", 4, 3, true},    // 5: wg64 with dQ sent as bulk reductions of whole rows from shared memory
     {"ws128q", 12, 1, true},  // 6: warp-specialised, persistent: 128 keys x 128-query tiles on two consumers
-    {"ws128p", 12, 1, true},  // 7: ws128q over (sequence, head) items, dQ in CTA-private accumulators in the L2
 };
 constexpr int kNumBwdVariants = static_cast<int>(sizeof(kBwdVariants) / sizeof(kBwdVariants[0]));
 constexpr int kDefaultBwdVariant = 0;  // where the wgmma kernels cannot run
-constexpr int kWsqVariant = 6;         // ws128q, full attention only
-constexpr int kWsqPrivVariant = 7;     // ws128p: the default at head_dim 64 on sm_90a where dq_private() holds
+constexpr int kWsqVariant = 6;         // ws128q, full attention only: the default at head_dim 64 on sm_90a
 // A launch on query rows (FmhaParams::q_cu_seqlens) asking for ws128q runs the one-warpgroup kernel of its dropout.
 constexpr int kRowsBwdVariantWg = 3;        // with dropout
 constexpr int kRowsBwdVariantWgNoDrop = 5;  // dropout 0
@@ -1459,15 +1239,12 @@ void launch_backward(const KernelArgs& args, int variant, int32_t n, cudaStream_
   // block is zeroed first in every row (the dQ kernel then writes the queries' rows).
   const int32_t q_rows = query_seqlen(p);
   const dim3 row_grid((q_rows + kPreRows - 1) / kPreRows, n);
-  // ws128p where it applies (dq_private), else ws128q; it needs no dq_accum: no zeroing, no dQ pass.
-  const bool priv = dq_private(p, variant);
-  if (variant == kWsqPrivVariant && !priv) variant = kWsqVariant;
   if (p.q_cu_seqlens != nullptr) {
     const size_t row_bytes = static_cast<size_t>(p.num_heads) * p.head_dim * 2;
     NOPAD_CUDA_CHECK(cudaMemset2DAsync(p.d_qkv, 3 * row_bytes, 0, row_bytes, static_cast<size_t>(p.num_tokens), stream));
   }
   if (q_rows > 0 && !p.prepared) {
-    fmha_bwd_pre_kernel<kFp16><<<row_grid, 32 * kPreRows, 0, stream>>>(args, D, priv ? nullptr : dq_acc);
+    fmha_bwd_pre_kernel<kFp16><<<row_grid, 32 * kPreRows, 0, stream>>>(args, D, dq_acc);
     NOPAD_CUDA_CHECK_LAUNCH();
   }
   // At HD = 128 the register cap makes no difference (never capped there), so variant 1 runs variant 0's kernel.
@@ -1492,18 +1269,11 @@ void launch_backward(const KernelArgs& args, int variant, int32_t n, cudaStream_
       if constexpr (HD == 64) launch_backward_wgmma<3, kFp16, true>(args, D, dq_acc, n, stream);
       break;
     case 6:
-      if constexpr (HD == 64) launch_backward_wsq<kFp16, false>(args, D, dq_acc, n, stream);
-      break;
-    case 7:
-      if constexpr (HD == 64) {
-        float* dq_priv = reinterpret_cast<float*>(static_cast<char*>(p.workspace) +
-                                                  priv_dq_offset(query_tokens(p), p.num_heads, p.head_dim));
-        launch_backward_wsq<kFp16, true>(args, D, dq_priv, n, stream);
-      }
+      if constexpr (HD == 64) launch_backward_wsq<kFp16>(args, D, dq_acc, n, stream);
       break;
     default: fail("fmha_backward: no variant ", variant);
   }
-  if (q_rows == 0 || priv) return;
+  if (q_rows == 0) return;
   if (p.d_qkv_bias == nullptr) {
     fmha_bwd_dq_kernel<kFp16><<<row_grid, 32 * kPreRows, 0, stream>>>(args, dq_acc);
   } else {
@@ -1512,7 +1282,7 @@ void launch_backward(const KernelArgs& args, int variant, int32_t n, cudaStream_
   }
   NOPAD_CUDA_CHECK_LAUNCH();
 }
-static_assert(kNumBwdVariants == 8, "launch_backward dispatches every variant");
+static_assert(kNumBwdVariants == 7, "launch_backward dispatches every variant");
 
 template <int HD>
 void launch_backward_hd(const KernelArgs& args, int variant, int32_t n, cudaStream_t stream) {
@@ -1533,9 +1303,8 @@ const char* fmha_backward_variant_name(int variant) {
 int fmha_backward_variant(const FmhaParams& p) {
   using namespace fmha_detail;
   static const int env = variant_from_env("NOPAD_FMHA_BWD_VARIANT", kNumBwdVariants);
-  // On Hopper at head_dim 64: the warp-specialised ws128p (ws128q where it does not apply; launches on query rows run
-  // wg64 or wg64b by dropout).
-  const int fallback = p.head_dim == 64 && fmha_wgmma_available() ? kWsqPrivVariant : kDefaultBwdVariant;
+  // On Hopper at head_dim 64: the warp-specialised ws128q (its launches on query rows run wg64 or wg64b by dropout).
+  const int fallback = p.head_dim == 64 && fmha_wgmma_available() ? kWsqVariant : kDefaultBwdVariant;
   return choose_variant(p.bwd_variant, env, fallback, kNumBwdVariants, "FmhaParams::bwd_variant");
 }
 
@@ -1545,12 +1314,8 @@ bool fmha_backward_bias_supported(int32_t num_heads, int32_t head_dim) {
 
 size_t fmha_backward_workspace_bytes(int32_t num_tokens, int32_t num_heads, int32_t head_dim) {
   NOPAD_CHECK(num_tokens >= 0 && num_heads >= 0 && head_dim >= 0, "fmha_backward_workspace_bytes: negative size");
-  return fmha_detail::priv_dq_offset(num_tokens, num_heads, head_dim) +
-         fmha_detail::priv_dq_bytes(num_tokens, head_dim);
-}
-
-bool fmha_backward_dq_private(const FmhaParams& p) {
-  return fmha_detail::dq_private(p, fmha_backward_variant(p));
+  return fmha_detail::d_offset(num_tokens, num_heads, head_dim) +
+         2 * fmha_detail::lse2_offset(num_tokens, num_heads) * sizeof(float);
 }
 
 float fmha_backward_d_scale(float dropout_p) { return dropout_keep_fraction(dropout_threshold(dropout_p)); }
@@ -1561,8 +1326,6 @@ FmhaWorkspaceLayout fmha_backward_workspace_layout(int32_t num_tokens, int32_t n
   w.zero_bytes = (fmha_detail::zero_region_bytes(num_tokens, num_heads, head_dim) + 15) / 16 * 16;  // <= d_offset
   w.d_offset = fmha_detail::d_offset(num_tokens, num_heads, head_dim);
   w.lse2_offset = w.d_offset + fmha_detail::lse2_offset(num_tokens, num_heads) * sizeof(float);
-  w.counter_offset = fmha_detail::item_counter_offset(num_tokens, num_heads, head_dim);
-  w.counter_bytes = w.zero_bytes - w.counter_offset;
   return w;
 }
 

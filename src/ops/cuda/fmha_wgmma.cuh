@@ -108,40 +108,6 @@ __device__ __forceinline__ void bulk_reduce_tensor_add(const void* map, const fl
   (void)map, (void)src, (void)x, (void)y;
 #endif
 }
-// Bulk asynchronous store through a tensor map (sm_90): the box at (x = column, y = row) of the map's global tensor =
-// the box in shared memory at src (layout and alignment as for bulk_reduce_tensor_add); rows past the tensor are not
-// written. Fence and waits as for bulk_reduce_add_f32.
-__device__ __forceinline__ void bulk_store_tensor(const void* map, const float* src, int x, int y) {
-#if NOPAD_FMHA_WGMMA
-  asm volatile("cp.async.bulk.tensor.2d.global.shared::cta.bulk_group [%0, {%1, %2}], [%3];\n" ::"l"(
-                   reinterpret_cast<uint64_t>(map)),
-               "r"(x), "r"(y), "r"(smem_u32(src))
-               : "memory");
-#else
-  (void)map, (void)src, (void)x, (void)y;
-#endif
-}
-// Bulk asynchronous load through a tensor map (sm_90): the box at (x = column, y = row) of the map's global tensor into
-// shared memory at dst (the map's swizzle; 1024-byte aligned for the 128-byte swizzle), completing its bytes on the
-// mbarrier `bar` (armed with mbar_arrive_expect_tx).
-__device__ __forceinline__ void bulk_load_tensor(float* dst, const void* map, int x, int y, uint64_t* bar) {
-#if NOPAD_FMHA_WGMMA
-  asm volatile(
-      "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];\n" ::"r"(
-          smem_u32(dst)),
-      "l"(reinterpret_cast<uint64_t>(map)), "r"(x), "r"(y), "r"(smem_u32(bar))
-      : "memory");
-#else
-  (void)dst, (void)map, (void)x, (void)y, (void)bar;
-#endif
-}
-// Writes of the async proxy to global memory (completed bulk groups) ordered against this thread's generic accesses
-// after it, and generic accesses before it against bulk operations it issues later.
-__device__ __forceinline__ void fence_proxy_async_global() {
-#if NOPAD_FMHA_WGMMA
-  asm volatile("fence.proxy.async.global;\n" ::: "memory");
-#endif
-}
 __device__ __forceinline__ void bulk_commit() {
 #if NOPAD_FMHA_WGMMA
   asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
@@ -191,14 +157,6 @@ __device__ __forceinline__ void mbar_arrive_cp_async(uint64_t* bar) {
 }
 // Blocks until the phase of parity `parity` has completed (acquire semantics); on a fresh barrier, parity 1 (the phase
 // "before" the first) counts as completed, which is how producers pass the empty barriers on their first lap.
-// One arrival that also expects `bytes` of bulk-copy transactions on the barrier's current phase.
-__device__ __forceinline__ void mbar_arrive_expect_tx(uint64_t* bar, uint32_t bytes) {
-#if NOPAD_FMHA_WGMMA
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(smem_u32(bar)), "r"(bytes) : "memory");
-#else
-  (void)bar, (void)bytes;
-#endif
-}
 __device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
 #if NOPAD_FMHA_WGMMA
   asm volatile(
