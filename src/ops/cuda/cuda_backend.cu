@@ -758,13 +758,9 @@ void CudaBackendT<P>::attention_output_backward(const A* dy, const W* w_out, con
     launch_transpose16(dev(w_out), H, H, dev(w_t), stream_);
     // The zeroing costs about as much wherever it runs (measured: a memset, these idle warps, or those of the FFN-out
     // dx product before this op; docs/performance.md): here it needs no state across ops.
-    // With ws128p (dQ in private accumulators) only the item counters need zeros; grouped launches run ws128q.
-    const bool dq_private =
-        attn_schedule_.mode != ops::AttentionMode::kGrouped &&
-        fmha_backward_dq_private(fmha_params(seqs, num_heads, head_dim, drop, std::is_same_v<A, nopad::f16>));
     GemmSideJobs jobs;
-    jobs.zero = base + (dq_private ? ws.counter_offset : 0);
-    jobs.zero_bytes = dq_private ? ws.counter_bytes : ws.zero_bytes;
+    jobs.zero = base;
+    jobs.zero_bytes = ws.zero_bytes;
     jobs.mul_src = lse;
     jobs.mul_dst = reinterpret_cast<float*>(base + ws.lse2_offset);
     jobs.mul_count = int64_t{num_heads} * T;

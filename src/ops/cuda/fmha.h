@@ -100,22 +100,13 @@ size_t fmha_backward_workspace_bytes(int32_t num_tokens, int32_t num_heads, int3
 // D [num_heads, T] fp32 at d_offset (D[h, t] = the sum over the head's columns of d_ctx * ctx, times
 // fmha_backward_d_scale), lse2 [num_heads, T] fp32 at lse2_offset (lse * log2(e)); total_bytes =
 // fmha_backward_workspace_bytes.
-// Where fmha_backward_dq_private holds, only the item counters, [counter_offset, + counter_bytes) (inside the zeroed
-// region, 16-byte aligned), need to be zero.
 struct FmhaWorkspaceLayout {
   size_t zero_bytes = 0;
-  size_t counter_offset = 0;
-  size_t counter_bytes = 0;
   size_t d_offset = 0;
   size_t lse2_offset = 0;
   size_t total_bytes = 0;
 };
 FmhaWorkspaceLayout fmha_backward_workspace_layout(int32_t num_tokens, int32_t num_heads, int32_t head_dim);
-// Whether fmha_backward with these params runs `ws128p` (dQ in CTA-private accumulators: dq_accum is neither zeroed
-// nor read). It holds for the default variant at head_dim 64 on sm_90a when every row is a query, the longest
-// sequence has at most 512 tokens and the launch covers all num_seqs sequences (fmha_backward_planned's grouped
-// launches, each a subset, run ws128q).
-bool fmha_backward_dq_private(const FmhaParams& p);
 // The factor D carries: (65536 - threshold) / 65536 of the 16-bit dropout contract (1 without dropout).
 float fmha_backward_d_scale(float dropout_p);
 // Throws nopad::Error for unsupported head_dim/sizes; launch errors are checked.

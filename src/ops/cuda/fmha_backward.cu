@@ -43,27 +43,6 @@ __host__ __device__ inline size_t zero_region_bytes(int32_t num_tokens, int32_t 
 __host__ __device__ inline size_t d_offset(int32_t num_tokens, int32_t num_heads, int32_t head_dim) {
   return (zero_region_bytes(num_tokens, num_heads, head_dim) + 255) / 256 * 256;
 }
-// `ws128p`'s private dQ accumulators, after lse2 (256-byte aligned): per CTA of a launch, round_up(max_seqlen, 128)
-// rows of 64 fp32 (max_seqlen <= kPrivMaxSeqlen), for as many CTAs as the device has SMs. Host only.
-constexpr int kPrivMaxSeqlen = 512;
-inline size_t priv_dq_offset(int32_t num_tokens, int32_t num_heads, int32_t head_dim) {
-  return (d_offset(num_tokens, num_heads, head_dim) + 2 * lse2_offset(num_tokens, num_heads) * sizeof(float) + 255) /
-         256 * 256;
-}
-inline size_t priv_dq_bytes(int32_t num_tokens, int32_t head_dim) {
-  if (head_dim != 64 || num_tokens == 0 || !fmha_wgmma_available()) return 0;
-  const size_t rows = std::min<size_t>((static_cast<size_t>(num_tokens) + 127) / 128 * 128, kPrivMaxSeqlen);
-  return static_cast<size_t>(fmha_sm_count()) * 2 * rows * 64 * sizeof(float);  // two buffers per CTA
-}
-// Whether a launch of `variant` runs ws128p: head_dim 64 on sm_90a, every row a query, sequences of at most
-// kPrivMaxSeqlen, and the launch covering every sequence of the batch, so that no other launch (grouped launches run
-// concurrently on one workspace) shares the private rows. Where it does not hold, ws128p runs as ws128q.
-inline bool dq_private(const FmhaParams& p, int variant) {
-  return variant == 7 && p.head_dim == 64 && fmha_wgmma_available() && p.q_cu_seqlens == nullptr &&
-         (p.seq_index == nullptr || p.num_launch_seqs == p.num_seqs) && p.max_seqlen > 0 &&
-         p.max_seqlen <= kPrivMaxSeqlen;
-}
-
 // Only launches without query rows (FmhaParams::q_cu_seqlens null) use the counters.
 __device__ inline int* item_counter(const FmhaParams& p) {
   int b, s0, L;
@@ -113,7 +92,6 @@ __global__ void __launch_bounds__(32 * kPreRows) fmha_bwd_pre_kernel(const Kerne
       D[lse2_offset(Tq, p.num_heads) + i] = p.lse[i] * kLog2e;
     }
   }
-  if (dq_acc == nullptr) return;  // `ws128p`: no shared accumulator
   float4* dq = reinterpret_cast<float4*>(dq_acc + tok * H);
   for (int c = lane; c < H / 4; c += 32) dq[c] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
 }
@@ -843,10 +821,8 @@ struct BwdWsqShape {
   static constexpr int kOffDq = kOffDs + 8 * kTileBytes;                 // + c stages
   static constexpr int kOffLse = kOffDq + 2 * kDqStageBytes;             // [kStages][lse2 128, D 128] fp32
   static constexpr int kOffBar = kOffLse + kStages * 2 * kBlockM * 4;
-  // kv_full[2], kv_empty[2], item_full[2], full[kStages], empty[kStages], and for ws128p priv_ready[2] (both
-  // consumers' sends of the item with that parity performed) and priv_free[2] (the producer warps have converted it);
-  // then the published item per K/V buffer
-  static constexpr int kNumBars = 10 + 2 * kStages;
+  // kv_full[2], kv_empty[2], item_full[2], full[kStages], empty[kStages]; then the published item per K/V buffer
+  static constexpr int kNumBars = 6 + 2 * kStages;
   // No alignment slack: the kernel declares its dynamic shared memory 1024-byte aligned (and checks it).
   static constexpr int kSmemBytes = kOffBar + kNumBars * 8 + 2 * 4;
   static_assert(kSmemBytes <= 227 * 1024, "shared memory of one CTA");
@@ -873,21 +849,6 @@ __device__ __forceinline__ bool wsq_item(const FmhaParams& p, int item, int& b, 
   return k0 < L;
 }
 
-// Whether the phase of parity `parity` of the mbarrier has completed (non-blocking).
-__device__ __forceinline__ bool mbar_test(uint64_t* bar, uint32_t parity) {
-  uint32_t done = 1;
-#if NOPAD_FMHA_WGMMA
-  asm volatile(
-      "{\n.reg .pred p;\nmbarrier.test_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}\n"
-      : "=r"(done)
-      : "r"(smem_u32(bar)), "r"(parity)
-      : "memory");
-#else
-  (void)bar, (void)parity;
-#endif
-  return done != 0;
-}
-
 // This warp's dQ accumulators (queries wrow + g, + 8; m16n8 C fragments over the 64 head dims), scaled, into a dQ stage
 // of two 64 x 32 fp32 boxes (columns 0..31, 32..63) with the 128-byte swizzle (16-byte chunk c of row r at chunk
 // c ^ (r & 7)): dq_row_quad gives each lane 4 consecutive columns of one row.
@@ -902,11 +863,10 @@ __device__ __forceinline__ void stage_dq_swz(float* sdQ, const float (&dq)[8][4]
   }
 }
 
-template <bool kFp16, bool kDrop, bool kPriv>
+template <bool kFp16, bool kDrop>
 __global__ void __launch_bounds__(384, 1)
     fmha_bwd_wsq_kernel(const __grid_constant__ KernelArgs args, const float* D,
-                        const __grid_constant__ CUtensorMap dq_map, int num_items, const float* dq_priv,
-                        int priv_rows) {
+                        const __grid_constant__ CUtensorMap dq_map, int num_items) {
 #if NOPAD_FMHA_WGMMA
   constexpr int HD = 64;
   using Sh = BwdWsqShape;
@@ -931,8 +891,6 @@ __global__ void __launch_bounds__(384, 1)
   uint64_t* item_full = bars + 4;
   uint64_t* full = bars + 6;
   uint64_t* empty = full + kStages;
-  uint64_t* priv_ready = empty + kStages;
-  uint64_t* priv_free = priv_ready + 2;
   volatile int* sItem = reinterpret_cast<volatile int*>(bars + Sh::kNumBars);
 
   const int tid = static_cast<int>(threadIdx.x);
@@ -946,10 +904,6 @@ __global__ void __launch_bounds__(384, 1)
     for (int s = 0; s < kStages; ++s) {
       mbar_init(full + s, 128);
       mbar_init(empty + s, 8);
-    }
-    for (int i = 0; i < 2; ++i) {
-      mbar_init(priv_ready + i, 2);  // thread 0 of each consumer
-      mbar_init(priv_free + i, 4);   // lane 0 of each producer warp
     }
     mbar_init_fence();
   }
@@ -978,125 +932,17 @@ __global__ void __launch_bounds__(384, 1)
     const int64_t g_ld = is_q ? ld : H;
     int gt = 0;  // tiles of this CTA so far
     int* counter = item_counter(p);
-    // kPriv, every producer warp: the CTA's (sequence, head) items are numbered m = 0, 1, ... in the order published;
-    // item m's private rows are buffer m & 1. While item m loads, this warp converts item m - 1 (`pend_item`, its
-    // first published item code; pend_m = m - 1): 16-row chunks k = warp, warp + 4, ... (next: conv_k), one after
-    // each stage it fills once the consumers' sends of that item are performed (priv_ready), the rest before item
-    // m + 1 starts or after the last item; then it releases the buffer (priv_free).
-    int n_items = 0, pend_item = -1, pend_m = 0, conv_k = 0, last_item = -1;
-    bool pend_ready = false;
-    float qsum[8];
-#pragma unroll
-    for (int k = 0; k < 8; ++k) qsum[k] = 0.0f;
-    const auto convert_chunk = [&](int pL, int ps0, int phead) {  // chunk conv_k of the pending item
-      const float* src = dq_priv + (int64_t{blockIdx.x} * 2 + (pend_m & 1)) * priv_rows * HD;
-      const int cg = lane & 7;
-      uint16_t* dst = static_cast<uint16_t*>(p.d_qkv) + int64_t{ps0} * ld + phead * HD + cg * 8;
-#pragma unroll
-      for (int half2 = 0; half2 < 2; ++half2) {  // 8 rows at a time: 4 float4 loads in flight per lane
-        float4 v[2][2];
-#pragma unroll
-        for (int j = 0; j < 2; ++j) {
-          const int q = conv_k * 16 + half2 * 8 + j * 4 + (lane >> 3);
-          const float4* a = reinterpret_cast<const float4*>(src + int64_t{q} * HD + cg * 8);
-          const bool ok = q < pL;
-          v[j][0] = ok ? __ldcg(a) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-          v[j][1] = ok ? __ldcg(a + 1) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-        }
-#pragma unroll
-        for (int j = 0; j < 2; ++j) {
-          const int q = conv_k * 16 + half2 * 8 + j * 4 + (lane >> 3);
-          if (q >= pL) continue;
-          const uint32_t w[4] = {pack2<kFp16>(v[j][0].x, v[j][0].y), pack2<kFp16>(v[j][0].z, v[j][0].w),
-                                 pack2<kFp16>(v[j][1].x, v[j][1].y), pack2<kFp16>(v[j][1].z, v[j][1].w)};
-          *reinterpret_cast<uint4*>(dst + int64_t{q} * ld) = make_uint4(w[0], w[1], w[2], w[3]);
-#pragma unroll
-          for (int k = 0; k < 4; ++k) {
-            qsum[2 * k] += to_f32<kFp16>(static_cast<uint16_t>(w[k]));
-            qsum[2 * k + 1] += to_f32<kFp16>(static_cast<uint16_t>(w[k] >> 16));
-          }
-        }
-      }
-      conv_k += 4;
-    };
-    // Converts what is left of the pending item (waiting for its sends), adds its q bias sums, frees its buffer.
-    const auto finish_pending = [&]() {
-      if (pend_item < 0) return;
-      int pb, ps0, pL, phead, pk0;
-      wsq_item(p, pend_item, pb, ps0, pL, phead, pk0);
-      if (!pend_ready) mbar_wait(priv_ready + (pend_m & 1), (pend_m >> 1) & 1);
-      while (conv_k * 16 < pL) convert_chunk(pL, ps0, phead);
-      if (p.d_qkv_bias != nullptr) {  // lanes l, l ^ 8, l ^ 16, l ^ 24 share the columns
-#pragma unroll
-        for (int k = 0; k < 8; ++k) {
-          qsum[k] += __shfl_xor_sync(0xffffffffu, qsum[k], 8);
-          qsum[k] += __shfl_xor_sync(0xffffffffu, qsum[k], 16);
-        }
-        if (lane < 8) {
-          float* qbias = p.d_qkv_bias + phead * HD + lane * 8;
-#pragma unroll
-          for (int k = 0; k < 8; k += 2) red_add2(qbias + k, qsum[k], qsum[k + 1]);
-        }
-      }
-#pragma unroll
-      for (int k = 0; k < 8; ++k) qsum[k] = 0.0f;
-      fence_proxy_async_global();  // these reads before the copy engine's next writes of the buffer
-      __syncwarp();
-      if (lane == 0) mbar_arrive(priv_free + (pend_m & 1));
-      pend_item = -1;
-    };
-    // After a stage: one chunk of the pending item if its sends are performed.
-    const auto poll_pending = [&]() {
-      if (pend_item < 0) return;
-      int pb, ps0, pL, phead, pk0;
-      wsq_item(p, pend_item, pb, ps0, pL, phead, pk0);
-      if (conv_k * 16 >= pL) return;
-      if (!pend_ready) {
-        const uint32_t r = lane == 0 ? static_cast<uint32_t>(mbar_test(priv_ready + (pend_m & 1), (pend_m >> 1) & 1)) : 0u;
-        pend_ready = __shfl_sync(0xffffffffu, r, 0) != 0;
-      }
-      if (pend_ready) convert_chunk(pL, ps0, phead);
-    };
-    // kPriv (warp 0): the (sequence, head) whose key blocks are being published, the next one and how many it has.
-    int cur_zh = 0, next_kb = 0, cur_kbs = 0;
-    const int key_blocks = (p.max_seqlen + BwdWsqShape::kBlockN - 1) / BwdWsqShape::kBlockN;
     for (int it = 0;; ++it) {  // items of this CTA
       const int kvb = it & 1;
       int item, b, s0, L, head, k0;
       if (warp == 0) {
         // Fetch the next item that has keys, wait until the K/V buffer is free, publish it (-1: no more).
-        if constexpr (kPriv) {
-          // The counter deals (sequence, head) pairs; their key blocks follow one another on this CTA.
+        do {
           item = 0;
-          if (next_kb >= cur_kbs) {
-            int zh;
-            do {
-              zh = 0;
-              if (lane == 0) zh = atomicAdd(counter, 1);
-              zh = __shfl_sync(0xffffffffu, zh, 0);
-              if (zh >= num_items) break;
-              launch_sequence(p, zh / p.num_heads, b, s0, L);
-            } while (L == 0);
-            if (zh >= num_items) {
-              item = -1;
-            } else {
-              cur_zh = zh;
-              next_kb = 0;
-              cur_kbs = (L + BwdWsqShape::kBlockN - 1) / BwdWsqShape::kBlockN;
-            }
-          }
-          if (item == 0) {
-            item = cur_zh * key_blocks + next_kb++;
-            wsq_item(p, item, b, s0, L, head, k0);
-          }
-        } else {
-          do {
-            item = 0;
-            if (lane == 0) item = atomicAdd(counter, 1);
-            item = __shfl_sync(0xffffffffu, item, 0);
-          } while (item < num_items && !wsq_item(p, item, b, s0, L, head, k0));
-          if (item >= num_items) item = -1;
-        }
+          if (lane == 0) item = atomicAdd(counter, 1);
+          item = __shfl_sync(0xffffffffu, item, 0);
+        } while (item < num_items && !wsq_item(p, item, b, s0, L, head, k0));
+        if (item >= num_items) item = -1;
         if (it >= 2) mbar_wait(kv_empty + kvb, ((it >> 1) & 1) ^ 1);
         if (lane == 0) {
           sItem[kvb] = item;
@@ -1108,19 +954,6 @@ __global__ void __launch_bounds__(384, 1)
         if (item >= 0) wsq_item(p, item, b, s0, L, head, k0);
       }
       if (item < 0) break;
-      if constexpr (kPriv) {
-        if (k0 == 0) {  // a new (sequence, head): the one before it becomes pending, the older one must be done
-          finish_pending();
-          if (last_item >= 0) {
-            pend_item = last_item;
-            pend_m = n_items - 1;
-            conv_k = warp;
-            pend_ready = false;
-          }
-          last_item = item;
-          ++n_items;
-        }
-      }
       {
         const uint16_t* g_kv = qkv + int64_t{s0} * ld + (is_q ? H : 2 * H) + head * HD;
         copy_rows((is_q ? sK(kvb) : sV(kvb)) + half * 64 * HD, g_kv + int64_t{k0 + 64 * half} * ld, g_kv, ld,
@@ -1144,17 +977,6 @@ __global__ void __launch_bounds__(384, 1)
           cp_async4(st + r, g_row + (ok ? q0 + r : 0), ok);
         }
         mbar_arrive_cp_async(full + s);
-        if constexpr (kPriv) poll_pending();
-      }
-    }
-    if constexpr (kPriv) {  // the last two items
-      finish_pending();
-      if (last_item >= 0) {
-        pend_item = last_item;
-        pend_m = n_items - 1;
-        conv_k = warp;
-        pend_ready = false;
-        finish_pending();
       }
     }
     return;
@@ -1173,10 +995,6 @@ __global__ void __launch_bounds__(384, 1)
   };
 
   int gt = 0;
-  // kPriv: the CTA's (sequence, head) items started so far (item m - 1 in progress, its rows in buffer (m - 1) & 1).
-  // Thread 0 signals item m - 2's sends performed (priv_ready) at item m - 1's first dS^T barrier, and waits for
-  // buffer (m - 1) & 1 to be converted (priv_free of item m - 3) before its first store into it.
-  int n_items = 0;
   for (int it = 0;; ++it) {
     const int kvb = it & 1;
     mbar_wait(item_full + kvb, (it >> 1) & 1);
@@ -1185,7 +1003,6 @@ __global__ void __launch_bounds__(384, 1)
     int b, s0, L, head, k0;
     wsq_item(p, item, b, s0, L, head, k0);
     const int num_qt = (L + kM - 1) / kM;
-    if (kPriv && k0 == 0) ++n_items;
     // A consumer whose keys lie past the end of a short last block still computes (its P and dS are 0): the other
     // consumer's dQ reads its dS^T rows, and its own dQ rows are needed.
     const bool key_ok0 = k0 + krow + g < L, key_ok1 = k0 + krow + g + 8 < L;
@@ -1212,26 +1029,8 @@ __global__ void __launch_bounds__(384, 1)
       named_barrier_sync(Sh::kBarStage + c, 128);
       const int q0 = q_tile + 64 * c;
       if (ctid == 0 && q0 < L) {
-        if constexpr (kPriv) {
-          // This CTA's rows of the private accumulator: the item's first key block stores, the others add (the
-          // store of the same rows completed before: the full bulk wait ahead of every dQ product).
-          const int pbuf = (n_items - 1) & 1;  // this item's buffer
-          const int y = (static_cast<int>(blockIdx.x) * 2 + pbuf) * priv_rows + q0;
-          if (k0 == 0 && q_tile == 0 && n_items > 2) {  // the producer has converted this buffer's last item
-            mbar_wait(priv_free + pbuf, (((n_items - 1) >> 1) - 1) & 1);
-            fence_proxy_async_global();
-          }
-          if (k0 == 0) {
-            bulk_store_tensor(&dq_map, sdQ, 0, y);
-            bulk_store_tensor(&dq_map, sdQ + 64 * 32, 32, y);
-          } else {
-            bulk_reduce_tensor_add(&dq_map, sdQ, 0, y);
-            bulk_reduce_tensor_add(&dq_map, sdQ + 64 * 32, 32, y);
-          }
-        } else {
-          bulk_reduce_tensor_add(&dq_map, sdQ, head * HD, s0 + q0);
-          bulk_reduce_tensor_add(&dq_map, sdQ + 64 * 32, head * HD + 32, s0 + q0);
-        }
+        bulk_reduce_tensor_add(&dq_map, sdQ, head * HD, s0 + q0);
+        bulk_reduce_tensor_add(&dq_map, sdQ + 64 * 32, head * HD + 32, s0 + q0);
         bulk_commit();
       }
     };
@@ -1311,26 +1110,8 @@ __global__ void __launch_bounds__(384, 1)
       issue_dkv(1);
       wgmma_commit();
       fence_proxy_async();  // this thread's dS^T stores, visible to the tensor cores
-      // kPriv: thread 0's waits below can be long (a full bulk wait), so this consumer arrives after them: arriving
-      // first would let the other consumer arrive on its next tile's instance of this barrier before thread 0 syncs
-      // on this one (two arrivals in one instance: the consumers would fall out of step).
-      if constexpr (!kPriv) named_barrier_arrive(Sh::kBarDsDone + c, 256);
-      if (ctid == 0) {
-        if constexpr (kPriv) {
-          if (k0 == 0 && i == 0 && n_items > 1) {  // the previous item's sends performed: the producer converts it
-            bulk_wait<0>();
-            fence_proxy_async_global();
-            mbar_arrive(priv_ready + ((n_items - 2) & 1));
-          } else {
-            // Key block kb > 0 adds to rows whose store or add was sent num_qt - 1 >= 1 groups ago: performed.
-            if (k0 > 0) bulk_wait<1>();
-            bulk_wait_read<0>();  // the dQ stage's last sends have read it
-          }
-        } else {
-          bulk_wait_read<0>();  // the dQ stage's last reductions have read it
-        }
-      }
-      if constexpr (kPriv) named_barrier_arrive(Sh::kBarDsDone + c, 256);
+      named_barrier_arrive(Sh::kBarDsDone + c, 256);
+      if (ctid == 0) bulk_wait_read<0>();  // the dQ stage's last reductions have read it
       // The other consumer's dS^T rows are written (and, as all of this consumer's threads pass, its dQ stage free).
       named_barrier_sync(Sh::kBarDsDone + (1 - c), 256);
 
@@ -1358,47 +1139,34 @@ __global__ void __launch_bounds__(384, 1)
     store_dk_dv<HD, kFp16>(p, dk, dv, args.grad_scale, args.keep_scale, s0, k0 + krow + g, L, head, t, colsum);
     if (p.d_qkv_bias != nullptr) add_dv_bias<HD>(p, colsum, head, lane);  // uniform
   }
-  if constexpr (kPriv) {
-    if (ctid == 0 && n_items > 0) {  // the last item's sends performed: the producer converts it
-      bulk_wait<0>();
-      fence_proxy_async_global();
-      mbar_arrive(priv_ready + ((n_items - 1) & 1));
-    }
-  }
   if (ctid == 0) bulk_wait<0>();  // the reductions complete before the CTA ends
 #else
   __trap();  // never launched: the host selects this kernel only where fmha_wgmma_available()
 #endif
 }
 
-// One CTA per SM (fewer when there are fewer items), taking items from the counter the pre kernel zeroed. kPriv
-// (`ws128p`): items are (sequence, head) pairs and dQ goes to `dq` = the CTA-private accumulators (priv_dq_bytes),
-// else items are key blocks and `dq` = dq_accum.
-template <bool kFp16, bool kPriv>
-void launch_backward_wsq(const KernelArgs& args, const float* D, float* dq, int32_t n, cudaStream_t stream) {
+// One CTA per SM (fewer when there are fewer items), taking items from the counter the pre kernel zeroed.
+template <bool kFp16>
+void launch_backward_wsq(const KernelArgs& args, const float* D, float* dq_acc, int32_t n, cudaStream_t stream) {
   using Sh = BwdWsqShape;
-  const int64_t key_blocks = (args.p.max_seqlen + Sh::kBlockN - 1) / Sh::kBlockN;
-  const int64_t items = (kPriv ? 1 : key_blocks) * args.p.num_heads * n;
+  const int64_t items = int64_t{(args.p.max_seqlen + Sh::kBlockN - 1) / Sh::kBlockN} * args.p.num_heads * n;
   NOPAD_CHECK(items < (int64_t{1} << 30), "fmha_backward: too many work items (", items, ")");
   const int grid = static_cast<int>(std::min<int64_t>(items, fmha_sm_count()));
   if (grid == 0) return;
-  // dq_accum [T, H] fp32, or the private rows [grid x priv_rows, 64], in boxes of 64 rows x 32 columns (128 bytes:
-  // the stage's 128-byte swizzle).
-  const int priv_rows = static_cast<int>(key_blocks * Sh::kBlockN);
-  const int64_t rows = kPriv ? int64_t{grid} * 2 * priv_rows : args.p.num_tokens;
-  const int64_t cols = kPriv ? 64 : int64_t{args.p.num_heads} * 64;
+  // dq_accum [T, H] fp32 in boxes of 64 rows x 32 columns (128 bytes: the stage's 128-byte swizzle).
+  const int64_t T = args.p.num_tokens, H = int64_t{args.p.num_heads} * 64;
   const CUtensorMap dq_map =
-      tensor_map_2d(CU_TENSOR_MAP_DATA_TYPE_FLOAT32, dq, static_cast<uint64_t>(rows), static_cast<uint64_t>(cols),
-                    static_cast<uint64_t>(cols) * 4, 32, 64, CU_TENSOR_MAP_SWIZZLE_128B,
-                    CU_TENSOR_MAP_L2_PROMOTION_NONE, kPriv ? "fmha_backward private dQ" : "fmha_backward dq_accum");
+      tensor_map_2d(CU_TENSOR_MAP_DATA_TYPE_FLOAT32, dq_acc, static_cast<uint64_t>(T), static_cast<uint64_t>(H),
+                    static_cast<uint64_t>(H) * 4, 32, 64, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_NONE,
+                    "fmha_backward dq_accum");
   if (args.dropout) {
-    constexpr auto kernel = fmha_bwd_wsq_kernel<kFp16, true, kPriv>;
+    constexpr auto kernel = fmha_bwd_wsq_kernel<kFp16, true>;
     ensure_smem<kernel>(Sh::kSmemBytes);
-    kernel<<<grid, Sh::kThreads, Sh::kSmemBytes, stream>>>(args, D, dq_map, static_cast<int>(items), dq, priv_rows);
+    kernel<<<grid, Sh::kThreads, Sh::kSmemBytes, stream>>>(args, D, dq_map, static_cast<int>(items));
   } else {
-    constexpr auto kernel = fmha_bwd_wsq_kernel<kFp16, false, kPriv>;
+    constexpr auto kernel = fmha_bwd_wsq_kernel<kFp16, false>;
     ensure_smem<kernel>(Sh::kSmemBytes);
-    kernel<<<grid, Sh::kThreads, Sh::kSmemBytes, stream>>>(args, D, dq_map, static_cast<int>(items), dq, priv_rows);
+    kernel<<<grid, Sh::kThreads, Sh::kSmemBytes, stream>>>(args, D, dq_map, static_cast<int>(items));
   }
   NOPAD_CUDA_CHECK_LAUNCH();
 }
@@ -1419,12 +1187,10 @@ constexpr BwdVariant kBwdVariants[] = {
     {"wg64r", 4, 2, true},    // 4: the same with 2 CTAs per SM and no register cap
     {"wg64b", 4, 3, true},    // 5: wg64 with dQ sent as bulk reductions of whole rows from shared memory
     {"ws128q", 12, 1, true},  // 6: warp-specialised, persistent: 128 keys x 128-query tiles on two consumers
-    {"ws128p", 12, 1, true},  // 7: ws128q over (sequence, head) items, dQ in CTA-private accumulators in the L2
 };
 constexpr int kNumBwdVariants = static_cast<int>(sizeof(kBwdVariants) / sizeof(kBwdVariants[0]));
 constexpr int kDefaultBwdVariant = 0;  // where the wgmma kernels cannot run
-constexpr int kWsqVariant = 6;         // ws128q, full attention only
-constexpr int kWsqPrivVariant = 7;     // ws128p: the default at head_dim 64 on sm_90a where dq_private() holds
+constexpr int kWsqVariant = 6;         // ws128q, full attention only: the default at head_dim 64 on sm_90a
 // A launch on query rows (FmhaParams::q_cu_seqlens) asking for ws128q runs the one-warpgroup kernel of its dropout.
 constexpr int kRowsBwdVariantWg = 3;        // with dropout
 constexpr int kRowsBwdVariantWgNoDrop = 5;  // dropout 0
@@ -1473,15 +1239,12 @@ void launch_backward(const KernelArgs& args, int variant, int32_t n, cudaStream_
   // block is zeroed first in every row (the dQ kernel then writes the queries' rows).
   const int32_t q_rows = query_seqlen(p);
   const dim3 row_grid((q_rows + kPreRows - 1) / kPreRows, n);
-  // ws128p where it applies (dq_private), else ws128q; it needs no dq_accum: no zeroing, no dQ pass.
-  const bool priv = dq_private(p, variant);
-  if (variant == kWsqPrivVariant && !priv) variant = kWsqVariant;
   if (p.q_cu_seqlens != nullptr) {
     const size_t row_bytes = static_cast<size_t>(p.num_heads) * p.head_dim * 2;
     NOPAD_CUDA_CHECK(cudaMemset2DAsync(p.d_qkv, 3 * row_bytes, 0, row_bytes, static_cast<size_t>(p.num_tokens), stream));
   }
   if (q_rows > 0 && !p.prepared) {
-    fmha_bwd_pre_kernel<kFp16><<<row_grid, 32 * kPreRows, 0, stream>>>(args, D, priv ? nullptr : dq_acc);
+    fmha_bwd_pre_kernel<kFp16><<<row_grid, 32 * kPreRows, 0, stream>>>(args, D, dq_acc);
     NOPAD_CUDA_CHECK_LAUNCH();
   }
   // At HD = 128 the register cap makes no difference (never capped there), so variant 1 runs variant 0's kernel.
@@ -1506,18 +1269,11 @@ void launch_backward(const KernelArgs& args, int variant, int32_t n, cudaStream_
       if constexpr (HD == 64) launch_backward_wgmma<3, kFp16, true>(args, D, dq_acc, n, stream);
       break;
     case 6:
-      if constexpr (HD == 64) launch_backward_wsq<kFp16, false>(args, D, dq_acc, n, stream);
-      break;
-    case 7:
-      if constexpr (HD == 64) {
-        float* dq_priv = reinterpret_cast<float*>(static_cast<char*>(p.workspace) +
-                                                  priv_dq_offset(query_tokens(p), p.num_heads, p.head_dim));
-        launch_backward_wsq<kFp16, true>(args, D, dq_priv, n, stream);
-      }
+      if constexpr (HD == 64) launch_backward_wsq<kFp16>(args, D, dq_acc, n, stream);
       break;
     default: fail("fmha_backward: no variant ", variant);
   }
-  if (q_rows == 0 || priv) return;
+  if (q_rows == 0) return;
   if (p.d_qkv_bias == nullptr) {
     fmha_bwd_dq_kernel<kFp16><<<row_grid, 32 * kPreRows, 0, stream>>>(args, dq_acc);
   } else {
@@ -1526,7 +1282,7 @@ void launch_backward(const KernelArgs& args, int variant, int32_t n, cudaStream_
   }
   NOPAD_CUDA_CHECK_LAUNCH();
 }
-static_assert(kNumBwdVariants == 8, "launch_backward dispatches every variant");
+static_assert(kNumBwdVariants == 7, "launch_backward dispatches every variant");
 
 template <int HD>
 void launch_backward_hd(const KernelArgs& args, int variant, int32_t n, cudaStream_t stream) {
@@ -1547,9 +1303,8 @@ const char* fmha_backward_variant_name(int variant) {
 int fmha_backward_variant(const FmhaParams& p) {
   using namespace fmha_detail;
   static const int env = variant_from_env("NOPAD_FMHA_BWD_VARIANT", kNumBwdVariants);
-  // On Hopper at head_dim 64: the warp-specialised ws128p (ws128q where it does not apply; launches on query rows run
-  // wg64 or wg64b by dropout).
-  const int fallback = p.head_dim == 64 && fmha_wgmma_available() ? kWsqPrivVariant : kDefaultBwdVariant;
+  // On Hopper at head_dim 64: the warp-specialised ws128q (its launches on query rows run wg64 or wg64b by dropout).
+  const int fallback = p.head_dim == 64 && fmha_wgmma_available() ? kWsqVariant : kDefaultBwdVariant;
   return choose_variant(p.bwd_variant, env, fallback, kNumBwdVariants, "FmhaParams::bwd_variant");
 }
 
@@ -1559,12 +1314,8 @@ bool fmha_backward_bias_supported(int32_t num_heads, int32_t head_dim) {
 
 size_t fmha_backward_workspace_bytes(int32_t num_tokens, int32_t num_heads, int32_t head_dim) {
   NOPAD_CHECK(num_tokens >= 0 && num_heads >= 0 && head_dim >= 0, "fmha_backward_workspace_bytes: negative size");
-  return fmha_detail::priv_dq_offset(num_tokens, num_heads, head_dim) +
-         fmha_detail::priv_dq_bytes(num_tokens, head_dim);
-}
-
-bool fmha_backward_dq_private(const FmhaParams& p) {
-  return fmha_detail::dq_private(p, fmha_backward_variant(p));
+  return fmha_detail::d_offset(num_tokens, num_heads, head_dim) +
+         2 * fmha_detail::lse2_offset(num_tokens, num_heads) * sizeof(float);
 }
 
 float fmha_backward_d_scale(float dropout_p) { return dropout_keep_fraction(dropout_threshold(dropout_p)); }
@@ -1575,8 +1326,6 @@ FmhaWorkspaceLayout fmha_backward_workspace_layout(int32_t num_tokens, int32_t n
   w.zero_bytes = (fmha_detail::zero_region_bytes(num_tokens, num_heads, head_dim) + 15) / 16 * 16;  // <= d_offset
   w.d_offset = fmha_detail::d_offset(num_tokens, num_heads, head_dim);
   w.lse2_offset = w.d_offset + fmha_detail::lse2_offset(num_tokens, num_heads) * sizeof(float);
-  w.counter_offset = fmha_detail::item_counter_offset(num_tokens, num_heads, head_dim);
-  w.counter_bytes = w.zero_bytes - w.counter_offset;
   return w;
 }
 

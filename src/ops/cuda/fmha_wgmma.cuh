@@ -108,26 +108,6 @@ __device__ __forceinline__ void bulk_reduce_tensor_add(const void* map, const fl
   (void)map, (void)src, (void)x, (void)y;
 #endif
 }
-// Bulk asynchronous store through a tensor map (sm_90): the box at (x = column, y = row) of the map's global tensor =
-// the box in shared memory at src (layout and alignment as for bulk_reduce_tensor_add); rows past the tensor are not
-// written. Fence and waits as for bulk_reduce_add_f32.
-__device__ __forceinline__ void bulk_store_tensor(const void* map, const float* src, int x, int y) {
-#if NOPAD_FMHA_WGMMA
-  asm volatile("cp.async.bulk.tensor.2d.global.shared::cta.bulk_group [%0, {%1, %2}], [%3];\n" ::"l"(
-                   reinterpret_cast<uint64_t>(map)),
-               "r"(x), "r"(y), "r"(smem_u32(src))
-               : "memory");
-#else
-  (void)map, (void)src, (void)x, (void)y;
-#endif
-}
-// Writes of the async proxy to global memory (completed bulk groups) ordered against this thread's generic accesses
-// after it, and generic accesses before it against bulk operations it issues later.
-__device__ __forceinline__ void fence_proxy_async_global() {
-#if NOPAD_FMHA_WGMMA
-  asm volatile("fence.proxy.async.global;\n" ::: "memory");
-#endif
-}
 __device__ __forceinline__ void bulk_commit() {
 #if NOPAD_FMHA_WGMMA
   asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
