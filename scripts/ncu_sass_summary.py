@@ -94,12 +94,12 @@ def main(argv=None):
         opcodes[r["opcode"]] += r["samples"]
     print("by stall reason: " + ", ".join(f"{k} {pct(v):.1f}%" for k, v in reasons.most_common(12) if v > 0))
     print("by opcode:       " + ", ".join(f"{k} {pct(v):.1f}%" for k, v in opcodes.most_common(12) if v > 0))
-    print(f"\ncode blocks (runs of equal execution count), by samples:")
+    print("\ncode blocks (runs of equal execution count), by samples:")
     print(f"{'offsets':>17} {'executed':>10} {'instr':>6} {'HGMMA':>6} {'samples':>8}")
     for b in sorted(blocks(rows), key=lambda b: -b["samples"])[: args.blocks]:
         print(f"{b['first']:#07x}-{b['last']:#07x} {b['executed']:>10,} {b['instructions']:>6} {b['hgmma']:>6} "
               f"{pct(b['samples']):>7.1f}%")
-    print(f"\ninstructions with the most samples:")
+    print("\ninstructions with the most samples:")
     for r in sorted(rows, key=lambda r: -r["samples"])[: args.top]:
         print(f"{r['offset']:#07x} {pct(r['samples']):5.1f}% exec {r['executed']:>10,}  {r['source'][:70]:70s} "
               f"{top_stalls(r['stalls'])}")

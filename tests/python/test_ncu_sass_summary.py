@@ -4,7 +4,6 @@ samples and stall reasons set per instruction. Checks the totals, the stall-reas
 (offsets, counts, HGMMA, samples), the top instructions with their stall reasons, --range, and the errors for a file
 that is not such an export. Needs no GPU."""
 import csv
-import io
 import os
 import subprocess
 import sys
