@@ -13,8 +13,8 @@
 #   BENCH_BIAS=1                  the bench and ncu stages' backward also sums the QKV bias gradient (--bias-grad),
 #                                 as training does
 #   CUDA_TEST_FILTER='Fmha.*'     GoogleTest filter of the tests stage
-#   TEST_TIMEOUT=300 BENCH_TIMEOUT=300   seconds before the tests / each attention bench are stopped (a kernel that
-#                                 hangs costs minutes, not the whole device call)
+#   TEST_TIMEOUT=300 BENCH_TIMEOUT=300 MODEL_TIMEOUT=300   seconds before the tests / each attention bench / each
+#                                 model run are stopped (a kernel that hangs costs minutes, not the whole device call)
 #   NCU_KERNELS NCU_DROPOUT NCU_VARIANTS   the ncu stage's kernel regexes, dropout and backward variants (default:
 #                                 BWD_VARIANTS); NCU_SOURCE=1 adds per-instruction stall samples (ncu-*-sass.csv,
 #                                 summarised by scripts/ncu_sass_summary.py into ncu-*-summary.txt)
@@ -122,7 +122,7 @@ if has model; then
           BIN=$NOPAD
           [ "$TREE" = base ] && BIN=$BASE_TREE/build-gpu/nopad
           say "BERT-large batch $MODEL_BATCH, attention schedule $S, backward variant $V, $TREE tree, round $R"
-          with_bwd "$V" env NOPAD_FMHA_SCHEDULE=$S "$BIN" bench model --model data/configs/bert-large-mlperf.json \
+          with_bwd "$V" timeout "${MODEL_TIMEOUT:-300}" env NOPAD_FMHA_SCHEDULE=$S "$BIN" bench model --model data/configs/bert-large-mlperf.json \
             --data "$SHARDS" --batch "$MODEL_BATCH" --steps 20 --warmup 5 ${BREAKDOWN:+--breakdown} \
             2>"$OUT/model-$S-bwd$V-$TREE-$R.txt" |
             sed "s/^{/{\"attention_schedule\": \"$S\", \"bwd_variant\": \"$V\", \"tree\": \"$TREE\", /" |
