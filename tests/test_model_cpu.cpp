@@ -399,12 +399,16 @@ Var padded_bert_loss(const BertConfig& c, const ParamLayout& layout, const std::
   auto p = [&](const std::string& name) { return &P[layout.offset(name)]; };
   const float ph = train ? static_cast<float>(c.hidden_dropout_prob) : 0.0f;
   const float pa = train ? static_cast<float>(c.attention_probs_dropout_prob) : 0.0f;
-  // rounds: kPhiloxRounds for hidden states, kAttentionPhiloxRounds for attention probabilities (core/philox.h).
-  auto dropout = [&](Var x, float prob, uint32_t op, int b, uint64_t element, int rounds = kPhiloxRounds) {
+  // Hidden states: the 16-bit draws, keep-scale 65536 / (65536 - ceil(p * 65536)); attention probabilities: the 8-bit
+  // draws, keep-scale 256 / (256 - ceil(p * 256)); both rounded to float (core/philox.h).
+  auto dropout = [&](Var x, float prob, uint32_t op, int b, uint64_t element, bool attention = false) {
     if (prob == 0.0f) return x;
-    // The 16-bit contract's keep-scale 65536 / (65536 - ceil(p * 65536)), rounded to float (core/philox.h).
+    if (attention) {
+      const double scale = attention_dropout_keep_scale(attention_dropout_threshold(prob));
+      return attention_dropout_keep(seed, step, op, batch.sample_ids[b], element, prob) ? x * scale : x * 0.0;
+    }
     const double scale = dropout_keep_scale(dropout_threshold(prob));
-    return dropout_keep(seed, step, op, batch.sample_ids[b], element, prob, rounds) ? x * scale : x * 0.0;
+    return dropout_keep(seed, step, op, batch.sample_ids[b], element, prob, kPhiloxRounds) ? x * scale : x * 0.0;
   };
   std::vector<int> len(B);
   for (int b = 0; b < B; ++b) len[b] = batch.cu_seqlens[b + 1] - batch.cu_seqlens[b];
@@ -455,7 +459,7 @@ Var padded_bert_loss(const BertConfig& c, const ParamLayout& layout, const std::
           for (int d = 0; d < D; ++d) ctx[hd * D + d] = leaf(0.0);
           for (int j = 0; j < Lmax; ++j) {
             const Var prob = dropout(e[j] / sum, pa, op_id_attention_probs(l), b, element_attention(hd, i, j),
-                                      kAttentionPhiloxRounds);
+                                      /*attention=*/true);
             for (int d = 0; d < D; ++d) ctx[hd * D + d] = ctx[hd * D + d] + prob * v[j][hd * D + d];
           }
         }

@@ -1,6 +1,6 @@
-// Philox-4x32-10 and -7 against the Random123 known-answer vectors; the 16-bit dropout draw contract (threshold and
-// scale arithmetic, drop fraction, field layout, keying); and the FMHA kernels' keep-bit exchange
-// (ops/cuda/fmha_dropout.h) run over 32 simulated lanes against the mask the CPU twin draws.
+// Philox-4x32-10 and -7 against the Random123 known-answer vectors; the 16-bit (hidden-state) and 8-bit (attention)
+// dropout draw contracts (threshold and scale arithmetic, drop fraction, field layout, keying); and the FMHA kernels'
+// keep-bit exchange (ops/cuda/fmha_dropout.h) run over 32 simulated lanes against the mask the CPU twin draws.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -84,8 +84,90 @@ TEST(Philox, ThresholdAndScaleArithmetic) {
   EXPECT_DOUBLE_EQ(exact, 1.0);
 }
 
-// Both round counts: the hidden-state masks (10) on hidden-state elements, the attention masks (7) on attention
-// elements.
+// The attention masks' 8-bit contract (core/philox.h): threshold ceil(p * 256), scale 256 / (256 - threshold).
+TEST(Philox, AttentionThresholdAndScaleArithmetic) {
+  EXPECT_EQ(attention_dropout_threshold(0.0f), 0u);
+  EXPECT_TRUE(attention_dropout_keep(1, 2, 3, 4, 5, 0.0f));
+  EXPECT_EQ(attention_dropout_keep_scale(0), 1.0f);
+  EXPECT_EQ(attention_dropout_keep_fraction(0), 1.0f);
+  // p = 0.1: ceil(25.6) = 26, so the mask drops 26 / 256 = 0.1015625; scale 256 / 230 in float.
+  EXPECT_EQ(attention_dropout_threshold(0.1f), 26u);
+  EXPECT_EQ(attention_dropout_effective_p(0.1f), 0.1015625f);
+  EXPECT_EQ(attention_dropout_keep_scale(26), static_cast<float>(256.0 / 230.0));
+  EXPECT_EQ(attention_dropout_keep_fraction(26), 230.0f / 256.0f);
+  // Multiples of 1/256 run exactly: 0.5 -> 128, scale 2; 0.25 -> 64.
+  EXPECT_EQ(attention_dropout_threshold(0.5f), 128u);
+  EXPECT_EQ(attention_dropout_keep_scale(128), 2.0f);
+  EXPECT_EQ(attention_dropout_effective_p(0.25f), 0.25f);
+  // The largest supported p, 1 - 2^-8: threshold 255 keeps one value of 256, scale 256.
+  EXPECT_TRUE(attention_dropout_p_supported(kAttentionDropoutMaxP));
+  EXPECT_EQ(attention_dropout_threshold(kAttentionDropoutMaxP), 255u);
+  EXPECT_EQ(attention_dropout_keep_scale(255), 256.0f);
+  const float too_big = std::nextafter(kAttentionDropoutMaxP, 1.0f);
+  EXPECT_EQ(attention_dropout_threshold(too_big), 256u);
+  EXPECT_FALSE(attention_dropout_p_supported(too_big));
+  EXPECT_FALSE(attention_dropout_p_supported(1.0f));
+  EXPECT_FALSE(attention_dropout_p_supported(-0.1f));
+  EXPECT_FALSE(attention_dropout_p_supported(std::nanf("")));
+  EXPECT_EQ(attention_dropout_threshold(1e-30f), 1u);
+  for (int i = 1; i < 2000; ++i) {
+    const float p = static_cast<float>(i) / 2000.0f;
+    EXPECT_EQ(attention_dropout_threshold(p), static_cast<uint32_t>(std::ceil(static_cast<double>(p) * 256.0))) << p;
+  }
+  // The device's RN_float(1 / (256 - t)) * 2^8 equals the host's double quotient rounded to float for every t.
+  for (uint32_t t = 0; t < 256; ++t)
+    ASSERT_EQ((1.0f / static_cast<float>(256u - t)) * 256.0f, attention_dropout_keep_scale(t)) << "threshold " << t;
+}
+
+TEST(Philox, AttentionDrawsDropFraction) {
+  for (float p : {0.1f, 0.5f, 0.9f}) {
+    const int n = 1 << 20;
+    int dropped = 0;
+    for (int e = 0; e < n; ++e)
+      dropped += !attention_dropout_keep(/*seed=*/1234, /*step=*/7, /*op_id=*/3, /*sample_id=*/e >> 16,
+                                         element_attention((e >> 12) & 15, (e >> 6) & 63, e & 63), p);
+    const double q = attention_dropout_threshold(p) / 256.0;  // the exact drop probability of the contract
+    const double rate = static_cast<double>(dropped) / n;
+    EXPECT_NEAR(rate, q, 5 * std::sqrt(q * (1 - q) / n)) << "p=" << p;
+  }
+  // Every 8-bit value about equally often, and the mean (255 / 2).
+  const uint64_t key = dropout_stream_key(99, 1, 2);
+  std::vector<int> hist(256, 0);
+  double sum = 0;
+  const int n = 1 << 20;
+  for (int e = 0; e < n; ++e) {
+    const uint32_t v = attention_dropout_bits8(key, 5, static_cast<uint64_t>(e));
+    ASSERT_LT(v, 256u);
+    sum += v;
+    ++hist[v];
+  }
+  EXPECT_NEAR(sum / n, 127.5, 5 * 256.0 / std::sqrt(12.0 * n));
+  for (int b = 0; b < 256; ++b) EXPECT_NEAR(hist[b], n / 256.0, 6 * std::sqrt(n / 256.0)) << "value " << b;
+}
+
+TEST(Philox, SixteenAttentionElementsOfABlockUseSixteenDistinctBytes) {
+  const uint64_t key = dropout_stream_key(5, 6, 7);
+  for (uint64_t base : {uint64_t{0}, element_attention(15, 511, 496), element_attention(3, 131072 + 7, 1 << 19)}) {
+    ASSERT_EQ(base % 16, 0u);
+    const Philox4x32 blk = dropout_philox(key, 42, attention_dropout_block_index(base), kAttentionPhiloxRounds);
+    for (int w = 0; w < 4; ++w) {  // element i is byte i & 3 of word i >> 2: together they rebuild the 4 words
+      uint32_t word = 0;
+      for (uint32_t b = 0; b < 4; ++b) {
+        const uint64_t e = base + 4 * w + b;
+        EXPECT_EQ(attention_dropout_block_index(e), attention_dropout_block_index(base)) << "one block serves all 16";
+        word |= attention_dropout_bits8(key, 42, e) << (8 * b);
+      }
+      EXPECT_EQ(word, blk.v[w]) << "word " << w;
+    }
+    int equal = 0;  // the next block is another counter (each byte agrees with probability 2^-8)
+    for (uint64_t i = 0; i < 16; ++i)
+      equal += attention_dropout_bits8(key, 42, base + 16 + i) == attention_dropout_bits8(key, 42, base + i);
+    EXPECT_LE(equal, 4);
+  }
+}
+
+// Both round counts of the 16-bit draws (10: the hidden-state masks; 7 as a stream of its own), on hidden-state and
+// attention elements. The attention masks' 8-bit draws: AttentionDrawsDropFraction below.
 TEST(Philox, DropFractionOfAMillionDraws) {
   for (const int rounds : {kPhiloxRounds, kAttentionPhiloxRounds}) {
     const auto element = [&](int e) {  // all 8 fields of each block
@@ -180,20 +262,26 @@ TEST(Philox, MaskIsAFunctionOfSampleAndElementOnly) {
 // ------------------------------------------------------------------------------------------------ FMHA exchange
 namespace fd = cuda::fmha_dropout;
 
-// The carry-chain keep bits (host path of the same functions; the device path is add.cc/addc with the same meaning).
+// The carry-chain keep bits (host path of the same functions; the device path is add.cc/addc with the same meaning):
+// every byte of every word against every threshold at the boundary, then random words.
 TEST(FmhaDropoutExchange, KeepBitsByCarryEqualTheComparison) {
   uint64_t state = 88172645463325252ull;
-  for (uint32_t threshold : {1u, 2u, 6554u, 32767u, 32768u, 65534u, 65535u}) {
-    const uint32_t c16 = fd::keep_c16(threshold);
-    // Fields at threshold - 1 and threshold (the boundary), next to 0 or 0xFFFF in the other half, then random words.
-    const uint32_t edges[] = {threshold - 1, threshold, (threshold - 1) | 0xFFFF0000u, threshold | 0xFFFF0000u,
-                              (threshold - 1) << 16, threshold << 16, ((threshold - 1) << 16) | 0xFFFF,
-                              (threshold << 16) | 0xFFFF};
-    for (int i = 0; i < 20000; ++i) {
+  for (uint32_t threshold = 1; threshold < 256; ++threshold) {
+    const uint32_t c8 = fd::keep_c8(threshold);
+    const uint32_t below = threshold - 1;
+    // Fields at threshold - 1 and threshold next to 0x00 or 0xFF in the other bytes, then random words.
+    const uint32_t edges[] = {below * 0x01010101u, threshold * 0x01010101u, below | 0xFFFFFF00u,
+                              threshold | 0xFFFFFF00u, (below << 24) | 0x00FFFFFFu, threshold << 24,
+                              (below << 8) | 0xFF00FFFFu, (threshold << 16) | 0xFF00FFFFu};
+    for (int i = 0; i < 2000; ++i) {
       state ^= state << 13, state ^= state >> 7, state ^= state << 17;
       const uint32_t v = i < 8 ? edges[i] : static_cast<uint32_t>(state);
-      const uint32_t acc = fd::push_keep_lo(fd::push_keep_hi(1u, v, c16), v, c16);  // 1, then hi, then lo
-      ASSERT_EQ(acc, 4u | (((v >> 16) >= threshold) << 1) | ((v & 0xFFFF) >= threshold)) << v << " " << threshold;
+      const Philox4x32 blk{{v, ~v, v ^ 0x5A5A5A5Au, v * 2654435761u}};
+      for (int f = 0; f < 16; ++f) {
+        const uint32_t acc = fd::push_field(1u, blk, f, c8);  // 1, then the field's bit
+        const uint32_t field = (blk.v[f >> 2] >> (8 * (f & 3))) & 0xFF;
+        ASSERT_EQ(acc, 2u | (field >= threshold ? 1u : 0u)) << v << " field " << f << " threshold " << threshold;
+      }
     }
   }
 }
@@ -205,12 +293,12 @@ TEST(FmhaDropoutExchange, KeepBitsByCarryEqualTheComparison) {
 struct Sim {
   uint64_t key = dropout_stream_key(2024, 9, 4);
   uint64_t sample = 0x1234567890abcdefull;  // both halves of the counter's sample words nonzero
-  uint32_t threshold = dropout_threshold(0.3f);
+  uint32_t threshold = attention_dropout_threshold(0.3f);
   Philox4x32 draw(uint32_t lo, uint32_t hi) const {
     return dropout_philox(key, sample, (static_cast<uint64_t>(hi) << 32) | lo, kAttentionPhiloxRounds);
   }
   bool keep(uint32_t head, uint32_t q, uint32_t k) const {
-    return dropout_keep_threshold(key, sample, element_attention(head, q, k), threshold, kAttentionPhiloxRounds);
+    return attention_dropout_keep_threshold(key, sample, element_attention(head, q, k), threshold);
   }
 };
 
@@ -218,7 +306,7 @@ struct Sim {
 // lane_shift).
 template <int kSlotBits>
 void simulate_exchange(uint32_t (&x)[32], int lane_shift, int (*index)(int lane)) {
-  for (int b = 0; (1 << b) < 8 / kSlotBits; ++b) {
+  for (int b = 0; b < fd::xchg_stages<kSlotBits>(); ++b) {
     uint32_t sent[32], next[32];
     for (int l = 0; l < 32; ++l) sent[l] = fd::xchg_send<kSlotBits>(x[l], static_cast<uint32_t>(index(l)), b);
     for (int l = 0; l < 32; ++l)
@@ -238,7 +326,7 @@ TEST(FmhaDropoutExchange, ForwardQuadTransposeGivesEveryLaneItsBits) {
         uint32_t x[32];
         for (int l = 0; l < 32; ++l)
           x[l] = fd::fwd_lane_bits(draw, sim.threshold, head, row16 + (l >> 2), key_tile, l & 3);
-        simulate_exchange<2>(x, 0, [](int l) { return l & 3; });
+        simulate_exchange<4>(x, 0, [](int l) { return l & 3; });
         for (int l = 0; l < 32; ++l)
           for (int nt = 0; nt < 8; ++nt)
             for (int e = 0; e < 4; ++e) {
@@ -251,7 +339,7 @@ TEST(FmhaDropoutExchange, ForwardQuadTransposeGivesEveryLaneItsBits) {
             }
       }
   EXPECT_EQ(checked, 3 * 4 * 4 * 32 * 32);
-  EXPECT_NEAR(static_cast<double>(kept) / checked, 1.0 - sim.threshold / 65536.0, 0.02);
+  EXPECT_NEAR(static_cast<double>(kept) / checked, 1.0 - sim.threshold / 256.0, 0.02);
 }
 
 TEST(FmhaDropoutExchange, BackwardOctetTransposeGivesEveryLaneItsBits) {
@@ -264,7 +352,7 @@ TEST(FmhaDropoutExchange, BackwardOctetTransposeGivesEveryLaneItsBits) {
         uint32_t x[32];
         for (int l = 0; l < 32; ++l)
           x[l] = fd::bwd_lane_bits(draw, sim.threshold, head, q_tile, key16, l >> 2, l & 3);
-        simulate_exchange<1>(x, 2, [](int l) { return l >> 2; });
+        simulate_exchange<2>(x, 2, [](int l) { return l >> 2; });
         for (int l = 0; l < 32; ++l)
           for (int nt = 0; nt < 8; ++nt)
             for (int e = 0; e < 4; ++e) {
@@ -277,7 +365,7 @@ TEST(FmhaDropoutExchange, BackwardOctetTransposeGivesEveryLaneItsBits) {
             }
       }
   EXPECT_EQ(checked, 3 * 4 * 4 * 32 * 32);
-  EXPECT_NEAR(static_cast<double>(kept) / checked, 1.0 - sim.threshold / 65536.0, 0.02);
+  EXPECT_NEAR(static_cast<double>(kept) / checked, 1.0 - sim.threshold / 256.0, 0.02);
 }
 
 // Queries that are a subset of a sequence's rows (FmhaParams::q_positions): each row or query column of a tile carries
@@ -293,7 +381,7 @@ TEST(FmhaDropoutExchange, RowsAtAnyPositionsGetTheirOwnBits) {
       uint32_t x[32];
       for (int l = 0; l < 32; ++l)
         x[l] = fd::fwd_lane_bits_at(draw, sim.threshold, head, pos[l >> 2], pos[(l >> 2) + 8], key_tile, l & 3);
-      simulate_exchange<2>(x, 0, [](int l) { return l & 3; });
+      simulate_exchange<4>(x, 0, [](int l) { return l & 3; });
       for (int l = 0; l < 32; ++l)
         for (int nt = 0; nt < 8; ++nt)
           for (int e = 0; e < 4; ++e) {
@@ -305,7 +393,7 @@ TEST(FmhaDropoutExchange, RowsAtAnyPositionsGetTheirOwnBits) {
         const int c = 8 * (l >> 2) + 2 * (l & 3);
         x[l] = fd::bwd_lane_bits_at(draw, sim.threshold, head, pos[c], pos[c + 1], key_tile + 16);
       }
-      simulate_exchange<1>(x, 2, [](int l) { return l >> 2; });
+      simulate_exchange<2>(x, 2, [](int l) { return l >> 2; });
       for (int l = 0; l < 32; ++l)
         for (int nt = 0; nt < 8; ++nt)
           for (int e = 0; e < 4; ++e) {

@@ -9,11 +9,20 @@
 // *within the sequence* and feature/head indices (see element_hidden / element_attention), never from the row index in
 // this process's batch. So the same sample gets the same mask whatever batch, rank or order it is in.
 //
-// The draw is 16 bits per element: one Philox block (counter = (element >> 3, sample_id), key = the stream key) gives
-// 8 sixteen-bit values; element e takes word (e & 7) >> 1, low half for even e, high half for odd e. An element is
-// kept iff its value >= threshold = ceil(p * 65536), and kept values are scaled by 65536 / (65536 - threshold)
-// (rounded to float once), so E[mask * scale] = 1 for the exact quotient. p = 0 draws nothing and keeps everything;
-// p > 1 - 2^-16 (threshold 65536: nothing kept) is rejected by the callers (dropout_p_supported).
+// Hidden-state dropouts draw 16 bits per element: one Philox block (counter = (element >> 3, sample_id), key = the
+// stream key) gives 8 sixteen-bit values; element e takes word (e & 7) >> 1, low half for even e, high half for odd e.
+// An element is kept iff its value >= threshold = ceil(p * 65536), and kept values are scaled by
+// 65536 / (65536 - threshold) (rounded to float once), so E[mask * scale] = 1 for the exact quotient. p = 0 draws
+// nothing and keeps everything; p > 1 - 2^-16 (threshold 65536: nothing kept) is rejected by the callers
+// (dropout_p_supported).
+//
+// The attention-probability masks draw 8 bits per element (the attention_dropout_* functions): one block gives 16
+// eight-bit values, element e takes byte (e & 3) of word (e & 15) >> 2, kept iff its value >= ceil(p * 256), kept
+// values scaled by 256 / (256 - threshold). So the attention's p is rounded up to a multiple of 1/256 (0.1 runs as
+// 26/256 = 0.1015625), and the scale is that of the rounded rate, so the mask stays unbiased (E[mask * scale] = 1).
+// Why: these masks cover the L^2 scores and are drawn twice (forward and backward); half the Philox blocks took the
+// FMHA forward at p = 0.1 from 0.445 to 0.394 ms and the BERT-large step from 207.8 to 205.9 ms on an H100
+// (docs/performance.md). FlashAttention-2's dropout quantises p to 8 bits the same way.
 //
 // Rounds: the hidden-state dropouts (memory-bound kernels, where the draws hide under the memory traffic) use the
 // standard 10 rounds. The attention-probability masks use 7 (kAttentionPhiloxRounds): there the draws are the FMHA
@@ -169,6 +178,69 @@ NOPAD_HOST_DEVICE inline bool dropout_keep_key(uint64_t stream_key, uint64_t sam
 NOPAD_HOST_DEVICE inline bool dropout_keep(uint64_t seed, uint64_t step, uint32_t op_id, uint64_t sample_id,
                                            uint64_t element, float p, int rounds) {
   return p <= 0.0f || dropout_keep_key(dropout_stream_key(seed, step, op_id), sample_id, element, p, rounds);
+}
+
+// ------------------------------------------------------------------------------------------------ 8-bit draws
+// The attention-probability masks (element_attention elements, kAttentionPhiloxRounds rounds); see the top of the
+// file. Callers validate p with attention_dropout_p_supported.
+constexpr uint32_t kAttentionDropoutRange = 256;             // the draws are 8-bit values in [0, 256)
+constexpr float kAttentionDropoutMaxP = 1.0f - 1.0f / 256.0f;  // largest p that keeps something (threshold 255)
+
+// Philox block index of an attention element: one block serves the 16 elements with the same element >> 4.
+NOPAD_HOST_DEVICE inline uint64_t attention_dropout_block_index(uint64_t element) { return element >> 4; }
+
+// The 8-bit draw of element e (only e & 15 matters) from its block: byte (e & 3) of word (e & 15) >> 2.
+NOPAD_HOST_DEVICE inline uint32_t attention_dropout_field(const Philox4x32& block, uint32_t e) {
+  return (block.v[(e & 15u) >> 2] >> (8u * (e & 3u))) & 0xFFu;
+}
+
+// 8 random bits for (stream key, sample_id, attention element).
+NOPAD_HOST_DEVICE inline uint32_t attention_dropout_bits8(uint64_t stream_key, uint64_t sample_id, uint64_t element) {
+  return attention_dropout_field(
+      dropout_philox(stream_key, sample_id, attention_dropout_block_index(element), kAttentionPhiloxRounds),
+      static_cast<uint32_t>(element));
+}
+
+// Keep iff the 8-bit draw >= threshold = ceil(p * 256); 0 for p <= 0 (keep all). p * 256 is exact in float. Returns
+// 256 for p > 1 - 2^-8, which callers reject (attention_dropout_p_supported).
+NOPAD_HOST_DEVICE inline uint32_t attention_dropout_threshold(float p) {
+  return p > 0.0f ? static_cast<uint32_t>(ceilf(p * 256.0f)) : 0u;
+}
+// p in [0, 1 - 2^-8] (NaN fails).
+NOPAD_HOST_DEVICE inline bool attention_dropout_p_supported(float p) {
+  return p >= 0.0f && p <= kAttentionDropoutMaxP;
+}
+// The drop probability the mask really has: threshold / 256, i.e. p rounded up to a multiple of 1/256.
+NOPAD_HOST_DEVICE inline float attention_dropout_effective_p(float p) {
+  return static_cast<float>(attention_dropout_threshold(p)) / 256.0f;
+}
+
+// Keep-scale 256 / (256 - threshold), rounded to float once (host: in double, then to float; device: the correctly
+// rounded reciprocal times 2^8; the same float for every threshold, checked by tests/test_philox.cpp).
+NOPAD_HOST_DEVICE inline float attention_dropout_keep_scale(uint32_t threshold) {
+#if defined(__CUDA_ARCH__)
+  return __frcp_rn(static_cast<float>(kAttentionDropoutRange - threshold)) * 256.0f;
+#else
+  return static_cast<float>(256.0 / static_cast<double>(kAttentionDropoutRange - threshold));
+#endif
+}
+// Its inverse (256 - threshold) / 256, exact in float: the kept fraction.
+NOPAD_HOST_DEVICE inline float attention_dropout_keep_fraction(uint32_t threshold) {
+  return static_cast<float>(kAttentionDropoutRange - threshold) / static_cast<float>(kAttentionDropoutRange);
+}
+
+// Keep decisions. threshold 0 keeps everything without drawing.
+NOPAD_HOST_DEVICE inline bool attention_dropout_keep_threshold(uint64_t stream_key, uint64_t sample_id,
+                                                               uint64_t element, uint32_t threshold) {
+  return threshold == 0 || attention_dropout_bits8(stream_key, sample_id, element) >= threshold;
+}
+NOPAD_HOST_DEVICE inline bool attention_dropout_keep_key(uint64_t stream_key, uint64_t sample_id, uint64_t element,
+                                                         float p) {
+  return attention_dropout_keep_threshold(stream_key, sample_id, element, attention_dropout_threshold(p));
+}
+NOPAD_HOST_DEVICE inline bool attention_dropout_keep(uint64_t seed, uint64_t step, uint32_t op_id, uint64_t sample_id,
+                                                     uint64_t element, float p) {
+  return p <= 0.0f || attention_dropout_keep_key(dropout_stream_key(seed, step, op_id), sample_id, element, p);
 }
 
 }  // namespace nopad

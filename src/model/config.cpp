@@ -5,6 +5,7 @@
 #include <set>
 
 #include "core/error.h"
+#include "core/philox.h"
 
 namespace nopad {
 namespace {
@@ -48,8 +49,10 @@ void BertConfig::validate() const {
   NOPAD_CHECK(type_vocab_size > 0, "config: type_vocab_size must be positive, got ", type_vocab_size);
   NOPAD_CHECK(hidden_dropout_prob >= 0 && hidden_dropout_prob < 1, "config: hidden_dropout_prob must be in [0, 1), got ",
               hidden_dropout_prob);
-  NOPAD_CHECK(attention_probs_dropout_prob >= 0 && attention_probs_dropout_prob < 1,
-              "config: attention_probs_dropout_prob must be in [0, 1), got ", attention_probs_dropout_prob);
+  // The attention masks draw 8 bits per element (core/philox.h): p runs as ceil(p * 256) / 256 and must keep something.
+  NOPAD_CHECK(attention_probs_dropout_prob >= 0 && attention_probs_dropout_prob <= kAttentionDropoutMaxP,
+              "config: attention_probs_dropout_prob must be in [0, 1 - 1/256] (the attention masks draw 8 bits per "
+              "element), got ", attention_probs_dropout_prob);
   NOPAD_CHECK(initializer_range > 0, "config: initializer_range must be positive, got ", initializer_range);
   NOPAD_CHECK(hidden_act == "gelu" || hidden_act == "gelu_new" || hidden_act == "gelu_pytorch_tanh" ||
                   hidden_act == "gelu_fast",

@@ -10,6 +10,7 @@
 #include <span>
 
 #include "core/error.h"
+#include "core/philox.h"
 #include "core/progress.h"
 #include "data/loader.h"
 #include "dist/balance.h"
@@ -576,6 +577,11 @@ void Trainer::Impl::setup() {
     std::fprintf(stderr, "device: %s, %s%s%s\n", engine->device_name().c_str(), engine->precision().c_str(),
                  loss_scaler ? ", dynamic loss scale" : (fixed_loss_scale != 1 ? ", fixed loss scale" : ""),
                  device_note.empty() ? "" : (" (train.device auto: " + device_note + ")").c_str());
+    // The attention masks draw 8 bits per element (core/philox.h): say so when that rounds the configured p.
+    const float p_attn = static_cast<float>(model_config.attention_probs_dropout_prob);
+    if (p_attn > 0.0f && attention_dropout_effective_p(p_attn) != p_attn)
+      std::fprintf(stderr, "attention dropout: %g runs as %u/256 = %.7g (8-bit draws)\n", p_attn,
+                   attention_dropout_threshold(p_attn), attention_dropout_effective_p(p_attn));
     if (rank_info.distributed())
       std::fprintf(stderr, "data parallel: %d ranks (%s, %s), dist.balance %s, up to %lld sequences per rank and "
                    "step, gradients summed in %s\n", comm->size(), rank_info.launcher.c_str(), comm->name().c_str(),

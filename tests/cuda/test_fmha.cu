@@ -149,7 +149,7 @@ Ref reference64(const Problem& pr) {
   const int64_t ld = 3 * int64_t{H};
   const double scale = 1.0 / std::sqrt(static_cast<double>(hd));
   const uint64_t key = dropout_stream_key(pr.seed, pr.step, pr.op_id);
-  const double keep_scale = dropout_keep_scale(dropout_threshold(pr.p));  // the 16-bit contract's float scale
+  const double keep_scale = attention_dropout_keep_scale(attention_dropout_threshold(pr.p));  // the contract's float
   Ref r;
   r.ctx.assign(static_cast<size_t>(pr.T) * H, 0.0);
   r.lse.assign(static_cast<size_t>(pr.heads) * pr.T, 0.0);
@@ -179,8 +179,7 @@ Ref reference64(const Problem& pr) {
         r.lse[static_cast<size_t>(h) * pr.T + s0 + i] = mx + std::log(sum);
         for (int j = 0; j < L; ++j) {
           P[i * L + j] /= sum;
-          const bool kept =
-              dropout_keep_key(key, pr.sample_ids[b], element_attention(h, i, j), pr.p, kAttentionPhiloxRounds);
+          const bool kept = attention_dropout_keep_key(key, pr.sample_ids[b], element_attention(h, i, j), pr.p);
           M[i * L + j] = kept ? keep_scale : 0.0;
         }
         for (int d = 0; d < hd; ++d) {
@@ -616,25 +615,24 @@ TEST(Fmha, QueryRowsBf16Hd32Hd128Dropout) {
   run_rows_case({1, 17, 64, 65, 200}, 2, 128, 0.1f, false, "bf16 hd128 h2 p0.1");
 }
 
-// The mask the kernels must reproduce drops a fraction threshold / 65536 = 0.1000061 (p = 0.1) of the attention
+// The mask the kernels must reproduce drops a fraction threshold / 256 = 0.1015625 (p = 0.1) of the attention
 // probabilities: count on the host with the same Philox function over every (sequence, head, query, key) of the mixed
 // batch; within 5 sigma.
 TEST(Fmha, DropoutFractionOfTheMask) {
   const Problem pr = make_problem(kMixedLens, 16, 64, 0.1f, false, 1);
   const uint64_t key = dropout_stream_key(pr.seed, pr.step, pr.op_id);
-  const double q = dropout_threshold(pr.p) / 65536.0;
+  const double q = attention_dropout_threshold(pr.p) / 256.0;
   uint64_t dropped = 0, total = 0;
   for (size_t b = 0; b < pr.lens.size(); ++b)
     for (int h = 0; h < pr.heads; ++h)
       for (int i = 0; i < pr.lens[b]; ++i)
         for (int j = 0; j < pr.lens[b]; ++j) {
-          dropped +=
-              dropout_keep_key(key, pr.sample_ids[b], element_attention(h, i, j), pr.p, kAttentionPhiloxRounds) ? 0 : 1;
+          dropped += attention_dropout_keep_key(key, pr.sample_ids[b], element_attention(h, i, j), pr.p) ? 0 : 1;
           ++total;
         }
   const double frac = static_cast<double>(dropped) / static_cast<double>(total);
   const double sigma = std::sqrt(q * (1 - q) / static_cast<double>(total));
-  std::printf("  dropped %llu of %llu = %.6f (p = 0.1: threshold / 65536 = %.7f, sigma %.2e)\n",
+  std::printf("  dropped %llu of %llu = %.6f (p = 0.1: threshold / 256 = %.7f, sigma %.2e)\n",
               static_cast<unsigned long long>(dropped), static_cast<unsigned long long>(total), frac, q, sigma);
   EXPECT_LE(std::fabs(frac - q), 5 * sigma);
 }
@@ -803,8 +801,8 @@ TEST(Fmha, RejectsBadParams) {
   p.dropout_p = 0.1f;
   EXPECT_THROW(fmha_forward(p, nullptr), nopad::Error) << "dropout without sample_ids";
   p.sample_ids = reinterpret_cast<const uint64_t*>(dummy);
-  p.dropout_p = 0.99999f;  // threshold ceil(0.99999 * 65536) = 65536: nothing could be kept
-  EXPECT_THROW(fmha_forward(p, nullptr), nopad::Error) << "p whose 16-bit threshold keeps nothing";
+  p.dropout_p = 0.999f;  // threshold ceil(0.999 * 256) = 256: nothing could be kept
+  EXPECT_THROW(fmha_forward(p, nullptr), nopad::Error) << "p whose 8-bit threshold keeps nothing";
   p.dropout_p = 1.0f;
   EXPECT_THROW(fmha_forward(p, nullptr), nopad::Error) << "p = 1";
   p.dropout_p = 0.0f;

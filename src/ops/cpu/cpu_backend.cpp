@@ -49,30 +49,39 @@ S activation_grad(Activation act, S x) {
   return act == Activation::kGelu ? gelu_grad(x) : act == Activation::kGeluTanh ? gelu_tanh_grad(x) : S(1);
 }
 
-// Keep-scale of one dropout element (core/philox.h): dropout_keep_scale(threshold) if the element's 16-bit draw is
-// >= threshold = ceil(p * 65536), 0 if it is dropped, 1 without dropout (p = 0 draws nothing). The scale is the
-// float the GPU kernels use, converted to S. `rounds`: kPhiloxRounds for hidden states, kAttentionPhiloxRounds for
-// the attention probabilities.
+// Keep-scale of one dropout element (core/philox.h), 0 if it is dropped, 1 without dropout (p = 0 draws nothing).
+// Hidden states: the 16-bit draw, kept iff >= ceil(p * 65536), scale dropout_keep_scale. Attention probabilities
+// (kAttention): the 8-bit draw, kept iff >= ceil(p * 256), scale attention_dropout_keep_scale. The scale is the float
+// the GPU kernels use, converted to S.
 struct DropoutMask {
+  enum Kind { kHidden, kAttention };
   uint64_t stream_key = 0;
   uint32_t threshold = 0;
   float keep_scale = 1.0f;
-  int rounds = kPhiloxRounds;
-  explicit DropoutMask(const Dropout& d, int philox_rounds = kPhiloxRounds) : rounds(philox_rounds) {
-    NOPAD_CHECK(dropout_p_supported(d.p), "dropout probability must be in [0, 1 - 2^-16] (a 16-bit draw must be "
-                "able to keep an element), got ", d.p);
-    threshold = dropout_threshold(d.p);
+  Kind kind = kHidden;
+  explicit DropoutMask(const Dropout& d, Kind k = kHidden) : kind(k) {
+    if (kind == kAttention) {
+      NOPAD_CHECK(attention_dropout_p_supported(d.p), "attention dropout probability must be in [0, 1 - 2^-8] (an "
+                  "8-bit draw must be able to keep an element), got ", d.p);
+      threshold = attention_dropout_threshold(d.p);
+    } else {
+      NOPAD_CHECK(dropout_p_supported(d.p), "dropout probability must be in [0, 1 - 2^-16] (a 16-bit draw must be "
+                  "able to keep an element), got ", d.p);
+      threshold = dropout_threshold(d.p);
+    }
     if (threshold > 0) {
       stream_key = dropout_stream_key(d.seed, d.step, d.op_id);
-      keep_scale = dropout_keep_scale(threshold);
+      keep_scale = kind == kAttention ? attention_dropout_keep_scale(threshold) : dropout_keep_scale(threshold);
     }
   }
   bool on() const { return threshold > 0; }
   template <class S>
   S scale(uint64_t sample_id, uint64_t element) const {
     if (!on()) return S(1);
-    return dropout_keep_threshold(stream_key, sample_id, element, threshold, rounds) ? static_cast<S>(keep_scale)
-                                                                                      : S(0);
+    const bool keep = kind == kAttention
+                          ? attention_dropout_keep_threshold(stream_key, sample_id, element, threshold)
+                          : dropout_keep_threshold(stream_key, sample_id, element, threshold, kPhiloxRounds);
+    return keep ? static_cast<S>(keep_scale) : S(0);
   }
 };
 
@@ -399,7 +408,7 @@ void CpuBackend<P>::attention_forward_impl(const S* qkv, const SeqView& seqs, co
   const int32_t Tq = q_seqs != nullptr ? q_seqs->num_tokens : seqs.num_tokens;
   const int64_t ld = 3 * int64_t{H};
   const S scale = S(1) / std::sqrt(static_cast<S>(head_dim));
-  const DropoutMask mask(drop, kAttentionPhiloxRounds);
+  const DropoutMask mask(drop, DropoutMask::kAttention);
   const int workers = std::max(1, std::min<int>(threads_, seqs.num_seqs * num_heads));
   S* scores_all = scratch(kOpA, static_cast<size_t>(workers) * L_max);
   parallel_tasks(static_cast<size_t>(seqs.num_seqs) * num_heads, workers, [&](size_t task, size_t worker) {
@@ -444,7 +453,7 @@ void CpuBackend<P>::attention_backward_impl(const S* d_ctx, const S* qkv, const 
   const int32_t Tq = q_seqs != nullptr ? q_seqs->num_tokens : T;
   const int64_t ld = 3 * int64_t{H};
   const S scale = S(1) / std::sqrt(static_cast<S>(head_dim));
-  const DropoutMask mask(drop, kAttentionPhiloxRounds);
+  const DropoutMask mask(drop, DropoutMask::kAttention);
   // Task (b, h) owns the q, k and v columns of head h in the rows of sequence b: no two tasks write the same element.
   parallel_for(static_cast<size_t>(seqs.num_seqs) * num_heads, threads_, [&](size_t task) {
     const int32_t b = static_cast<int32_t>(task / num_heads), h = static_cast<int32_t>(task % num_heads);

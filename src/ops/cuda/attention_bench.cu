@@ -184,7 +184,7 @@ std::vector<std::string> run_attention_bench_gpu(const AttentionBenchOptions& o,
 
     for (const double drop : o.dropouts) {
       p.dropout_p = static_cast<float>(drop);
-      NOPAD_CHECK(dropout_p_supported(p.dropout_p), "--dropout ", drop, " is outside [0, 1 - 2^-16]");
+      NOPAD_CHECK(attention_dropout_p_supported(p.dropout_p), "--dropout ", drop, " is outside [0, 1 - 2^-8]");
       std::vector<uint16_t> ref_ctx;
       std::vector<float> ref_lse;
       NOPAD_CUDA_CHECK(cudaMemsetAsync(ctx.ptr, 0xFF, ctx.bytes(), stream));

@@ -14,7 +14,8 @@
 // Grouping (the grouped multi-stream scheduler): when seq_index is not null, a launch covers only the sequences
 // seq_index[0 .. num_launch_seqs) (indices into cu_seqlens), so groups of sequences can run as separate launches on
 // separate streams over the same tensors; max_seqlen is then the longest sequence of the group.
-// Dropout follows core/philox.h's 16-bit contract: p must be in [0, 1 - 2^-16] (dropout_p_supported).
+// Dropout follows core/philox.h's 8-bit attention contract: p must be in [0, 1 - 2^-8] (attention_dropout_p_supported)
+// and runs as ceil(p * 256) / 256.
 // Kernel variants (tile shapes, docs/fmha.md "Variants") are chosen per call: fwd_variant / bwd_variant when >= 0,
 // else the environment variables NOPAD_FMHA_FWD_VARIANT / NOPAD_FMHA_BWD_VARIANT (read once per process) when set,
 // else the built-in default. Every variant computes the same function (same mask bits; fp32 summation order differs).
@@ -107,7 +108,7 @@ struct FmhaWorkspaceLayout {
   size_t total_bytes = 0;
 };
 FmhaWorkspaceLayout fmha_backward_workspace_layout(int32_t num_tokens, int32_t num_heads, int32_t head_dim);
-// The factor D carries: (65536 - threshold) / 65536 of the 16-bit dropout contract (1 without dropout).
+// The factor D carries: (256 - threshold) / 256 of the 8-bit attention dropout contract (1 without dropout).
 float fmha_backward_d_scale(float dropout_p);
 // Throws nopad::Error for unsupported head_dim/sizes; launch errors are checked.
 void fmha_forward(const FmhaParams& p, cudaStream_t stream);

@@ -56,7 +56,7 @@ constexpr int kPreRows = 8;  // rows per CTA of the pre/post kernels (one warp e
 
 // D[h, t] = sum_d dO[t, h*hd + d] * O[t, h*hd + d] / keep_scale; lse2[h, t] = lse[h, t] * log2(e); dq_accum[t, :] = 0.
 // One warp per token row; lanes take 16-byte chunks, the hd/8 lanes of one head reduce with shuffles. D is divided by
-// the keep-scale c (an exact multiplication by (65536 - threshold) / 65536) so that p_and_ds can leave c out of every
+// the keep-scale c (an exact multiplication by (256 - threshold) / 256) so that p_and_ds can leave c out of every
 // score: the main kernel applies it once to dK, dV and dQ.
 template <bool kFp16>
 __global__ void __launch_bounds__(32 * kPreRows) fmha_bwd_pre_kernel(const KernelArgs args, float* D, float* dq_acc) {
@@ -497,7 +497,7 @@ __global__ void __launch_bounds__(32 * kWarps, kMinCtas)
       uint32_t keep = 0;
       if constexpr (kDrop) {
         const int qc = qs + 8 * g + 2 * t;  // this lane's two query columns qc, qc + 1 draw the blocks
-        keep = lane_transpose<1, 2>(
+        keep = lane_transpose<2, 2>(
             fmha_dropout::bwd_lane_bits_at(draw, args.threshold, static_cast<uint32_t>(head),
                                            query_position(p, qs0, Lq, qc), query_position(p, qs0, Lq, qc + 1),
                                            static_cast<uint32_t>(k0 + wrow)),
@@ -716,7 +716,7 @@ __global__ void __launch_bounds__(128, kMinCtas)
     uint32_t keep = 0;
     if constexpr (kDrop) {
       const int qc = qs + 8 * g + 2 * t;  // this lane's two query columns qc, qc + 1 draw the blocks
-      keep = lane_transpose<1, 2>(
+      keep = lane_transpose<2, 2>(
           fmha_dropout::bwd_lane_bits_at(draw, args.threshold, static_cast<uint32_t>(head),
                                          query_position(p, qs0, Lq, qc), query_position(p, qs0, Lq, qc + 1),
                                          static_cast<uint32_t>(k0 + wrow)),
@@ -1064,7 +1064,7 @@ __global__ void __launch_bounds__(384, 1)
       };
       const auto keep_bits = [&](int h) -> uint32_t {
         if constexpr (kDrop) {
-          return lane_transpose<1, 2>(
+          return lane_transpose<2, 2>(
               fmha_dropout::bwd_lane_bits(draw, args.threshold, static_cast<uint32_t>(head),
                                           static_cast<uint32_t>(qs + 64 * h), static_cast<uint32_t>(k0 + krow),
                                           static_cast<uint32_t>(g), static_cast<uint32_t>(t)),
@@ -1318,7 +1318,9 @@ size_t fmha_backward_workspace_bytes(int32_t num_tokens, int32_t num_heads, int3
          2 * fmha_detail::lse2_offset(num_tokens, num_heads) * sizeof(float);
 }
 
-float fmha_backward_d_scale(float dropout_p) { return dropout_keep_fraction(dropout_threshold(dropout_p)); }
+float fmha_backward_d_scale(float dropout_p) {
+  return attention_dropout_keep_fraction(attention_dropout_threshold(dropout_p));
+}
 
 FmhaWorkspaceLayout fmha_backward_workspace_layout(int32_t num_tokens, int32_t num_heads, int32_t head_dim) {
   FmhaWorkspaceLayout w;

@@ -160,10 +160,10 @@ struct KernelArgs {
   FmhaParams p;
   uint64_t stream_key;  // dropout_stream_key(seed, step, op_id)
   float scale_log2;     // scale * log2(e): scores in the exp2 domain
-  float keep_scale;     // dropout_keep_scale(threshold): 65536 / (65536 - threshold) as float; 1 without dropout
-  float inv_keep_scale;  // (65536 - threshold) / 65536, exact; 1 without dropout
+  float keep_scale;     // attention_dropout_keep_scale(threshold): 256 / (256 - threshold) as float; 1 without dropout
+  float inv_keep_scale;  // (256 - threshold) / 256, exact; 1 without dropout
   float grad_scale;      // scale * keep_scale: the backward's dK and dQ factor (its dS leaves the keep-scale out)
-  uint32_t threshold;   // keep iff the 16-bit draw >= threshold = ceil(p * 65536); 0 without dropout
+  uint32_t threshold;   // keep iff the 8-bit draw >= threshold = ceil(p * 256); 0 without dropout
   bool dropout;         // threshold > 0
   // Philox key schedule of stream_key, one pair per round: kernel parameters, so the key XORs read the constant bank
   // instead of spending registers or adds.
@@ -220,13 +220,13 @@ __device__ __forceinline__ MaskDraw mask_draw(const KernelArgs& args, int b) {
   return MaskDraw{args, s_lo, s_hi};
 }
 
-// Byte-wise butterfly transpose of kSlotBits-bit slots over the 8 / kSlotBits lanes that differ in lane bits
-// kLaneShift..: i is the lane's index in that group (fmha_dropout.h; the forward uses <2, 0> over a quad, the backward
-// <1, 2> over the 8 lanes of one t). One shuffle per stage.
+// Butterfly transpose of kSlotBits-bit slots, within each 16-bit half, over the 16 / kSlotBits lanes that differ in
+// lane bits kLaneShift..: i is the lane's index in that group (fmha_dropout.h; the forward uses <4, 0> over a quad,
+// the backward <2, 2> over the 8 lanes of one t). One shuffle per stage.
 template <int kSlotBits, int kLaneShift>
 __device__ __forceinline__ uint32_t lane_transpose(uint32_t x, uint32_t i) {
 #pragma unroll
-  for (int b = 0; (1 << b) < 8 / kSlotBits; ++b) {
+  for (int b = 0; b < fmha_dropout::xchg_stages<kSlotBits>(); ++b) {
     const uint32_t y =
         __shfl_xor_sync(0xffffffffu, fmha_dropout::xchg_send<kSlotBits>(x, i, b), (1 << b) << kLaneShift);
     x = fmha_dropout::xchg_merge<kSlotBits>(x, y, i, b);
@@ -281,8 +281,8 @@ inline int32_t validate_common(const FmhaParams& p, const char* op) {
   NOPAD_CHECK(p.max_seqlen >= 0 && p.max_seqlen < kMaxSeqlen, op, ": max_seqlen ", p.max_seqlen,
               " out of range [0, 2^20) (dropout keys pack positions in 20 bits)");
   NOPAD_CHECK(p.scale > 0.0f && std::isfinite(p.scale), op, ": scale must be positive and finite, got ", p.scale);
-  NOPAD_CHECK(dropout_p_supported(p.dropout_p), op, ": dropout probability must be in [0, 1 - 2^-16] (a 16-bit ",
-              "draw must be able to keep an element), got ", p.dropout_p);
+  NOPAD_CHECK(attention_dropout_p_supported(p.dropout_p), op, ": attention dropout probability must be in ",
+              "[0, 1 - 2^-8] (an 8-bit draw must be able to keep an element), got ", p.dropout_p);
   NOPAD_CHECK(p.qkv != nullptr && p.ctx != nullptr && p.lse != nullptr && p.cu_seqlens != nullptr, op,
               ": qkv, ctx, lse and cu_seqlens must not be null");
   NOPAD_CHECK(p.dropout_p == 0.0f || p.sample_ids != nullptr, op, ": dropout needs sample_ids");
@@ -313,11 +313,11 @@ inline int32_t validate_common(const FmhaParams& p, const char* op) {
 inline KernelArgs make_args(const FmhaParams& p) {
   KernelArgs a{};
   a.p = p;
-  a.threshold = dropout_threshold(p.dropout_p);
+  a.threshold = attention_dropout_threshold(p.dropout_p);
   a.dropout = a.threshold > 0;
   a.stream_key = a.dropout ? dropout_stream_key(p.seed, p.step, p.op_id) : 0;
-  a.keep_scale = a.dropout ? dropout_keep_scale(a.threshold) : 1.0f;
-  a.inv_keep_scale = dropout_keep_fraction(a.threshold);
+  a.keep_scale = a.dropout ? attention_dropout_keep_scale(a.threshold) : 1.0f;
+  a.inv_keep_scale = attention_dropout_keep_fraction(a.threshold);
   a.grad_scale = p.scale * a.keep_scale;
   a.scale_log2 = p.scale * kLog2e;
   uint32_t k0 = static_cast<uint32_t>(a.stream_key), k1 = static_cast<uint32_t>(a.stream_key >> 32);

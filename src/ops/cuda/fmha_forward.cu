@@ -233,7 +233,7 @@ __global__ void __launch_bounds__(32 * kWarps, kMinCtas) fmha_fwd_kernel(const _
     if constexpr (kDrop) {
 #pragma unroll
       for (int mt = 0; mt < kMT; ++mt) {
-        keep[mt] = lane_transpose<2, 0>(
+        keep[mt] = lane_transpose<4, 0>(
             fmha_dropout::fwd_lane_bits_at(draw, args.threshold, static_cast<uint32_t>(head), qpos[mt][0],
                                            qpos[mt][1], static_cast<uint32_t>(kbase), static_cast<uint32_t>(t)),
             static_cast<uint32_t>(t));
@@ -384,7 +384,7 @@ __global__ void __launch_bounds__(128 * kWG, kMinCtas) fmha_fwd_wgmma_kernel(con
     wgmma_commit();
     [[maybe_unused]] uint32_t keep = 0;  // read only with dropout
     if constexpr (kDrop) {
-      keep = lane_transpose<2, 0>(fmha_dropout::fwd_lane_bits_at(draw, args.threshold, static_cast<uint32_t>(head),
+      keep = lane_transpose<4, 0>(fmha_dropout::fwd_lane_bits_at(draw, args.threshold, static_cast<uint32_t>(head),
                                                                  qpos[0], qpos[1], static_cast<uint32_t>(kbase),
                                                                  static_cast<uint32_t>(t)),
                                   static_cast<uint32_t>(t));
