@@ -66,7 +66,9 @@ NOPAD_HOST_DEVICE inline uint32_t push_field(uint32_t acc, const Philox4x32& b, 
 // rr, slot s (4 bits, for quad lane s) holds fields 8 c + 2 s + h at bit 4 s + 2 c + h. After the exchange, lane t
 // holds at bit 16 rr + 4 s + 2 c + h the bit of source lane s's block rr, field 8 c + 2 t + h: row g + 8 rr, key
 // key_tile + 16 s + 8 c + 2 t + h, i.e. accumulator element e = 2 rr + h of n-tile nt = 2 s + c.
-NOPAD_HOST_DEVICE constexpr int fwd_bit(int nt, int e) { return 16 * (e >> 1) + 4 * (nt >> 1) + 2 * (nt & 1) + (e & 1); }
+NOPAD_HOST_DEVICE constexpr int fwd_bit(int nt, int e) {
+  return 16 * (e >> 1) + 4 * (nt >> 1) + 2 * (nt & 1) + (e & 1);
+}
 
 // pos_g and pos_g8: the query positions (within the sequence: the dropout key) of the lane's rows g and g + 8. They are
 // the rows' own indices when every row of the sequence is a query (fwd_lane_bits), any positions when the queries are
@@ -129,12 +131,12 @@ NOPAD_HOST_DEVICE inline uint32_t bwd_lane_bits(Draw&& draw, uint32_t threshold,
 }
 
 // ------------------------------------------------------------------------------------------------ exchange
-// Butterfly transpose, group by group: each 16-bit group (kGroupBits) of a lane's word holds n = 16 / kSlotBits slots of
-// kSlotBits bits, slot s destined for lane s of a group of n lanes (index i); afterwards lane i's slot s holds what lane
-// s's slot i held. Stage b pairs lanes i and i ^ 2^b: the lane sends its slots with index bit b != its own bit b,
-// moved to the partner's matching slot (index ^ 2^b) by a shift that stays inside the group, and keeps its other slots.
-// Invariant after the stages in S: slot s of lane i holds the item from lane (i on bits not in S, s on S) for lane (s
-// on bits not in S, i on S).
+// Butterfly transpose, group by group: each 16-bit group (kGroupBits) of a lane's word holds n = 16 / kSlotBits slots
+// of kSlotBits bits, slot s destined for lane s of a group of n lanes (index i); afterwards lane i's slot s holds what
+// lane s's slot i held. Stage b pairs lanes i and i ^ 2^b: the lane sends its slots with index bit b != its own bit b,
+// moved to the partner's matching slot (index ^ 2^b) by a shift that stays inside the group, and keeps its other
+// slots. Invariant after the stages in S: slot s of lane i holds the item from lane (i on bits not in S, s on S) for
+// lane (s on bits not in S, i on S).
 template <int kSlotBits>
 NOPAD_HOST_DEVICE constexpr uint32_t slot_mask(int b) {  // the bits of the slots whose index has bit b set
   uint32_t m = 0;
