@@ -75,6 +75,9 @@ TEST(Config, ValidationErrorsNameTheProblem) {
   EXPECT_NE(with("num_hidden_layer", 3).find("\"num_hidden_layer\""), std::string::npos);  // a typo is not ignored
   EXPECT_NE(with("hidden_size", "768").find("hidden_size"), std::string::npos);             // wrong type
   EXPECT_NE(with("hidden_dropout_prob", 1.0).find("hidden_dropout_prob"), std::string::npos);
+  // The attention masks draw 8 bits per element: p above 1 - 1/256 would keep nothing and is refused when read.
+  EXPECT_NE(with("attention_probs_dropout_prob", 0.998).find("8 bits"), std::string::npos);
+  EXPECT_EQ(with("attention_probs_dropout_prob", 255.0 / 256.0), "");
   EXPECT_NE(with("model_type", "roberta").find("model_type"), std::string::npos);
   EXPECT_NE(with("vocab_size", 0).find("vocab_size"), std::string::npos);
   // Standard Hugging Face keys are accepted.
