@@ -111,6 +111,26 @@ NOPAD_HOST_DEVICE inline uint64_t element_attention(uint32_t head, uint32_t quer
   return (static_cast<uint64_t>(head) << 40) | (static_cast<uint64_t>(query_pos) << 20) | key_pos;
 }
 
+namespace philox_detail {
+// kRange / (kRange - threshold) for draws in [0, kRange), kRange a power of two, rounded to float once. The host
+// computes the quotient in double and rounds it; the device computes the correctly rounded float reciprocal of the
+// (exact) integer divisor times kRange, which is the same float for every threshold (double rounding through double
+// is innocuous for a division: 53 >= 2 * 24 + 2 bits).
+template <uint32_t kRange>
+NOPAD_HOST_DEVICE inline float keep_scale(uint32_t threshold) {
+#if defined(__CUDA_ARCH__)
+  return __frcp_rn(static_cast<float>(kRange - threshold)) * static_cast<float>(kRange);
+#else
+  return static_cast<float>(static_cast<double>(kRange) / static_cast<double>(kRange - threshold));
+#endif
+}
+// (kRange - threshold) / kRange, exact in float: the kept fraction.
+template <uint32_t kRange>
+NOPAD_HOST_DEVICE inline float keep_fraction(uint32_t threshold) {
+  return static_cast<float>(kRange - threshold) / static_cast<float>(kRange);
+}
+}  // namespace philox_detail
+
 // ------------------------------------------------------------------------------------------------ 16-bit draws
 constexpr uint32_t kDropoutRange = 65536;               // the draws are 16-bit values in [0, 65536)
 constexpr float kDropoutMaxP = 1.0f - 1.0f / 65536.0f;  // largest p that keeps something (threshold 65535)
@@ -147,21 +167,15 @@ NOPAD_HOST_DEVICE inline uint32_t dropout_threshold(float p) {
 // p in [0, 1 - 2^-16]: a probability whose threshold keeps something (NaN fails).
 NOPAD_HOST_DEVICE inline bool dropout_p_supported(float p) { return p >= 0.0f && p <= kDropoutMaxP; }
 
-// Keep-scale 65536 / (65536 - threshold), rounded to float once. The host computes the quotient in double and rounds
-// it; the device computes the correctly rounded float reciprocal of the (exact) integer divisor times 2^16, which is
-// the same float for every threshold (double rounding through double is innocuous for a division: 53 >= 2 * 24 + 2
-// bits; tests/test_philox.cpp checks all 65536 thresholds against the host expression).
+// Keep-scale 65536 / (65536 - threshold), rounded to float once (philox_detail::keep_scale; tests/test_philox.cpp
+// checks all 65536 thresholds of the device expression against the host's).
 NOPAD_HOST_DEVICE inline float dropout_keep_scale(uint32_t threshold) {
-#if defined(__CUDA_ARCH__)
-  return __frcp_rn(static_cast<float>(kDropoutRange - threshold)) * 65536.0f;
-#else
-  return static_cast<float>(65536.0 / static_cast<double>(kDropoutRange - threshold));
-#endif
+  return philox_detail::keep_scale<kDropoutRange>(threshold);
 }
 
 // Its inverse (65536 - threshold) / 65536, exact in float: the kept fraction.
 NOPAD_HOST_DEVICE inline float dropout_keep_fraction(uint32_t threshold) {
-  return static_cast<float>(kDropoutRange - threshold) / static_cast<float>(kDropoutRange);
+  return philox_detail::keep_fraction<kDropoutRange>(threshold);
 }
 
 // Keep decisions. threshold 0 keeps everything without drawing.
@@ -215,18 +229,14 @@ NOPAD_HOST_DEVICE inline float attention_dropout_effective_p(float p) {
   return static_cast<float>(attention_dropout_threshold(p)) / 256.0f;
 }
 
-// Keep-scale 256 / (256 - threshold), rounded to float once (host: in double, then to float; device: the correctly
-// rounded reciprocal times 2^8; the same float for every threshold, checked by tests/test_philox.cpp).
+// Keep-scale 256 / (256 - threshold), rounded to float once (philox_detail::keep_scale; all 256 thresholds checked
+// by tests/test_philox.cpp).
 NOPAD_HOST_DEVICE inline float attention_dropout_keep_scale(uint32_t threshold) {
-#if defined(__CUDA_ARCH__)
-  return __frcp_rn(static_cast<float>(kAttentionDropoutRange - threshold)) * 256.0f;
-#else
-  return static_cast<float>(256.0 / static_cast<double>(kAttentionDropoutRange - threshold));
-#endif
+  return philox_detail::keep_scale<kAttentionDropoutRange>(threshold);
 }
 // Its inverse (256 - threshold) / 256, exact in float: the kept fraction.
 NOPAD_HOST_DEVICE inline float attention_dropout_keep_fraction(uint32_t threshold) {
-  return static_cast<float>(kAttentionDropoutRange - threshold) / static_cast<float>(kAttentionDropoutRange);
+  return philox_detail::keep_fraction<kAttentionDropoutRange>(threshold);
 }
 
 // Keep decisions. threshold 0 keeps everything without drawing.
