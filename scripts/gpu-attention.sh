@@ -122,8 +122,8 @@ if has model; then
           BIN=$NOPAD
           [ "$TREE" = base ] && BIN=$BASE_TREE/build-gpu/nopad
           say "BERT-large batch $MODEL_BATCH, attention schedule $S, backward variant $V, $TREE tree, round $R"
-          with_bwd "$V" timeout "${MODEL_TIMEOUT:-300}" env NOPAD_FMHA_SCHEDULE=$S "$BIN" bench model --model data/configs/bert-large-mlperf.json \
-            --data "$SHARDS" --batch "$MODEL_BATCH" --steps 20 --warmup 5 ${BREAKDOWN:+--breakdown} \
+          with_bwd "$V" timeout "${MODEL_TIMEOUT:-300}" env NOPAD_FMHA_SCHEDULE=$S "$BIN" bench model \
+            --model data/configs/bert-large-mlperf.json --data "$SHARDS" --batch "$MODEL_BATCH" --steps 20 --warmup 5 ${BREAKDOWN:+--breakdown} \
             2>"$OUT/model-$S-bwd$V-$TREE-$R.txt" |
             sed "s/^{/{\"attention_schedule\": \"$S\", \"bwd_variant\": \"$V\", \"tree\": \"$TREE\", /" |
             tee -a "$OUT/model.jsonl" | tee -a "$OUT/summary.txt" || status=1

@@ -21,8 +21,8 @@
 // values scaled by 256 / (256 - threshold). So the attention's p is rounded up to a multiple of 1/256 (0.1 runs as
 // 26/256 = 0.1015625), and the scale is that of the rounded rate, so the mask stays unbiased (E[mask * scale] = 1).
 // Why: these masks cover the L^2 scores and are drawn twice (forward and backward); half the Philox blocks took the
-// FMHA forward at p = 0.1 from 0.445 to 0.394 ms and the BERT-large step from 207.8 to 205.9 ms on an H100
-// (docs/performance.md). FlashAttention-2's dropout quantises p to 8 bits the same way.
+// FMHA forward at p = 0.1 from 0.441 to 0.395 ms and the BERT-large step from 209.1 to 206.4 ms on an H100
+// (docs/performance.md, "8-bit attention dropout draws"). FlashAttention-2's dropout quantises p to 8 bits as well.
 //
 // Rounds: the hidden-state dropouts (memory-bound kernels, where the draws hide under the memory traffic) use the
 // standard 10 rounds. The attention-probability masks use 7 (kAttentionPhiloxRounds): there the draws are the FMHA
@@ -112,6 +112,11 @@ NOPAD_HOST_DEVICE inline uint64_t element_attention(uint32_t head, uint32_t quer
 }
 
 namespace philox_detail {
+// ceil(p * kRange) for p > 0 (exact: p * kRange is exact in float for kRange a power of two), 0 for p <= 0.
+template <uint32_t kRange>
+NOPAD_HOST_DEVICE inline uint32_t threshold(float p) {
+  return p > 0.0f ? static_cast<uint32_t>(ceilf(p * static_cast<float>(kRange))) : 0u;
+}
 // kRange / (kRange - threshold) for draws in [0, kRange), kRange a power of two, rounded to float once. The host
 // computes the quotient in double and rounds it; the device computes the correctly rounded float reciprocal of the
 // (exact) integer divisor times kRange, which is the same float for every threshold (double rounding through double
@@ -161,9 +166,7 @@ NOPAD_HOST_DEVICE inline uint32_t dropout_bits16(uint64_t stream_key, uint64_t s
 
 // Keep iff the 16-bit draw >= threshold = ceil(p * 65536); 0 for p <= 0 (keep all). p * 65536 is exact in float, so
 // this is the exact ceiling. Returns 65536 for p > 1 - 2^-16, which callers reject (dropout_p_supported).
-NOPAD_HOST_DEVICE inline uint32_t dropout_threshold(float p) {
-  return p > 0.0f ? static_cast<uint32_t>(ceilf(p * 65536.0f)) : 0u;
-}
+NOPAD_HOST_DEVICE inline uint32_t dropout_threshold(float p) { return philox_detail::threshold<kDropoutRange>(p); }
 // p in [0, 1 - 2^-16]: a probability whose threshold keeps something (NaN fails).
 NOPAD_HOST_DEVICE inline bool dropout_p_supported(float p) { return p >= 0.0f && p <= kDropoutMaxP; }
 
@@ -218,7 +221,7 @@ NOPAD_HOST_DEVICE inline uint32_t attention_dropout_bits8(uint64_t stream_key, u
 // Keep iff the 8-bit draw >= threshold = ceil(p * 256); 0 for p <= 0 (keep all). p * 256 is exact in float. Returns
 // 256 for p > 1 - 2^-8, which callers reject (attention_dropout_p_supported).
 NOPAD_HOST_DEVICE inline uint32_t attention_dropout_threshold(float p) {
-  return p > 0.0f ? static_cast<uint32_t>(ceilf(p * 256.0f)) : 0u;
+  return philox_detail::threshold<kAttentionDropoutRange>(p);
 }
 // p in [0, 1 - 2^-8] (NaN fails).
 NOPAD_HOST_DEVICE inline bool attention_dropout_p_supported(float p) {
