@@ -368,6 +368,46 @@ TEST(FmhaDropoutExchange, BackwardOctetTransposeGivesEveryLaneItsBits) {
   EXPECT_NEAR(static_cast<double>(kept) / checked, 1.0 - sim.threshold / 256.0, 0.02);
 }
 
+// The wgmma forward's permuted key rows (fmha_dropout::fwd_key_perm): a permutation of each 64-key tile under which
+// lane t's S columns 8 nt + 2 t + h hold the 16 keys of its own blocks, field fwd_own_field(nt, e) being the twin's
+// draw of that (query, key); and the copy loop's stepping (source row perm(row0) + k kStep / 4) is the permutation of
+// row0 + k kStep.
+TEST(FmhaDropoutExchange, ForwardKeyPermutationGivesEveryLaneItsOwnBlocks) {
+  bool seen[64] = {};
+  for (int c = 0; c < 64; ++c) {
+    const int k = fd::fwd_key_perm(c);
+    ASSERT_GE(k, 0);
+    ASSERT_LT(k, 64);
+    ASSERT_FALSE(seen[k]) << "column " << c;
+    seen[k] = true;
+  }
+  for (int step : {16, 32})
+    for (int row0 = 0; row0 < step; ++row0)
+      for (int k = 0; row0 + k * step < 64; ++k)
+        ASSERT_EQ(fd::fwd_key_perm(row0 + k * step), fd::fwd_key_perm(row0) + k * step / 4) << row0 << " " << step;
+  const Sim sim;
+  const auto draw = [&](uint32_t lo, uint32_t hi) { return sim.draw(lo, hi); };
+  int checked = 0;
+  for (uint32_t head : {0u, 11u})
+    for (uint32_t row : {0u, 77u, 131072u + 9u})
+      for (uint32_t key_tile : {0u, 448u})
+        for (uint32_t t = 0; t < 4; ++t) {
+          const Philox4x32 blk = fd::fwd_lane_block(draw, head, row, key_tile, t);
+          for (int nt = 0; nt < 8; ++nt)
+            for (int h = 0; h < 2; ++h) {
+              const uint32_t key = key_tile + fd::fwd_key_perm(8 * nt + 2 * static_cast<int>(t) + h);
+              ASSERT_EQ(key, key_tile + 16 * t + 2 * nt + h);
+              const int f = fd::fwd_own_field(nt, h);
+              ASSERT_EQ(f >> 2, nt >> 1);  // word nt >> 1 ...
+              ASSERT_EQ(f & 3, 2 * (nt & 1) + h);  // ... byte 2 (nt & 1) + h: the halves drop_fragments widens
+              const uint32_t field = (blk.v[f >> 2] >> (8 * (f & 3))) & 0xFF;
+              ASSERT_EQ(field >= sim.threshold, sim.keep(head, row, key)) << "t " << t << " nt " << nt << " h " << h;
+              ++checked;
+            }
+        }
+  EXPECT_EQ(checked, 2 * 3 * 2 * 4 * 16);
+}
+
 // Queries that are a subset of a sequence's rows (FmhaParams::q_positions): each row or query column of a tile carries
 // an arbitrary position, and every lane must still end up with the bits of those positions.
 TEST(FmhaDropoutExchange, RowsAtAnyPositionsGetTheirOwnBits) {

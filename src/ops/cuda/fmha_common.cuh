@@ -48,24 +48,29 @@ using nopad::cuda::smem_u32;
 // swizzled shared tile, planned once per thread: thread tid copies chunk tid % (HD/8) of rows row0 + k * kStep
 // (kStep = kThreads / (HD/8), k < kIters). kStep is a multiple of 8, so the swizzle is the same for all k and the
 // shared offset of copy k is smem_off + k * kStep * HD; the global pointer advances by kStep * ld. Each tile load is
-// then a compare, a pointer add and a cp.async per copy.
-template <int HD, int kRows, int kThreads>
+// then a compare, a pointer add and a cp.async per copy. kPermuteKeys (64-row K/V tiles of the wgmma forward): row r
+// takes source row fmha_dropout::fwd_key_perm(r), and the global pointer advances by kStep / 4 rows per copy.
+template <int HD, int kRows, int kThreads, bool kPermuteKeys = false>
 struct TileCopy {
   static constexpr int kChunks = HD / 8;
   static constexpr int kStep = kThreads / kChunks;
   static constexpr int kIters = kRows / kStep;
   static_assert(kThreads % kChunks == 0 && kStep % 8 == 0 && kRows % kStep == 0, "whole rounds of 16-byte copies");
-  int row0;        // first row this thread copies
+  static_assert(!kPermuteKeys || kRows == kTile, "key permutation of whole 64-key tiles");
+  // Source rows between a thread's copies: row r = row0 + k kStep takes fwd_key_perm(r) = fwd_key_perm(row0) +
+  // k kStep / 4 (kStep is a multiple of 8, so r's bits 0-2 are row0's).
+  static constexpr int kSrcStep = kPermuteKeys ? kStep / 4 : kStep;
+  int src_row0;    // the source row of this thread's first copy
   int smem_off;    // element offset of its first copy in the swizzled tile
   int64_t g_off;   // element offset of its first copy from the tile's row 0 in global memory
-  int64_t g_step;  // kStep * ld
+  int64_t g_step;  // kSrcStep * ld
   __device__ __forceinline__ explicit TileCopy(int64_t ld) {
     const int tid = static_cast<int>(threadIdx.x);
-    row0 = tid / kChunks;
-    const int c = tid % kChunks;
+    const int row0 = tid / kChunks, c = tid % kChunks;  // first shared row this thread copies, its chunk
     smem_off = swz<HD>(row0, c);
-    g_off = row0 * ld + c * 8;
-    g_step = kStep * ld;
+    src_row0 = kPermuteKeys ? fmha_dropout::fwd_key_perm(row0) : row0;
+    g_off = src_row0 * ld + c * 8;
+    g_step = kSrcStep * ld;
   }
   // Copies rows [0, kRows) of the tile whose row 0 is at g; rows >= nvalid (>= 1) are zero-filled and not read (the
   // source pointer of such a copy is clamped to row 0, which exists). (Zero-filling them with predicated shared
@@ -74,7 +79,7 @@ struct TileCopy {
     const uint16_t* src = g + g_off;
 #pragma unroll
     for (int k = 0; k < kIters; ++k) {
-      const bool ok = row0 + k * kStep < nvalid;
+      const bool ok = src_row0 + k * kSrcStep < nvalid;
       cp_async16(tile + smem_off + k * kStep * HD, ok ? src : g, ok);
       src += g_step;
     }

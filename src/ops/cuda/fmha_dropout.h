@@ -70,9 +70,23 @@ NOPAD_HOST_DEVICE constexpr int fwd_bit(int nt, int e) {
   return 16 * (e >> 1) + 4 * (nt >> 1) + 2 * (nt & 1) + (e & 1);
 }
 
+// The wgmma forward loads each 64-key K/V tile with its rows permuted: shared-memory row (= S column) c holds key
+// key_tile + fwd_key_perm(c). Lane t's S columns 8 nt + 2 t + h then hold keys key_tile + 16 t + 2 nt + h: exactly the
+// 16 keys of the lane's own blocks (fwd_lane_bits_at's), field 2 nt + h (word nt >> 1, byte 2 (nt & 1) + h), so that
+// kernel needs no lane exchange. Its keep decisions for the packed P fragment of n-tile nt, rows g / g + 8, are the
+// two bytes 2 (nt & 1), + 1 of word nt >> 1 of the block of row g / g + 8 (fwd_own_field).
+NOPAD_HOST_DEVICE constexpr int fwd_key_perm(int c) { return 16 * ((c >> 1) & 3) + 2 * (c >> 3) + (c & 1); }
+NOPAD_HOST_DEVICE constexpr int fwd_own_field(int nt, int e) { return 2 * nt + (e & 1); }
+
 // pos_g and pos_g8: the query positions (within the sequence: the dropout key) of the lane's rows g and g + 8. They are
 // the rows' own indices when every row of the sequence is a query (fwd_lane_bits), any positions when the queries are
 // a subset of the rows (FmhaParams::q_positions).
+// Lane t's block of row position pos: keys key_tile + 16 t .. + 15 (rows g and g + 8 take one each).
+template <class Draw>
+NOPAD_HOST_DEVICE inline Philox4x32 fwd_lane_block(Draw&& draw, uint32_t head, uint32_t pos, uint32_t key_tile,
+                                                   uint32_t t) {
+  return draw(block_lo(pos, key_tile + 16u * t), block_hi(head, pos));
+}
 template <class Draw>
 NOPAD_HOST_DEVICE inline uint32_t fwd_lane_bits_at(Draw&& draw, uint32_t threshold, uint32_t head, uint32_t pos_g,
                                                    uint32_t pos_g8, uint32_t key_tile, uint32_t t) {
@@ -80,8 +94,7 @@ NOPAD_HOST_DEVICE inline uint32_t fwd_lane_bits_at(Draw&& draw, uint32_t thresho
   uint32_t x = 0;
   NOPAD_FMHA_UNROLL
   for (int rr = 1; rr >= 0; --rr) {
-    const uint32_t row = rr ? pos_g8 : pos_g;
-    const Philox4x32 b = draw(block_lo(row, key_tile + 16u * t), block_hi(head, row));
+    const Philox4x32 b = fwd_lane_block(draw, head, rr ? pos_g8 : pos_g, key_tile, t);
     NOPAD_FMHA_UNROLL
     for (int f = 15; f >= 0; --f) {  // bit position p = 4 s + 2 c + h, descending: field 8 c + 2 s + h
       const int s = f >> 2, c = (f >> 1) & 1, h = f & 1;

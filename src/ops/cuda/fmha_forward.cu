@@ -20,7 +20,9 @@ namespace fmha_detail {
 // Online softmax of one key tile: keys >= kvalid to -inf (kPartial), the running max and sum of rows g, g + 8
 // updated, s replaced by exp2(s * scale_log2 - max * scale_log2), O rescaled. Raw scores: scale > 0, so the max
 // commutes with the scaling, which folds into one FFMA per element before exp2.
-template <bool kPartial, int kDTiles>
+// kPermutedKeys: the tile's key rows were loaded permuted (fmha_dropout::fwd_key_perm), column 8 nt + 2 t + h holds
+// key 16 t + 2 nt + h of the tile.
+template <bool kPartial, int kDTiles, bool kPermutedKeys = false>
 __device__ __forceinline__ void softmax_tile(float (&s)[kTile / 8][4], float (&acc)[kDTiles][4], float (&row_max)[2],
                                              float (&row_sum)[2], int kvalid, int t, float scale_log2) {
   constexpr int kNTiles = kTile / 8;
@@ -28,8 +30,10 @@ __device__ __forceinline__ void softmax_tile(float (&s)[kTile / 8][4], float (&a
 #pragma unroll
     for (int nt = 0; nt < kNTiles; ++nt)
 #pragma unroll
-      for (int e = 0; e < 4; ++e)
-        if (nt * 8 + 2 * t + (e & 1) >= kvalid) s[nt][e] = -INFINITY;
+      for (int e = 0; e < 4; ++e) {
+        const int key = kPermutedKeys ? 16 * t + 2 * nt + (e & 1) : nt * 8 + 2 * t + (e & 1);
+        if (key >= kvalid) s[nt][e] = -INFINITY;
+      }
   }
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
@@ -65,6 +69,29 @@ __device__ __forceinline__ void drop_tile(float (&s)[kTile / 8][4], uint32_t kee
   for (int nt = 0; nt < kTile / 8; ++nt)
 #pragma unroll
     for (int e = 0; e < 4; ++e) s[nt][e] = ((keep >> fmha_dropout::fwd_bit(nt, e)) & 1u) ? s[nt][e] : 0.0f;
+}
+
+// Dropout on the packed P' fragments of the wgmma forward (keys permuted, so the lane's own blocks hold its bits):
+// a[kk][0] / [2] are row g's n-tiles 2kk / 2kk + 1, fields 4kk + {0, 1} / {2, 3} of block b0 (row g), i.e. bytes 0-1 /
+// 2-3 of its word kk; a[kk][1] / [3] the same of b1 (row g + 8). Each byte pair is widened to two 16-bit halves
+// (PRMT), compared as f16 bit patterns with the threshold in both halves (0..255 are non-negative subnormal f16s and
+// order like the integers; set.ge gives 0xFFFF per kept half), and the mask ANDed into the packed values.
+__device__ __forceinline__ uint32_t keep_halves(uint32_t word, uint32_t selector, uint32_t threshold2) {
+  uint32_t halves, mask;
+  asm("prmt.b32 %0, %1, 0, %2;\n" : "=r"(halves) : "r"(word), "r"(selector));
+  asm("set.ge.u32.f16x2 %0, %1, %2;\n" : "=r"(mask) : "r"(halves), "r"(threshold2));
+  return mask;
+}
+__device__ __forceinline__ void drop_fragments(uint32_t (&a)[kTile / 16][4], const Philox4x32& b0, const Philox4x32& b1,
+                                               uint32_t threshold2) {
+  constexpr uint32_t kLo = 0x4140u, kHi = 0x4342u;  // bytes 0, 1 / 2, 3 of the word, each over a zero byte
+#pragma unroll
+  for (int kk = 0; kk < kTile / 16; ++kk) {
+    a[kk][0] &= keep_halves(b0.v[kk], kLo, threshold2);
+    a[kk][2] &= keep_halves(b0.v[kk], kHi, threshold2);
+    a[kk][1] &= keep_halves(b1.v[kk], kLo, threshold2);
+    a[kk][3] &= keep_halves(b1.v[kk], kHi, threshold2);
+  }
 }
 
 // Epilogue of one warp's 16 rows, rows mrow .. mrow + 15 of the query tile that starts at query q0 (s0, L: the
@@ -310,9 +337,11 @@ __global__ void __launch_bounds__(32 * kWarps, kMinCtas) fmha_fwd_kernel(const _
 // ------------------------------------------------------------------------------------------------ Hopper (wgmma)
 // head_dim 64 on warpgroup MMAs (sm_90a): kWG warpgroups x 64 query rows per CTA. S = Q K^T reads both operands from
 // shared memory through descriptors (the tensor cores read each K tile once per warpgroup, where mma.sync needs one
-// ldmatrix pass per warp), O += P' V takes P' from registers. The tile loads, softmax, dropout and epilogue are those
-// of fmha_fwd_kernel: per warp the accumulators have the same layout (fmha_wgmma.cuh). The Philox draws of a tile are
-// issued between the S products and their wait, so their integer work overlaps the tensor cores.
+// ldmatrix pass per warp), O += P' V takes P' from registers. Softmax and epilogue are those of fmha_fwd_kernel: per
+// warp the accumulators have the same layout (fmha_wgmma.cuh). The K/V tiles are loaded with their rows permuted
+// (fmha_dropout::fwd_key_perm), so each lane's S columns hold the keys of its own two Philox blocks and the dropout
+// needs no lane exchange: drop_fragments masks the packed P' directly. The Philox draws of a tile are issued between
+// the S products and their wait, so their integer work overlaps the tensor cores.
 template <int kWG>
 struct FwdWgShape {
   static constexpr int kBlockM = 64 * kWG;
@@ -350,7 +379,9 @@ __global__ void __launch_bounds__(128 * kWG, kMinCtas) fmha_fwd_wgmma_kernel(con
     const TileCopy<HD, Sh::kBlockM, Sh::kThreads> q_copy(ld);
     q_copy.load(sQ, query_source(p) + int64_t{qs0 + q0} * ld + head * HD, Lq - q0);
   }
-  const TileCopy<HD, kTile, Sh::kThreads> kv_copy(ld);
+  // K and V rows permuted within each tile (fmha_dropout::fwd_key_perm): each lane's S columns then hold the keys of
+  // its own Philox blocks, so the dropout needs no lane exchange. Softmax and P' V do not depend on the key order.
+  const TileCopy<HD, kTile, Sh::kThreads, true> kv_copy(ld);
   kv_copy.load(sK, gK, L);
   kv_copy.load(sV, gV, L);
   cp_async_commit();
@@ -367,9 +398,11 @@ __global__ void __launch_bounds__(128 * kWG, kMinCtas) fmha_fwd_wgmma_kernel(con
 
   const MaskDraw draw = mask_draw<kDrop>(args, b);
   [[maybe_unused]] uint32_t qpos[2];  // dropout keys of the lane's rows g and g + 8
+  [[maybe_unused]] uint32_t threshold2 = 0;  // the threshold in both 16-bit halves (drop_fragments)
   if constexpr (kDrop) {
     qpos[0] = query_position(p, qs0, Lq, q0 + wrow + g);
     qpos[1] = query_position(p, qs0, Lq, q0 + wrow + g + 8);
+    threshold2 = args.threshold * 0x00010001u;
   }
 
   const auto tile = [&](const uint16_t* k, const uint16_t* v, int kbase, auto partial) {
@@ -382,23 +415,23 @@ __global__ void __launch_bounds__(128 * kWG, kMinCtas) fmha_fwd_wgmma_kernel(con
 #pragma unroll
     for (int kk = 0; kk < HD / 16; ++kk) wgmma_ss<kFp16, 0, 0>(s, desc_q + kk * kDescStepK, desc_k + kk * kDescStepK, kk > 0);
     wgmma_commit();
-    [[maybe_unused]] uint32_t keep = 0;  // read only with dropout
+    // The lane's two Philox blocks (rows g and g + 8, keys kbase + 16 t ..), drawn while the products run.
+    [[maybe_unused]] Philox4x32 b0, b1;
     if constexpr (kDrop) {
-      keep = lane_transpose<4, 0>(fmha_dropout::fwd_lane_bits_at(draw, args.threshold, static_cast<uint32_t>(head),
-                                                                 qpos[0], qpos[1], static_cast<uint32_t>(kbase),
-                                                                 static_cast<uint32_t>(t)),
-                                  static_cast<uint32_t>(t));
+      const uint32_t h = static_cast<uint32_t>(head), kt = static_cast<uint32_t>(kbase), lt = static_cast<uint32_t>(t);
+      b0 = fmha_dropout::fwd_lane_block(draw, h, qpos[0], kt, lt);
+      b1 = fmha_dropout::fwd_lane_block(draw, h, qpos[1], kt, lt);
     }
     wgmma_wait<0>();
     fence_regs(s);
 
-    softmax_tile<kPartial>(s, acc, row_max, row_sum, kvalid, t, args.scale_log2);
-    if constexpr (kDrop) drop_tile(s, keep);
+    softmax_tile<kPartial, kDTiles, true>(s, acc, row_max, row_sum, kvalid, t, args.scale_log2);
 
     // O += P' V: A = P' (the S accumulators of n-tiles 2kk, 2kk+1), B = the V tile as an MN-major operand.
     uint32_t a[kTile / 16][4];
 #pragma unroll
     for (int kk = 0; kk < kTile / 16; ++kk) a_fragment<kFp16>(s, kk, a[kk]);
+    if constexpr (kDrop) drop_fragments(a, b0, b1, threshold2);
     const uint64_t desc_v = wgmma_desc(v);
     wgmma_fence();  // acc was rescaled by ordinary instructions
 #pragma unroll
