@@ -16,8 +16,10 @@
 #   TEST_TIMEOUT=300 BENCH_TIMEOUT=300 MODEL_TIMEOUT=300   seconds before the tests / each attention bench / each
 #                                 model run are stopped (a kernel that hangs costs minutes, not the whole device call)
 #   NCU_KERNELS NCU_DROPOUT NCU_VARIANTS   the ncu stage's kernel regexes, dropout and backward variants (default:
-#                                 BWD_VARIANTS); NCU_SOURCE=1 adds per-instruction stall samples (ncu-*-sass.csv,
-#                                 summarised by scripts/ncu_sass_summary.py into ncu-*-summary.txt)
+#                                 BWD_VARIANTS); NCU_SCHEDULES="single sorted" profiles each one-launch order (default
+#                                 single; the reports of other orders are named ncu-<kernel>-bwd<V>-<order>);
+#                                 NCU_SOURCE=1 adds per-instruction stall samples (ncu-*-sass.csv, summarised by
+#                                 scripts/ncu_sass_summary.py into ncu-*-summary.txt)
 #   NOPAD_CMAKE_EXTRA             extra CMake arguments (e.g. -DCMAKE_CUDA_ARCHITECTURES=90a-real)
 #   BASE_TREE=DIR                 another nopad source tree (`git archive <ref> | tar -x -C .carry/base`, carried):
 #                                 built too (beside this tree), the bench stage runs its `nopad bench attention` right
@@ -146,14 +148,18 @@ EOF
 fi
 
 if has ncu; then
-  # One launch of each main kernel (a single-launch forward or backward at dropout NCU_DROPOUT, default 0.1) under
-  # ncu: where the time goes, incl. the warp stall reasons. NCU_KERNELS="fmha_fwd_wgmma fmha_bwd_wgmma" (regexes).
+  # One launch of each main kernel (a one-launch forward or backward at dropout NCU_DROPOUT, default 0.1) under ncu:
+  # where the time goes, incl. the warp stall reasons. NCU_KERNELS (regexes) defaults to the sm_90a defaults, the
+  # wg64 forward and the ws128q backward.
   for V in ${NCU_VARIANTS:-${BWD_VARIANTS:-default}}; do
-    for K in ${NCU_KERNELS:-fmha_fwd_wgmma fmha_bwd_wgmma}; do
-      say "ncu: $K, backward variant $V, dropout ${NCU_DROPOUT:-0.1}"
-      with_bwd "$V" ncu --clock-control none -k regex:$K --launch-count 1 --section SpeedOfLight \
-        --section Occupancy --section WarpStateStats --section SchedulerStats --section ComputeWorkloadAnalysis \
-        --section MemoryWorkloadAnalysis --section LaunchStats --metrics lts__t_sectors_op_red.sum,\
+    for SCH in ${NCU_SCHEDULES:-single}; do
+      for K0 in ${NCU_KERNELS:-fmha_fwd_wgmma fmha_bwd_wsq}; do
+        K=$K0 R=$K0  # K: the regex; R: the report name
+        [ "$SCH" = single ] || R=$K0-$SCH
+        say "ncu: $K, backward variant $V, dropout ${NCU_DROPOUT:-0.1}, schedule $SCH"
+        with_bwd "$V" ncu --clock-control none -k regex:$K --launch-count 1 --section SpeedOfLight \
+          --section Occupancy --section WarpStateStats --section SchedulerStats --section ComputeWorkloadAnalysis \
+          --section MemoryWorkloadAnalysis --section LaunchStats --metrics lts__t_sectors_op_red.sum,\
 sm__inst_executed_pipe_tensor_op_gmma.avg.pct_of_peak_sustained_active,\
 l1tex__data_pipe_lsu_wavefronts_mem_shared.sum,smsp__inst_executed.sum,\
 smsp__average_warp_latency_issue_stalled_barrier.ratio,smsp__average_warp_latency_issue_stalled_long_scoreboard.ratio,\
@@ -165,18 +171,19 @@ smsp__average_warp_latency_issue_stalled_misc.ratio,smsp__average_warp_latency_i
 smsp__average_warp_latency_issue_stalled_not_selected.ratio,smsp__average_warp_latency_issue_stalled_selected.ratio,\
 smsp__average_warp_latency_issue_stalled_no_instruction.ratio,smsp__average_warp_latency_issue_stalled_drain.ratio,\
 smsp__average_warp_latency_issue_stalled_imc_miss.ratio,smsp__average_warp_latency_issue_stalled_tex_throttle.ratio \
-        ${NCU_SOURCE:+--section SourceCounters --import-source no -f -o "$OUT/ncu-$K-bwd$V"} \
-        "$NOPAD" bench attention --data "$SHARDS" --batch "$BATCH" --batches 1 --schedules single \
-        --dropout "${NCU_DROPOUT:-0.1}" --reps 1 --warmup 0 ${BENCH_BIAS:+--bias-grad} >"$OUT/ncu-$K-bwd$V.txt" 2>&1 ||
-        status=1
-      if [ -n "${NCU_SOURCE:-}" ]; then  # NCU_SOURCE=1: the report saved, its details and per-instruction stall samples
-        ncu -i "$OUT/ncu-$K-bwd$V.ncu-rep" >>"$OUT/ncu-$K-bwd$V.txt" 2>&1
-        ncu -i "$OUT/ncu-$K-bwd$V.ncu-rep" --page source --csv --print-source sass >"$OUT/ncu-$K-bwd$V-sass.csv" 2>&1
-        python3 scripts/ncu_sass_summary.py "$OUT/ncu-$K-bwd$V-sass.csv" >"$OUT/ncu-$K-bwd$V-summary.txt" 2>&1 || true
-        rm -f "$OUT/ncu-$K-bwd$V.ncu-rep"
-      fi
-      grep -E "Duration|Throughput|Registers Per|Achieved Occupancy|Eligible Warps|Issue Slots|Spilling Requests  |op_red|gmma|wavefronts|inst_executed.sum|stalled|Warp Cycles Per|Active Warps|No Eligible" \
-        "$OUT/ncu-$K-bwd$V.txt" | head -60
+          ${NCU_SOURCE:+--section SourceCounters --import-source no -f -o "$OUT/ncu-$R-bwd$V"} \
+          "$NOPAD" bench attention --data "$SHARDS" --batch "$BATCH" --batches 1 --schedules "$SCH" \
+          --dropout "${NCU_DROPOUT:-0.1}" --reps 1 --warmup 0 ${BENCH_BIAS:+--bias-grad} >"$OUT/ncu-$R-bwd$V.txt" 2>&1 ||
+          status=1
+        if [ -n "${NCU_SOURCE:-}" ]; then  # NCU_SOURCE=1: the report saved, its details and per-instruction stall samples
+          ncu -i "$OUT/ncu-$R-bwd$V.ncu-rep" >>"$OUT/ncu-$R-bwd$V.txt" 2>&1
+          ncu -i "$OUT/ncu-$R-bwd$V.ncu-rep" --page source --csv --print-source sass >"$OUT/ncu-$R-bwd$V-sass.csv" 2>&1
+          python3 scripts/ncu_sass_summary.py "$OUT/ncu-$R-bwd$V-sass.csv" >"$OUT/ncu-$R-bwd$V-summary.txt" 2>&1 || true
+          rm -f "$OUT/ncu-$R-bwd$V.ncu-rep"
+        fi
+        grep -E "Duration|Throughput|Registers Per|Achieved Occupancy|Eligible Warps|Issue Slots|Spilling Requests  |op_red|gmma|wavefronts|inst_executed.sum|stalled|Warp Cycles Per|Active Warps|No Eligible" \
+          "$OUT/ncu-$R-bwd$V.txt" | head -60
+      done
     done
   done
 fi
