@@ -78,15 +78,16 @@ NOPAD_HOST_DEVICE constexpr int fwd_bit(int nt, int e) {
 NOPAD_HOST_DEVICE constexpr int fwd_key_perm(int c) { return 16 * ((c >> 1) & 3) + 2 * (c >> 3) + (c & 1); }
 NOPAD_HOST_DEVICE constexpr int fwd_own_field(int nt, int e) { return 2 * nt + (e & 1); }
 
-// pos_g and pos_g8: the query positions (within the sequence: the dropout key) of the lane's rows g and g + 8. They are
-// the rows' own indices when every row of the sequence is a query (fwd_lane_bits), any positions when the queries are
-// a subset of the rows (FmhaParams::q_positions).
 // Lane t's block of row position pos: keys key_tile + 16 t .. + 15 (rows g and g + 8 take one each).
 template <class Draw>
 NOPAD_HOST_DEVICE inline Philox4x32 fwd_lane_block(Draw&& draw, uint32_t head, uint32_t pos, uint32_t key_tile,
                                                    uint32_t t) {
   return draw(block_lo(pos, key_tile + 16u * t), block_hi(head, pos));
 }
+
+// pos_g and pos_g8: the query positions (within the sequence: the dropout key) of the lane's rows g and g + 8. They are
+// the rows' own indices when every row of the sequence is a query (fwd_lane_bits), any positions when the queries are
+// a subset of the rows (FmhaParams::q_positions).
 template <class Draw>
 NOPAD_HOST_DEVICE inline uint32_t fwd_lane_bits_at(Draw&& draw, uint32_t threshold, uint32_t head, uint32_t pos_g,
                                                    uint32_t pos_g8, uint32_t key_tile, uint32_t t) {
