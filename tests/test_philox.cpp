@@ -397,6 +397,7 @@ TEST(FmhaDropoutExchange, ForwardKeyPermutationGivesEveryLaneItsOwnBlocks) {
             for (int h = 0; h < 2; ++h) {
               const uint32_t key = key_tile + fd::fwd_key_perm(8 * nt + 2 * static_cast<int>(t) + h);
               ASSERT_EQ(key, key_tile + 16 * t + 2 * nt + h);
+              ASSERT_EQ(key, key_tile + fd::fwd_permuted_key(nt, static_cast<int>(t), h));
               const int f = fd::fwd_own_field(nt, h);
               ASSERT_EQ(f >> 2, nt >> 1);  // word nt >> 1 ...
               ASSERT_EQ(f & 3, 2 * (nt & 1) + h);  // ... byte 2 (nt & 1) + h: the halves drop_fragments widens

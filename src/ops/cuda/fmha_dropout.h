@@ -76,6 +76,8 @@ NOPAD_HOST_DEVICE constexpr int fwd_bit(int nt, int e) {
 // kernel needs no lane exchange. Its keep decisions for the packed P fragment of n-tile nt, rows g / g + 8, are the
 // two bytes 2 (nt & 1), + 1 of word nt >> 1 of the block of row g / g + 8 (fwd_own_field).
 NOPAD_HOST_DEVICE constexpr int fwd_key_perm(int c) { return 16 * ((c >> 1) & 3) + 2 * (c >> 3) + (c & 1); }
+// fwd_key_perm(8 nt + 2 t + (e & 1)) for lane t < 4: the key (within the tile) of accumulator element e of n-tile nt.
+NOPAD_HOST_DEVICE constexpr int fwd_permuted_key(int nt, int t, int e) { return 16 * t + 2 * nt + (e & 1); }
 NOPAD_HOST_DEVICE constexpr int fwd_own_field(int nt, int e) { return 2 * nt + (e & 1); }
 
 // Lane t's block of row position pos: keys key_tile + 16 t .. + 15 (rows g and g + 8 take one each).

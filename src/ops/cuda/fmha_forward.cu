@@ -31,7 +31,7 @@ __device__ __forceinline__ void softmax_tile(float (&s)[kTile / 8][4], float (&a
     for (int nt = 0; nt < kNTiles; ++nt)
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
-        const int key = kPermutedKeys ? 16 * t + 2 * nt + (e & 1) : nt * 8 + 2 * t + (e & 1);
+        const int key = kPermutedKeys ? fmha_dropout::fwd_permuted_key(nt, t, e) : nt * 8 + 2 * t + (e & 1);
         if (key >= kvalid) s[nt][e] = -INFINITY;
       }
   }
@@ -72,10 +72,11 @@ __device__ __forceinline__ void drop_tile(float (&s)[kTile / 8][4], uint32_t kee
 }
 
 // Dropout on the packed P' fragments of the wgmma forward (keys permuted, so the lane's own blocks hold its bits):
-// a[kk][0] / [2] are row g's n-tiles 2kk / 2kk + 1, fields 4kk + {0, 1} / {2, 3} of block b0 (row g), i.e. bytes 0-1 /
-// 2-3 of its word kk; a[kk][1] / [3] the same of b1 (row g + 8). Each byte pair is widened to two 16-bit halves
-// (PRMT), compared as f16 bit patterns with the threshold in both halves (0..255 are non-negative subnormal f16s and
-// order like the integers; set.ge gives 0xFFFF per kept half), and the mask ANDed into the packed values.
+// a[kk][2j] / a[kk][2j + 1] are the pair (elements 0-1 / 2-3) of n-tile 2kk + j for row g / g + 8, whose keep draws are
+// fields fwd_own_field(2kk + j, 0) and + 1 (two adjacent bytes of one word) of block b0 / b1. Each byte pair is widened
+// to two 16-bit halves (PRMT), compared as f16 bit patterns with the threshold in both halves (0..255 are
+// non-negative subnormal f16s and order like the integers; set.ge gives 0xFFFF per kept half), and the mask ANDed
+// into the packed values.
 __device__ __forceinline__ uint32_t keep_halves(uint32_t word, uint32_t selector, uint32_t threshold2) {
   uint32_t halves, mask;
   asm("prmt.b32 %0, %1, 0, %2;\n" : "=r"(halves) : "r"(word), "r"(selector));
@@ -84,14 +85,17 @@ __device__ __forceinline__ uint32_t keep_halves(uint32_t word, uint32_t selector
 }
 __device__ __forceinline__ void drop_fragments(uint32_t (&a)[kTile / 16][4], const Philox4x32& b0, const Philox4x32& b1,
                                                uint32_t threshold2) {
-  constexpr uint32_t kLo = 0x4140u, kHi = 0x4342u;  // bytes 0, 1 / 2, 3 of the word, each over a zero byte
 #pragma unroll
-  for (int kk = 0; kk < kTile / 16; ++kk) {
-    a[kk][0] &= keep_halves(b0.v[kk], kLo, threshold2);
-    a[kk][2] &= keep_halves(b0.v[kk], kHi, threshold2);
-    a[kk][1] &= keep_halves(b1.v[kk], kLo, threshold2);
-    a[kk][3] &= keep_halves(b1.v[kk], kHi, threshold2);
-  }
+  for (int kk = 0; kk < kTile / 16; ++kk)
+#pragma unroll
+    for (int r = 0; r < 2; ++r)  // row g (block b0), then row g + 8 (block b1)
+#pragma unroll
+      for (int j = 0; j < 2; ++j) {
+        const int f = fmha_dropout::fwd_own_field(2 * kk + j, 0);  // word f >> 2, bytes f & 3 and + 1
+        // PRMT selector: output bytes 0 and 2 from source bytes f & 3 and (f & 3) + 1, bytes 1 and 3 zero (byte 4).
+        const uint32_t sel = 0x4040u | static_cast<uint32_t>(f & 3) | static_cast<uint32_t>((f & 3) + 1) << 8;
+        a[kk][2 * j + r] &= keep_halves((r ? b1 : b0).v[f >> 2], sel, threshold2);
+      }
 }
 
 // Epilogue of one warp's 16 rows, rows mrow .. mrow + 15 of the query tile that starts at query q0 (s0, L: the
