@@ -153,9 +153,9 @@ if has ncu; then
   # wg64 forward and the ws128q backward.
   for V in ${NCU_VARIANTS:-${BWD_VARIANTS:-default}}; do
     for SCH in ${NCU_SCHEDULES:-single}; do
-      for K0 in ${NCU_KERNELS:-fmha_fwd_wgmma fmha_bwd_wsq}; do
-        K=$K0 R=$K0  # K: the regex; R: the report name
-        [ "$SCH" = single ] || R=$K0-$SCH
+      for K in ${NCU_KERNELS:-fmha_fwd_wgmma fmha_bwd_wsq}; do
+        R=$K  # the report name: the regex, plus the schedule unless it is the default one
+        [ "$SCH" = single ] || R=$K-$SCH
         say "ncu: $K, backward variant $V, dropout ${NCU_DROPOUT:-0.1}, schedule $SCH"
         with_bwd "$V" ncu --clock-control none -k regex:$K --launch-count 1 --section SpeedOfLight \
           --section Occupancy --section WarpStateStats --section SchedulerStats --section ComputeWorkloadAnalysis \
