@@ -832,7 +832,12 @@ struct BwdWsqShape {
   static_assert(kProducerRegs * 128 + kConsumerRegs * 256 <= 168 * kThreads, "register budget of the CTA");
   static constexpr uint64_t kDescTile = kTileBytes >> 4;  // descriptor advance of one 64-row tile (64 x 128 bytes)
   // Named barriers of the consumers (id + c for consumer c): kBarStage, consumer c's dQ stage written (its 128
-  // threads); kBarDsDone, consumer c's dS^T rows written (c arrives, the other consumer waits: 256 threads).
+  // threads); kBarDsDone + 2 (tile parity), consumer c's dS^T rows of the tile written (c arrives, the other consumer
+  // waits: 256 threads). By tile parity because nothing else stops a consumer from arriving at its next tile's
+  // barrier before the other has waited at this one (the waiting side's thread 0 first waits for a bulk reduction to
+  // read its dQ stage): two arrivals in one phase would complete it early and deadlock the CTA. With two barriers,
+  // a consumer's arrival at tile n + 2 follows its wait at tile n + 1 for the other's arrival there, which the other
+  // makes only after its wait at tile n.
   static constexpr int kBarStage = 1, kBarDsDone = 3;
 };
 
@@ -1110,10 +1115,11 @@ __global__ void __launch_bounds__(384, 1)
       issue_dkv(1);
       wgmma_commit();
       fence_proxy_async();  // this thread's dS^T stores, visible to the tensor cores
-      named_barrier_arrive(Sh::kBarDsDone + c, 256);
+      const int bar_ds = Sh::kBarDsDone + 2 * (gt & 1);
+      named_barrier_arrive(bar_ds + c, 256);
       if (ctid == 0) bulk_wait_read<0>();  // the dQ stage's last reductions have read it
       // The other consumer's dS^T rows are written (and, as all of this consumer's threads pass, its dQ stage free).
-      named_barrier_sync(Sh::kBarDsDone + (1 - c), 256);
+      named_barrier_sync(bar_ds + (1 - c), 256);
 
       // dQ (this consumer's 64 queries x 64 head dims) = dS K over the 128 keys; this warp holds queries 16 warp ..
       wgmma_fence();
