@@ -57,7 +57,17 @@ if has tests; then
   say "FMHA tests (${CUDA_TEST_FILTER:-Fmha.*})"
   # A time limit, so that a kernel that hangs (a barrier protocol gone wrong) costs minutes, not the whole call.
   timeout "${TEST_TIMEOUT:-300}" build-gpu/nopad_cuda_tests --gtest_filter="${CUDA_TEST_FILTER:-Fmha.*}" \
-    >"$OUT/tests.log" 2>&1 || { status=1; echo "nopad_cuda_tests failed or timed out (rc $?)" | tee -a "$OUT/summary.txt"; }
+    >"$OUT/tests.log" 2>&1 || {
+    rc=$?  # before anything else runs: 124 is the time limit, anything else the tests' own failure
+    status=1
+    if [ "$rc" = 124 ]; then
+      echo "nopad_cuda_tests stopped at the ${TEST_TIMEOUT:-300} s limit (TEST_TIMEOUT) after" \
+        "$(grep -c '^\[       OK' "$OUT/tests.log") passed tests; failed: $(grep -c '^\[  FAILED  \] [A-Za-z]' "$OUT/tests.log")" |
+        tee -a "$OUT/summary.txt"
+    else
+      echo "nopad_cuda_tests failed (rc $rc)" | tee -a "$OUT/summary.txt"
+    fi
+  }
   grep -E "^\[ +(OK|FAILED) +\]|PASSED|FAILED|planned launches|fmha perf" "$OUT/tests.log" | tee -a "$OUT/summary.txt"
 fi
 
