@@ -22,6 +22,7 @@
 
 #include "ops/cuda/fmha_common.cuh"
 #include "ops/cuda/fmha_wgmma.cuh"
+#include "ops/cuda/fmha_wsq_barriers.h"
 #include "ops/cuda/tensor_map.h"
 
 namespace nopad::cuda {
@@ -831,14 +832,11 @@ struct BwdWsqShape {
   static constexpr int kProducerRegs = 56, kConsumerRegs = 224;
   static_assert(kProducerRegs * 128 + kConsumerRegs * 256 <= 168 * kThreads, "register budget of the CTA");
   static constexpr uint64_t kDescTile = kTileBytes >> 4;  // descriptor advance of one 64-row tile (64 x 128 bytes)
-  // Named barriers of the consumers (id + c for consumer c): kBarStage, consumer c's dQ stage written (its 128
-  // threads); kBarDsDone + 2 (tile parity), consumer c's dS^T rows of the tile written (c arrives, the other consumer
-  // waits: 256 threads). By tile parity because nothing else stops a consumer from arriving at its next tile's
-  // barrier before the other has waited at this one (the waiting side's thread 0 first waits for a bulk reduction to
-  // read its dQ stage): two arrivals in one phase would complete it early and deadlock the CTA. With two barriers,
-  // a consumer's arrival at tile n + 2 follows its wait at tile n + 1 for the other's arrival there, which the other
-  // makes only after its wait at tile n.
-  static constexpr int kBarStage = 1, kBarDsDone = 3;
+  // Named barriers of the consumers: kBarStage + c, consumer c's dQ stage written (its 128 threads);
+  // fmha_wsq::ds_done_barrier(tile, c) (ids 3..6, by tile parity), consumer c's dS^T rows of the tile written (c
+  // arrives, the other consumer waits: 256 threads). The protocol and why it alternates: fmha_wsq_barriers.h.
+  static constexpr int kBarStage = 1;
+  static_assert(kBarStage + 2 <= fmha_wsq::kBarDsDone, "the dQ stage barriers and the dS^T barriers are distinct");
 };
 
 // The work items of a launch over n sequences are (sequence z, head, key block kb of 128 keys), item =
@@ -1115,7 +1113,7 @@ __global__ void __launch_bounds__(384, 1)
       issue_dkv(1);
       wgmma_commit();
       fence_proxy_async();  // this thread's dS^T stores, visible to the tensor cores
-      const int bar_ds = Sh::kBarDsDone + 2 * (gt & 1);
+      const int bar_ds = fmha_wsq::ds_done_barrier(gt, 0);  // + consumer (fmha_wsq_barriers.h)
       named_barrier_arrive(bar_ds + c, 256);
       if (ctid == 0) bulk_wait_read<0>();  // the dQ stage's last reductions have read it
       // The other consumer's dS^T rows are written (and, as all of this consumer's threads pass, its dQ stage free).
