@@ -1,14 +1,17 @@
-// The consumer barrier protocol of the `ws128q` FMHA backward (ops/cuda/fmha_wsq_barriers.h), model-checked on the
-// CPU: every interleaving of the consumers' barrier operations is explored, and in none may a dS^T barrier's phase
-// complete with arrivals other than one full consumer's arrival and the other consumer's wait, all of one tile (a
-// consumer arriving twice in one phase completes it early and deadlocks the CTA), nor may the consumers stall. The kernel's own order of
-// operations per tile and consumer c is modelled:
-//   bar.arrive ds_done_barrier(tile, c), 256      (its dS^T rows of the tile are written)
-//   bar.sync   ds_done_barrier(tile, 1 - c), 256  (the other consumer's rows are written)
-//   bar.sync   kBarStage + c, 128                  (finish_dq: its own warps' dQ stage written)
-// Two models: whole consumers (warpgroups arrive as one; long runs of tiles), and single warps (each of the 8 consumer
-// warps arrives on its own, 32 threads at a time, as the hardware counts them; shorter runs). The same checker must
-// find the deadlock of the protocol the kernel had before (one barrier per consumer), so it can fail.
+// The synchronisation of the `ws128q` FMHA backward (ops/cuda/fmha_wsq_barriers.h, fmha_backward.cu), model-checked
+// on the CPU: every interleaving of the modelled operations is explored.
+// 1. The consumers' named barriers. No dS^T barrier phase may complete with arrivals other than one consumer's
+//    arrival and the other consumer's wait, all of one tile (a consumer arriving twice in one phase completes it early
+//    and deadlocks the CTA), and the consumers may not stall. The kernel's order of operations per tile and consumer c:
+//      bar.arrive ds_done_barrier(tile, c), 256      (its dS^T rows of the tile are written)
+//      bar.sync   ds_done_barrier(tile, 1 - c), 256  (the other consumer's rows are written)
+//      bar.sync   kBarStage + c, 128                  (finish_dq: its own warps' dQ stage written)
+//    Modelled with whole consumers (a warpgroup arrives as one; long runs of tiles) and with single warps (each of the
+//    8 consumer warps arrives on its own, 32 threads at a time, as the hardware counts them; shorter runs).
+// 2. The whole CTA's skeleton (below): producer warps, consumers, the mbarriers with their parity waits, the published
+//    item slot and the shared-memory stages and K/V buffers.
+// Negative controls (the one-barrier protocol the kernel had before, a stage refilled before its release) show that
+// the checkers can fail.
 #include <gtest/gtest.h>
 
 #include <cstdint>
@@ -186,6 +189,271 @@ TEST(FmhaWsqBarriers, OneBarrierPerConsumerDoubleArrives) {
   EXPECT_TRUE(whole.violation) << "the checker missed the known double arrival";
   const Result warps = explore(Model{2, 4, ds_barrier_one_per_consumer});
   EXPECT_TRUE(warps.violation) << "the checker missed the known double arrival";
+}
+
+// ---------------------------------------------------------------------------------------------------------------------
+// The whole CTA's synchronisation skeleton: producer warps 0..3 and the two consumers (whole warpgroups) on a
+// sequence of work items, with the kernel's mbarriers (item_full, kv_full, kv_empty, full, empty; parity waits), the
+// published item slot sItem[2] and the consumers' named barriers. An mbarrier wait is checked against what the kernel
+// means by it: a wait for the k-th completion of a barrier (parity k & 1) must pass exactly when at least k + 1 phases
+// have completed; with the barrier one phase behind it must not pass, and two or more ahead (an ABA on the parity)
+// would stall it. Every read of sItem must see the item of its own iteration.
+
+enum class SkOp { kMArrive, kMWait, kNArrive, kNSync, kWriteItem, kReadItem, kEnd };
+struct SkStep {
+  SkOp op;
+  int bar;        // mbarrier index, named barrier id, or the sItem slot
+  int arg;        // arrival units, the completion awaited, the tile of a named barrier operation, or the item
+  int data = -1;  // the tile (stages) or item (K/V buffers) whose shared-memory data the step writes or reads
+};
+
+// mbarrier indices of the skeleton: item_full[2], kv_full[2], kv_empty[2], full[2], empty[2] (kStages = 2).
+constexpr int kItemFull = 0, kKvFull = 2, kKvEmpty = 4, kFull = 6, kEmpty = 8, kNumMbar = 10;
+constexpr int kStages = 2;
+// Arrivals that complete a phase, in warps: item_full 1 (warp 0's lane 0), kv_full and full 4 (every producer lane:
+// 128 threads = 4 warps), kv_empty and empty 8 (lane 0 of every consumer warp).
+int mbar_expected(int bar) {
+  if (bar < kKvFull) return 1;
+  if (bar < kKvEmpty) return 4;
+  if (bar < kFull) return 8;
+  if (bar < kEmpty) return 4;
+  return 8;
+}
+
+// Agents 0..3: producer warps (warp 0 also fetches and publishes items); 4, 5: consumers 0 and 1 (4 warps each,
+// moving together). tiles_per_item: the query tiles of each item the CTA gets; then the end of the work (item -1).
+std::vector<std::vector<SkStep>> skeleton(const std::vector<int>& tiles_per_item, const Protocol& ds_barrier) {
+  std::vector<std::vector<SkStep>> prog(6);
+  const int items = static_cast<int>(tiles_per_item.size());
+  for (int w = 0; w < 4; ++w) {
+    auto& p = prog[w];
+    int gt = 0;
+    for (int it = 0; it <= items; ++it) {
+      const int kvb = it & 1, item = it < items ? it : -1;
+      if (w == 0) {
+        if (it >= 2) p.push_back({SkOp::kMWait, kKvEmpty + kvb, (it >> 1) - 1});
+        p.push_back({SkOp::kWriteItem, kvb, item});
+        p.push_back({SkOp::kMArrive, kItemFull + kvb, 1});
+      } else {
+        p.push_back({SkOp::kMWait, kItemFull + kvb, it >> 1});
+        p.push_back({SkOp::kReadItem, kvb, item});
+      }
+      if (item < 0) break;
+      p.push_back({SkOp::kMArrive, kKvFull + kvb, 1, it});  // this warp's K or V rows landed
+      for (int i = 0; i < tiles_per_item[it]; ++i, ++gt) {
+        const int s = gt % kStages;
+        if (gt >= kStages) p.push_back({SkOp::kMWait, kEmpty + s, gt / kStages - 1});
+        p.push_back({SkOp::kMArrive, kFull + s, 1, gt});  // this warp's Q or dO rows, lse2 or D landed
+      }
+    }
+    p.push_back({SkOp::kEnd, 0, 0});
+  }
+  for (int c = 0; c < 2; ++c) {
+    auto& p = prog[4 + c];
+    int gt = 0;
+    for (int it = 0; it <= items; ++it) {
+      const int kvb = it & 1, item = it < items ? it : -1;
+      p.push_back({SkOp::kMWait, kItemFull + kvb, it >> 1});
+      p.push_back({SkOp::kReadItem, kvb, item});
+      if (item < 0) break;
+      p.push_back({SkOp::kMWait, kKvFull + kvb, it >> 1, it});
+      for (int i = 0; i < tiles_per_item[it]; ++i, ++gt) {
+        const int s = gt % kStages;
+        p.push_back({SkOp::kMWait, kFull + s, gt / kStages, gt});
+        p.push_back({SkOp::kNArrive, ds_barrier(gt, c), gt});
+        p.push_back({SkOp::kNSync, ds_barrier(gt, 1 - c), gt});
+        p.push_back({SkOp::kMArrive, kEmpty + s, 4, gt});  // release(empty + s) by each of the 4 warps
+      }
+      p.push_back({SkOp::kMArrive, kKvEmpty + kvb, 4, it});
+    }
+    p.push_back({SkOp::kEnd, 0, 0});
+  }
+  return prog;
+}
+
+struct SkState {
+  std::vector<int> pc;
+  std::vector<int> nblocked;        // named barrier the agent waits at (-1: none)
+  std::vector<int> mpending, mdone;  // per mbarrier: arrivals in the current phase, completed phases
+  std::vector<int> ncount[2], ntile;  // per named barrier: arrivals of consumer 0 / 1, the phase's tile
+  int item_slot[2] = {-2, -2};
+  // Shared-memory data: per stage (kStages) and K/V buffer (2), the tile / item each producer warp last wrote there,
+  // and the one each consumer reads there (-1: none), from its full / kv_full wait to its empty / kv_empty release.
+  int written[2 * kStages][4] = {{-1, -1, -1, -1}, {-1, -1, -1, -1}, {-1, -1, -1, -1}, {-1, -1, -1, -1}};
+  int reading[2 * kStages][2] = {{-1, -1}, {-1, -1}, {-1, -1}, {-1, -1}};
+  std::string key() const {
+    std::string k;  // small values: one byte each (offset so that -2 .. 253 fit)
+    const auto put = [&](int v) { k += static_cast<char>(v + 2); };
+    for (size_t i = 0; i < pc.size(); ++i) {
+      put(pc[i]);
+      put(nblocked[i]);
+    }
+    for (size_t b = 0; b < mpending.size(); ++b) {
+      put(mpending[b]);
+      put(mdone[b]);
+    }
+    for (int b = 0; b < kNumBarriers; ++b) {
+      put(ncount[0][b]);
+      put(ncount[1][b]);
+      put(ntile[b]);
+    }
+    put(item_slot[0]);
+    put(item_slot[1]);
+    for (int b = 0; b < 2 * kStages; ++b) {
+      for (int w = 0; w < 4; ++w) put(written[b][w]);
+      put(reading[b][0]);
+      put(reading[b][1]);
+    }
+    return k;
+  }
+};
+
+// The data buffer an mbarrier guards: stages 0..kStages-1 (full, empty), then the K/V buffers (kv_full, kv_empty).
+int buffer_of(int bar) {
+  if (bar >= kFull) return (bar - kFull) % kStages;
+  return kStages + (bar - kKvFull) % 2;
+}
+
+Result explore_skeleton(const std::vector<std::vector<SkStep>>& prog) {
+  Result r;
+  const int agents = static_cast<int>(prog.size());
+  SkState s0;
+  s0.pc.assign(agents, 0);
+  s0.nblocked.assign(agents, -1);
+  s0.mpending.assign(kNumMbar, 0);
+  s0.mdone.assign(kNumMbar, 0);
+  s0.ncount[0].assign(kNumBarriers, 0);
+  s0.ncount[1].assign(kNumBarriers, 0);
+  s0.ntile.assign(kNumBarriers, -1);
+  std::unordered_set<std::string> seen{s0.key()};
+  std::vector<SkState> stack{s0};
+  const auto fail = [&](const std::string& what) {
+    r.violation = true;
+    r.what = what;
+  };
+  while (!stack.empty() && !r.violation && !r.deadlock) {
+    const SkState s = stack.back();
+    stack.pop_back();
+    bool moved = false, finished = true;
+    for (int a = 0; a < agents && !r.violation; ++a) {
+      const SkStep& st = prog[a][s.pc[a]];
+      if (st.op == SkOp::kEnd) continue;
+      finished = false;
+      if (s.nblocked[a] >= 0) continue;
+      SkState n = s;
+      const std::string where = "agent " + std::to_string(a) + " step " + std::to_string(s.pc[a]) + ": ";
+      switch (st.op) {
+        case SkOp::kMWait: {
+          const int done = n.mdone[st.bar];
+          // The hardware: try_wait.parity(k & 1) passes once the phase of that parity has completed, i.e. while the
+          // current (incomplete) phase's parity differs from it.
+          const bool hw_pass = (done & 1) != (st.arg & 1);
+          if (done >= st.arg + 2)
+            fail(where + "mbarrier " + std::to_string(st.bar) + " is two phases past the one awaited");
+          if (hw_pass && done < st.arg + 1)
+            fail(where + "mbarrier " + std::to_string(st.bar) + " passes a wait one phase early");
+          if (!hw_pass) continue;  // not enabled yet
+          if (st.data >= 0) {  // a consumer starts reading a stage or K/V buffer: every producer warp's data is there
+            const int buf = buffer_of(st.bar);
+            for (int w = 0; w < 4; ++w)
+              if (n.written[buf][w] != st.data)
+                fail(where + "buffer " + std::to_string(buf) + " holds " + std::to_string(n.written[buf][w]) +
+                     " of producer warp " + std::to_string(w) + ", not " + std::to_string(st.data));
+            n.reading[buf][a - 4] = st.data;
+          }
+          break;
+        }
+        case SkOp::kMArrive:
+          if (st.data >= 0) {
+            const int buf = buffer_of(st.bar);
+            if (a < 4) {  // a producer warp's data lands: no consumer may still read what it replaces
+              for (int c = 0; c < 2; ++c)
+                if (n.reading[buf][c] >= 0 && n.reading[buf][c] != st.data)
+                  fail(where + "buffer " + std::to_string(buf) + " overwritten while consumer " + std::to_string(c) +
+                       " reads it");
+              n.written[buf][a] = st.data;
+            } else {  // a consumer releases the buffer
+              n.reading[buf][a - 4] = -1;
+            }
+          }
+          n.mpending[st.bar] += st.arg;
+          if (n.mpending[st.bar] > mbar_expected(st.bar))
+            fail(where + "mbarrier " + std::to_string(st.bar) + " receives more arrivals than a phase holds");
+          if (n.mpending[st.bar] == mbar_expected(st.bar)) {
+            n.mpending[st.bar] = 0;
+            ++n.mdone[st.bar];
+          }
+          break;
+        case SkOp::kWriteItem:
+          n.item_slot[st.bar] = st.arg;
+          break;
+        case SkOp::kReadItem:
+          if (n.item_slot[st.bar] != st.arg)
+            fail(where + "sItem[" + std::to_string(st.bar) + "] holds item " + std::to_string(n.item_slot[st.bar]) +
+                 ", not " + std::to_string(st.arg));
+          break;
+        case SkOp::kNArrive:
+        case SkOp::kNSync: {
+          const int c = a - 4, bar = st.bar;
+          if (n.ntile[bar] >= 0 && n.ntile[bar] != st.arg) fail(where + "named barrier phase mixes tiles");
+          n.ntile[bar] = st.arg;
+          ++n.ncount[c][bar];
+          if (n.ncount[0][bar] + n.ncount[1][bar] == 2) {
+            if (n.ncount[0][bar] != 1) fail(where + "named barrier phase holds one consumer twice");
+            n.ncount[0][bar] = n.ncount[1][bar] = 0;
+            n.ntile[bar] = -1;
+            for (int& b : n.nblocked)
+              if (b == bar) b = -1;
+          } else if (st.op == SkOp::kNSync) {
+            n.nblocked[a] = bar;
+          }
+          break;
+        }
+        case SkOp::kEnd:
+          break;
+      }
+      if (r.violation) break;
+      moved = true;
+      ++n.pc[a];
+      if (seen.insert(n.key()).second) stack.push_back(std::move(n));
+    }
+    if (!moved && !finished && !r.violation) {
+      r.deadlock = true;
+      r.what = "no agent can move";
+    }
+  }
+  r.states = seen.size();
+  return r;
+}
+
+TEST(FmhaWsqBarriers, WholeCtaSkeletonNeverStallsNorMisreads) {
+  // Items of 1-4 query tiles (sequences up to 512 tokens) in mixed orders, including a single item and runs that
+  // wrap both K/V buffers and both stages several times.
+  const std::vector<std::vector<int>> runs = {{1}, {4}, {1, 1, 1, 1}, {2, 1, 3}, {4, 1, 2, 1}};
+  for (const auto& tiles : runs) {
+    const Result r = explore_skeleton(skeleton(tiles, ds_barrier_main));
+    std::string name;
+    for (int t : tiles) name += std::to_string(t) + ' ';
+    EXPECT_FALSE(r.violation) << "items with tiles " << name << ": " << r.what;
+    EXPECT_FALSE(r.deadlock) << "items with tiles " << name << ": " << r.what;
+    EXPECT_GT(r.states, static_cast<size_t>(100)) << "items with tiles " << name;
+  }
+}
+
+// Negative controls of the skeleton checker: the one-barrier protocol, and a producer that refills a stage without
+// waiting for the consumers' release (the wait dropped from warp 0's program).
+TEST(FmhaWsqBarriers, WholeCtaSkeletonFindsBrokenProtocols) {
+  const Result one = explore_skeleton(skeleton({2, 2}, ds_barrier_one_per_consumer));
+  EXPECT_TRUE(one.violation || one.deadlock) << "the checker missed the one-barrier protocol's double arrival";
+  auto prog = skeleton({3}, ds_barrier_main);  // tile 2 refills stage 0 within the item
+  for (size_t i = 0; i < prog[0].size(); ++i) {
+    if (prog[0][i].op == SkOp::kMWait && prog[0][i].bar >= kEmpty) {
+      prog[0].erase(prog[0].begin() + static_cast<std::ptrdiff_t>(i));
+      break;
+    }
+  }
+  const Result early = explore_skeleton(prog);
+  EXPECT_TRUE(early.violation) << "the checker missed a stage refilled before its release";
 }
 
 }  // namespace

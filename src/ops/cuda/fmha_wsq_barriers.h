@@ -2,7 +2,9 @@
 // fmha_bwd_wsq_kernel): which barrier a consumer signals on and which it waits at, per tile. Plain C++ usable on host
 // and device (NOPAD_HOST_DEVICE): tests/test_fmha_wsq_barriers.cpp explores every interleaving of two consumers
 // following this protocol and checks that no barrier phase ever holds two arrivals of one consumer (which would
-// complete the phase early and deadlock the CTA) and that both consumers always finish.
+// complete the phase early and deadlock the CTA) and that both consumers always finish; it does the same for the
+// whole CTA's synchronisation (the producer warps' mbarriers and the shared-memory buffers they guard as well), as
+// transcribed there from fmha_bwd_wsq_kernel: a change to the kernel's barriers belongs in that model too.
 //
 // Per tile (the CTA's running tile count `tile`), consumer c (0 or 1) first arrives at ds_done_barrier(tile, c)
 // (`bar.arrive`: its dS^T rows of the tile are written), then, after some work of its own, waits at
