@@ -9,7 +9,7 @@
 #                         best is 128 or 160 (within 1%; it runs out of memory at 192) and nopad's 192-208:
 #                         BATCHES="208 160 128" PEER_BATCHES="160 128"; on an H200 the peer's is 256 (out of memory
 #                         at 384), nopad's 384: BATCHES="384 256" PEER_BATCHES=256
-#   HF_BATCH=32           batch of the Hugging Face peer (none: skip it)
+#   HF_BATCH=32           batch(es) of the Hugging Face peer, e.g. "32 64" (the summary takes its best; none: skip it)
 #   PEER_ATTENTION=1      the attention-only peer (varlen_attn, 64 sequences) on the last batch's workload (0: skip)
 #   VARIANT_RUNS="A=0 B=1,C=2"  the last nopad batch again under each environment setting (kernel variants, dense.cu;
 #                         settings joined by a comma form one variant),
@@ -169,13 +169,16 @@ if [ -n "${PROFILE_BATCH:-}" ] && [ -f "$OUT/workload-$PROFILE_BATCH.txt" ]; the
   python3 scripts/profile_peer.py .carry/peers/peer_torch_varlen.py --batch "$PROFILE_BATCH" --steps 6 --warmup 4 \
     --compile --lengths "$OUT/workload-$PROFILE_BATCH.txt" 2>&1 | grep -v -i warn || echo "profile_peer failed"
 fi
-if [ "$HF_BATCH" != none ] && [ ! -f "$OUT/workload-$HF_BATCH.txt" ]; then
-  echo "no workload file for the Hugging Face batch $HF_BATCH (add $HF_BATCH to BATCHES)"
-elif [ "$HF_BATCH" != none ]; then
-  stamp "peer_hf_bert batch $HF_BATCH"
-  python3 .carry/peers/peer_hf_bert.py --batch "$HF_BATCH" --steps 10 --lengths "$OUT/workload-$HF_BATCH.txt" ||
-    echo "peer_hf_bert failed"
-fi
+for B in $HF_BATCH; do
+  [ "$B" = none ] && continue
+  if [ ! -f "$OUT/workload-$B.txt" ]; then
+    echo "no workload file for the Hugging Face batch $B (add $B to BATCHES)"
+    continue
+  fi
+  stamp "peer_hf_bert batch $B"
+  python3 .carry/peers/peer_hf_bert.py --batch "$B" --steps 10 --lengths "$OUT/workload-$B.txt" ||
+    echo "peer_hf_bert batch $B failed"
+done
 
 stamp "summary"
 python3 - "$LOG" <<'EOF'
