@@ -44,9 +44,12 @@ struct Model {
   int barrier(int agent, int step) const {
     const int c = agent / per_consumer, tile = step / 3;
     switch (op(step)) {
-      case Op::kArrive: return ds_barrier(tile, c);
-      case Op::kSyncOther: return ds_barrier(tile, 1 - c);
-      case Op::kSyncStage: return kStageBase + c;
+      case Op::kArrive:
+        return ds_barrier(tile, c);
+      case Op::kSyncOther:
+        return ds_barrier(tile, 1 - c);
+      case Op::kSyncStage:
+        return kStageBase + c;
     }
     return -1;
   }
@@ -56,8 +59,8 @@ struct Model {
 constexpr int kNumBarriers = 16;  // named barrier ids 0..15
 
 struct State {
-  std::vector<int> pc;       // next step per agent
-  std::vector<int> blocked;  // barrier the agent waits at, -1: none
+  std::vector<int> pc;        // next step per agent
+  std::vector<int> blocked;   // barrier the agent waits at, -1: none
   std::vector<int> count[2];  // per barrier, arrivals of consumer 0 / 1 in the current phase
   std::vector<int> tile;      // per barrier, the tile of the current phase's arrivals (-1: none yet)
 
@@ -83,65 +86,79 @@ struct Result {
   size_t states = 0;
 };
 
-// Depth-first over every interleaving (states deduplicated).
-Result explore(const Model& m) {
+// Depth-first over every interleaving from s0 (states deduplicated by key()). move(n, a, r) advances agent a in n and
+// returns true, or returns false when a cannot move (finished, or waiting); it records a violation in r. done(s): every
+// agent has finished.
+template <class S, class Move, class Done>
+Result search(const S& s0, int agents, Move move, Done done) {
   Result r;
-  State s0;
-  s0.pc.assign(m.agents(), 0);
-  s0.blocked.assign(m.agents(), -1);
-  s0.count[0].assign(kNumBarriers, 0);
-  s0.count[1].assign(kNumBarriers, 0);
-  s0.tile.assign(kNumBarriers, -1);
-  std::unordered_set<std::string> seen;
-  std::vector<State> stack{s0};
-  seen.insert(s0.key());
+  std::unordered_set<std::string> seen{s0.key()};
+  std::vector<S> stack{s0};
   while (!stack.empty() && !r.violation && !r.deadlock) {
-    const State s = stack.back();
+    const S s = stack.back();
     stack.pop_back();
-    bool moved = false, finished = true;
-    for (int a = 0; a < m.agents(); ++a) {
-      if (s.pc[a] < m.steps()) finished = false;
-      if (s.pc[a] >= m.steps() || s.blocked[a] >= 0) continue;
+    bool moved = false;
+    for (int a = 0; a < agents && !r.violation; ++a) {
+      S n = s;
+      if (!move(n, a, r)) continue;
       moved = true;
-      State n = s;
-      const int step = n.pc[a]++;
-      const int bar = m.barrier(a, step), c = a / m.per_consumer, tile = step / 3;
-      if (n.tile[bar] >= 0 && n.tile[bar] != tile) {
-        r.violation = true;  // a barrier phase pairs the operations of two different tiles
-        r.what = "barrier " + std::to_string(bar) + ": an arrival for tile " + std::to_string(tile) +
-                 " joined the phase of tile " + std::to_string(n.tile[bar]) + " (agent " + std::to_string(a) + ")";
-        break;
-      }
-      n.tile[bar] = tile;
-      ++n.count[c][bar];
-      const int total = n.count[0][bar] + n.count[1][bar];
-      if (total == m.expected(bar)) {
-        // The phase completes: a dS^T barrier needs one consumer's arrival and the other's wait, i.e. every agent of
-        // both consumers once.
-        if (bar >= cuda::fmha_wsq::kBarDsDone &&
-            (n.count[0][bar] != m.per_consumer || n.count[1][bar] != m.per_consumer)) {
-          r.violation = true;
-          r.what = "barrier " + std::to_string(bar) + " completed with " + std::to_string(n.count[0][bar]) +
-                   " arrivals of consumer 0 and " + std::to_string(n.count[1][bar]) + " of consumer 1 (agent " +
-                   std::to_string(a) + ", step " + std::to_string(step) + ")";
-          break;
-        }
-        n.count[0][bar] = n.count[1][bar] = 0;
-        n.tile[bar] = -1;
-        for (int& b : n.blocked)
-          if (b == bar) b = -1;
-      } else if (m.op(step) != Op::kArrive) {
-        n.blocked[a] = bar;  // bar.sync waits for the phase it joined
-      }
-      if (seen.insert(n.key()).second) stack.push_back(std::move(n));
+      if (!r.violation && seen.insert(n.key()).second) stack.push_back(std::move(n));
     }
-    if (!moved && !finished && !r.violation) {
+    if (!moved && !done(s) && !r.violation) {
       r.deadlock = true;
       r.what = "no agent can move";
     }
   }
   r.states = seen.size();
   return r;
+}
+
+Result explore(const Model& m) {
+  State s0;
+  s0.pc.assign(m.agents(), 0);
+  s0.blocked.assign(m.agents(), -1);
+  s0.count[0].assign(kNumBarriers, 0);
+  s0.count[1].assign(kNumBarriers, 0);
+  s0.tile.assign(kNumBarriers, -1);
+  const auto move = [&](State& n, int a, Result& r) {
+    if (n.pc[a] >= m.steps() || n.blocked[a] >= 0) return false;
+    const int step = n.pc[a]++;
+    const int bar = m.barrier(a, step), c = a / m.per_consumer, tile = step / 3;
+    if (n.tile[bar] >= 0 && n.tile[bar] != tile) {
+      r.violation = true;  // a barrier phase pairs the operations of two different tiles
+      r.what = "barrier " + std::to_string(bar) + ": an arrival for tile " + std::to_string(tile) +
+               " joined the phase of tile " + std::to_string(n.tile[bar]) + " (agent " + std::to_string(a) + ")";
+      return true;
+    }
+    n.tile[bar] = tile;
+    ++n.count[c][bar];
+    const int total = n.count[0][bar] + n.count[1][bar];
+    if (total == m.expected(bar)) {
+      // The phase completes: a dS^T barrier needs one consumer's arrival and the other's wait, i.e. every agent of
+      // both consumers once.
+      if (bar >= cuda::fmha_wsq::kBarDsDone &&
+          (n.count[0][bar] != m.per_consumer || n.count[1][bar] != m.per_consumer)) {
+        r.violation = true;
+        r.what = "barrier " + std::to_string(bar) + " completed with " + std::to_string(n.count[0][bar]) +
+                 " arrivals of consumer 0 and " + std::to_string(n.count[1][bar]) + " of consumer 1 (agent " +
+                 std::to_string(a) + ", step " + std::to_string(step) + ")";
+        return true;
+      }
+      n.count[0][bar] = n.count[1][bar] = 0;
+      n.tile[bar] = -1;
+      for (int& b : n.blocked)
+        if (b == bar) b = -1;
+    } else if (m.op(step) != Op::kArrive) {
+      n.blocked[a] = bar;  // bar.sync waits for the phase it joined
+    }
+    return true;
+  };
+  const auto done = [&](const State& s) {
+    for (int pc : s.pc)
+      if (pc < m.steps()) return false;
+    return true;
+  };
+  return search(s0, m.agents(), move, done);
 }
 
 int ds_barrier_main(int tile, int consumer) { return cuda::fmha_wsq::ds_done_barrier(tile, consumer); }
@@ -273,8 +290,8 @@ std::vector<std::vector<SkStep>> skeleton(const std::vector<int>& tiles_per_item
 
 struct SkState {
   std::vector<int> pc;
-  std::vector<int> nblocked;        // named barrier the agent waits at (-1: none)
-  std::vector<int> mpending, mdone;  // per mbarrier: arrivals in the current phase, completed phases
+  std::vector<int> nblocked;          // named barrier the agent waits at (-1: none)
+  std::vector<int> mpending, mdone;   // per mbarrier: arrivals in the current phase, completed phases
   std::vector<int> ncount[2], ntile;  // per named barrier: arrivals of consumer 0 / 1, the phase's tile
   int item_slot[2] = {-2, -2};
   // Shared-memory data: per stage (kStages) and K/V buffer (2), the tile / item each producer warp last wrote there,
@@ -315,7 +332,6 @@ int buffer_of(int bar) {
 }
 
 Result explore_skeleton(const std::vector<std::vector<SkStep>>& prog) {
-  Result r;
   const int agents = static_cast<int>(prog.size());
   SkState s0;
   s0.pc.assign(agents, 0);
@@ -325,105 +341,94 @@ Result explore_skeleton(const std::vector<std::vector<SkStep>>& prog) {
   s0.ncount[0].assign(kNumBarriers, 0);
   s0.ncount[1].assign(kNumBarriers, 0);
   s0.ntile.assign(kNumBarriers, -1);
-  std::unordered_set<std::string> seen{s0.key()};
-  std::vector<SkState> stack{s0};
-  const auto fail = [&](const std::string& what) {
-    r.violation = true;
-    r.what = what;
-  };
-  while (!stack.empty() && !r.violation && !r.deadlock) {
-    const SkState s = stack.back();
-    stack.pop_back();
-    bool moved = false, finished = true;
-    for (int a = 0; a < agents && !r.violation; ++a) {
-      const SkStep& st = prog[a][s.pc[a]];
-      if (st.op == SkOp::kEnd) continue;
-      finished = false;
-      if (s.nblocked[a] >= 0) continue;
-      SkState n = s;
-      const std::string where = "agent " + std::to_string(a) + " step " + std::to_string(s.pc[a]) + ": ";
-      switch (st.op) {
-        case SkOp::kMWait: {
-          const int done = n.mdone[st.bar];
-          // The hardware: try_wait.parity(k & 1) passes once the phase of that parity has completed, i.e. while the
-          // current (incomplete) phase's parity differs from it.
-          const bool hw_pass = (done & 1) != (st.arg & 1);
-          if (done >= st.arg + 2)
-            fail(where + "mbarrier " + std::to_string(st.bar) + " is two phases past the one awaited");
-          if (hw_pass && done < st.arg + 1)
-            fail(where + "mbarrier " + std::to_string(st.bar) + " passes a wait one phase early");
-          if (!hw_pass) continue;  // not enabled yet
-          if (st.data >= 0) {  // a consumer starts reading a stage or K/V buffer: every producer warp's data is there
-            const int buf = buffer_of(st.bar);
-            for (int w = 0; w < 4; ++w)
-              if (n.written[buf][w] != st.data)
-                fail(where + "buffer " + std::to_string(buf) + " holds " + std::to_string(n.written[buf][w]) +
-                     " of producer warp " + std::to_string(w) + ", not " + std::to_string(st.data));
-            n.reading[buf][a - 4] = st.data;
-          }
-          break;
+  const auto move = [&](SkState& n, int a, Result& r) {
+    const auto fail = [&](const std::string& what) {
+      r.violation = true;
+      r.what = what;
+    };
+    const SkStep& st = prog[a][n.pc[a]];
+    if (st.op == SkOp::kEnd || n.nblocked[a] >= 0) return false;
+    const std::string where = "agent " + std::to_string(a) + " step " + std::to_string(n.pc[a]) + ": ";
+    switch (st.op) {
+      case SkOp::kMWait: {
+        const int done = n.mdone[st.bar];
+        // The hardware: try_wait.parity(k & 1) passes once the phase of that parity has completed, i.e. while the
+        // current (incomplete) phase's parity differs from it.
+        const bool hw_pass = (done & 1) != (st.arg & 1);
+        if (done >= st.arg + 2)
+          fail(where + "mbarrier " + std::to_string(st.bar) + " is two phases past the one awaited");
+        if (hw_pass && done < st.arg + 1)
+          fail(where + "mbarrier " + std::to_string(st.bar) + " passes a wait one phase early");
+        if (r.violation) return true;
+        if (!hw_pass) return false;  // not enabled yet
+        if (st.data >= 0) {  // a consumer starts reading a stage or K/V buffer: every producer warp's data is there
+          const int buf = buffer_of(st.bar);
+          for (int w = 0; w < 4; ++w)
+            if (n.written[buf][w] != st.data)
+              fail(where + "buffer " + std::to_string(buf) + " holds " + std::to_string(n.written[buf][w]) +
+                   " of producer warp " + std::to_string(w) + ", not " + std::to_string(st.data));
+          n.reading[buf][a - 4] = st.data;
         }
-        case SkOp::kMArrive:
-          if (st.data >= 0) {
-            const int buf = buffer_of(st.bar);
-            if (a < 4) {  // a producer warp's data lands: no consumer may still read what it replaces
-              for (int c = 0; c < 2; ++c)
-                if (n.reading[buf][c] >= 0 && n.reading[buf][c] != st.data)
-                  fail(where + "buffer " + std::to_string(buf) + " overwritten while consumer " + std::to_string(c) +
-                       " reads it");
-              n.written[buf][a] = st.data;
-            } else {  // a consumer releases the buffer
-              n.reading[buf][a - 4] = -1;
-            }
-          }
-          n.mpending[st.bar] += st.arg;
-          if (n.mpending[st.bar] > mbar_expected(st.bar))
-            fail(where + "mbarrier " + std::to_string(st.bar) + " receives more arrivals than a phase holds");
-          if (n.mpending[st.bar] == mbar_expected(st.bar)) {
-            n.mpending[st.bar] = 0;
-            ++n.mdone[st.bar];
-          }
-          break;
-        case SkOp::kWriteItem:
-          n.item_slot[st.bar] = st.arg;
-          break;
-        case SkOp::kReadItem:
-          if (n.item_slot[st.bar] != st.arg)
-            fail(where + "sItem[" + std::to_string(st.bar) + "] holds item " + std::to_string(n.item_slot[st.bar]) +
-                 ", not " + std::to_string(st.arg));
-          break;
-        case SkOp::kNArrive:
-        case SkOp::kNSync: {
-          const int c = a - 4, bar = st.bar;
-          if (n.ntile[bar] >= 0 && n.ntile[bar] != st.arg) fail(where + "named barrier phase mixes tiles");
-          n.ntile[bar] = st.arg;
-          ++n.ncount[c][bar];
-          if (n.ncount[0][bar] + n.ncount[1][bar] == 2) {
-            if (n.ncount[0][bar] != 1) fail(where + "named barrier phase holds one consumer twice");
-            n.ncount[0][bar] = n.ncount[1][bar] = 0;
-            n.ntile[bar] = -1;
-            for (int& b : n.nblocked)
-              if (b == bar) b = -1;
-          } else if (st.op == SkOp::kNSync) {
-            n.nblocked[a] = bar;
-          }
-          break;
-        }
-        case SkOp::kEnd:
-          break;
+        break;
       }
-      if (r.violation) break;
-      moved = true;
-      ++n.pc[a];
-      if (seen.insert(n.key()).second) stack.push_back(std::move(n));
+      case SkOp::kMArrive:
+        if (st.data >= 0) {
+          const int buf = buffer_of(st.bar);
+          if (a < 4) {  // a producer warp's data lands: no consumer may still read what it replaces
+            for (int c = 0; c < 2; ++c)
+              if (n.reading[buf][c] >= 0 && n.reading[buf][c] != st.data)
+                fail(where + "buffer " + std::to_string(buf) + " overwritten while consumer " + std::to_string(c) +
+                     " reads it");
+            n.written[buf][a] = st.data;
+          } else {  // a consumer releases the buffer
+            n.reading[buf][a - 4] = -1;
+          }
+        }
+        n.mpending[st.bar] += st.arg;
+        if (n.mpending[st.bar] > mbar_expected(st.bar))
+          fail(where + "mbarrier " + std::to_string(st.bar) + " receives more arrivals than a phase holds");
+        if (n.mpending[st.bar] == mbar_expected(st.bar)) {
+          n.mpending[st.bar] = 0;
+          ++n.mdone[st.bar];
+        }
+        break;
+      case SkOp::kWriteItem:
+        n.item_slot[st.bar] = st.arg;
+        break;
+      case SkOp::kReadItem:
+        if (n.item_slot[st.bar] != st.arg)
+          fail(where + "sItem[" + std::to_string(st.bar) + "] holds item " + std::to_string(n.item_slot[st.bar]) +
+               ", not " + std::to_string(st.arg));
+        break;
+      case SkOp::kNArrive:
+      case SkOp::kNSync: {
+        const int c = a - 4, bar = st.bar;
+        if (n.ntile[bar] >= 0 && n.ntile[bar] != st.arg) fail(where + "named barrier phase mixes tiles");
+        n.ntile[bar] = st.arg;
+        ++n.ncount[c][bar];
+        if (n.ncount[0][bar] + n.ncount[1][bar] == 2) {
+          if (n.ncount[0][bar] != 1) fail(where + "named barrier phase holds one consumer twice");
+          n.ncount[0][bar] = n.ncount[1][bar] = 0;
+          n.ntile[bar] = -1;
+          for (int& b : n.nblocked)
+            if (b == bar) b = -1;
+        } else if (st.op == SkOp::kNSync) {
+          n.nblocked[a] = bar;
+        }
+        break;
+      }
+      case SkOp::kEnd:
+        break;
     }
-    if (!moved && !finished && !r.violation) {
-      r.deadlock = true;
-      r.what = "no agent can move";
-    }
-  }
-  r.states = seen.size();
-  return r;
+    ++n.pc[a];
+    return true;
+  };
+  const auto done = [&](const SkState& s) {
+    for (int a = 0; a < agents; ++a)
+      if (prog[a][s.pc[a]].op != SkOp::kEnd) return false;
+    return true;
+  };
+  return search(s0, agents, move, done);
 }
 
 TEST(FmhaWsqBarriers, WholeCtaSkeletonNeverStallsNorMisreads) {
