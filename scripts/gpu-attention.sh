@@ -14,7 +14,8 @@
 #                                 as training does
 #   CUDA_TEST_FILTER='Fmha.*'     GoogleTest filter of the tests stage
 #   TEST_TIMEOUT=300 BENCH_TIMEOUT=300 MODEL_TIMEOUT=300   seconds before the tests / each attention bench / each
-#                                 model run are stopped (a kernel that hangs costs minutes, not the whole device call)
+#                                 model run are stopped (a kernel that hangs costs minutes, not the whole device call);
+#                                 SANITIZE_TIMEOUT=300 and NCU_TIMEOUT=120 (per profiled launch) the same
 #   NCU_KERNELS NCU_DROPOUT NCU_VARIANTS   the ncu stage's kernel regexes, dropout and backward variants (default:
 #                                 BWD_VARIANTS); NCU_SCHEDULES="single sorted" profiles each one-launch order (default
 #                                 single; the reports of other orders are named ncu-<kernel>-bwd<V>-<order>);
@@ -167,7 +168,7 @@ if has ncu; then
         R=$K  # the report name: the regex, plus the schedule unless it is the default one
         [ "$SCH" = single ] || R=$K-$SCH
         say "ncu: $K, backward variant $V, dropout ${NCU_DROPOUT:-0.1}, schedule $SCH"
-        with_bwd "$V" ncu --clock-control none -k regex:$K --launch-count 1 --section SpeedOfLight \
+        with_bwd "$V" timeout -k 10 "${NCU_TIMEOUT:-120}" ncu --clock-control none -k regex:$K --launch-count 1 --section SpeedOfLight \
           --section Occupancy --section WarpStateStats --section SchedulerStats --section ComputeWorkloadAnalysis \
           --section MemoryWorkloadAnalysis --section LaunchStats --metrics lts__t_sectors_op_red.sum,\
 sm__inst_executed_pipe_tensor_op_gmma.avg.pct_of_peak_sustained_active,\
@@ -200,8 +201,14 @@ fi
 
 if has sanitize; then
   say "compute-sanitizer memcheck on the FMHA accuracy tests"
-  compute-sanitizer --tool memcheck --error-exitcode 9 build-gpu/nopad_cuda_tests \
-    --gtest_filter='Fmha.*Heads2*:Fmha.SeqIndex*:Fmha.Planned*' >"$OUT/sanitize.log" 2>&1 || status=1
+  # The same time limit as the tests: under memcheck a hung kernel would otherwise hold the whole device call.
+  timeout "${SANITIZE_TIMEOUT:-300}" compute-sanitizer --tool memcheck --error-exitcode 9 build-gpu/nopad_cuda_tests \
+    --gtest_filter='Fmha.*Heads2*:Fmha.SeqIndex*:Fmha.Planned*' >"$OUT/sanitize.log" 2>&1 || {
+    rc=$?
+    status=1
+    [ "$rc" = 124 ] && echo "compute-sanitizer stopped at the ${SANITIZE_TIMEOUT:-300} s limit (SANITIZE_TIMEOUT)" |
+      tee -a "$OUT/summary.txt"
+  }
   grep -E "ERROR SUMMARY|PASSED|FAILED" "$OUT/sanitize.log" | tee -a "$OUT/summary.txt"
 fi
 say "done, status $status"
