@@ -168,8 +168,8 @@ if has ncu; then
         R=$K  # the report name: the regex, plus the schedule unless it is the default one
         [ "$SCH" = single ] || R=$K-$SCH
         say "ncu: $K, backward variant $V, dropout ${NCU_DROPOUT:-0.1}, schedule $SCH"
-        with_bwd "$V" timeout -k 10 "${NCU_TIMEOUT:-120}" ncu --clock-control none -k regex:$K --launch-count 1 --section SpeedOfLight \
-          --section Occupancy --section WarpStateStats --section SchedulerStats --section ComputeWorkloadAnalysis \
+        with_bwd "$V" timeout -k 10 "${NCU_TIMEOUT:-120}" ncu --clock-control none -k regex:$K --launch-count 1 \
+          --section SpeedOfLight --section Occupancy --section WarpStateStats --section SchedulerStats --section ComputeWorkloadAnalysis \
           --section MemoryWorkloadAnalysis --section LaunchStats --metrics lts__t_sectors_op_red.sum,\
 sm__inst_executed_pipe_tensor_op_gmma.avg.pct_of_peak_sustained_active,\
 l1tex__data_pipe_lsu_wavefronts_mem_shared.sum,smsp__inst_executed.sum,\

@@ -36,7 +36,6 @@ struct Model {
   int tiles;
   int per_consumer;  // agents per consumer
   Protocol ds_barrier;
-  static constexpr int kStageBase = 1;  // the kernel's kBarStage
 
   int agents() const { return 2 * per_consumer; }
   int steps() const { return 3 * tiles; }
@@ -49,7 +48,7 @@ struct Model {
       case Op::kSyncOther:
         return ds_barrier(tile, 1 - c);
       case Op::kSyncStage:
-        return kStageBase + c;
+        return cuda::fmha_wsq::kBarStage + c;
     }
     return -1;
   }
@@ -173,7 +172,7 @@ TEST(FmhaWsqBarriers, BarrierIdsAreDistinctAndInRange) {
       EXPECT_GE(id, cuda::fmha_wsq::kBarDsDone);
       EXPECT_LT(id, cuda::fmha_wsq::kBarDsDone + cuda::fmha_wsq::kNumDsDoneBarriers);
       EXPECT_LT(id, kNumBarriers);
-      EXPECT_GE(id, Model::kStageBase + 2);  // not a stage barrier
+      EXPECT_GE(id, cuda::fmha_wsq::kBarStage + 2);  // not a stage barrier
     }
     EXPECT_NE(cuda::fmha_wsq::ds_done_barrier(tile, 0), cuda::fmha_wsq::ds_done_barrier(tile + 1, 0));
     EXPECT_EQ(cuda::fmha_wsq::ds_done_barrier(tile, 1), cuda::fmha_wsq::ds_done_barrier(tile + 2, 1));

@@ -832,11 +832,7 @@ struct BwdWsqShape {
   static constexpr int kProducerRegs = 56, kConsumerRegs = 224;
   static_assert(kProducerRegs * 128 + kConsumerRegs * 256 <= 168 * kThreads, "register budget of the CTA");
   static constexpr uint64_t kDescTile = kTileBytes >> 4;  // descriptor advance of one 64-row tile (64 x 128 bytes)
-  // Named barriers of the consumers: kBarStage + c, consumer c's dQ stage written (its 128 threads);
-  // fmha_wsq::ds_done_barrier(tile, c) (ids 3..6, by tile parity), consumer c's dS^T rows of the tile written (c
-  // arrives, the other consumer waits: 256 threads). The protocol and why it alternates: fmha_wsq_barriers.h.
-  static constexpr int kBarStage = 1;
-  static_assert(kBarStage + 2 <= fmha_wsq::kBarDsDone, "the dQ stage barriers and the dS^T barriers are distinct");
+  // The consumers' named barriers (their dQ stages, their dS^T rows by tile parity): fmha_wsq_barriers.h.
 };
 
 // The work items of a launch over n sequences are (sequence z, head, key block kb of 128 keys), item =
@@ -1029,7 +1025,7 @@ __global__ void __launch_bounds__(384, 1)
       fence_regs(dq);
       stage_dq_swz(sdQ, dq, args.grad_scale, wrow, g, t);
       fence_proxy_async();  // the stage, visible to the copy engine
-      named_barrier_sync(Sh::kBarStage + c, 128);
+      named_barrier_sync(fmha_wsq::kBarStage + c, 128);
       const int q0 = q_tile + 64 * c;
       if (ctid == 0 && q0 < L) {
         bulk_reduce_tensor_add(&dq_map, sdQ, head * HD, s0 + q0);

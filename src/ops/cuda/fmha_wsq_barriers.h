@@ -19,9 +19,12 @@
 
 namespace nopad::cuda::fmha_wsq {
 
-// Named barrier ids 1 and 2 are the consumers' dQ stage barriers; 0 is __syncthreads.
+// Named barrier ids: 0 is __syncthreads; kBarStage + c, consumer c's dQ stage written (its 128 threads, in
+// finish_dq); kBarDsDone .. + 3, the dS^T barriers below.
+inline constexpr int kBarStage = 1;
 inline constexpr int kBarDsDone = 3;
 inline constexpr int kNumDsDoneBarriers = 4;
+static_assert(kBarStage + 2 <= kBarDsDone, "the dQ stage barriers and the dS^T barriers are distinct");
 
 // The barrier on which `consumer` signals its dS^T rows of tile `tile` (and at which the other consumer waits).
 NOPAD_HOST_DEVICE constexpr int ds_done_barrier(int tile, int consumer) {
