@@ -57,23 +57,60 @@ struct Model {
 
 constexpr int kNumBarriers = 16;  // named barrier ids 0..15
 
+// Appends small values (-2 .. 253) to a state key, one byte each.
+void put_key(std::string& k, int v) { k += static_cast<char>(v + 2); }
+
+// The named barriers' current phases, shared by both checkers: per barrier, the arrivals of consumer 0 / 1 and the
+// tile they belong to (-1: none yet).
+struct NamedPhases {
+  std::vector<int> count[2] = {std::vector<int>(kNumBarriers, 0), std::vector<int>(kNumBarriers, 0)};
+  std::vector<int> tile = std::vector<int>(kNumBarriers, -1);
+
+  void key(std::string& k) const {
+    for (int b = 0; b < kNumBarriers; ++b) {
+      put_key(k, count[0][b]);
+      put_key(k, count[1][b]);
+      put_key(k, tile[b]);
+    }
+  }
+  // Agent `agent` of consumer c arrives at `bar` for tile `op_tile` (`sync`: bar.sync, which waits for the phase it
+  // joins). `expected` arrivals complete the phase; a dS^T barrier's must be every agent of both consumers once
+  // (expected / 2 each). On completion the agents waiting there (blocked) go on; a sync that does not complete it
+  // blocks its agent. Returns what went wrong, or "".
+  std::string join(int bar, int c, int op_tile, int expected, bool sync, int agent, std::vector<int>& blocked) {
+    if (tile[bar] >= 0 && tile[bar] != op_tile)  // a barrier phase pairs the operations of two different tiles
+      return "barrier " + std::to_string(bar) + ": an arrival for tile " + std::to_string(op_tile) +
+             " joined the phase of tile " + std::to_string(tile[bar]) + " (agent " + std::to_string(agent) + ")";
+    tile[bar] = op_tile;
+    ++count[c][bar];
+    if (count[0][bar] + count[1][bar] == expected) {
+      if (bar >= cuda::fmha_wsq::kBarDsDone && (count[0][bar] != expected / 2 || count[1][bar] != expected / 2))
+        return "barrier " + std::to_string(bar) + " completed with " + std::to_string(count[0][bar]) +
+               " arrivals of consumer 0 and " + std::to_string(count[1][bar]) + " of consumer 1 (agent " +
+               std::to_string(agent) + ")";
+      count[0][bar] = count[1][bar] = 0;
+      tile[bar] = -1;
+      for (int& b : blocked)
+        if (b == bar) b = -1;
+    } else if (sync) {
+      blocked[agent] = bar;
+    }
+    return "";
+  }
+};
+
 struct State {
-  std::vector<int> pc;        // next step per agent
-  std::vector<int> blocked;   // barrier the agent waits at, -1: none
-  std::vector<int> count[2];  // per barrier, arrivals of consumer 0 / 1 in the current phase
-  std::vector<int> tile;      // per barrier, the tile of the current phase's arrivals (-1: none yet)
+  std::vector<int> pc;       // next step per agent
+  std::vector<int> blocked;  // barrier the agent waits at, -1: none
+  NamedPhases named;
 
   std::string key() const {
     std::string k;
     for (size_t i = 0; i < pc.size(); ++i) {
-      k += static_cast<char>(pc[i]);
-      k += static_cast<char>(blocked[i] + 1);
+      put_key(k, pc[i]);
+      put_key(k, blocked[i]);
     }
-    for (int b = 0; b < kNumBarriers; ++b) {
-      k += static_cast<char>(count[0][b]);
-      k += static_cast<char>(count[1][b]);
-      k += static_cast<char>(tile[b] + 1);
-    }
+    named.key(k);
     return k;
   }
 };
@@ -116,40 +153,12 @@ Result explore(const Model& m) {
   State s0;
   s0.pc.assign(m.agents(), 0);
   s0.blocked.assign(m.agents(), -1);
-  s0.count[0].assign(kNumBarriers, 0);
-  s0.count[1].assign(kNumBarriers, 0);
-  s0.tile.assign(kNumBarriers, -1);
   const auto move = [&](State& n, int a, Result& r) {
     if (n.pc[a] >= m.steps() || n.blocked[a] >= 0) return false;
     const int step = n.pc[a]++;
-    const int bar = m.barrier(a, step), c = a / m.per_consumer, tile = step / 3;
-    if (n.tile[bar] >= 0 && n.tile[bar] != tile) {
-      r.violation = true;  // a barrier phase pairs the operations of two different tiles
-      r.what = "barrier " + std::to_string(bar) + ": an arrival for tile " + std::to_string(tile) +
-               " joined the phase of tile " + std::to_string(n.tile[bar]) + " (agent " + std::to_string(a) + ")";
-      return true;
-    }
-    n.tile[bar] = tile;
-    ++n.count[c][bar];
-    const int total = n.count[0][bar] + n.count[1][bar];
-    if (total == m.expected(bar)) {
-      // The phase completes: a dS^T barrier needs one consumer's arrival and the other's wait, i.e. every agent of
-      // both consumers once.
-      if (bar >= cuda::fmha_wsq::kBarDsDone &&
-          (n.count[0][bar] != m.per_consumer || n.count[1][bar] != m.per_consumer)) {
-        r.violation = true;
-        r.what = "barrier " + std::to_string(bar) + " completed with " + std::to_string(n.count[0][bar]) +
-                 " arrivals of consumer 0 and " + std::to_string(n.count[1][bar]) + " of consumer 1 (agent " +
-                 std::to_string(a) + ", step " + std::to_string(step) + ")";
-        return true;
-      }
-      n.count[0][bar] = n.count[1][bar] = 0;
-      n.tile[bar] = -1;
-      for (int& b : n.blocked)
-        if (b == bar) b = -1;
-    } else if (m.op(step) != Op::kArrive) {
-      n.blocked[a] = bar;  // bar.sync waits for the phase it joined
-    }
+    const int bar = m.barrier(a, step);
+    r.what = n.named.join(bar, a / m.per_consumer, step / 3, m.expected(bar), m.op(step) != Op::kArrive, a, n.blocked);
+    r.violation = !r.what.empty();
     return true;
   };
   const auto done = [&](const State& s) {
@@ -289,17 +298,17 @@ std::vector<std::vector<SkStep>> skeleton(const std::vector<int>& tiles_per_item
 
 struct SkState {
   std::vector<int> pc;
-  std::vector<int> nblocked;          // named barrier the agent waits at (-1: none)
-  std::vector<int> mpending, mdone;   // per mbarrier: arrivals in the current phase, completed phases
-  std::vector<int> ncount[2], ntile;  // per named barrier: arrivals of consumer 0 / 1, the phase's tile
+  std::vector<int> nblocked;         // named barrier the agent waits at (-1: none)
+  std::vector<int> mpending, mdone;  // per mbarrier: arrivals in the current phase, completed phases
+  NamedPhases named;                 // the consumers' named barriers (the producers use none)
   int item_slot[2] = {-2, -2};
   // Shared-memory data: per stage (kStages) and K/V buffer (2), the tile / item each producer warp last wrote there,
   // and the one each consumer reads there (-1: none), from its full / kv_full wait to its empty / kv_empty release.
   int written[2 * kStages][4] = {{-1, -1, -1, -1}, {-1, -1, -1, -1}, {-1, -1, -1, -1}, {-1, -1, -1, -1}};
   int reading[2 * kStages][2] = {{-1, -1}, {-1, -1}, {-1, -1}, {-1, -1}};
   std::string key() const {
-    std::string k;  // small values: one byte each (offset so that -2 .. 253 fit)
-    const auto put = [&](int v) { k += static_cast<char>(v + 2); };
+    std::string k;
+    const auto put = [&](int v) { put_key(k, v); };
     for (size_t i = 0; i < pc.size(); ++i) {
       put(pc[i]);
       put(nblocked[i]);
@@ -308,11 +317,7 @@ struct SkState {
       put(mpending[b]);
       put(mdone[b]);
     }
-    for (int b = 0; b < kNumBarriers; ++b) {
-      put(ncount[0][b]);
-      put(ncount[1][b]);
-      put(ntile[b]);
-    }
+    named.key(k);
     put(item_slot[0]);
     put(item_slot[1]);
     for (int b = 0; b < 2 * kStages; ++b) {
@@ -337,9 +342,6 @@ Result explore_skeleton(const std::vector<std::vector<SkStep>>& prog) {
   s0.nblocked.assign(agents, -1);
   s0.mpending.assign(kNumMbar, 0);
   s0.mdone.assign(kNumMbar, 0);
-  s0.ncount[0].assign(kNumBarriers, 0);
-  s0.ncount[1].assign(kNumBarriers, 0);
-  s0.ntile.assign(kNumBarriers, -1);
   const auto move = [&](SkState& n, int a, Result& r) {
     const auto fail = [&](const std::string& what) {
       r.violation = true;
@@ -400,20 +402,9 @@ Result explore_skeleton(const std::vector<std::vector<SkStep>>& prog) {
                ", not " + std::to_string(st.arg));
         break;
       case SkOp::kNArrive:
-      case SkOp::kNSync: {
-        const int c = a - 4, bar = st.bar;
-        if (n.ntile[bar] >= 0 && n.ntile[bar] != st.arg) fail(where + "named barrier phase mixes tiles");
-        n.ntile[bar] = st.arg;
-        ++n.ncount[c][bar];
-        if (n.ncount[0][bar] + n.ncount[1][bar] == 2) {
-          if (n.ncount[0][bar] != 1) fail(where + "named barrier phase holds one consumer twice");
-          n.ncount[0][bar] = n.ncount[1][bar] = 0;
-          n.ntile[bar] = -1;
-          for (int& b : n.nblocked)
-            if (b == bar) b = -1;
-        } else if (st.op == SkOp::kNSync) {
-          n.nblocked[a] = bar;
-        }
+      case SkOp::kNSync: {  // whole consumers: a dS^T phase is one arrival of each
+        const std::string what = n.named.join(st.bar, a - 4, st.arg, 2, st.op == SkOp::kNSync, a, n.nblocked);
+        if (!what.empty()) fail(where + what);
         break;
       }
       case SkOp::kEnd:
