@@ -57,11 +57,11 @@ fi
 if has tests; then
   say "FMHA tests (${CUDA_TEST_FILTER:-Fmha.*})"
   # A time limit, so that a kernel that hangs (a barrier protocol gone wrong) costs minutes, not the whole call.
-  timeout "${TEST_TIMEOUT:-300}" build-gpu/nopad_cuda_tests --gtest_filter="${CUDA_TEST_FILTER:-Fmha.*}" \
+  timeout -k 10 "${TEST_TIMEOUT:-300}" build-gpu/nopad_cuda_tests --gtest_filter="${CUDA_TEST_FILTER:-Fmha.*}" \
     >"$OUT/tests.log" 2>&1 || {
-    rc=$?  # before anything else runs: 124 is the time limit, anything else the tests' own failure
+    rc=$?  # before anything else runs: 124 (137 once killed) is the time limit, anything else the tests' own failure
     status=1
-    if [ "$rc" = 124 ]; then
+    if [ "$rc" = 124 ] || [ "$rc" = 137 ]; then
       echo "nopad_cuda_tests stopped at the ${TEST_TIMEOUT:-300} s limit (TEST_TIMEOUT) after" \
         "$(grep -c '^\[       OK' "$OUT/tests.log") passed tests; failed: $(grep -c '^\[  FAILED  \] [A-Za-z]' "$OUT/tests.log")" |
         tee -a "$OUT/summary.txt"
@@ -202,11 +202,11 @@ fi
 if has sanitize; then
   say "compute-sanitizer memcheck on the FMHA accuracy tests"
   # The same time limit as the tests: under memcheck a hung kernel would otherwise hold the whole device call.
-  timeout "${SANITIZE_TIMEOUT:-300}" compute-sanitizer --tool memcheck --error-exitcode 9 build-gpu/nopad_cuda_tests \
+  timeout -k 10 "${SANITIZE_TIMEOUT:-300}" compute-sanitizer --tool memcheck --error-exitcode 9 build-gpu/nopad_cuda_tests \
     --gtest_filter='Fmha.*Heads2*:Fmha.SeqIndex*:Fmha.Planned*' >"$OUT/sanitize.log" 2>&1 || {
     rc=$?
     status=1
-    [ "$rc" = 124 ] && echo "compute-sanitizer stopped at the ${SANITIZE_TIMEOUT:-300} s limit (SANITIZE_TIMEOUT)" |
+    { [ "$rc" = 124 ] || [ "$rc" = 137 ]; } && echo "compute-sanitizer stopped at the ${SANITIZE_TIMEOUT:-300} s limit (SANITIZE_TIMEOUT)" |
       tee -a "$OUT/summary.txt"
   }
   grep -E "ERROR SUMMARY|PASSED|FAILED" "$OUT/sanitize.log" | tee -a "$OUT/summary.txt"
