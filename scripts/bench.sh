@@ -28,6 +28,8 @@
 #                         gelu_new (tanh approximation, in the same GEMM epilogues as the erf form)
 #   PEER_GELU_TANH=1      also run the compiled PyTorch peer with F.gelu(approximate="tanh") (a patched copy in
 #                         .carry/), so a nopad gelu_new line has a peer with the same activation beside it
+#   CEILING=1             also time the products alone of every batch's timed steps (scripts/products_ceiling.py,
+#                         cuBLAS through PyTorch): the step time if nothing but the products cost, and the seq/s bound
 #   SMI_LOG=1             log the SM clock, power and power-cap state every 250 ms ($OUT/smi.csv) and print each
 #                         section's mean clock and power at the end (a GPU held at its power cap runs a kernel slower
 #                         inside the training step than alone)
@@ -181,6 +183,15 @@ for B in $HF_BATCH; do
   python3 .carry/peers/peer_hf_bert.py --batch "$B" --steps 10 --lengths "$OUT/workload-$B.txt" ||
     echo "peer_hf_bert batch $B failed"
 done
+
+if [ "${CEILING:-0}" = 1 ]; then
+  for B in $BATCHES; do
+    [ -f "$OUT/workload-$B.txt" ] || continue
+    stamp "products alone, batch $B (products_ceiling.py)"
+    python3 scripts/products_ceiling.py --lengths "$OUT/workload-$B.txt" --batch "$B" ||
+      echo "products_ceiling batch $B failed"
+  done
+fi
 
 stamp "summary"
 python3 - "$LOG" <<'EOF'
