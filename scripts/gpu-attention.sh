@@ -3,7 +3,11 @@
 # `nopad bench attention` on real Wikipedia phase-2 lengths (every launch schedule, dropout 0 and 0.1, optionally every
 # kernel variant per length group) beside PyTorch's varlen_attn on the same batches, and BERT-large training steps
 # with each attention schedule. Logs and JSON lines go to $OUT (default out/attention); a summary is printed last.
-#   STAGES="build tests bench peer standin model ncu sanitize"   what to run (default: build tests bench peer model)
+#   STAGES="build tests bench peer standin libs model ncu sanitize"   what to run (default: build tests bench peer
+#                                 model)
+#   LIBS_LENGTHS="512 256 128"    the libs stage: for each length, batches of sequences all that long (LIBS_TOKENS=32768
+#                                 tokens per batch), `nopad bench attention` beside PyTorch's own kernels on the same
+#                                 shapes (scripts/attention_libs.py: SDPA flash / cuDNN / efficient and varlen_attn)
 #   BATCH=128 BATCHES=2           attention batches (sequences per batch, how many)
 #   MODEL_BATCH=128               BERT-large batch of the model ablation; MODEL_SCHEDULES="single grouped";
 #                                 MODEL_ROUNDS=1 (with BASE_TREE: both trees, alternating, this many times)
@@ -123,6 +127,21 @@ for batch in load_workload(None, $BATCH, $BATCHES):
   done
   (cd .carry/peers && python3 peer_attention.py --batch "$BATCH" --batches "$BATCHES" --lengths "$OUT/standin-lengths.txt") \
     2>&1 | grep '^{' | tee -a "$OUT/summary.txt" || status=1
+fi
+
+# Fixed lengths: the libraries' easiest input (no padding, no variable-length bookkeeping), for what nopad's kernels
+# reach against the best of PyTorch's on the same shapes.
+if has libs; then
+  for LEN in ${LIBS_LENGTHS:-512 256 128}; do
+    NSEQ=$(( ${LIBS_TOKENS:-32768} / LEN ))
+    for _ in $(seq $(( 2 * NSEQ ))); do echo "$LEN 0"; done >"$OUT/fixed-$LEN.txt"
+    say "fixed length $LEN, $NSEQ sequences: nopad bench attention (one launch), then PyTorch's kernels"
+    "$NOPAD" bench attention --lengths "$OUT/fixed-$LEN.txt" --batch "$NSEQ" --batches 2 --schedules single \
+      --dropout 0,0.1 >"$OUT/attention-fixed-$LEN.jsonl" 2>"$OUT/attention-fixed-$LEN.txt" || status=1
+    grep -v "group " "$OUT/attention-fixed-$LEN.txt" | tee -a "$OUT/summary.txt"
+    python3 scripts/attention_libs.py --batch "$NSEQ" --seqlen "$LEN" 2>&1 | grep '^{' |
+      tee "$OUT/attention-libs-$LEN.jsonl" | tee -a "$OUT/summary.txt" || status=1
+  done
 fi
 
 if has model; then
