@@ -10,8 +10,9 @@
 #                         BATCHES="208 160 128" PEER_BATCHES="160 128"; on an H200 the peer's is 256 (out of memory
 #                         at 384), nopad's 384: BATCHES="384 256" PEER_BATCHES=256
 #   HF_BATCH=32           batch(es) of the Hugging Face peer, e.g. "32 64" (the summary takes its best; none: skip it).
-#                         Its best on an H200 is 160 (290.9 seq/s; 284.7 at 128, 274.2 at 64, 255.8 at 32; out of
-#                         memory at 192): BATCHES="384 256 160" PEER_BATCHES=256 HF_BATCH=160 for a best-against-best run
+#                         On an H200 it is flat from 144 to 176 (295.2 / 295.5 / 296.6 seq/s on one machine; 284.7
+#                         at 128, 274.2 at 64, 255.8 at 32; out of memory at 192): BATCHES="384 256 160"
+#                         PEER_BATCHES=256 HF_BATCH=160 for a best-against-best run
 #   PEER_ATTENTION=1      the attention-only peer (varlen_attn, 64 sequences) on the last batch's workload (0: skip)
 #   VARIANT_RUNS="A=0 B=1,C=2"  the last nopad batch again under each environment setting (kernel variants, dense.cu;
 #                         settings joined by a comma form one variant),
