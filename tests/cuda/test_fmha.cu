@@ -12,6 +12,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <random>
 #include <string>
@@ -850,12 +851,51 @@ TEST(Fmha, VariantSelection) {
     EXPECT_GT(std::strlen(fmha_backward_variant_name(v)), 0u);
   }
   p.fwd_variant = p.bwd_variant = -1;
+  p.max_seqlen = 512;  // a launch with phase-2 lengths (shorter launches below)
   const int df = fmha_forward_variant(p), db = fmha_backward_variant(p);
   EXPECT_TRUE(df >= 0 && df < nf);
   EXPECT_TRUE(db >= 0 && db < nb);
   p.dropout_p = 0.1f;
   const int db_drop = fmha_backward_variant(p);
   EXPECT_TRUE(db_drop >= 0 && db_drop < nb);
+  // The backward's default by launch size, where ws128q is the default at all (a wgmma build on sm_90 without
+  // NOPAD_FMHA_BWD_VARIANT): wg64 for a launch of sequences of at most 256 tokens with fewer than 16 ws128q items
+  // (128-key blocks x heads x sequences) per SM, ws128q otherwise; elsewhere one variant whatever the size.
+  p.head_dim = 64;
+  p.num_heads = 16;
+  struct Size {
+    int32_t max_seqlen, seqs;
+    bool few;
+  };
+  const Size sizes[] = {{256, 4, true}, {1, 4, true}, {257, 4, false}, {128, 4096, false}, {512, 128, false},
+                        {128, 64, true}};
+  p.max_seqlen = 512;
+  p.num_seqs = 128;
+  const bool size_rule = std::strcmp(fmha_backward_variant_name(fmha_backward_variant(p)), "ws128q") == 0 &&
+                         std::getenv("NOPAD_FMHA_BWD_VARIANT") == nullptr;
+  for (const Size& z : sizes) {
+    p.max_seqlen = z.max_seqlen;
+    p.num_seqs = z.seqs;
+    const char* name = fmha_backward_variant_name(fmha_backward_variant(p));
+    if (size_rule) {
+      EXPECT_STREQ(name, z.few ? "wg64" : "ws128q") << "max_seqlen " << z.max_seqlen << ", " << z.seqs << " sequences";
+    } else {
+      EXPECT_EQ(fmha_backward_variant(p), db_drop) << "max_seqlen " << z.max_seqlen << ", " << z.seqs << " sequences";
+    }
+  }
+  // A launch over a subset (seq_index) counts its own sequences.
+  if (size_rule) {
+    alignas(16) static int32_t subset[4] = {0, 1, 2, 3};
+    p.max_seqlen = 128;
+    p.num_seqs = 4096;
+    p.seq_index = subset;
+    p.num_launch_seqs = 4;
+    EXPECT_STREQ(fmha_backward_variant_name(fmha_backward_variant(p)), "wg64") << "4 of 4096 sequences";
+    p.seq_index = nullptr;
+    p.num_launch_seqs = 0;
+  }
+  p.max_seqlen = 0;
+  p.num_seqs = 0;
   std::printf("  default variants (with the environment): forward %d %s, backward %d %s (dropout 0), %d %s (dropout)\n",
               df, fmha_forward_variant_name(df), db, fmha_backward_variant_name(db), db_drop,
               fmha_backward_variant_name(db_drop));

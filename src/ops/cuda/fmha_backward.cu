@@ -1191,6 +1191,16 @@ constexpr BwdVariant kBwdVariants[] = {
 constexpr int kNumBwdVariants = static_cast<int>(sizeof(kBwdVariants) / sizeof(kBwdVariants[0]));
 constexpr int kDefaultBwdVariant = 0;  // where the wgmma kernels cannot run
 constexpr int kWsqVariant = 6;         // ws128q, full attention only: the default at head_dim 64 on sm_90a
+// A launch of short sequences with little work defaults to wg64 instead: max_seqlen <= kFewItemsMaxSeqlen and fewer
+// than kFewItemsPerSm ws128q items (128-key blocks, counted up to max_seqlen) per SM, as the short length groups of a
+// grouped schedule have. ws128q's persistent CTAs then get a few small items each; wg64's CTAs (3 per SM, 64 keys
+// each) spread the same work finer. H200, 2026-11-29 (docs/performance.md, "per-launch backward kernels"): groups of
+// real batches of <= 254 tokens with 2.5-4.1 items per SM took 0.82-0.92x ws128q's time on wg64, at dropout 0 and
+// 0.1, and the stand-in's grouped schedule gained most with its (128, 256] group (~9 items per SM) on wg64; a group
+// of <= 376 tokens took 1.03-1.13x, and whole batches of 128- and 256-token sequences (31 items per SM) 1.01-1.09x.
+constexpr int kFewItemsBwdVariant = 3;  // wg64
+constexpr int32_t kFewItemsMaxSeqlen = 256;
+constexpr int64_t kFewItemsPerSm = 16;
 // A launch on query rows (FmhaParams::q_cu_seqlens) asking for ws128q runs the one-warpgroup kernel of its dropout.
 constexpr int kRowsBwdVariantWg = 3;        // with dropout
 constexpr int kRowsBwdVariantWgNoDrop = 5;  // dropout 0
@@ -1303,8 +1313,16 @@ const char* fmha_backward_variant_name(int variant) {
 int fmha_backward_variant(const FmhaParams& p) {
   using namespace fmha_detail;
   static const int env = variant_from_env("NOPAD_FMHA_BWD_VARIANT", kNumBwdVariants);
-  // On Hopper at head_dim 64: the warp-specialised ws128q (its launches on query rows run wg64 or wg64b by dropout).
-  const int fallback = p.head_dim == 64 && fmha_wgmma_available() ? kWsqVariant : kDefaultBwdVariant;
+  // On Hopper at head_dim 64: the warp-specialised ws128q (its launches on query rows run wg64 or wg64b by dropout),
+  // or wg64 for a launch of short sequences with few ws128q items per SM.
+  int fallback = kDefaultBwdVariant;
+  if (p.head_dim == 64 && fmha_wgmma_available()) {
+    const int64_t seqs = p.seq_index != nullptr ? p.num_launch_seqs : p.num_seqs;
+    const int64_t key_blocks = (p.max_seqlen + BwdWsqShape::kBlockN - 1) / BwdWsqShape::kBlockN;
+    const bool few =
+        p.max_seqlen <= kFewItemsMaxSeqlen && key_blocks * p.num_heads * seqs < kFewItemsPerSm * fmha_sm_count();
+    fallback = few ? kFewItemsBwdVariant : kWsqVariant;
+  }
   return choose_variant(p.bwd_variant, env, fallback, kNumBwdVariants, "FmhaParams::bwd_variant");
 }
 
