@@ -847,6 +847,10 @@ __device__ __forceinline__ bool wsq_item(const FmhaParams& p, int item, int& b, 
   k0 = kb * BwdWsqShape::kBlockN;
   return k0 < L;
 }
+// How many items a launch over n sequences has (its items counter's range), on the host.
+inline int64_t wsq_num_items(const FmhaParams& p, int64_t n) {
+  return int64_t{(p.max_seqlen + BwdWsqShape::kBlockN - 1) / BwdWsqShape::kBlockN} * p.num_heads * n;
+}
 
 // This warp's dQ accumulators (queries wrow + g, + 8; m16n8 C fragments over the 64 head dims), scaled, into a dQ stage
 // of two 64 x 32 fp32 boxes (columns 0..31, 32..63) with the 128-byte swizzle (16-byte chunk c of row r at chunk
@@ -1149,7 +1153,7 @@ __global__ void __launch_bounds__(384, 1)
 template <bool kFp16>
 void launch_backward_wsq(const KernelArgs& args, const float* D, float* dq_acc, int32_t n, cudaStream_t stream) {
   using Sh = BwdWsqShape;
-  const int64_t items = int64_t{(args.p.max_seqlen + Sh::kBlockN - 1) / Sh::kBlockN} * args.p.num_heads * n;
+  const int64_t items = wsq_num_items(args.p, n);
   NOPAD_CHECK(items < (int64_t{1} << 30), "fmha_backward: too many work items (", items, ")");
   const int grid = static_cast<int>(std::min<int64_t>(items, fmha_sm_count()));
   if (grid == 0) return;
@@ -1317,10 +1321,8 @@ int fmha_backward_variant(const FmhaParams& p) {
   // or wg64 for a launch of short sequences with few ws128q items per SM.
   int fallback = kDefaultBwdVariant;
   if (p.head_dim == 64 && fmha_wgmma_available()) {
-    const int64_t seqs = p.seq_index != nullptr ? p.num_launch_seqs : p.num_seqs;
-    const int64_t key_blocks = (p.max_seqlen + BwdWsqShape::kBlockN - 1) / BwdWsqShape::kBlockN;
-    const bool few =
-        p.max_seqlen <= kFewItemsMaxSeqlen && key_blocks * p.num_heads * seqs < kFewItemsPerSm * fmha_sm_count();
+    const int64_t items = wsq_num_items(p, p.seq_index != nullptr ? p.num_launch_seqs : p.num_seqs);
+    const bool few = p.max_seqlen <= kFewItemsMaxSeqlen && items < kFewItemsPerSm * fmha_sm_count();
     fallback = few ? kFewItemsBwdVariant : kWsqVariant;
   }
   return choose_variant(p.bwd_variant, env, fallback, kNumBwdVariants, "FmhaParams::bwd_variant");
