@@ -270,6 +270,53 @@ TEST(Trainer, BadInputsAreClearErrorsAndWriteNothing) {
   EXPECT_NO_THROW(Trainer(make_config(resumable), StartMode::kResume));
 }
 
+// A run folder whose checkpoints/latest is gone still holds a run: a new run neither prunes its checkpoint folders nor
+// replaces its metrics unless --overwrite says so, and a bad value found at start-up deletes nothing even with
+// --overwrite.
+TEST(Trainer, ARunWithoutLatestIsNotTakenOver) {
+  test::TempDir dir("trainer-no-latest");
+  const fs::path model = write_model_config(dir.path(), 32, 1, 2);
+  const fs::path run = dir / "run";
+  const std::string two_steps =
+      base_config(run, model, "train.global_batch = 4\ntrain.max_steps = 2\ncheckpoint.interval_steps = 1\n");
+  Trainer(make_config(two_steps), StartMode::kFresh).run();
+  ASSERT_EQ(list_checkpoints(run).size(), 2u);
+  const std::string metrics_before = read_file(run / "metrics.jsonl");
+  fs::remove(checkpoints_dir(run) / "latest");
+  const std::string longer =
+      base_config(run, model, "train.global_batch = 4\ntrain.max_steps = 6\ncheckpoint.interval_steps = 1\n"
+                              "checkpoint.keep = 1\n");
+  for (const StartMode mode : {StartMode::kFresh, StartMode::kResume}) {
+    const std::string e = error_of([&] { Trainer(make_config(longer), mode); });
+    EXPECT_NE(e.find("holds checkpoint folders (the newest step_00000002) but no checkpoints/latest"),
+              std::string::npos) << e;
+    EXPECT_NE(e.find("--overwrite"), std::string::npos) << e;
+    EXPECT_EQ(list_checkpoints(run).size(), 2u);
+    EXPECT_EQ(read_file(run / "metrics.jsonl"), metrics_before);
+  }
+  // A run stopped before its first checkpoint: its metrics.jsonl alone refuses a fresh start.
+  const fs::path early = dir / "early";
+  fs::create_directories(early);
+  write_file_atomic(early / "metrics.jsonl", "{\"step\":1,\"loss\":10.5}\n");
+  const std::string e = error_of([&] { Trainer(make_config(base_config(early, model)), StartMode::kFresh); });
+  EXPECT_NE(e.find("already holds a run's metrics.jsonl"), std::string::npos) << e;
+  // --overwrite with a value that is only checked at start-up: the old run stays whole.
+  const std::string bad_division = base_config(run, model, "mllog.submission_division = \"x\"\n");
+  const std::string e2 = error_of([&] { Trainer(make_config(bad_division), StartMode::kOverwrite); });
+  EXPECT_NE(e2.find("mllog.submission_division must be closed or open"), std::string::npos) << e2;
+  EXPECT_EQ(list_checkpoints(run).size(), 2u);
+  EXPECT_EQ(read_file(run / "metrics.jsonl"), metrics_before);
+  EXPECT_EQ(read_file(run / "config.toml").find("\"x\""), std::string::npos);
+  // A model with one segment type cannot read pre-training sequences (segments A and B).
+  nlohmann::json one_type = nlohmann::json::parse(read_file(model));
+  one_type["type_vocab_size"] = 1;
+  write_file_atomic(dir / "one-type.json", one_type.dump());
+  const std::string e3 =
+      error_of([&] { Trainer(make_config(base_config(dir / "fresh", dir / "one-type.json")), StartMode::kFresh); });
+  EXPECT_NE(e3.find("type_vocab_size 1 is below 2"), std::string::npos) << e3;
+  EXPECT_FALSE(fs::exists(dir / "fresh"));
+}
+
 // init_from a TensorFlow checkpoint (the form of MLPerf's phase-1 checkpoint): the run starts from its weights.
 // One step at a learning rate of 1e-20 leaves them as they were, so the run's checkpoint must hold the values numpy
 // computed for the fixture under Hugging Face names.

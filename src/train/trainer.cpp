@@ -436,6 +436,10 @@ void Trainer::Impl::setup() {
                 model_config_path, ": max_position_embeddings ", model_config.max_position_embeddings,
                 " is smaller than the longest sequence of ", key, " ", path, " (", max_seq, " tokens)");
   };
+  // Pre-training sequences have two segments (sentence A, then B), whatever the data format.
+  NOPAD_CHECK(model_config.type_vocab_size >= 2, "model.config ", model_config_path, ": type_vocab_size ",
+              model_config.type_vocab_size, " is below 2, but pre-training sequences have two segments (sentence A "
+              "and sentence B); use 2, as BERT does");
   uint32_t max_len = 0, max_masked = 0;
   if (placement == "partitioned") {  // collective: the ranks learn each other's shard sizes
     // "{rank}" in data.train stands for this rank's number (node-local folders: /scratch/shards-{rank}).
@@ -465,6 +469,11 @@ void Trainer::Impl::setup() {
     max_masked = std::max(max_masked, max_masked_per_sample(*data));
   }
 
+  // The MLPerf log's keys are checked here, before anything in run_dir is written or deleted.
+  const std::string division = cfg.get_string("mllog.submission_division");
+  NOPAD_CHECK(division == "closed" || division == "open", "mllog.submission_division must be closed or open, got \"",
+              division, "\"");
+
   // 4. Starting point: init_from weights (checked now), or the checkpoint to resume.
   const ParamLayout layout(model_config);
   std::vector<float> start_params;
@@ -475,6 +484,18 @@ void Trainer::Impl::setup() {
   if (!latest.empty() && mode == StartMode::kFresh)
     fail("run_dir ", run_dir.string(), " already holds a run (checkpoints/latest -> ", latest.filename().string(),
          "): pass --resume to continue it or --overwrite to start over");
+  // Without checkpoints/latest, a run's other traces still mean a run is there: its checkpoint folders must not be
+  // pruned by a new run's checkpoint.keep, nor its metrics replaced, unless --overwrite says so.
+  if (latest.empty() && mode != StartMode::kOverwrite && fs::is_directory(run_dir, ec)) {
+    if (const std::vector<fs::path> found = list_checkpoints(run_dir); !found.empty())
+      fail("run_dir ", run_dir.string(), " holds checkpoint folders (the newest ", found.back().filename().string(),
+           ") but no checkpoints/latest naming one: write the name of the one to continue from into ",
+           (checkpoints_dir(run_dir) / "latest").string(), " and pass --resume, or pass --overwrite to start over "
+           "(deleting them)");
+    if (mode == StartMode::kFresh && fs::exists(run_dir / "metrics.jsonl", ec))
+      fail("run_dir ", run_dir.string(), " already holds a run's metrics.jsonl (a run stopped before its first "
+           "checkpoint): pass --resume to start it again from step 0, or --overwrite to start over");
+  }
   if (mode == StartMode::kResume && !latest.empty()) {
     resume_from = std::make_unique<LoadedCheckpoint>(load_checkpoint(latest, &model_config, true));
     NOPAD_CHECK(resume_from->state.seed == seed, "train.seed ", seed, " differs from the seed of checkpoint ",
@@ -627,9 +648,6 @@ void Trainer::Impl::setup() {
   metrics = std::make_unique<MetricsLog>(run_dir / "metrics.jsonl", state.step);
 
   // The MLPerf log: submission and hyper-parameter keys (closed-division BERT), then the end of initialisation.
-  const std::string division = cfg.get_string("mllog.submission_division");
-  NOPAD_CHECK(division == "closed" || division == "open", "mllog.submission_division must be closed or open, got \"",
-              division, "\"");
   const std::string platform = cfg.get_string("mllog.submission_platform");
   mllog.point("submission_benchmark", "bert");
   mllog.point("submission_division", division);
