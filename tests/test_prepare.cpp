@@ -107,6 +107,24 @@ TEST(Prepare, RefusesToOverwriteUnlessAsked) {
   o.seqs_per_shard = 100000;  // fewer shards than before: stale ones must go
   prepare_dataset(o);
   EXPECT_EQ(list_shards(dir.path()).size(), 1u);
+  // The new shards were staged and moved into place: nothing else is left, and the manifest describes them.
+  for (const auto& e : fs::directory_iterator(dir.path()))
+    EXPECT_TRUE(e.path().extension() == kShardExtension || e.path().filename() == "dataset.json") << e.path();
+  const Dataset ds(dir.path());
+  EXPECT_EQ(nlohmann::json::parse(read_file(dir / "dataset.json"))["num_seqs"].get<uint64_t>(), ds.size());
+  // A shard lost since the manifest was written is reported, naming the manifest.
+  o.seqs_per_shard = 300;
+  prepare_dataset(o);
+  const std::vector<fs::path> shards = list_shards(dir.path());
+  ASSERT_GE(shards.size(), 2u);
+  fs::remove(shards.back());
+  try {
+    const Dataset lost(dir.path());
+    ADD_FAILURE() << "a dataset with a lost shard opened";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("dataset.json lists " + std::to_string(shards.size()) + " shards"),
+              std::string::npos) << e.what();
+  }
 }
 
 TEST(Prepare, BadInputsFailCleanly) {

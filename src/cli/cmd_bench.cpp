@@ -72,8 +72,8 @@ void setup(CLI::App& sub) {
   auto lo = std::make_shared<LoaderBenchOptions>();
   CLI::App* loader = sub.add_subcommand("loader", "sequences per second the loader builds into unpadded batches");
   loader->add_option("--data", lo->data, "dataset folder")->required();
-  loader->add_option("--batch", lo->batch, "sequences per batch")->capture_default_str();
-  loader->add_option("--steps", lo->steps, "timed batches")->capture_default_str();
+  loader->add_option("--batch", lo->batch, "sequences per batch")->capture_default_str()->check(CLI::Range(1, 1 << 24));
+  loader->add_option("--steps", lo->steps, "timed batches")->capture_default_str()->check(CLI::Range(1, 1 << 30));
   loader->add_option("--seed", lo->seed, "shuffle seed")->capture_default_str();
   loader->add_option("--dump-ids", lo->dump_ids,
                      "write the sample ids of every batch drawn (the 10 warm-up batches, then --steps), one line "

@@ -2,6 +2,7 @@
 #include <algorithm>
 #include <cstdio>
 #include <exception>
+#include <string>
 
 #include "cli/command.h"
 #include "core/error.h"
@@ -32,6 +33,28 @@ int main(int argc, char** argv) {
   for (const Command& c : registry) {
     CLI::App* sub = app.add_subcommand(c.name, c.help);
     c.setup(*sub);
+  }
+  // A mistyped command word gets named (CLI11 would only say that a subcommand is required): the first word, and the
+  // word after a command that itself takes subcommands (nopad bench loader|model|attention).
+  {
+    const CLI::App* level = &app;
+    for (int i = 1; i < argc && level != nullptr && level->get_require_subcommand_min() > 0; ++i) {
+      const std::string word = argv[i];
+      if (word.empty() || word[0] == '-') break;
+      const CLI::App* next = nullptr;
+      std::string names;
+      for (const CLI::App* sub : level->get_subcommands([](const CLI::App*) { return true; })) {
+        if (sub->check_name(word)) next = sub;
+        names += (names.empty() ? "" : ", ") + sub->get_name();
+      }
+      if (next == nullptr) {
+        std::fprintf(stderr, "nopad: error: unknown command \"%s\"%s%s; the commands here are: %s (see %s --help)\n",
+                     word.c_str(), level == &app ? "" : " after ", level == &app ? "" : level->get_name().c_str(),
+                     names.c_str(), level == &app ? "nopad" : ("nopad " + level->get_name()).c_str());
+        return 109;
+      }
+      level = next;
+    }
   }
   try {
     app.parse(argc, argv);

@@ -14,6 +14,8 @@
 namespace nopad {
 
 std::string read_file(const fs::path& path) {
+  std::error_code ec;
+  if (fs::is_directory(path, ec)) fail(path.string(), " is a folder, where a file was expected");
   std::ifstream in(path, std::ios::binary);
   if (!in) fail("cannot open ", path.string(), ": ", std::strerror(errno));
   std::string data;

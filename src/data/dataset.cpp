@@ -2,7 +2,10 @@
 
 #include <algorithm>
 
+#include <nlohmann/json.hpp>
+
 #include "core/error.h"
+#include "core/io.h"
 
 namespace nopad {
 
@@ -24,6 +27,34 @@ Dataset::Dataset(const std::filesystem::path& dir_or_file, const Options& option
     offsets_.push_back(offsets_.back() + h.num_seqs);
     max_seq_length_ = std::max(max_seq_length_, h.max_seq_length);
   }
+  std::error_code ec;
+  if (std::filesystem::is_directory(dir_or_file, ec)) check_manifest(dir_or_file);
+}
+
+// The folder's dataset.json, where there is one, must describe the shards found: a shard lost or added since (a copy
+// or an overwrite that did not finish) would otherwise change the data without a word.
+void Dataset::check_manifest(const std::filesystem::path& dir) const {
+  const std::filesystem::path path = dir / "dataset.json";
+  std::error_code ec;
+  if (!std::filesystem::exists(path, ec)) return;
+  nlohmann::json j;
+  try {
+    j = nlohmann::json::parse(read_file(path));
+  } catch (const nlohmann::json::exception& e) {
+    fail("dataset ", dir.string(), ": ", path.string(), " is not valid JSON (", e.what(),
+         "); re-run nopad prepare or nopad convert with --overwrite to rebuild the dataset");
+  }
+  NOPAD_CHECK(j.is_object(), "dataset ", dir.string(), ": ", path.string(), " is not a JSON object");
+  const auto expect = [&](const char* key, uint64_t found, const char* what) {
+    if (!j.contains(key)) return;
+    NOPAD_CHECK(j[key].is_number_unsigned() && j[key].get<uint64_t>() == found, "dataset ", dir.string(), ": ",
+                path.string(), " lists ", j[key].dump(), " ", what, ", the shards in the folder hold ", found,
+                " (a shard lost or added since it was written?); restore the folder, or re-run nopad prepare or "
+                "nopad convert with --overwrite");
+  };
+  expect("num_shards", shards_.size(), "shards");
+  expect("num_seqs", size(), "sequences");
+  expect("vocab_checksum", vocab_checksum(), "as the vocabulary checksum");
 }
 
 std::pair<size_t, uint64_t> Dataset::locate(uint64_t i) const {

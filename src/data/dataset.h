@@ -1,6 +1,7 @@
 // A dataset: every shard of a folder (or one shard file), memory-mapped, seen as one array of samples indexed
 // 0..size()-1 in shard order. All shards must share one vocabulary (checked against each other and, optionally,
-// against the vocabulary a run expects).
+// against the vocabulary a run expects). A folder's dataset.json, where there is one, must match its shards: their
+// number, their sequences and their vocabulary checksum.
 #pragma once
 #include <cstdint>
 #include <filesystem>
@@ -43,6 +44,7 @@ class Dataset {
   }
 
  private:
+  void check_manifest(const std::filesystem::path& dir) const;
   std::vector<ShardReader> shards_;
   std::vector<uint64_t> offsets_{0};
   uint32_t max_seq_length_ = 0;

@@ -3,7 +3,9 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <string>
 #include <nlohmann/json.hpp>
+#include <unistd.h>
 
 #include "core/error.h"
 #include "core/io.h"
@@ -61,17 +63,29 @@ std::vector<Instance> make_instances(const TokenizedCorpus& corpus, const Vocab&
   return out;
 }
 
-// Writes instances[order[0 .. count)] as shards and dataset.json into `dir` (stale files not rewritten are removed).
+// Writes instances[order[0 .. count)] as shards and dataset.json into `dir`, replacing the `stale` files of an
+// existing dataset only once the new shards are complete.
 // Returns the bytes written.
 uint64_t write_dataset(const fs::path& dir, const std::vector<Instance>& instances, const std::vector<uint64_t>& order,
                        size_t count, size_t per_shard, const Vocab& vocab, const std::vector<fs::path>& stale,
                        nlohmann::json manifest, int threads, bool show_progress, size_t* shards_out) {
   const size_t num_shards = (count + per_shard - 1) / per_shard;
   std::vector<uint64_t> shard_bytes(num_shards);
+  // The shards are written into a staging folder inside `dir` and moved into place once all are complete, so a
+  // failure (a full disk) leaves an existing dataset as it was, never a mix of old and new shards.
+  struct Staging {
+    fs::path path;
+    ~Staging() {
+      std::error_code ec;
+      fs::remove_all(path, ec);
+    }
+  } staging{dir / (".prepare-staging-" + std::to_string(::getpid()))};
+  fs::remove_all(staging.path);
+  fs::create_directories(staging.path);
   {
     Progress progress("write", static_cast<double>(num_shards), "shards", show_progress);
     parallel_for(num_shards, threads, [&](size_t s) {
-      ShardWriter w(dir / shard_name(s), vocab.size(), vocab.checksum());
+      ShardWriter w(staging.path / shard_name(s), vocab.size(), vocab.checksum());
       const size_t end = std::min(count, (s + 1) * per_shard);
       for (size_t i = s * per_shard; i < end; ++i) w.add(instances[order[i]]);
       shard_bytes[s] = w.finish();
@@ -85,11 +99,15 @@ uint64_t write_dataset(const fs::path& dir, const std::vector<Instance>& instanc
     tokens += instances[order[i]].tokens.size();
     masked += instances[order[i]].mlm_positions.size();
   }
-  for (const fs::path& p : stale) {
-    bool rewritten = false;
-    for (size_t s = 0; s < num_shards && !rewritten; ++s) rewritten = p.filename() == shard_name(s);
-    if (!rewritten && p.filename() != "dataset.json") fs::remove(p);
+  // Every shard written: the old manifest goes first (a folder without one is incomplete, never a mix), then the old
+  // shards; the new shards move into place, then the manifest that marks the dataset complete.
+  if (!stale.empty()) {
+    fs::remove(dir / "dataset.json");
+    fsync_dir(dir);
+    for (const fs::path& p : stale) fs::remove(p);
   }
+  for (size_t s = 0; s < num_shards; ++s) fs::rename(staging.path / shard_name(s), dir / shard_name(s));
+  fsync_dir(dir);
   manifest["num_shards"] = num_shards;
   manifest["num_seqs"] = count;
   manifest["num_tokens"] = tokens;

@@ -4,6 +4,8 @@
 #include <cstdio>
 #include <nlohmann/json.hpp>
 
+#include "core/error.h"
+
 namespace nopad {
 
 DatasetStats compute_stats(const Dataset& dataset, uint32_t padded_length) {
@@ -27,6 +29,9 @@ DatasetStats compute_stats(const Dataset& dataset, uint32_t padded_length) {
     s.num_seqs += r.num_seqs();
   }
   if (s.num_seqs == 0) s.min_length = 0;
+  NOPAD_CHECK(padded_length == 0 || padded_length >= s.max_length, "padded length ", padded_length,
+              " is shorter than the longest sequence of the data (", s.max_length,
+              " tokens): a padded batch holds every sequence whole; give at least ", s.max_length, " or leave it unset");
   s.padded_length = padded_length > 0 ? padded_length : std::max<uint32_t>(1, s.max_length);
   return s;
 }

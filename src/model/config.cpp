@@ -1,6 +1,7 @@
 // Reading, validating and writing BertConfig (see config.h).
 #include "model/config.h"
 
+#include <filesystem>
 #include <fstream>
 #include <set>
 
@@ -96,6 +97,8 @@ BertConfig BertConfig::from_json(const nlohmann::json& j, const std::string& sou
 }
 
 BertConfig BertConfig::from_file(const std::string& path) {
+  std::error_code ec;
+  NOPAD_CHECK(!std::filesystem::is_directory(path, ec), path, " is a folder, where a config.json file was expected");
   std::ifstream in(path);
   NOPAD_CHECK(in.good(), "cannot open config file ", path);
   nlohmann::json j;

@@ -53,6 +53,28 @@ std::string xml_escape(const std::string& s) {
   return out;
 }
 
+// One metrics.jsonl line into r (nlohmann type errors for fields of the wrong type propagate to the caller).
+void read_metrics_line(const nlohmann::json& j, RunRecord& r) {
+  if (j.value("eval", false)) {
+    EvalPoint e;
+    e.step = j.value("step", int64_t{0});
+    e.samples = j.value("samples", uint64_t{0});
+    e.mlm_accuracy = number_or(j, "mlm_accuracy", 0);
+    e.nsp_accuracy = number_or(j, "nsp_accuracy", 0);
+    e.loss = number_or(j, "eval_loss", NAN);
+    r.evals.push_back(e);
+  } else {
+    RunPoint p;
+    p.step = j.value("step", int64_t{0});
+    p.samples = j.value("samples", uint64_t{0});
+    p.loss = number_or(j, "loss", NAN, &p.finite);
+    p.mlm_accuracy = number_or(j, "mlm_accuracy", 0);
+    p.seq_per_s = number_or(j, "seq_per_s", 0);
+    p.elapsed_s = number_or(j, "elapsed_s", 0);
+    r.steps.push_back(p);
+  }
+}
+
 }  // namespace
 
 RunRecord read_run(const fs::path& run_dir) {
@@ -65,23 +87,11 @@ RunRecord read_run(const fs::path& run_dir) {
     if (line.find_first_not_of(" \t\r") == std::string::npos) continue;
     nlohmann::json j = nlohmann::json::parse(line, nullptr, /*allow_exceptions=*/false);
     NOPAD_CHECK(j.is_object(), metrics.string(), " line ", lineno, " is not a JSON object");
-    if (j.value("eval", false)) {
-      EvalPoint e;
-      e.step = j.value("step", int64_t{0});
-      e.samples = j.value("samples", uint64_t{0});
-      e.mlm_accuracy = number_or(j, "mlm_accuracy", 0);
-      e.nsp_accuracy = number_or(j, "nsp_accuracy", 0);
-      e.loss = number_or(j, "eval_loss", NAN);
-      r.evals.push_back(e);
-    } else {
-      RunPoint p;
-      p.step = j.value("step", int64_t{0});
-      p.samples = j.value("samples", uint64_t{0});
-      p.loss = number_or(j, "loss", NAN, &p.finite);
-      p.mlm_accuracy = number_or(j, "mlm_accuracy", 0);
-      p.seq_per_s = number_or(j, "seq_per_s", 0);
-      p.elapsed_s = number_or(j, "elapsed_s", 0);
-      r.steps.push_back(p);
+    try {
+      read_metrics_line(j, r);
+    } catch (const nlohmann::json::exception& e) {
+      fail(metrics.string(), " line ", lineno, ": a field has the wrong type (", e.what(), "); metrics.jsonl holds "
+           "the lines nopad train writes");
     }
   }
   // The MLPerf log, when the run wrote one: the timed run's length and how it ended (the last run of the file).
@@ -92,15 +102,19 @@ RunRecord read_run(const fs::path& run_dir) {
     if (l.compare(0, prefix.size(), prefix) != 0) continue;
     const nlohmann::json j = nlohmann::json::parse(l.substr(prefix.size()), nullptr, false);
     if (!j.is_object()) continue;
-    const std::string key = j.value("key", "");
-    const int64_t t = j.value("time_ms", int64_t{-1});
-    if (key == "run_start") {
-      start_ms = t;
-      r.run_minutes.reset();
-      r.run_status.clear();
-    } else if (key == "run_stop" && start_ms >= 0) {
-      r.run_minutes = static_cast<double>(t - start_ms) / 60000.0;
-      if (j.contains("metadata") && j["metadata"].is_object()) r.run_status = j["metadata"].value("status", "");
+    try {
+      const std::string key = j.value("key", "");
+      const int64_t t = j.value("time_ms", int64_t{-1});
+      if (key == "run_start") {
+        start_ms = t;
+        r.run_minutes.reset();
+        r.run_status.clear();
+      } else if (key == "run_stop" && start_ms >= 0) {
+        r.run_minutes = static_cast<double>(t - start_ms) / 60000.0;
+        if (j.contains("metadata") && j["metadata"].is_object()) r.run_status = j["metadata"].value("status", "");
+      }
+    } catch (const nlohmann::json::exception& e) {
+      fail((run_dir / "mllog.txt").string(), ": a :::MLLOG line has a field of the wrong type (", e.what(), "): ", l);
     }
   }
   return r;

@@ -83,6 +83,26 @@ def main():
         expect_error(run("prepare", "--input", latin, "--vocab", VOCAB, "--output", out2), "offset 3", "latin-1")
         check(not os.path.exists(out2) or not os.listdir(out2), "nothing left in the output folder")
         expect_error(run("stats", os.path.join(tmp, "missing")), "does not exist", "stats on a missing folder")
+
+        # A folder where a file is expected, a padded length shorter than the data, a mistyped command word.
+        expect_error(run("prepare", "--input", WIKI, "--vocab", tmp, "--output", out2), "is a folder",
+                     "prepare --vocab FOLDER")
+        expect_error(run("stats", out, "--padded-length", "5"), "shorter than the longest sequence",
+                     "stats --padded-length below the longest sequence")
+        for args, needle, command in ((["trian"], 'unknown command "trian"', "train"),
+                                      (["bench", "bogus"], 'unknown command "bogus" after bench', "loader")):
+            r = run(*args)
+            err = [l for l in r.stderr.splitlines() if l.strip()]
+            check(r.returncode != 0 and len(err) == 1 and needle in err[0] and command in err[0],
+                  f"nopad {' '.join(args)}: one line naming the word and the commands, got {r.returncode} {r.stderr!r}")
+        # A shard added to a dataset after its manifest was written (or one lost): the manifest no longer matches.
+        extra = os.path.join(tmp, "extra")
+        shutil.copytree(out, extra)
+        shutil.copy(os.path.join(extra, "shard_00000.nopad"), os.path.join(extra, "shard_09999.nopad"))
+        expect_error(run("stats", extra), "the shards in the folder hold", "stats on a folder with an extra shard")
+        r = run("bench", "loader", "--data", out, "--steps", "0")
+        check(r.returncode != 0 and "--steps" in r.stderr and "mean_length" not in r.stdout,
+              f"bench loader --steps 0 is refused: {r.returncode} {r.stdout!r} {r.stderr!r}")
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     if failures:

@@ -56,6 +56,16 @@ def main():
             counts = [len(p.getAttribute("points").split()) for p in polys]
             check(counts == series, f"{name}: points per series {counts}, expected {series}")
 
+        # A metrics line whose field has the wrong type: one error line naming the file and the line.
+        bad = os.path.join(tmp, "badrun")
+        os.makedirs(bad)
+        with open(os.path.join(bad, "metrics.jsonl"), "w") as f:
+            f.write('{"step": 1, "loss": 10.5}\n{"step": "x", "loss": "abc"}\n')
+        r = subprocess.run([NOPAD, "report", bad], capture_output=True, text=True)
+        err = [l for l in r.stderr.splitlines() if l.strip()]
+        check(r.returncode == 1 and len(err) == 1 and "metrics.jsonl line 2" in err[0] and "wrong type" in err[0],
+              f"a wrong-typed metrics line: one error line, exit 1: {r.returncode} {r.stderr!r}")
+
         r = subprocess.run([NOPAD, "report", os.path.join(tmp, "missing")], capture_output=True, text=True)
         err = [l for l in r.stderr.splitlines() if l.strip()]
         check(r.returncode == 1 and len(err) == 1 and "metrics.jsonl cannot be read" in err[0],
