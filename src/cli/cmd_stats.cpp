@@ -27,7 +27,9 @@ void setup(CLI::App& sub) {
   sub.add_flag("--json", opt->json, "print the statistics as one JSON object");
   sub.add_option("--padded-length", opt->padded_length,
                  "length a padded batch would use (default: the longest sequence in the data)");
-  sub.add_option("--bin", opt->bin, "histogram bin width in tokens")->capture_default_str()->check(CLI::Range(1u, 1u << 20));
+  sub.add_option("--bin", opt->bin, "histogram bin width in tokens")
+      ->capture_default_str()
+      ->check(CLI::Range(1u, 1u << 20));
   sub.callback([opt] {
     const nopad::Dataset ds(opt->dir);
     const nopad::DatasetStats s = nopad::compute_stats(ds, opt->padded_length);

@@ -50,8 +50,8 @@ void Dataset::check_manifest(const std::filesystem::path& dir) const {
     NOPAD_CHECK(j[key].is_number_unsigned() && j[key].get<uint64_t>() == found, "dataset ", dir.string(), ": ",
                 path.string(), " lists ", j[key].dump(), " ", what, ", the shards in the folder hold ", found,
                 " (a shard lost or added since it was written?); restore the folder, or re-run nopad prepare or "
-                "nopad convert with --overwrite (a rank's folder of a partitioned dataset, scripts/partition-shards.sh, "
-                "is read by nopad train with data.placement = partitioned)");
+                "nopad convert with --overwrite (a rank's folder of a partitioned dataset, made by "
+                "scripts/partition-shards.sh, is read by nopad train with data.placement = partitioned)");
   };
   expect("num_shards", shards_.size(), "shards");
   expect("num_seqs", size(), "sequences");

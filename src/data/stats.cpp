@@ -31,7 +31,8 @@ DatasetStats compute_stats(const Dataset& dataset, uint32_t padded_length) {
   if (s.num_seqs == 0) s.min_length = 0;
   NOPAD_CHECK(padded_length == 0 || padded_length >= s.max_length, "padded length ", padded_length,
               " is shorter than the longest sequence of the data (", s.max_length,
-              " tokens): a padded batch holds every sequence whole; give at least ", s.max_length, " or leave it unset");
+              " tokens): a padded batch holds every sequence whole; give at least ", s.max_length,
+              " or leave it unset");
   s.padded_length = padded_length > 0 ? padded_length : std::max<uint32_t>(1, s.max_length);
   return s;
 }
