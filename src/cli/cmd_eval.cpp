@@ -2,6 +2,7 @@
 // model.safetensors + config.json) on a shard folder, in order, dropout off. Prints one JSON line; `loss` is
 // mean MLM cross-entropy + mean NSP cross-entropy, what Hugging Face BertForPreTraining returns for the same samples
 // evaluated as one batch (labels -100 outside the masked positions).
+#include <cmath>
 #include <cstdio>
 #include <memory>
 
@@ -9,6 +10,7 @@
 
 #include "cli/command.h"
 #include "core/error.h"
+#include "model/params.h"
 #include "ops/cpu/cpu_backend.h"
 #include "train/checkpoint.h"
 #include "train/trainer.h"
@@ -29,6 +31,9 @@ void run(const EvalArgs& a) {
               " is not a folder (expected a checkpoint folder with model.safetensors and config.json)");
   NOPAD_CHECK(a.batch > 0, "--batch must be positive, got ", a.batch);
   const fs::path dir = a.checkpoint;
+  NOPAD_CHECK(!fs::exists(dir / "checkpoints" / "latest", ec), "--checkpoint ", a.checkpoint, " is a run folder: give "
+              "one of its checkpoints, e.g. ", (dir / "checkpoints").string(), "/$(cat ",
+              (dir / "checkpoints" / "latest").string(), ")");
   const nopad::BertConfig config = nopad::read_hf_config(dir / "config.json");
   const nopad::ParamLayout layout(config);
   std::vector<float> params(layout.total_numel());
@@ -37,6 +42,12 @@ void run(const EvalArgs& a) {
   } else {
     nopad::load_hf_weights(dir, layout, params.data());
   }
+  // Weights that are not finite (a diverged run's last checkpoint) would only give a null loss.
+  for (const nopad::ParamTensor& t : layout.tensors())
+    for (size_t i = 0; i < t.numel; ++i)
+      NOPAD_CHECK(std::isfinite(params[t.offset + i]), "checkpoint ", a.checkpoint, ": tensor ", t.name,
+                  " holds a non-finite value (element ", i, "): the run that wrote it diverged; evaluate an earlier "
+                  "checkpoint");
   const nopad::Dataset data(a.data);
   NOPAD_CHECK(static_cast<uint64_t>(config.vocab_size) >= data.vocab_size(), "checkpoint vocab_size ",
               config.vocab_size, " is smaller than the vocabulary of ", a.data, " (", data.vocab_size(), ")");

@@ -151,6 +151,22 @@ PrepareResult prepare_dataset(const PrepareOptions& opt) {
   const Vocab vocab = Vocab::load(opt.vocab);
   const WordPieceTokenizer tokenizer(vocab);
   const std::vector<fs::path> files = expand_inputs(opt.inputs);
+  // Output folders this call creates are removed again if it fails before writing into them.
+  struct CreatedDirs {
+    std::vector<fs::path> dirs;
+    bool keep = false;
+    void note(const fs::path& dir) {
+      std::error_code ec;
+      if (!fs::exists(dir, ec)) dirs.push_back(dir);
+    }
+    ~CreatedDirs() {
+      std::error_code ec;
+      if (!keep)
+        for (const fs::path& d : dirs) fs::remove(d, ec);  // only an empty folder goes
+    }
+  } created;
+  created.note(opt.output);
+  if (!opt.eval_output.empty()) created.note(opt.eval_output);
   ensure_writable_dir(opt.output);
   const std::vector<fs::path> stale = stale_dataset_files(opt.output, opt.overwrite, "--output");
   const bool held_out = !opt.eval_output.empty();
@@ -335,6 +351,7 @@ PrepareResult prepare_dataset(const PrepareOptions& opt) {
   r.shards = num_shards;
   r.write_s = seconds_since(t0);
   r.total_s = seconds_since(t_start);
+  created.keep = true;
   return r;
 }
 

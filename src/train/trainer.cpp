@@ -628,6 +628,10 @@ void Trainer::Impl::setup() {
     last_checkpoint = resume_from->dir;
     if (lead()) std::fprintf(stderr, "resuming from %s (step %lld, %llu samples)\n", latest.string().c_str(),
                  static_cast<long long>(state.step), static_cast<unsigned long long>(state.samples));
+    if (lead() && state.step >= max_steps)
+      std::fprintf(stderr, "warning: the checkpoint is at step %lld and train.max_steps is %lld: nothing to train; "
+                   "raise train.max_steps to continue\n", static_cast<long long>(state.step),
+                   static_cast<long long>(max_steps));
   } else {
     if (mode == StartMode::kResume && lead())
       std::fprintf(stderr, "no checkpoint in %s: starting at step 0\n", run_dir.c_str());

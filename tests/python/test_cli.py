@@ -81,7 +81,7 @@ def main():
         latin = os.path.join(tmp, "latin1.txt")
         open(latin, "wb").write(b"Caf\xe9 au lait.\n")
         expect_error(run("prepare", "--input", latin, "--vocab", VOCAB, "--output", out2), "offset 3", "latin-1")
-        check(not os.path.exists(out2) or not os.listdir(out2), "nothing left in the output folder")
+        check(not os.path.exists(out2), "no output folder left behind by a failed prepare")
         expect_error(run("stats", os.path.join(tmp, "missing")), "does not exist", "stats on a missing folder")
 
         # A folder where a file is expected, a padded length shorter than the data, a mistyped command word.

@@ -56,6 +56,35 @@ def main():
             counts = [len(p.getAttribute("points").split()) for p in polys]
             check(counts == series, f"{name}: points per series {counts}, expected {series}")
 
+        # Resuming a finished run with train.max_steps at or below its step trains nothing, and says so.
+        r = subprocess.run([NOPAD, "train", "--config", os.path.join(SRC, "configs/bert-tiny-sample.toml"),
+                            "--resume", "--set", f"run_dir={run}", "--set", f"data.train={data}", "--set",
+                            f"data.eval={data}", "--set", "train.device=cpu", "--set", "train.global_batch=16",
+                            "--set", "train.max_steps=12", "--set", "eval.interval_samples=64", "--set",
+                            "eval.max_samples=32", "--set", "log.interval_steps=1"],
+                           capture_output=True, text=True, cwd=SRC)
+        check(r.returncode == 0 and "nothing to train; raise train.max_steps" in r.stderr,
+              f"resume at max_steps warns: {r.returncode} {r.stderr[-300:]!r}")
+
+        # eval: a run folder instead of a checkpoint, and a checkpoint whose weights are not finite.
+        r = subprocess.run([NOPAD, "eval", "--checkpoint", run, "--data", data], capture_output=True, text=True)
+        check(r.returncode == 1 and "is a run folder: give one of its checkpoints" in r.stderr,
+              f"eval of a run folder: {r.returncode} {r.stderr!r}")
+        latest = open(os.path.join(run, "checkpoints", "latest")).read().strip()
+        nan_ck = os.path.join(tmp, "nan-ck")
+        os.makedirs(nan_ck)
+        for f in ("config.json", "model.safetensors"):  # a Hugging Face folder: no checksums to stop the edit
+            shutil.copy(os.path.join(run, "checkpoints", latest, f), nan_ck)
+        with open(os.path.join(nan_ck, "model.safetensors"), "r+b") as f:
+            header_len = int.from_bytes(f.read(8), "little")
+            header = json.loads(f.read(header_len))
+            name = next(k for k, v in header.items() if k != "__metadata__" and v["dtype"] == "F32")
+            f.seek(8 + header_len + header[name]["data_offsets"][0])
+            f.write(bytes.fromhex("0000c07f"))  # a float32 NaN as the tensor's first element
+        r = subprocess.run([NOPAD, "eval", "--checkpoint", nan_ck, "--data", data], capture_output=True, text=True)
+        check(r.returncode == 1 and "holds a non-finite value" in r.stderr and name in r.stderr,
+              f"eval of a checkpoint with a NaN weight ({name}): {r.returncode} {r.stderr!r} {r.stdout!r}")
+
         # A metrics line whose field has the wrong type: one error line naming the file and the line.
         bad = os.path.join(tmp, "badrun")
         os.makedirs(bad)
