@@ -17,6 +17,16 @@ NOPAD = os.environ["NOPAD_BINARY"]
 SRC = os.environ["NOPAD_SOURCE_DIR"]
 
 
+def train(mode, run, data):
+    """12 steps of bert-tiny on the CPU, evaluated every 64 samples; mode is --overwrite or --resume."""
+    return subprocess.run([NOPAD, "train", "--config", os.path.join(SRC, "configs/bert-tiny-sample.toml"), mode,
+                           "--set", f"run_dir={run}", "--set", f"data.train={data}", "--set", f"data.eval={data}",
+                           "--set", "train.device=cpu", "--set", "train.global_batch=16", "--set",
+                           "train.max_steps=12", "--set", "eval.interval_samples=64", "--set", "eval.max_samples=32",
+                           "--set", "log.interval_steps=1"],
+                          capture_output=True, text=True, cwd=SRC)
+
+
 def main():
     tmp = tempfile.mkdtemp(prefix="nopad-report-")
     try:
@@ -24,12 +34,7 @@ def main():
         r = prepare_sample(data)
         check(r.returncode == 0, f"prepare: {r.stderr}")
         run = os.path.join(tmp, "run")
-        r = subprocess.run([NOPAD, "train", "--config", os.path.join(SRC, "configs/bert-tiny-sample.toml"),
-                            "--overwrite", "--set", f"run_dir={run}", "--set", f"data.train={data}", "--set",
-                            f"data.eval={data}", "--set", "train.device=cpu", "--set", "train.global_batch=16",
-                            "--set", "train.max_steps=12", "--set", "eval.interval_samples=64", "--set",
-                            "eval.max_samples=32", "--set", "log.interval_steps=1"],
-                           capture_output=True, text=True, cwd=SRC)
+        r = train("--overwrite", run, data)
         check(r.returncode == 0, f"training: {r.stderr[-300:]}")
         lines = [json.loads(l) for l in open(os.path.join(run, "metrics.jsonl"))]
         steps = [l for l in lines if not l.get("eval")]
@@ -57,12 +62,7 @@ def main():
             check(counts == series, f"{name}: points per series {counts}, expected {series}")
 
         # Resuming a finished run with train.max_steps at or below its step trains nothing, and says so.
-        r = subprocess.run([NOPAD, "train", "--config", os.path.join(SRC, "configs/bert-tiny-sample.toml"),
-                            "--resume", "--set", f"run_dir={run}", "--set", f"data.train={data}", "--set",
-                            f"data.eval={data}", "--set", "train.device=cpu", "--set", "train.global_batch=16",
-                            "--set", "train.max_steps=12", "--set", "eval.interval_samples=64", "--set",
-                            "eval.max_samples=32", "--set", "log.interval_steps=1"],
-                           capture_output=True, text=True, cwd=SRC)
+        r = train("--resume", run, data)
         check(r.returncode == 0 and "nothing to train; raise train.max_steps" in r.stderr,
               f"resume at max_steps warns: {r.returncode} {r.stderr[-300:]!r}")
 
