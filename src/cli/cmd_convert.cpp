@@ -2,8 +2,8 @@
 // PATH... the same from the MLPerf reference's TFRecord files (create_pretraining_data.py's tf.train.Example records).
 // Input files are read in the order given (several at once with --threads) and their instances are written, in that
 // order, into DIR/shard_00000.nopad, shard_00001.nopad, ... of --seqs-per-shard sequences each, plus DIR/dataset.json.
-// All-or-nothing: shards are written into a staging folder inside DIR and moved into place only after every input
-// has converted; on any error the staging folder is removed and DIR is left as it was.
+// All-or-nothing (data/dataset_folder.h): shards are written into a staging folder inside DIR and moved into place only
+// after every input has converted; on any error the staging folder is removed and DIR is left as it was.
 //
 // nopad convert --from-tf-checkpoint PATH --output DIR [--config bert_config.json]: a TensorFlow BERT checkpoint
 // (MLPerf's phase-1 model.ckpt-28252, google-research/bert's) -> a Hugging Face BertForPreTraining folder
@@ -23,6 +23,7 @@
 #include "core/io.h"
 #include "core/progress.h"
 #include "core/threads.h"
+#include "data/dataset_folder.h"
 #include "data/hdf5_import.h"
 #include "data/tfrecord_import.h"
 #include "data/shard.h"
@@ -50,13 +51,7 @@ struct ConvertOptions {
   int threads = 0;
 };
 
-std::string shard_name(size_t index) {
-  char buf[32];
-  std::snprintf(buf, sizeof buf, "shard_%05zu%s", index, nopad::kShardExtension);
-  return buf;
-}
-
-// Removes the staging folder unless released (the conversion succeeded).
+// Removes the staging folder of a TensorFlow checkpoint conversion unless released (the conversion succeeded).
 struct StagingDir {
   fs::path path;
   bool keep = false;
@@ -92,21 +87,9 @@ void run_convert(const ConvertOptions& opt) {
     NOPAD_CHECK(fs::is_regular_file(in, ec), "input ", in, " does not exist or is not a file");
   }
 
-  const fs::path out_dir(opt.output);
-  nopad::ensure_writable_dir(out_dir);
   // An existing dataset is never mixed with this one: refused, or with --overwrite replaced once the new one is
   // complete (until then it stays as it was).
-  std::vector<fs::path> stale;
-  for (const auto& e : fs::directory_iterator(out_dir))
-    if (e.path().extension() == nopad::kShardExtension || e.path().filename() == "dataset.json")
-      stale.push_back(e.path());
-  if (!stale.empty() && !opt.overwrite)
-    fail("output folder ", out_dir.string(), " already holds a dataset (", stale.front().filename().string(),
-         "): pass --overwrite to replace it, or choose an empty folder");
-
-  StagingDir staging{out_dir / (".convert-staging-" + std::to_string(::getpid()))};
-  fs::remove_all(staging.path);
-  fs::create_directories(staging.path);
+  nopad::DatasetFolderWriter out(opt.output, opt.overwrite, "--output");
 
   nopad::Hdf5ImportOptions import;
   import.vocab_size = vocab.size();
@@ -116,7 +99,7 @@ void run_convert(const ConvertOptions& opt) {
 
   const int threads = opt.threads > 0 ? opt.threads : std::min(nopad::hardware_threads(), 8);
   nopad::Progress progress("convert", static_cast<double>(input_paths.size()), "files");
-  std::vector<std::string> shard_names;
+  size_t num_shards = 0;
   std::unique_ptr<nopad::ShardWriter> writer;
   uint64_t num_seqs = 0, num_tokens = 0, num_masked = 0;
   nlohmann::json inputs = nlohmann::json::array();
@@ -128,8 +111,7 @@ void run_convert(const ConvertOptions& opt) {
   };
   auto add = [&](const nopad::Instance& inst) {
     if (!writer) {
-      shard_names.push_back(shard_name(shard_names.size()));
-      writer = std::make_unique<nopad::ShardWriter>(staging.path / shard_names.back(), vocab.size(), vocab.checksum());
+      writer = std::make_unique<nopad::ShardWriter>(out.staged_shard(num_shards++), vocab.size(), vocab.checksum());
     }
     writer->add(inst);
     ++num_seqs;
@@ -168,27 +150,18 @@ void run_convert(const ConvertOptions& opt) {
   progress.finish();
   NOPAD_CHECK(num_seqs > 0, "the inputs hold no sequences; nothing to convert");
 
-  // Everything converted: the old manifest goes first (a dataset without one is incomplete, never a mix), then the
-  // old shards; the new shards move into place, then the manifest that marks the dataset complete.
-  if (!stale.empty()) {
-    fs::remove(out_dir / "dataset.json");
-    nopad::fsync_dir(out_dir);
-    for (const fs::path& p : stale) fs::remove(p);
-  }
-  for (const std::string& name : shard_names) fs::rename(staging.path / name, out_dir / name);
-  nopad::fsync_dir(out_dir);
   const nlohmann::json manifest = {
       {"format", "nopad-shards"}, {"version", 1},           {"source", tfrecord ? "tfrecord" : "hdf5"},
-      {"inputs", inputs},         {"num_shards", shard_names.size()}, {"num_seqs", num_seqs},
+      {"inputs", inputs},         {"num_shards", num_shards}, {"num_seqs", num_seqs},
       {"num_tokens", num_tokens}, {"num_masked", num_masked}, {"vocab_size", vocab.size()},
       {"vocab_checksum", vocab.checksum()}};
-  nopad::write_file_atomic(out_dir / "dataset.json", manifest.dump(2) + "\n");
+  out.commit(num_shards, manifest);
 
   const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   std::printf(
       "converted %zu files -> %zu shards in %s\n  sequences %llu, tokens %llu (%.1f per sequence), masked %llu\n"
       "  time %s\n",
-      input_paths.size(), shard_names.size(), out_dir.string().c_str(), static_cast<unsigned long long>(num_seqs),
+      input_paths.size(), num_shards, out.dir().string().c_str(), static_cast<unsigned long long>(num_seqs),
       static_cast<unsigned long long>(num_tokens), static_cast<double>(num_tokens) / static_cast<double>(num_seqs),
       static_cast<unsigned long long>(num_masked), nopad::format_duration(seconds).c_str());
 }

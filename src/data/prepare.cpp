@@ -3,15 +3,16 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <optional>
 #include <string>
 #include <nlohmann/json.hpp>
-#include <unistd.h>
 
 #include "core/error.h"
 #include "core/io.h"
 #include "core/progress.h"
 #include "core/threads.h"
 #include "core/utf8.h"
+#include "data/dataset_folder.h"
 #include "data/shard.h"
 #include "data/tokenizer.h"
 #include "data/vocab.h"
@@ -24,22 +25,6 @@ namespace {
 
 double seconds_since(std::chrono::steady_clock::time_point t0) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-}
-
-std::string shard_name(size_t index) {
-  char buf[32];
-  std::snprintf(buf, sizeof buf, "shard_%05zu%s", index, kShardExtension);
-  return buf;
-}
-
-// Existing shards / dataset.json in `dir` (refused unless overwrite).
-std::vector<fs::path> stale_dataset_files(const fs::path& dir, bool overwrite, const char* flag) {
-  std::vector<fs::path> stale;
-  for (const auto& e : fs::directory_iterator(dir))
-    if (e.path().extension() == kShardExtension || e.path().filename() == "dataset.json") stale.push_back(e.path());
-  NOPAD_CHECK(stale.empty() || overwrite, flag, " folder ", dir.string(),
-              " already holds a dataset; pass --overwrite to replace it, or choose another ", flag);
-  return stale;
 }
 
 // Every instance of `corpus` for dupe rounds 0 .. dupes-1, in (dupe, document) order.
@@ -63,29 +48,17 @@ std::vector<Instance> make_instances(const TokenizedCorpus& corpus, const Vocab&
   return out;
 }
 
-// Writes instances[order[0 .. count)] as shards and dataset.json into `dir`, replacing the `stale` files of an
-// existing dataset only once the new shards are complete.
-// Returns the bytes written.
-uint64_t write_dataset(const fs::path& dir, const std::vector<Instance>& instances, const std::vector<uint64_t>& order,
-                       size_t count, size_t per_shard, const Vocab& vocab, const std::vector<fs::path>& stale,
+// Writes instances[order[0 .. count)] as shards into `out`'s staging folder, then commits them with `manifest` (its
+// num_* fields filled in). Returns the bytes written.
+uint64_t write_dataset(DatasetFolderWriter& out, const std::vector<Instance>& instances,
+                       const std::vector<uint64_t>& order, size_t count, size_t per_shard, const Vocab& vocab,
                        nlohmann::json manifest, int threads, bool show_progress, size_t* shards_out) {
   const size_t num_shards = (count + per_shard - 1) / per_shard;
   std::vector<uint64_t> shard_bytes(num_shards);
-  // The shards are written into a staging folder inside `dir` and moved into place once all are complete, so a
-  // failure (a full disk) leaves an existing dataset as it was, never a mix of old and new shards.
-  struct Staging {
-    fs::path path;
-    ~Staging() {
-      std::error_code ec;
-      fs::remove_all(path, ec);
-    }
-  } staging{dir / (".prepare-staging-" + std::to_string(::getpid()))};
-  fs::remove_all(staging.path);
-  fs::create_directories(staging.path);
   {
     Progress progress("write", static_cast<double>(num_shards), "shards", show_progress);
     parallel_for(num_shards, threads, [&](size_t s) {
-      ShardWriter w(staging.path / shard_name(s), vocab.size(), vocab.checksum());
+      ShardWriter w(out.staged_shard(s), vocab.size(), vocab.checksum());
       const size_t end = std::min(count, (s + 1) * per_shard);
       for (size_t i = s * per_shard; i < end; ++i) w.add(instances[order[i]]);
       shard_bytes[s] = w.finish();
@@ -99,20 +72,11 @@ uint64_t write_dataset(const fs::path& dir, const std::vector<Instance>& instanc
     tokens += instances[order[i]].tokens.size();
     masked += instances[order[i]].mlm_positions.size();
   }
-  // Every shard written: the old manifest goes first (a folder without one is incomplete, never a mix), then the old
-  // shards; the new shards move into place, then the manifest that marks the dataset complete.
-  if (!stale.empty()) {
-    fs::remove(dir / "dataset.json");
-    fsync_dir(dir);
-    for (const fs::path& p : stale) fs::remove(p);
-  }
-  for (size_t s = 0; s < num_shards; ++s) fs::rename(staging.path / shard_name(s), dir / shard_name(s));
-  fsync_dir(dir);
   manifest["num_shards"] = num_shards;
   manifest["num_seqs"] = count;
   manifest["num_tokens"] = tokens;
   manifest["num_masked"] = masked;
-  write_file_atomic(dir / "dataset.json", manifest.dump(2) + "\n");
+  out.commit(num_shards, manifest);
   *shards_out = num_shards;
   return bytes;
 }
@@ -151,7 +115,8 @@ PrepareResult prepare_dataset(const PrepareOptions& opt) {
   const Vocab vocab = Vocab::load(opt.vocab);
   const WordPieceTokenizer tokenizer(vocab);
   const std::vector<fs::path> files = expand_inputs(opt.inputs);
-  // Output folders this call creates are removed again if it fails before writing into them.
+  // Output folders this call creates are removed again if it fails (they are empty then: the writers below remove
+  // their staging folders first).
   struct CreatedDirs {
     std::vector<fs::path> dirs;
     bool keep = false;
@@ -167,19 +132,19 @@ PrepareResult prepare_dataset(const PrepareOptions& opt) {
   } created;
   created.note(opt.output);
   if (!opt.eval_output.empty()) created.note(opt.eval_output);
-  ensure_writable_dir(opt.output);
-  const std::vector<fs::path> stale = stale_dataset_files(opt.output, opt.overwrite, "--output");
+  // The output folders: refused if they hold a dataset (unless --overwrite), replaced only once the new one is
+  // complete.
+  DatasetFolderWriter out(opt.output, opt.overwrite, "--output");
   const bool held_out = !opt.eval_output.empty();
   const int eval_dupes = opt.eval_dupe_factor > 0 ? opt.eval_dupe_factor : opt.instances.dupe_factor;
-  std::vector<fs::path> eval_stale;
+  std::optional<DatasetFolderWriter> eval_out;
   if (held_out) {
     NOPAD_CHECK(opt.eval_samples >= 1, "--eval-samples must be at least 1, got ", opt.eval_samples);
     NOPAD_CHECK(opt.eval_dupe_factor >= 0, "--eval-dupe-factor must be >= 0 (0: --dupe-factor), got ",
                 opt.eval_dupe_factor);
-    ensure_writable_dir(opt.eval_output);
     NOPAD_CHECK(fs::weakly_canonical(opt.eval_output) != fs::weakly_canonical(opt.output),
                 "--eval-output must be another folder than --output");
-    eval_stale = stale_dataset_files(opt.eval_output, opt.overwrite, "--eval-output");
+    eval_out.emplace(opt.eval_output, opt.overwrite, "--eval-output");
   }
 
   // 1. Read and split into documents (views into the file texts, which stay alive until tokenised).
@@ -328,9 +293,8 @@ PrepareResult prepare_dataset(const PrepareOptions& opt) {
                         {"training_set", fs::absolute(opt.output).lexically_normal().string()},
                         {"inputs", inputs}};
     size_t eval_shards = 0;
-    r.output_bytes += write_dataset(opt.eval_output, eval_instances, eval_order,
-                                    static_cast<size_t>(opt.eval_samples), per_shard, vocab, eval_stale, m, r.threads,
-                                    false, &eval_shards);
+    r.output_bytes += write_dataset(*eval_out, eval_instances, eval_order, static_cast<size_t>(opt.eval_samples),
+                                    per_shard, vocab, m, r.threads, false, &eval_shards);
   }
   nlohmann::json manifest = {{"format", "nopad-shards"},
                              {"version", kShardVersion},
@@ -346,8 +310,8 @@ PrepareResult prepare_dataset(const PrepareOptions& opt) {
     manifest["eval_set"] = fs::absolute(opt.eval_output).lexically_normal().string();
   }
   size_t num_shards = 0;
-  r.output_bytes += write_dataset(opt.output, instances, order, instances.size(), per_shard, vocab, stale, manifest,
-                                  r.threads, opt.progress, &num_shards);
+  r.output_bytes += write_dataset(out, instances, order, instances.size(), per_shard, vocab, manifest, r.threads,
+                                  opt.progress, &num_shards);
   r.shards = num_shards;
   r.write_s = seconds_since(t0);
   r.total_s = seconds_since(t_start);
