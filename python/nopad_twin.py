@@ -22,7 +22,8 @@ import numpy as np
 
 # key -> default, as train_config_schema() (types follow the defaults: str, int, float, bool).
 TRAIN_DEFAULTS = {
-    "run_dir": "", "init_from": "", "model.config": "", "data.train": "", "data.eval": "", "data.placement": "shared",
+    "run_dir": "", "init_from": "", "model.config": "", "data.train": "", "data.eval": "", "data.vocab": "",
+    "data.do_lower_case": "auto", "data.placement": "shared",
     "train.global_batch": 32, "train.grad_accumulation": 1, "train.max_steps": 1000, "train.max_samples": 0,
     "train.seed": 12345, "train.target_mlm_accuracy": 0.0, "train.threads": 0, "train.device": "auto",
     "train.precision": "auto", "train.loss_scale": "auto", "train.loss_scale_init": 65536.0,
@@ -37,6 +38,10 @@ TRAIN_DEFAULTS = {
     "eval.interval_samples": 0, "eval.max_samples": 0, "log.interval_steps": 10,
     "checkpoint.interval_steps": 0, "checkpoint.keep": 3,
 }
+
+# Keys naming files or folders: relative values from a config file are relative to its folder, from --set to the
+# working directory; both are made absolute (as nopad's Config does).
+PATH_KEYS = {"run_dir", "init_from", "model.config", "data.train", "data.eval", "data.vocab"}
 
 
 class ConfigError(Exception):
@@ -91,10 +96,11 @@ def load_train_config(path, sets=()):
         except tomllib.TOMLDecodeError as e:
             raise ConfigError(f"config {path}: {e}") from None
     cfg = dict(TRAIN_DEFAULTS)
+    base = os.path.dirname(os.path.abspath(path))
     for k, v in raw.items():
         if k not in TRAIN_DEFAULTS:
             raise ConfigError(f"config {path}: unknown key '{k}'")
-        cfg[k] = _typed(k, v, f"config {path}")
+        cfg[k] = _resolved(k, _typed(k, v, f"config {path}"), base)
     for s in sets:
         if "=" not in s:
             raise ConfigError(f"--set {s}: expected key=value")
@@ -103,8 +109,14 @@ def load_train_config(path, sets=()):
             raise ConfigError(f"--set {s}: unknown key '{k}'")
         if v == "" and not isinstance(TRAIN_DEFAULTS[k], str):
             raise ConfigError(f"--set {s}: missing value for {k} (only text keys can be set empty)")
-        cfg[k] = _typed(k, v, f"--set {s}")
+        cfg[k] = _resolved(k, _typed(k, v, f"--set {s}"), os.getcwd())
     return cfg
+
+
+def _resolved(key, value, base):
+    if key in PATH_KEYS and value and not os.path.isabs(value):
+        return os.path.normpath(os.path.join(base, value))
+    return value
 
 
 class LrSchedule:

@@ -23,6 +23,7 @@ for ((r = 0; r < ranks; r++)); do
   fi
   mkdir -p "$d"
   cp "$src/dataset.json" "$d/"
+  [ ! -f "$src/vocab.txt" ] || cp "$src/vocab.txt" "$d/"
 done
 for f in "${shards[@]}"; do
   name=$(basename "$f")

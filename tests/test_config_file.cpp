@@ -5,6 +5,8 @@
 #include <string>
 
 #include "core/error.h"
+#include "core/io.h"
+#include "test_util.h"
 #include "train/config_file.h"
 
 namespace nopad {
@@ -157,6 +159,34 @@ TEST(ConfigFile, SchemaRejectsDuplicatesAndBadNames) {
   s.add("a.b", 1, "");
   EXPECT_THROW(s.add("a.b", 2, ""), Error);
   EXPECT_THROW(s.add("bad key", 2, ""), Error);
+}
+
+// Path keys: a relative path in a config file is relative to the file's folder, one from --set to the working
+// directory; both are stored absolute (so the run's config.toml says where everything was), absolute ones stay.
+TEST(ConfigFile, PathKeysResolveAgainstTheConfigFolderAndTheWorkingDirectory) {
+  test::TempDir tmp("cfgpaths");
+  const std::filesystem::path dir = tmp.path() / "configs";
+  std::filesystem::create_directories(dir);
+  ConfigSchema s;
+  s.add_path("run_dir", "", "out").add_path("model.config", "", "model").add_path("data.train", "", "data");
+  s.add("name", "x", "a string that is not a path");
+  write_file_atomic(dir / "run.toml", "run_dir = \"../out/run\"\nname = \"../not/a/path\"\n"
+                                      "[model]\nconfig = \"/abs/bert.json\"\n[data]\ntrain = \"\"\n");
+  Config c = Config::load(dir / "run.toml", s);
+  EXPECT_EQ(std::filesystem::path(c.get_string("run_dir")), (tmp.path() / "out/run").lexically_normal());
+  EXPECT_EQ(c.get_string("model.config"), "/abs/bert.json");
+  EXPECT_EQ(c.get_string("name"), "../not/a/path");  // only path keys are resolved
+  EXPECT_EQ(c.get_string("data.train"), "");         // empty stays empty ('' means "none")
+  c.apply_override("data.train=shards/train");
+  EXPECT_EQ(std::filesystem::path(c.get_string("data.train")),
+            (std::filesystem::current_path() / "shards/train").lexically_normal());
+  c.apply_override("run_dir=/elsewhere/run");
+  EXPECT_EQ(c.get_string("run_dir"), "/elsewhere/run");
+  // The dump (the run's config.toml) holds the absolute paths and reads back the same from any folder.
+  const Config again = Config::parse(c.dump(), s, "dump");
+  EXPECT_EQ(again.get_string("data.train"), c.get_string("data.train"));
+  EXPECT_NE(c.dump().find((std::filesystem::current_path() / "shards/train").lexically_normal().string()),
+            std::string::npos);
 }
 
 }  // namespace

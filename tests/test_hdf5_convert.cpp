@@ -368,10 +368,13 @@ TEST(Hdf5Convert, ConvertsAllLayoutsIntoShards) {
   EXPECT_EQ(manifest["num_masked"], masked);
   EXPECT_EQ(manifest["vocab_size"], bert_vocab().size());
   EXPECT_EQ(manifest["vocab_checksum"], bert_vocab().checksum());
-  // Nothing but shards and the manifest is left behind (no staging folder).
+  // Nothing but shards, the manifest and the vocabulary is left behind (no staging folder).
   size_t entries = 0;
   for ([[maybe_unused]] const auto& e : fs::directory_iterator(out)) ++entries;
-  EXPECT_EQ(entries, shards.size() + 1);
+  EXPECT_EQ(entries, shards.size() + 2);
+  EXPECT_EQ(read_file(out / "vocab.txt"), read_file(kVocabPath));
+  EXPECT_EQ(manifest["vocab_file"], "vocab.txt");
+  EXPECT_EQ(manifest["do_lower_case"], true);
 
   // A second conversion into the same folder is refused rather than mixing datasets, and changes nothing.
   const std::string manifest_before = read_file(out / "dataset.json");

@@ -50,6 +50,19 @@ TEST(Launch, OpenMpi) {
   EXPECT_EQ(describe(i), "rank 5 of 8 (local 1 of 4, mpi)");
 }
 
+// A launcher starts one process per rank: each takes its share of the node's cores, not all of them.
+TEST(Launch, DefaultThreadsShareTheNodesCores) {
+  EXPECT_EQ(default_cpu_threads(detect({}), 16), 16);
+  const RankInfo two = detect({{"OMPI_COMM_WORLD_RANK", "1"}, {"OMPI_COMM_WORLD_SIZE", "2"},
+                               {"OMPI_COMM_WORLD_LOCAL_RANK", "1"}, {"OMPI_COMM_WORLD_LOCAL_SIZE", "2"}});
+  EXPECT_EQ(default_cpu_threads(two, 2), 1);
+  EXPECT_EQ(default_cpu_threads(two, 16), 8);
+  const RankInfo torch = detect({{"RANK", "3"}, {"WORLD_SIZE", "8"}, {"LOCAL_RANK", "3"}, {"LOCAL_WORLD_SIZE", "4"},
+                                 {"MASTER_ADDR", "127.0.0.1"}, {"MASTER_PORT", "29500"}});
+  EXPECT_EQ(default_cpu_threads(torch, 16), 4);
+  EXPECT_EQ(default_cpu_threads(torch, 3), 1);  // never 0
+}
+
 TEST(Launch, MpichPmi) {
   const RankInfo i = detect({{"PMI_RANK", "2"}, {"PMI_SIZE", "3"}, {"MPI_LOCALRANKID", "0"}});
   EXPECT_EQ(i.rank, 2);

@@ -100,9 +100,12 @@ TEST(Prepare, RefusesToOverwriteUnlessAsked) {
   o.seqs_per_shard = 100000;  // fewer shards than before: stale ones must go
   prepare_dataset(o);
   EXPECT_EQ(list_shards(dir.path()).size(), 1u);
-  // The new shards were staged and moved into place: nothing else is left, and the manifest describes them.
+  // The new shards were staged and moved into place with their vocabulary: nothing else is left, and the manifest
+  // describes them.
   for (const auto& e : fs::directory_iterator(dir.path()))
-    EXPECT_TRUE(e.path().extension() == kShardExtension || e.path().filename() == "dataset.json") << e.path();
+    EXPECT_TRUE(e.path().extension() == kShardExtension || e.path().filename() == "dataset.json" ||
+                e.path().filename() == "vocab.txt") << e.path();
+  EXPECT_EQ(Vocab::load(dir / "vocab.txt").checksum(), Vocab::load(o.vocab).checksum());
   const Dataset ds(dir.path());
   EXPECT_EQ(nlohmann::json::parse(read_file(dir / "dataset.json"))["num_seqs"].get<uint64_t>(), ds.size());
   // A shard lost since the manifest was written is reported, naming the manifest.

@@ -7,8 +7,9 @@
 //
 // nopad convert --from-tf-checkpoint PATH --output DIR [--config bert_config.json]: a TensorFlow BERT checkpoint
 // (MLPerf's phase-1 model.ckpt-28252, google-research/bert's) -> a Hugging Face BertForPreTraining folder
-// (model.safetensors, config.json) that nopad's init_from and eval and transformers' from_pretrained load. The same
-// all-or-nothing rule: both files are staged, then moved into place, the config last.
+// (model.safetensors, config.json, and the tokenizer files of data/tokenizer_files.h) that nopad's init_from, eval
+// and fill-mask and transformers' from_pretrained load. The same all-or-nothing rule: every file is staged, then
+// moved into place, the config last.
 #include <unistd.h>
 
 #include <chrono>
@@ -21,11 +22,13 @@
 #include "cli/command.h"
 #include "core/error.h"
 #include "core/io.h"
+#include "core/paths.h"
 #include "core/progress.h"
 #include "core/threads.h"
 #include "data/dataset_folder.h"
 #include "data/hdf5_import.h"
 #include "data/tfrecord_import.h"
+#include "data/tokenizer_files.h"
 #include "data/shard.h"
 #include "data/vocab.h"
 #include "model/config.h"
@@ -37,7 +40,9 @@ namespace {
 
 namespace fs = std::filesystem;
 
-constexpr const char* kDefaultVocab = "data/vocab/bert-uncased-vocab.txt";
+// The vocabulary nopad ships (core/paths.h finds it in a checkout or an installation): BERT's uncased WordPiece, the
+// one MLPerf's data and phase-1 checkpoint use.
+constexpr const char* kDefaultVocab = "vocab/bert-uncased-vocab.txt";
 
 struct ConvertOptions {
   std::vector<std::string> inputs;     // --from-hdf5
@@ -47,6 +52,7 @@ struct ConvertOptions {
   std::string output;
   bool overwrite = false;
   std::string vocab;
+  std::string lower_case = "auto";
   int64_t seqs_per_shard = 65536;
   int threads = 0;
 };
@@ -72,15 +78,16 @@ void run_convert(const ConvertOptions& opt) {
   const bool tfrecord = !opt.tfrecords.empty();
   const std::vector<std::string>& input_paths = tfrecord ? opt.tfrecords : opt.inputs;
   const auto t0 = std::chrono::steady_clock::now();
-  std::string vocab_path = opt.vocab;
+  fs::path vocab_path = opt.vocab;
   if (vocab_path.empty()) {
-    std::error_code ec;
-    if (!fs::is_regular_file(kDefaultVocab, ec))
-      fail("no vocabulary given and the default ", kDefaultVocab,
-           " does not exist here: pass --vocab FILE (the vocab.txt the input files were made with)");
-    vocab_path = kDefaultVocab;
+    const auto found = nopad::find_data_file(kDefaultVocab);
+    if (!found)
+      fail("no vocabulary given and nopad's default data/", kDefaultVocab,
+           " is not found: pass --vocab FILE (the vocab.txt the input files were made with)");
+    vocab_path = *found;
   }
   const nopad::Vocab vocab = nopad::Vocab::load(vocab_path);
+  const bool lower_case = nopad::resolve_lower_case(opt.lower_case, vocab, "--do-lower-case");
   NOPAD_CHECK(opt.seqs_per_shard > 0, "--seqs-per-shard must be positive, got ", opt.seqs_per_shard);
   for (const std::string& in : input_paths) {
     std::error_code ec;
@@ -150,11 +157,15 @@ void run_convert(const ConvertOptions& opt) {
   progress.finish();
   NOPAD_CHECK(num_seqs > 0, "the inputs hold no sequences; nothing to convert");
 
+  // The vocabulary travels with the shards (training puts it beside every checkpoint).
+  std::string vocab_text;
+  for (const std::string& t : vocab.tokens()) vocab_text += t + "\n";
+  out.stage_file("vocab.txt", vocab_text);
   const nlohmann::json manifest = {
       {"format", "nopad-shards"}, {"version", 1},           {"source", tfrecord ? "tfrecord" : "hdf5"},
       {"inputs", inputs},         {"num_shards", num_shards}, {"num_seqs", num_seqs},
       {"num_tokens", num_tokens}, {"num_masked", num_masked}, {"vocab_size", vocab.size()},
-      {"vocab_checksum", vocab.checksum()}};
+      {"vocab_checksum", vocab.checksum()}, {"vocab_file", "vocab.txt"}, {"do_lower_case", lower_case}};
   out.commit(num_shards, manifest);
 
   const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
@@ -177,6 +188,41 @@ fs::path tf_config_path(const ConvertOptions& opt, const fs::path& prefix) {
               "was found beside ", prefix.string(), ")");
 }
 
+// The vocabulary of a TensorFlow checkpoint's tokenizer: --vocab, else vocab.txt beside the checkpoint (as
+// google-research/bert's and MLPerf's folders ship it), else nopad's default when it fits the model's vocab_size.
+nopad::Vocab tf_vocab(const ConvertOptions& opt, const fs::path& prefix, const nopad::BertConfig& config,
+                      std::string* origin) {
+  std::error_code ec;
+  fs::path path = opt.vocab;
+  *origin = "--vocab";
+  if (path.empty()) {
+    for (const fs::path& dir : {prefix.parent_path(), fs::path(opt.tf_checkpoint)})
+      if (!dir.empty() && fs::is_regular_file(dir / "vocab.txt", ec)) {
+        path = dir / "vocab.txt";
+        *origin = "beside the checkpoint";
+        break;
+      }
+  }
+  if (path.empty()) {
+    const auto found = nopad::find_data_file(kDefaultVocab);
+    if (found) {
+      nopad::Vocab v = nopad::Vocab::load(*found);
+      if (v.size() == config.vocab_size) {
+        *origin = "nopad's default (no vocab.txt beside the checkpoint; pass --vocab if it was trained with another)";
+        return v;
+      }
+    }
+    nopad::fail("no vocabulary for the checkpoint's tokenizer: none given, no vocab.txt beside ", prefix.string(),
+                ", and nopad's default does not match its vocab_size ", config.vocab_size,
+                ": pass --vocab FILE (the vocab.txt it was trained with)");
+  }
+  nopad::Vocab v = nopad::Vocab::load(path);
+  NOPAD_CHECK(v.size() <= config.vocab_size, "--vocab ", path.string(), " has ", v.size(),
+              " tokens, more than the checkpoint's vocab_size ", config.vocab_size,
+              ": it is not the vocabulary this model was trained with");
+  return v;
+}
+
 void run_convert_tf(const ConvertOptions& opt) {
   using nopad::fail;
   const auto t0 = std::chrono::steady_clock::now();
@@ -189,6 +235,9 @@ void run_convert_tf(const ConvertOptions& opt) {
   const nopad::ParamLayout layout(config);
   std::vector<float> params(layout.total_numel(), 0.0f);
   const nopad::TfImportReport report = nopad::load_tf_bert_weights(prefix, layout, params.data());
+  std::string vocab_origin;
+  const nopad::Vocab vocab = tf_vocab(opt, prefix, config, &vocab_origin);
+  const bool lower_case = nopad::resolve_lower_case(opt.lower_case, vocab, "--do-lower-case");
 
   const fs::path out_dir(opt.output);
   nopad::ensure_writable_dir(out_dir);
@@ -202,20 +251,23 @@ void run_convert_tf(const ConvertOptions& opt) {
   fs::create_directories(staging.path);
   nopad::write_hf_model_file(staging.path / "model.safetensors", layout, params.data());
   nopad::write_hf_config_file(staging.path / "config.json", config);
+  nopad::write_tokenizer_files(staging.path, vocab, lower_case, config.max_position_embeddings);
   // The old config goes first: a folder without config.json is incomplete, never a mix of two models.
   if (existing) {
     fs::remove(out_dir / "config.json");
     nopad::fsync_dir(out_dir);
   }
+  for (const std::string& name : nopad::tokenizer_file_names()) fs::rename(staging.path / name, out_dir / name);
   fs::rename(staging.path / "model.safetensors", out_dir / "model.safetensors");
   fs::rename(staging.path / "config.json", out_dir / "config.json");
   nopad::fsync_dir(out_dir);
 
   const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   std::printf("converted TensorFlow checkpoint %s -> %s (Hugging Face BertForPreTraining, %zu parameters)\n"
-              "  %s\n  config %s; time %s\n",
+              "  %s\n  config %s; tokenizer: %s vocabulary %s, %d tokens (%s); time %s\n",
               prefix.string().c_str(), out_dir.string().c_str(), layout.num_values(), report.summary().c_str(),
-              config_path.string().c_str(), nopad::format_duration(seconds).c_str());
+              config_path.string().c_str(), lower_case ? "uncased" : "cased", vocab.origin().c_str(), vocab.size(),
+              vocab_origin.c_str(), nopad::format_duration(seconds).c_str());
 }
 
 void setup(CLI::App& sub) {
@@ -239,7 +291,13 @@ void setup(CLI::App& sub) {
                  "output folder: shard_NNNNN.nopad and dataset.json, or model.safetensors and config.json")
       ->required();
   sub.add_option("--vocab", opt->vocab,
-                 std::string("vocabulary the data files were made with (default ") + kDefaultVocab + " when it exists)");
+                 std::string("vocabulary the data files or the checkpoint were made with (default: data/") +
+                     kDefaultVocab + " shipped with nopad; for a checkpoint, vocab.txt beside it first)");
+  sub.add_option("--do-lower-case", opt->lower_case,
+                 "the tokenizer's casing recorded with the data or written beside the model: auto (follow the "
+                 "vocabulary: cased when it holds capitalised tokens), true (uncased BERT) or false (cased BERT)")
+      ->check(CLI::IsMember({"auto", "true", "false"}))
+      ->capture_default_str();
   sub.add_option("--seqs-per-shard", opt->seqs_per_shard, "sequences per shard")->default_val(65536);
   sub.add_option("--threads", opt->threads, "input files read at once (default: cores, at most 8)");
   sub.add_flag("--overwrite", opt->overwrite,

@@ -16,7 +16,13 @@ void setup(CLI::App& sub) {
                  "text files or folders: WikiExtractor output (<doc> ... </doc>) or one sentence per line with a "
                  "blank line between documents")
       ->required();
-  sub.add_option("--vocab", opt->vocab, "WordPiece vocabulary (BERT vocab.txt)")->required();
+  sub.add_option("--vocab", opt->vocab, "WordPiece vocabulary (BERT vocab.txt); copied into --output, so that "
+                 "training writes it beside every checkpoint")->required();
+  sub.add_option("--do-lower-case", opt->lower_case,
+                 "casing: auto (follow the vocabulary: a cased vocabulary, one with capitalised tokens, keeps the "
+                 "text's case and accents; an uncased one lower-cases and strips accents), true or false")
+      ->check(CLI::IsMember({"auto", "true", "false"}))
+      ->capture_default_str();
   sub.add_option("--output", opt->output, "output folder for the shards and dataset.json")->required();
   sub.add_option("--max-seq-length", opt->instances.max_seq_length, "longest instance in tokens")
       ->capture_default_str();

@@ -8,11 +8,13 @@
 
 #include "cli/command.h"
 #include "data/tokenizer.h"
+#include "data/tokenizer_files.h"
 
 namespace {
 
 struct TokenizeOptions {
   std::string vocab;
+  std::string lower_case = "auto";
   bool pieces = false;
   bool words = false;
 };
@@ -20,11 +22,15 @@ struct TokenizeOptions {
 void setup(CLI::App& sub) {
   auto opt = std::make_shared<TokenizeOptions>();
   sub.add_option("--vocab", opt->vocab, "WordPiece vocabulary (BERT vocab.txt)")->required()->check(CLI::ExistingFile);
+  sub.add_option("--do-lower-case", opt->lower_case,
+                 "casing: auto (follow the vocabulary, as nopad prepare does), true or false")
+      ->check(CLI::IsMember({"auto", "true", "false"}))
+      ->capture_default_str();
   sub.add_flag("--pieces", opt->pieces, "print word pieces instead of ids");
   sub.add_flag("--words", opt->words, "print the basic tokens (lower-cased, split, before WordPiece) instead of ids");
   sub.callback([opt] {
     const nopad::Vocab vocab = nopad::Vocab::load(opt->vocab);
-    const nopad::WordPieceTokenizer tok(vocab);
+    const nopad::WordPieceTokenizer tok(vocab, nopad::resolve_lower_case(opt->lower_case, vocab, "--do-lower-case"));
     std::ios::sync_with_stdio(false);
     std::string line, out;
     std::vector<int32_t> ids;

@@ -52,9 +52,10 @@ void setup(CLI::App& sub) {
     if (s.rank != 0) return;  // data parallel: rank 0 reports
     if (!s.evals.empty()) {
       const auto& e = s.evals.back();
-      std::printf("final: step %lld, samples %llu, eval mlm_accuracy %.4f, nsp_accuracy %.4f, loss %.4f%s\n",
-                  static_cast<long long>(s.final_step), static_cast<unsigned long long>(s.samples), e.mlm_accuracy,
-                  e.nsp_accuracy, e.loss, s.reached_target ? " (target reached)" : "");
+      std::printf("final: step %lld, samples %llu, eval mlm_accuracy %.4f (frequency baseline %.4f), nsp_accuracy "
+                  "%.4f, loss %.4f%s\n", static_cast<long long>(s.final_step),
+                  static_cast<unsigned long long>(s.samples), e.mlm_accuracy, s.mlm_baseline, e.nsp_accuracy, e.loss,
+                  s.reached_target ? " (target reached)" : "");
     } else {
       std::printf("final: step %lld, samples %llu\n", static_cast<long long>(s.final_step),
                   static_cast<unsigned long long>(s.samples));

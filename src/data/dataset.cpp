@@ -28,12 +28,17 @@ Dataset::Dataset(const std::filesystem::path& dir_or_file, const Options& option
     max_seq_length_ = std::max(max_seq_length_, h.max_seq_length);
   }
   std::error_code ec;
-  if (std::filesystem::is_directory(dir_or_file, ec)) check_manifest(dir_or_file);
+  if (std::filesystem::is_directory(dir_or_file, ec)) {
+    folder_ = dir_or_file;
+    check_manifest(dir_or_file);
+  } else {
+    folder_ = dir_or_file.parent_path();
+  }
 }
 
 // The folder's dataset.json, where there is one, must describe the shards found: a shard lost or added since (a copy
 // or an overwrite that did not finish) would otherwise change the data without a word.
-void Dataset::check_manifest(const std::filesystem::path& dir) const {
+void Dataset::check_manifest(const std::filesystem::path& dir) {
   const std::filesystem::path path = dir / "dataset.json";
   std::error_code ec;
   if (!std::filesystem::exists(path, ec)) return;
@@ -56,6 +61,7 @@ void Dataset::check_manifest(const std::filesystem::path& dir) const {
   expect("num_shards", shards_.size(), "shards");
   expect("num_seqs", size(), "sequences");
   expect("vocab_checksum", vocab_checksum(), "as the vocabulary checksum");
+  manifest_ = std::move(j);
 }
 
 std::pair<size_t, uint64_t> Dataset::locate(uint64_t i) const {

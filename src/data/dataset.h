@@ -7,6 +7,8 @@
 #include <filesystem>
 #include <vector>
 
+#include <nlohmann/json.hpp>
+
 #include "data/shard.h"
 
 namespace nopad {
@@ -27,6 +29,9 @@ class Dataset {
   uint32_t vocab_checksum() const { return shards_.front().header().vocab_checksum; }
   uint32_t vocab_size() const { return shards_.front().header().vocab_size; }
   uint32_t max_seq_length() const { return max_seq_length_; }
+  // The folder of the shards (a single shard file: its folder), and its dataset.json (null when there is none).
+  const std::filesystem::path& folder() const { return folder_; }
+  const nlohmann::json& manifest() const { return manifest_; }
 
   // Shard and index within it of global sample i.
   std::pair<size_t, uint64_t> locate(uint64_t i) const;
@@ -44,10 +49,12 @@ class Dataset {
   }
 
  private:
-  void check_manifest(const std::filesystem::path& dir) const;
+  void check_manifest(const std::filesystem::path& dir);
   std::vector<ShardReader> shards_;
   std::vector<uint64_t> offsets_{0};
   uint32_t max_seq_length_ = 0;
+  std::filesystem::path folder_;
+  nlohmann::json manifest_;
 };
 
 }  // namespace nopad

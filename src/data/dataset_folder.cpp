@@ -36,6 +36,11 @@ DatasetFolderWriter::~DatasetFolderWriter() {
   fs::remove_all(staging_, ec);
 }
 
+void DatasetFolderWriter::stage_file(const std::string& name, std::string_view contents) {
+  write_file_atomic(staging_ / name, contents);
+  staged_files_.push_back(name);
+}
+
 void DatasetFolderWriter::commit(size_t num_shards, const nlohmann::json& manifest) {
   if (!stale_.empty()) {
     fs::remove(dir_ / "dataset.json");
@@ -43,6 +48,7 @@ void DatasetFolderWriter::commit(size_t num_shards, const nlohmann::json& manife
     for (const fs::path& p : stale_) fs::remove(p);
   }
   for (size_t s = 0; s < num_shards; ++s) fs::rename(staged_shard(s), dir_ / shard_name(s));
+  for (const std::string& name : staged_files_) fs::rename(staging_ / name, dir_ / name);
   fsync_dir(dir_);
   write_file_atomic(dir_ / "dataset.json", manifest.dump(2) + "\n");
 }

@@ -7,6 +7,7 @@
 #include <cstddef>
 #include <filesystem>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include <nlohmann/json.hpp>
@@ -27,12 +28,17 @@ class DatasetFolderWriter {
   const std::filesystem::path& dir() const { return dir_; }
   // Where shard `index` is to be written before commit().
   std::filesystem::path staged_shard(size_t index) const { return staging_ / shard_name(index); }
-  // Replaces the folder's dataset by staged shards 0 .. num_shards-1 and `manifest` (dataset.json).
+  // Stages a file that belongs with the shards (the vocabulary, vocab.txt): moved in by commit(), replacing the old
+  // dataset's file of that name.
+  void stage_file(const std::string& name, std::string_view contents);
+  // Replaces the folder's dataset by staged shards 0 .. num_shards-1, the staged files and `manifest`
+  // (dataset.json).
   void commit(size_t num_shards, const nlohmann::json& manifest);
 
  private:
   std::filesystem::path dir_, staging_;
   std::vector<std::filesystem::path> stale_;  // the existing dataset's files
+  std::vector<std::string> staged_files_;
 
 };
 

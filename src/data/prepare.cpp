@@ -15,6 +15,7 @@
 #include "data/dataset_folder.h"
 #include "data/shard.h"
 #include "data/tokenizer.h"
+#include "data/tokenizer_files.h"
 #include "data/vocab.h"
 
 namespace nopad {
@@ -72,6 +73,11 @@ uint64_t write_dataset(DatasetFolderWriter& out, const std::vector<Instance>& in
     tokens += instances[order[i]].tokens.size();
     masked += instances[order[i]].mlm_positions.size();
   }
+  // The vocabulary travels with the shards, so that training can put the tokenizer beside every checkpoint.
+  std::string vocab_text;
+  for (const std::string& t : vocab.tokens()) vocab_text += t + "\n";
+  out.stage_file("vocab.txt", vocab_text);
+  manifest["vocab_file"] = "vocab.txt";
   manifest["num_shards"] = num_shards;
   manifest["num_seqs"] = count;
   manifest["num_tokens"] = tokens;
@@ -113,7 +119,8 @@ PrepareResult prepare_dataset(const PrepareOptions& opt) {
 
   // Everything that can fail cheaply fails before the long work starts.
   const Vocab vocab = Vocab::load(opt.vocab);
-  const WordPieceTokenizer tokenizer(vocab);
+  const bool lower_case = resolve_lower_case(opt.lower_case, vocab, "--do-lower-case");
+  const WordPieceTokenizer tokenizer(vocab, lower_case);
   const std::vector<fs::path> files = expand_inputs(opt.inputs);
   // Output folders this call creates are removed again if it fails (they are empty then: the writers below remove
   // their staging folders first).
@@ -287,6 +294,7 @@ PrepareResult prepare_dataset(const PrepareOptions& opt) {
                         {"source", "text, held-out documents"},
                         {"vocab_size", vocab.size()},
                         {"vocab_checksum", vocab.checksum()},
+                        {"do_lower_case", lower_case},
                         {"options", eval_options},
                         {"documents", r.eval_documents},
                         {"candidates", r.eval_candidates},
@@ -301,6 +309,7 @@ PrepareResult prepare_dataset(const PrepareOptions& opt) {
                              {"source", "text"},
                              {"vocab_size", vocab.size()},
                              {"vocab_checksum", vocab.checksum()},
+                             {"do_lower_case", lower_case},
                              {"options", options},
                              {"documents", corpus.num_docs()},
                              {"sentences", corpus.sentence_offsets.size() - 1},

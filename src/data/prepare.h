@@ -18,6 +18,8 @@ struct PrepareOptions {
   std::filesystem::path output;
   InstanceOptions instances;
   TextFormat format = TextFormat::kAuto;
+  // Casing of the tokenizer: "auto" follows the vocabulary (data/tokenizer_files.h), "true"/"false" force it.
+  std::string lower_case = "auto";
   int threads = 0;  // <= 0: all cores
   int64_t seqs_per_shard = 65536;
   bool overwrite = false;  // replace an existing dataset in `output`

@@ -1,11 +1,13 @@
 // Rank detection from the launcher's environment (see launch.h).
 #include "dist/launch.h"
 
+#include <algorithm>
 #include <cctype>
 #include <cerrno>
 #include <cstdlib>
 
 #include "core/error.h"
+#include "core/threads.h"
 
 namespace nopad::dist {
 namespace {
@@ -108,5 +110,12 @@ std::string describe(const RankInfo& info) {
   s += ", " + info.launcher + ")";
   return s;
 }
+
+int default_cpu_threads(const RankInfo& info, int cores) {
+  const int local = info.local_size > 0 ? info.local_size : 1;
+  return std::max(1, cores / local);
+}
+
+int default_cpu_threads() { return default_cpu_threads(detect_rank_info(), hardware_threads()); }
 
 }  // namespace nopad::dist

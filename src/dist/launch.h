@@ -34,6 +34,12 @@ using EnvLookup = std::function<const char*(const char*)>;
 RankInfo detect_rank_info(const EnvLookup& env);
 RankInfo detect_rank_info();  // from the process environment
 
+// CPU threads for a process whose user chose none: the cores divided among the job's ranks on this node (a launcher
+// starts one process per rank, and each taking every core oversubscribes the node), at least 1. A launcher that does
+// not say how many ranks share the node counts as one.
+int default_cpu_threads(const RankInfo& info, int cores);
+int default_cpu_threads();  // for this process (its environment) and this machine's cores
+
 // "rank 3 of 8 (local 1 of 4, mpi)": for logs.
 std::string describe(const RankInfo& info);
 

@@ -218,6 +218,18 @@ void BertModel<P>::download_converted(HostScalar* host, const T* src) const {
 }
 
 template <class P>
+void BertModel<P>::get_mlm_probabilities(std::vector<float>& out) const {
+  NOPAD_CHECK(have_forward_, "get_mlm_probabilities: no forward has run");
+  const size_t V = static_cast<size_t>(config_.vocab_size), M = static_cast<size_t>(num_masked_);
+  const size_t ld = static_cast<size_t>(mlm_saved_.probs_ld > 0 ? mlm_saved_.probs_ld : config_.vocab_size);
+  std::vector<A> rows(M * ld);
+  if (M > 0) backend_.download_bytes(rows.data(), mlm_saved_.probs, rows.size() * sizeof(A));
+  out.resize(M * V);
+  for (size_t i = 0; i < M; ++i)
+    for (size_t v = 0; v < V; ++v) out[i * V + v] = convert<float>(rows[i * ld + v]);
+}
+
+template <class P>
 void BertModel<P>::init_params(uint64_t seed) {
   std::vector<HostScalar> host(layout_.total_numel());
   initialize_params(layout_, config_, seed, host.data());

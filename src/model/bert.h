@@ -121,6 +121,9 @@ class BertModel {
   // per step + 2 when steps are read one step late).
   void set_result_capacity(size_t n);
   size_t result_capacity() const { return results_.size(); }
+  // The MLM head's probabilities over the vocabulary at each masked row of the last forward, [M, vocab_size]
+  // row-major, in mlm_positions order (fill-mask). Valid until the next forward or backward; waits for the device.
+  void get_mlm_probabilities(std::vector<float>& out) const;
   // grads += loss_scale * d(loss)/d(params) for the last forward (once per forward).
   void backward(double loss_scale = 1.0);
 

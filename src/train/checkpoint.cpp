@@ -11,6 +11,7 @@
 
 #include "core/crc32.h"
 #include "core/error.h"
+#include "data/tokenizer_files.h"
 #include "train/safetensors.h"
 
 namespace nopad {
@@ -161,8 +162,15 @@ fs::path write_checkpoint(const fs::path& run_dir, const BertConfig& config, con
   write_hf_config_file(tmp_dir / kConfigFile, config);
   hook(options, kConfigFile);
 
-  // optimizer.safetensors: moments with the parameter's shape.
   std::vector<std::string> files = {kModelFile, kConfigFile};
+  if (options.tokenizer_vocab) {
+    write_tokenizer_files(tmp_dir, *options.tokenizer_vocab, options.tokenizer_lower_case,
+                          config.max_position_embeddings);
+    for (const std::string& f : tokenizer_file_names()) files.push_back(f);
+    hook(options, "tokenizer");
+  }
+
+  // optimizer.safetensors: moments with the parameter's shape.
   if (optimizer) {
     std::map<std::string, const ParamTensor*> by_name;
     for (const ParamTensor& t : layout.tensors()) by_name[t.name] = &t;
@@ -318,6 +326,30 @@ LoadedCheckpoint load_checkpoint(const fs::path& dir, const BertConfig* expect_c
     }
   }
   return ck;
+}
+
+std::vector<float> load_model_folder(const fs::path& dir, const std::string& what, BertConfig* config) {
+  std::error_code ec;
+  NOPAD_CHECK(fs::is_directory(dir, ec), what, " ", dir.string(),
+              " is not a folder (expected a checkpoint folder with model.safetensors and config.json)");
+  NOPAD_CHECK(!fs::exists(dir / "checkpoints" / "latest", ec), what, " ", dir.string(), " is a run folder: give "
+              "one of its checkpoints, e.g. ", (dir / "checkpoints").string(), "/$(cat ",
+              (dir / "checkpoints" / "latest").string(), ")");
+  *config = read_hf_config(dir / kConfigFile);
+  const ParamLayout layout(*config);
+  std::vector<float> params(layout.total_numel());
+  if (fs::exists(dir / kStateFile, ec)) {
+    params = load_checkpoint(dir, config, /*with_optimizer=*/false).params;  // a verified nopad checkpoint
+  } else {
+    load_hf_weights(dir, layout, params.data());
+  }
+  // Weights that are not finite (a diverged run's last checkpoint) would only give a null loss.
+  for (const ParamTensor& t : layout.tensors())
+    for (size_t i = 0; i < t.numel; ++i)
+      NOPAD_CHECK(std::isfinite(params[t.offset + i]), "checkpoint ", dir.string(), ": tensor ", t.name,
+                  " holds a non-finite value (element ", i, "): the run that wrote it diverged; use an earlier "
+                  "checkpoint");
+  return params;
 }
 
 BertConfig read_hf_config(const fs::path& config_json) {

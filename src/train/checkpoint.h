@@ -6,6 +6,9 @@
 //                          drops them too; from_pretrained re-ties them), metadata {"format": "pt"}
 //   config.json            BertConfig::to_json(), loadable by transformers.BertForPreTraining.from_pretrained
 //   optimizer.safetensors  Adam moments "<param>.exp_avg" / "<param>.exp_avg_sq", metadata kind and step count
+//   vocab.txt, tokenizer_config.json, special_tokens_map.json, tokenizer.json
+//                          the tokenizer the data was made with (data/tokenizer_files.h), when the run knows it, so
+//                          that AutoTokenizer.from_pretrained(dir) and nopad fill-mask tokenize as nopad prepare did
 //   trainer_state.json     step, samples, loader cursor, seeds, schedule position, and {crc32, size} of every other
 //                          file; it carries its own CRC-32 ("state_crc32") over the rest of its content
 // Write protocol: everything goes into step_XXXXXXXX.tmp-PID/ (each file fsynced), the folder is renamed into place,
@@ -23,6 +26,7 @@
 
 #include "core/io.h"
 #include "data/loader.h"
+#include "data/vocab.h"
 #include "model/config.h"
 #include "model/params.h"
 #include "optim/optimizer.h"
@@ -49,6 +53,8 @@ using CheckpointFaultHook = std::function<void(std::string_view stage)>;
 struct CheckpointWriteOptions {
   int keep = 3;  // newest checkpoints to keep (<= 0: keep all)
   CheckpointFaultHook fault_hook;
+  const Vocab* tokenizer_vocab = nullptr;  // non-null: the tokenizer files are written (lower-cased or not)
+  bool tokenizer_lower_case = true;
 };
 
 // Writes a checkpoint of `params` (host memory, layout.total_numel() floats) and the optimizer's moments into
@@ -90,6 +96,11 @@ struct LoadedCheckpoint {
 // checksummed).
 LoadedCheckpoint load_checkpoint(const fs::path& dir, const BertConfig* expect_config = nullptr,
                                  bool with_optimizer = true);
+
+// The weights of a model folder for inference (eval, fill-mask): a nopad checkpoint (verified, optimizer skipped) or a
+// Hugging Face folder (config.json + model.safetensors). `what` names the folder's option in errors ("--checkpoint").
+// Refuses a run folder (pointing at its latest checkpoint) and weights that are not finite (naming the tensor).
+std::vector<float> load_model_folder(const fs::path& dir, const std::string& what, BertConfig* config);
 
 // Reads a Hugging Face config.json, dropping private bookkeeping keys ("_attn_implementation_autoset", "dtype")
 // that recent transformers versions write and BertConfig does not list.

@@ -181,7 +181,7 @@ std::string ConfigSchema::closest(std::string_view key) const {
   return best;
 }
 
-void Config::set(const std::string& key, ConfigValue v, const std::string& where) {
+void Config::set(const std::string& key, ConfigValue v, const std::string& where, const fs::path& base_dir) {
   const ConfigSchema::Key* k = schema_.find(key);
   if (k == nullptr) {
     const std::string near = schema_.closest(key);
@@ -194,6 +194,8 @@ void Config::set(const std::string& key, ConfigValue v, const std::string& where
       NOPAD_CHECK(v.type == ConfigType::kString || bare_ok, where, ": expected a quoted string for ", key, ", got ",
                   v.text, " (write ", last_component(key), " = \"", v.text, "\")");
       v.type = ConfigType::kString;
+      if (k->is_path && !v.text.empty() && !base_dir.empty() && fs::path(v.text).is_relative())
+        v.text = (base_dir / v.text).lexically_normal().string();
       break;
     case ConfigType::kInt:
       NOPAD_CHECK(v.type == ConfigType::kInt, where, ": expected an integer for ", key, ", got ",
@@ -217,7 +219,8 @@ void Config::set(const std::string& key, ConfigValue v, const std::string& where
   values_[key] = std::move(v);
 }
 
-Config Config::parse(std::string_view text, const ConfigSchema& schema, const std::string& source) {
+Config Config::parse(std::string_view text, const ConfigSchema& schema, const std::string& source,
+                     const fs::path& base_dir) {
   Config c(schema);
   std::string section;
   std::map<std::string, size_t> first_line;
@@ -253,14 +256,14 @@ Config Config::parse(std::string_view text, const ConfigSchema& schema, const st
     NOPAD_CHECK(fresh, where, ": ", key, " is set twice (first on line ", it->second, ")");
     ConfigValue v = parse_value(line.substr(eq + 1), where, key, false);
     v.source = source + " line " + std::to_string(line_no);
-    c.set(key, std::move(v), where);
+    c.set(key, std::move(v), where, base_dir);
     if (text.empty()) break;
   }
   return c;
 }
 
 Config Config::load(const fs::path& path, const ConfigSchema& schema) {
-  return parse(read_file(path), schema, path.string());
+  return parse(read_file(path), schema, path.string(), fs::absolute(path).parent_path());
 }
 
 void Config::apply_override(std::string_view assignment) {
@@ -280,7 +283,7 @@ void Config::apply_override(std::string_view assignment) {
   }
   ConfigValue v = parse_value(assignment.substr(eq + 1), where, key, true);
   v.source = "--set";
-  set(key, std::move(v), where);
+  set(key, std::move(v), where, fs::current_path());
 }
 
 const ConfigValue& Config::value(std::string_view key) const {

@@ -8,6 +8,11 @@
 // The schema declares every key with its type, default and help; an unknown key is an error that names the
 // closest known key, a value of the wrong type is an error naming the key, the source and line. dump() writes the
 // effective config (every schema key, defaults included) in the same format, so parse(dump()) gives it back.
+//
+// Path keys (ConfigSchema::add_path): a relative path written in a config file means relative to that file's folder
+// (so `nopad train --config /elsewhere/run.toml` works from any working directory), one given with --set relative
+// to the working directory, as any command-line path; both are stored absolute, so dump() (the run's config.toml)
+// records where everything was.
 #pragma once
 #include <cstdint>
 #include <map>
@@ -37,6 +42,7 @@ class ConfigSchema {
     ConfigType type;
     ConfigValue default_value;
     std::string help;
+    bool is_path = false;  // a file or folder (see above)
   };
 
   // T: std::string / const char* (string), an integer type (int), float/double (float), bool.
@@ -51,6 +57,13 @@ class ConfigSchema {
     } else {
       return add_raw(key, ConfigType::kString, std::string(default_value), help);
     }
+  }
+
+  // A string key that names a file or folder (relative values are resolved, see above).
+  ConfigSchema& add_path(const std::string& key, const std::string& default_value, const std::string& help) {
+    add_raw(key, ConfigType::kString, default_value, help);
+    keys_.back().is_path = true;
+    return *this;
   }
 
   const Key* find(std::string_view key) const;
@@ -69,12 +82,16 @@ class ConfigSchema {
 class Config {
  public:
   // Parses `text`; `source` names it in errors ("config FILE line N: ...").
-  static Config parse(std::string_view text, const ConfigSchema& schema, const std::string& source = "<config>");
+  // Relative path values are resolved against base_dir (empty: left as written).
+  static Config parse(std::string_view text, const ConfigSchema& schema, const std::string& source = "<config>",
+                      const fs::path& base_dir = {});
+  // parse() of the file, its path keys resolved against the file's folder.
   static Config load(const fs::path& path, const ConfigSchema& schema);
   // A config holding only the defaults.
   explicit Config(ConfigSchema schema) : schema_(std::move(schema)) {}
 
   // "key=value" from the command line.
+  // "key=value" from the command line (a relative path value: against the working directory).
   void apply_override(std::string_view assignment);
 
   // The effective value (set, or the schema default). Throws when the key is not in the schema or the value
@@ -101,7 +118,7 @@ class Config {
 
  private:
   const ConfigValue& value(std::string_view key) const;
-  void set(const std::string& key, ConfigValue v, const std::string& where);
+  void set(const std::string& key, ConfigValue v, const std::string& where, const fs::path& base_dir = {});
 
   ConfigSchema schema_;
   std::map<std::string, ConfigValue> values_;

@@ -116,6 +116,12 @@ class CpuEngine final : public TrainEngine {
   StepResult evaluate(const HostBatch& batch) override {
     return model_.forward(batch, /*train=*/false, 0, 0, LossDenominators{1.0, 1.0});
   }
+  std::vector<float> mlm_probabilities(const HostBatch& batch) override {
+    model_.forward(batch, /*train=*/false, 0, 0, LossDenominators{1.0, 1.0});
+    std::vector<float> probs;
+    model_.get_mlm_probabilities(probs);
+    return probs;
+  }
   int64_t optimizer_steps() override { return optimizer_->step_count(); }
   const Optimizer& optimizer_state() override { return *optimizer_; }
   void load_optimizer_state(int64_t step, const std::vector<StateTensor>& tensors) override {

@@ -105,6 +105,9 @@ class TrainEngine {
   virtual StepOutcome finish_step() = 0;
   // Forward with dropout off and loss denominators of 1 (loss sums); the gradients are untouched. Waits.
   virtual StepResult evaluate(const HostBatch& batch) = 0;
+  // The same forward, returning the MLM head's probabilities over the vocabulary at each masked position,
+  // [num_masked, vocab_size] row-major in mlm_positions order (nopad fill-mask). Waits.
+  virtual std::vector<float> mlm_probabilities(const HostBatch& batch) = 0;
 
   virtual int64_t optimizer_steps() = 0;  // completed, non-skipped updates
   // The optimizer state as write_checkpoint takes it (on a device: a host snapshot taken by this call).

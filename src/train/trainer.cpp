@@ -12,6 +12,7 @@
 #include "core/error.h"
 #include "core/philox.h"
 #include "core/progress.h"
+#include "core/threads.h"
 #include "data/loader.h"
 #include "dist/balance.h"
 #include "dist/watchdog.h"
@@ -21,6 +22,7 @@
 #include "optim/optimizer.h"
 #include "optim/schedule.h"
 #include "train/checkpoint.h"
+#include "data/tokenizer_files.h"
 #include "train/tf_checkpoint.h"
 #include "train/engine.h"
 #include "train/loss_scale.h"
@@ -31,13 +33,19 @@ namespace nopad {
 
 ConfigSchema train_config_schema() {
   ConfigSchema s;
-  s.add("run_dir", "", "output folder: config.toml, metrics.jsonl, checkpoints/ (required)");
-  s.add("init_from", "",
+  s.add_path("run_dir", "", "output folder: config.toml, metrics.jsonl, checkpoints/ (required). Paths in a config "
+             "file are relative to the file's folder, paths given with --set to the working directory");
+  s.add_path("init_from", "",
         "weights to start from: a Hugging Face BertForPreTraining folder or .safetensors file, or a TensorFlow "
         "checkpoint (prefix, .index file or folder; e.g. MLPerf's phase-1 model.ckpt-28252) ('' = random init)");
-  s.add("model.config", "", "Hugging Face config.json of the BERT architecture (required)");
-  s.add("data.train", "", "folder of .nopad training shards (required)");
-  s.add("data.eval", "", "folder of .nopad evaluation shards, read in order ('' = no evaluation)");
+  s.add_path("model.config", "", "Hugging Face config.json of the BERT architecture (required)");
+  s.add_path("data.train", "", "folder of .nopad training shards (required)");
+  s.add_path("data.eval", "", "folder of .nopad evaluation shards, read in order ('' = no evaluation)");
+  s.add_path("data.vocab", "", "the WordPiece vocabulary the data was made with, written with its tokenizer config beside "
+        "every checkpoint so that the folder loads with transformers' AutoTokenizer ('' = the vocab.txt that nopad "
+        "prepare or convert put in data.train's folder); its checksum must be the data's");
+  s.add("data.do_lower_case", "auto", "the tokenizer's casing written beside the checkpoints: auto (what the data was "
+        "made with, from data.train's dataset.json; else the vocabulary's casing), true or false");
   s.add("data.placement", "shared", "data parallelism: shared (every rank reads data.train whole: one file system) or "
         "partitioned (rank r holds only the shards i with i % ranks == r, plus dataset.json, in data.train, where "
         "{rank} stands for r; each global batch is assembled by exchanging samples between the ranks; "
@@ -48,7 +56,7 @@ ConfigSchema train_config_schema() {
   s.add("train.max_samples", 0, "stop after this many training samples (0 = unlimited)");
   s.add("train.seed", 12345, "seed of initialisation, data order and dropout");
   s.add("train.target_mlm_accuracy", 0.0, "stop once the eval masked-LM accuracy reaches this (0 = no target)");
-  s.add("train.threads", 0, "CPU threads (0 = all cores)");
+  s.add("train.threads", 0, "CPU threads (0 = all cores, divided among the ranks a launcher starts on this node)");
   s.add("train.device", "auto", "auto, cpu or cuda (auto: cuda when built with CUDA and a GPU is visible)");
   s.add("train.precision", "auto", "auto, fp32 (CPU), bf16 or fp16 (GPU): the ops' activation type (auto: fp32 on "
         "the CPU, bf16 on a GPU)");
@@ -105,6 +113,22 @@ uint64_t mlperf_eval_interval(int64_t global_batch) {
   return static_cast<uint64_t>(std::floor(samples / 25'000.0)) * 25'000;
 }
 
+double mlm_frequency_baseline(const Dataset& data, uint64_t max_samples) {
+  const uint64_t n = max_samples > 0 ? std::min<uint64_t>(max_samples, data.size()) : data.size();
+  std::vector<uint64_t> counts(data.vocab_size(), 0);
+  uint64_t total = 0;
+  for (uint64_t i = 0; i < n; ++i) {
+    const SampleRef s = data.sample(i);
+    for (uint32_t k = 0; k < s.num_masked; ++k) {
+      const int32_t label = s.mlm_label(k);
+      if (label >= 0 && static_cast<size_t>(label) < counts.size()) ++counts[static_cast<size_t>(label)];
+    }
+    total += s.num_masked;
+  }
+  if (total == 0) return 0;
+  return static_cast<double>(*std::max_element(counts.begin(), counts.end())) / static_cast<double>(total);
+}
+
 uint32_t max_masked_per_sample(const Dataset& data) {
   uint32_t most = 0;
   for (size_t s = 0; s < data.num_shards(); ++s) most = std::max(most, data.shard(s).max_num_masked());
@@ -118,7 +142,7 @@ namespace {
 // over the ranks, so every rank returns the whole set's result.
 template <class Forward>
 EvalResult evaluate_with(Forward&& forward, const Dataset& data, uint64_t max_samples, int32_t batch,
-                         dist::Communicator* comm = nullptr) {
+                         dist::Communicator* comm = nullptr, Progress* progress = nullptr) {
   NOPAD_CHECK(batch > 0, "evaluation batch must be positive, got ", batch);
   const uint64_t n = max_samples > 0 ? std::min<uint64_t>(max_samples, data.size()) : data.size();
   const uint64_t ranks = comm ? static_cast<uint64_t>(comm->size()) : 1, rank = comm ? comm->rank() : 0;
@@ -141,6 +165,7 @@ EvalResult evaluate_with(Forward&& forward, const Dataset& data, uint64_t max_sa
     nsp_correct += s.nsp_correct;
     r.masked += static_cast<uint64_t>(s.mlm_count);
     r.samples += static_cast<uint64_t>(s.nsp_count);
+    if (progress) progress->add(static_cast<double>(end - start));
   }
   if (ranks > 1) {
     std::array<double, 2> sums = {mlm_sum, nsp_sum};
@@ -173,6 +198,12 @@ EvalResult evaluate(BertModel<ops::CpuF32>& model, const Dataset& data, uint64_t
   return evaluate_with(
       [&](const HostBatch& hb) { return model.forward(hb, /*train=*/false, 0, 0, LossDenominators{1.0, 1.0}); }, data,
       max_samples, batch);
+}
+
+EvalResult evaluate(TrainEngine& engine, const Dataset& data, uint64_t max_samples, int32_t batch,
+                    Progress* progress) {
+  return evaluate_with([&](const HostBatch& hb) { return engine.evaluate(hb); }, data, max_samples, batch, nullptr,
+                       progress);
 }
 
 namespace {
@@ -285,8 +316,14 @@ struct Trainer::Impl {
   std::unique_ptr<MetricsLog> metrics;
   MlLog mllog;  // MLPerf log, rank 0: run_dir/mllog.txt
 
+  // The tokenizer every checkpoint carries (data/tokenizer_files.h); null when the data came without a vocabulary.
+  std::unique_ptr<Vocab> tokenizer_vocab;
+  bool tokenizer_lower_case = true;
+  double mlm_baseline = 0;  // mlm_frequency_baseline of the eval set
+
   Impl(const Config& c, StartMode m, TrainHooks h) : cfg(c), mode(m), hooks(std::move(h)) {}
   void setup();
+  void setup_tokenizer(const std::string& train_path, const fs::path& train_folder, const std::string& eval_path);
   fs::path save_checkpoint();
   EvalResult run_eval();
 };
@@ -336,6 +373,7 @@ void Trainer::Impl::setup() {
               "train.target_mlm_accuracy is set but data.eval is not: the target is measured on the eval data");
   threads = static_cast<int>(cfg.get_int("train.threads"));
   NOPAD_CHECK(threads >= 0, "train.threads must be >= 0, got ", threads);
+  if (threads == 0) threads = dist::default_cpu_threads(rank_info, hardware_threads());
   device = resolve_device(cfg.get_string("train.device"), &device_note);
   precision = resolve_precision(cfg.get_string("train.precision"), device);
   balance = dist::parse_balance_mode(cfg.get_string("dist.balance"));
@@ -441,11 +479,13 @@ void Trainer::Impl::setup() {
               model_config.type_vocab_size, " is below 2, but pre-training sequences have two segments (sentence A "
               "and sentence B); use 2, as BERT does");
   uint32_t max_len = 0, max_masked = 0;
+  fs::path train_folder;  // where the shards and their vocab.txt are (this rank's folder when partitioned)
   if (placement == "partitioned") {  // collective: the ranks learn each other's shard sizes
     // "{rank}" in data.train stands for this rank's number (node-local folders: /scratch/shards-{rank}).
     std::string local_path = train_path;
     for (size_t at; (at = local_path.find("{rank}")) != std::string::npos;)
       local_path.replace(at, 6, std::to_string(comm->rank()));
+    train_folder = local_path;
     try {
       train_part = std::make_unique<dist::PartitionedData>(local_path, *comm);
     } catch (const Error& e) {
@@ -456,6 +496,7 @@ void Trainer::Impl::setup() {
     max_masked = train_part->max_masked();
   } else {
     train_data = open_data("data.train", train_path);
+    train_folder = train_data->folder();
   }
   NOPAD_CHECK(train_size() >= static_cast<uint64_t>(global_batch), "data.train ", train_path, " has ", train_size(),
               " samples, fewer than train.global_batch (", global_batch, ")");
@@ -468,6 +509,8 @@ void Trainer::Impl::setup() {
     max_len = std::max(max_len, data->max_seq_length());
     max_masked = std::max(max_masked, max_masked_per_sample(*data));
   }
+  setup_tokenizer(train_path, train_folder, eval_path);
+  if (eval_data) mlm_baseline = mlm_frequency_baseline(*eval_data, eval_max_samples);
 
   // The MLPerf log's keys are checked here, before anything in run_dir is written or deleted.
   const std::string division = cfg.get_string("mllog.submission_division");
@@ -680,6 +723,43 @@ void Trainer::Impl::setup() {
   mllog.open(run_dir / "mllog.txt", cfg.get_bool("mllog.stdout"));
 }
 
+// The data's vocabulary (data.vocab, else the vocab.txt beside the shards) must be the one the shards were made with,
+// and data.eval must share it: a model trained on one vocabulary's ids and evaluated on another's learns and reports
+// nonsense without a word.
+void Trainer::Impl::setup_tokenizer(const std::string& train_path, const fs::path& train_folder,
+                                    const std::string& eval_path) {
+  const uint32_t train_checksum = train_part ? train_part->vocab_checksum() : train_data->vocab_checksum();
+  if (eval_data)
+    NOPAD_CHECK(eval_data->vocab_checksum() == train_checksum, "data.eval ", eval_path, " was made with another "
+                "vocabulary than data.train ", train_path, " (vocabulary checksums ", eval_data->vocab_checksum(),
+                " and ", train_checksum, "): make the eval set with the training data's vocabulary");
+  fs::path vocab_path = cfg.get_string("data.vocab");
+  const bool given = !vocab_path.empty();
+  if (!given && has_tokenizer_files(train_folder)) vocab_path = train_folder / "vocab.txt";
+  if (vocab_path.empty()) {
+    if (lead())
+      std::fprintf(stderr, "warning: data.train %s has no vocab.txt (made by an older nopad): the checkpoints will "
+                   "hold no tokenizer; set data.vocab to the vocabulary the data was made with\n", train_path.c_str());
+    return;
+  }
+  try {
+    tokenizer_vocab = std::make_unique<Vocab>(Vocab::load(vocab_path));
+  } catch (const Error& e) {
+    fail(given ? "data.vocab: " : "data.train's vocab.txt: ", e.what());
+  }
+  NOPAD_CHECK(tokenizer_vocab->checksum() == train_checksum, given ? "data.vocab " : "", vocab_path.string(),
+              " is not the vocabulary data.train ", train_path, " was made with (checksum ",
+              tokenizer_vocab->checksum(), ", the shards' ", train_checksum, ")",
+              given ? ": give the vocab.txt the data was prepared with" : ": the dataset folder was altered; "
+              "re-run nopad prepare, or set data.vocab");
+  std::string casing = cfg.get_string("data.do_lower_case");
+  const nlohmann::json& manifest = train_data ? train_data->manifest() : nlohmann::json();
+  if (casing == "auto" && manifest.is_object() && manifest.contains("do_lower_case") &&
+      manifest["do_lower_case"].is_boolean())
+    casing = manifest["do_lower_case"].get<bool>() ? "true" : "false";
+  tokenizer_lower_case = resolve_lower_case(casing, *tokenizer_vocab, "data.do_lower_case");
+}
+
 fs::path Trainer::Impl::save_checkpoint() {
   kick();
   if (loss_scaler) state.extra["loss_scale"] = loss_scaler->to_json();
@@ -698,6 +778,8 @@ fs::path Trainer::Impl::save_checkpoint() {
   metrics->sync();
   CheckpointWriteOptions o;
   o.keep = static_cast<int>(checkpoint_keep);
+  o.tokenizer_vocab = tokenizer_vocab.get();
+  o.tokenizer_lower_case = tokenizer_lower_case;
   last_checkpoint =
       write_checkpoint(run_dir, model_config, engine->layout(), host.data(), &engine->optimizer_state(), state, o);
   kick();
@@ -720,10 +802,12 @@ EvalResult Trainer::Impl::run_eval() {
   if (!lead()) return e;
   nlohmann::json j = {{"eval", true}, {"step", state.step}, {"samples", state.samples}};
   j.update(eval_json(e));
+  j["mlm_frequency_baseline"] = mlm_baseline;
   metrics->write(j);
-  std::fprintf(stderr, "%seval at step %lld (%llu samples): mlm accuracy %.4f, nsp accuracy %.4f, loss %.4f\n",
-               Progress::stderr_is_terminal() ? "\n" : "", static_cast<long long>(state.step),
-               static_cast<unsigned long long>(state.samples), e.mlm_accuracy, e.nsp_accuracy, e.loss);
+  std::fprintf(stderr, "%seval at step %lld (%llu samples): mlm accuracy %.4f (frequency baseline %.4f), nsp "
+               "accuracy %.4f, loss %.4f\n", Progress::stderr_is_terminal() ? "\n" : "",
+               static_cast<long long>(state.step), static_cast<unsigned long long>(state.samples), e.mlm_accuracy,
+               mlm_baseline, e.nsp_accuracy, e.loss);
   return e;
 }
 
@@ -807,7 +891,6 @@ TrainSummary Trainer::run() {
     int64_t seqs = 0, tokens = 0;
     bool last = false;
     double loss_scale = 1;  // what its backward was scaled by
-    double enqueue_s = 0;   // host time spent enqueuing it (all of the step's work on the synchronous CPU engine)
   };
   struct {  // per-rank timing summed over the steps read (data parallel: printed at the end)
     int64_t steps = 0;
@@ -817,7 +900,17 @@ TrainSummary Trainer::run() {
   int q_first = 0, q_count = 0;
   int64_t last_eval_step = -1, last_checkpoint_step = m.last_checkpoint.empty() ? -1 : m.state.step;
   double last_draw_s = -1;
-  auto last_read = Clock::now();
+  double paused_s = 0;  // time spent in evaluations and checkpoints (not training)
+  struct {
+    double mark_s = 0;  // training time at the last logged line
+    int64_t seqs = 0, tokens = 0;  // read since then
+  } rate;
+  // Runs an evaluation or a checkpoint, its time counted as paused.
+  auto paused = [&](auto&& work) {
+    const auto t0 = Clock::now();
+    work();
+    paused_s += seconds_since(t0);
+  };
 
   // Reads the oldest enqueued step: checks it, records it, reports progress.
   auto read_oldest = [&] {
@@ -880,11 +973,16 @@ TrainSummary Trainer::run() {
       fail("step ", e.step, ": the gradients are not finite: training diverged; lower optim.lr or add "
            "schedule.warmup_steps", keep_note);
     }
-    // A step's time: since the previous step was read (a device works while the host enqueues the next step), but at
-    // least the time its own enqueueing took (the CPU engine computes while enqueuing, so when two steps are read back
-    // to back at the end, the time between the reads says nothing).
-    const double step_s = std::max(seconds_since(last_read), e.enqueue_s);
-    last_read = Clock::now();
+    // Throughput: the sequences and tokens read since the last logged line over the training time since then (the
+    // run's clock less the time evaluations and checkpoints took). Over a whole run the lines' times add up to the
+    // training time, whatever the engine's pipelining does to the time between two single reads (a device engine
+    // reads a step while the next one runs; reads can come back to back at a drain).
+    const double train_s = seconds_since(start) - paused_s;
+    rate.seqs += e.seqs;
+    rate.tokens += e.tokens;
+    const double window_s = train_s - rate.mark_s;
+    const double seq_per_s = window_s > 0 ? static_cast<double>(rate.seqs) / window_s : 0,
+                 tokens_per_s = window_s > 0 ? static_cast<double>(rate.tokens) / window_s : 0;
     const double elapsed_s = m.prior_elapsed_s + seconds_since(start);
     m.state.extra["elapsed_s"] = elapsed_s;
 
@@ -900,9 +998,9 @@ TrainSummary Trainer::run() {
     rec.lr = e.lr;
     rec.grad_norm = out.stats.grad_norm;
     summary.steps.push_back(rec);
-    const double seq_per_s = static_cast<double>(e.seqs) / step_s,
-                 tokens_per_s = static_cast<double>(e.tokens) / step_s;
-    if (lead && (rec.step % m.log_interval == 0 || e.last || overflow_skipped)) {
+    const bool log_line = rec.step % m.log_interval == 0 || e.last || overflow_skipped;
+    if (log_line) rate = {train_s, 0, 0};  // the next line's window starts here
+    if (lead && log_line) {
       nlohmann::json line = {{"step", rec.step},
                              {"samples", rec.samples},
                              {"loss", std::isfinite(rec.loss) ? nlohmann::json(rec.loss) : nlohmann::json()},
@@ -951,7 +1049,6 @@ TrainSummary Trainer::run() {
 
   while (!done()) {
     const int64_t step_index = m.state.step;  // updates already taken: dropout key and schedule position
-    const auto enqueue_start = Clock::now();
     // This rank's share of the global batch (the whole batch in a single process); the loss denominators are the
     // global batch's counts, so the ranks' gradients add up to the global batch's.
     const HostBatch& mine = next_batch();
@@ -979,8 +1076,7 @@ TrainSummary Trainer::run() {
     m.state.cursor = loader_cursor();
     m.state.lr = lr;
     Enqueued& e = queue[static_cast<size_t>((q_first + q_count) % TrainEngine::kMaxStepsInFlight)];
-    e = Enqueued{m.state.step, m.state.samples, lr, global_seqs, global_tokens, done(), loss_scale,
-                 seconds_since(enqueue_start)};
+    e = Enqueued{m.state.step, m.state.samples, lr, global_seqs, global_tokens, done(), loss_scale};
     ++q_count;
 
     // Evaluation every eval.interval_samples samples (crossing a multiple), checkpoints, the end: drain first.
@@ -997,7 +1093,7 @@ TrainSummary Trainer::run() {
     if (eval_due) {
       block_stop();
       in_block = false;
-      summary.evals.push_back(m.run_eval());
+      paused([&] { summary.evals.push_back(m.run_eval()); });
       last_eval_step = m.state.step;
       if (m.target_accuracy > 0 && summary.evals.back().mlm_accuracy >= m.target_accuracy) {
         summary.reached_target = true;
@@ -1007,7 +1103,7 @@ TrainSummary Trainer::run() {
       }
     }
     if (checkpoint_due) {
-      m.save_checkpoint();
+      paused([&] { m.save_checkpoint(); });
       last_checkpoint_step = m.state.step;
     }
     if (!in_block && !done()) {
@@ -1029,6 +1125,7 @@ TrainSummary Trainer::run() {
   summary.final_step = m.state.step;
   summary.samples = m.state.samples;
   summary.elapsed_s = seconds_since(start);
+  summary.mlm_baseline = m.mlm_baseline;
   summary.rank = m.comm->rank();
   if (lead && m.rank_info.distributed() && timing.steps > 0)
     std::fprintf(stderr, "per-rank timing over %lld steps: compute %.1f ms per step (mean rank), slowest rank %.3fx the "

@@ -33,7 +33,9 @@
 #include "core/io.h"
 #include "data/dataset.h"
 #include "model/bert.h"
+#include "core/progress.h"
 #include "train/config_file.h"
+#include "train/engine.h"
 
 namespace nopad {
 
@@ -50,6 +52,13 @@ struct EvalResult {
 
 // Batches of `batch` consecutive samples; the model must hold `batch` sequences of the dataset's longest length.
 EvalResult evaluate(BertModel<ops::CpuF32>& model, const Dataset& data, uint64_t max_samples, int32_t batch);
+// The same through a TrainEngine (CPU or GPU) built for `batch` such sequences; `progress` (optional) counts samples.
+EvalResult evaluate(TrainEngine& engine, const Dataset& data, uint64_t max_samples, int32_t batch,
+                    Progress* progress = nullptr);
+
+// The masked-LM accuracy of always predicting the set's most common masked token (over its first max_samples, 0 = all):
+// what a model that has learnt only token frequencies scores. A model learning from context rises above it.
+double mlm_frequency_baseline(const Dataset& data, uint64_t max_samples);
 
 // The most masked positions any one sample of the dataset has.
 uint32_t max_masked_per_sample(const Dataset& data);
@@ -80,6 +89,7 @@ struct TrainSummary {
   bool reached_target = false;
   fs::path final_checkpoint;
   double elapsed_s = 0;
+  double mlm_baseline = 0;  // mlm_frequency_baseline of the eval set (0 without one)
   int rank = 0;  // this process's rank in a data-parallel job (0: it wrote metrics and checkpoints)
 };
 

@@ -57,7 +57,7 @@ def main():
             ok = got == value if isinstance(value, str) else got is not None and abs(got - value) <= 1e-12 * max(1, abs(value))
             if not ok:
                 failures.append(f"{name}: {sec}.{key} = {got}, the RCP for batch {bs} says {value}")
-        if c["model"]["config"] != "data/configs/bert-large-mlperf.json":
+        if c["model"]["config"] != "../data/configs/bert-large-mlperf.json":  # relative to configs/
             failures.append(f"{name}: model.config is {c['model']['config']}")
         if bs % c["train"]["grad_accumulation"]:
             failures.append(f"{name}: global_batch {bs} is not a multiple of grad_accumulation")

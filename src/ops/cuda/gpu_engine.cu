@@ -236,6 +236,12 @@ class GpuEngine final : public TrainEngine {
   StepResult evaluate(const HostBatch& batch) override {
     return model_.forward(batch, /*train=*/false, 0, 0, LossDenominators{1.0, 1.0});
   }
+  std::vector<float> mlm_probabilities(const HostBatch& batch) override {
+    model_.forward(batch, /*train=*/false, 0, 0, LossDenominators{1.0, 1.0});
+    std::vector<float> probs;
+    model_.get_mlm_probabilities(probs);
+    return probs;
+  }
 
   int64_t optimizer_steps() override { return lamb_.step_count(); }  // waits for the stream
   const Optimizer& optimizer_state() override {
