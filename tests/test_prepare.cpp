@@ -137,7 +137,7 @@ TEST(Prepare, BadInputsFailCleanly) {
     EXPECT_FALSE(fs::exists(out)) << "a failed prepare left its new output folder behind";
   };
   // Non-UTF-8 text: the error names the file and the offset.
-  write_file_atomic(dir / "latin1.txt", std::string("Caf\xe9 au lait.\n", 15));
+  write_file_atomic(dir / "latin1.txt", std::string("Caf\xe9 au lait.\n", 14));
   auto o = sample_options(out, 1);
   o.inputs = {dir / "latin1.txt"};
   expect_error(o, "offset 3");

@@ -13,8 +13,9 @@ void setup(CLI::App& sub) {
   auto format = std::make_shared<std::string>("auto");
   auto quiet = std::make_shared<bool>(false);
   sub.add_option("--input", *inputs,
-                 "text files or folders: WikiExtractor output (<doc> ... </doc>) or one sentence per line with a "
-                 "blank line between documents")
+                 "text files, folders (every file below), or - for standard input: WikiExtractor output (<doc> ... "
+                 "</doc>), one sentence per line with a blank line between documents, or JSON lines; each may be "
+                 "gzip-, xz- or zstd-compressed")
       ->required();
   sub.add_option("--vocab", opt->vocab, "WordPiece vocabulary (BERT vocab.txt); copied into --output, so that "
                  "training writes it beside every checkpoint")->required();
@@ -39,8 +40,16 @@ void setup(CLI::App& sub) {
   sub.add_option("--seed", opt->instances.seed, "random seed")->capture_default_str();
   sub.add_option("--threads", opt->threads, "worker threads (0: all cores)")->capture_default_str();
   sub.add_option("--seqs-per-shard", opt->seqs_per_shard, "instances per shard file")->capture_default_str();
-  sub.add_option("--format", *format, "input format: auto, wiki (WikiExtractor) or lines")
-      ->check(CLI::IsMember({"auto", "wiki", "lines"}))
+  sub.add_option("--format", *format,
+                 "input format: auto (per file: JSON lines when the first non-blank line is a JSON object, wiki when "
+                 "it is a <doc> line, else lines), wiki (WikiExtractor), lines (one sentence per line) or jsonl (one "
+                 "JSON object per line, the text in --text-field); gzip, xz and zstd files are decompressed first, "
+                 "whatever the format; binary files, Parquet and JSON read as text are refused")
+      ->check(CLI::IsMember({"auto", "wiki", "lines", "jsonl"}))
+      ->capture_default_str();
+  sub.add_option("--text-field", opt->text_field,
+                 "the field of each JSON-lines record that holds its text (a top-level key; split into paragraphs "
+                 "at newlines and into sentences)")
       ->capture_default_str();
   sub.add_option("--eval-output", opt->eval_output,
                  "also write a held-out evaluation set here: documents drawn at random (seeded) are kept out of "
@@ -57,6 +66,7 @@ void setup(CLI::App& sub) {
     for (const auto& s : *inputs) opt->inputs.emplace_back(s);
     opt->format = *format == "wiki"    ? nopad::TextFormat::kWikiExtractor
                   : *format == "lines" ? nopad::TextFormat::kSentenceLines
+                  : *format == "jsonl" ? nopad::TextFormat::kJsonLines
                                        : nopad::TextFormat::kAuto;
     opt->progress = !*quiet;
     const nopad::PrepareResult r = nopad::prepare_dataset(*opt);

@@ -3,6 +3,9 @@
 #include <algorithm>
 #include <array>
 #include <cstring>
+#include <nlohmann/json.hpp>
+
+#include "core/error.h"
 
 namespace nopad {
 
@@ -122,7 +125,90 @@ std::vector<std::string_view> split_sentences(std::string_view paragraph) {
   return out;
 }
 
+bool looks_like_json_lines(std::string_view text) {
+  if (starts_with(text, "\xEF\xBB\xBF")) text.remove_prefix(3);  // a UTF-8 byte-order mark
+  size_t pos = 0;
+  while (pos < text.size()) {
+    size_t end = text.find('\n', pos);
+    if (end == std::string_view::npos) end = text.size();
+    const std::string_view l = trim(text.substr(pos, end - pos));
+    if (!l.empty()) return l.front() == '{' && nlohmann::json::parse(l, nullptr, false).is_object();
+    pos = end + 1;
+  }
+  return false;
+}
+
+std::string json_field_names(std::string_view json_object_line) {
+  const nlohmann::json record = nlohmann::json::parse(json_object_line, nullptr, false);
+  if (!record.is_object() || record.empty()) return "none";
+  std::string out;
+  size_t n = 0;
+  for (auto it = record.begin(); it != record.end(); ++it, ++n) {
+    if (n == 8) return out + ", ...";
+    out += (n ? ", \"" : "\"") + it.key() + "\"";
+  }
+  return out;
+}
+
+std::vector<TextDocument> split_json_lines(std::string_view text, std::string_view text_field, std::string_view name,
+                                           std::string& decoded) {
+  NOPAD_CHECK(decoded.empty(), "split_json_lines needs an empty buffer for the decoded texts");
+  const std::string field(text_field);
+  // First every record's text into `decoded` (one buffer, so that views into it stay valid once it stops growing),
+  // then the paragraphs and sentences.
+  std::vector<std::pair<size_t, size_t>> records;  // [begin, end) of each record's text in `decoded`
+  size_t pos = 0, line_no = 0;
+  while (pos < text.size()) {
+    size_t end = text.find('\n', pos);
+    if (end == std::string_view::npos) end = text.size();
+    const std::string_view line = trim(text.substr(pos, end - pos));
+    pos = end + 1;
+    ++line_no;
+    if (line.empty()) continue;
+    nlohmann::json record;
+    try {
+      record = nlohmann::json::parse(line);
+    } catch (const nlohmann::json::parse_error& e) {
+      // nlohmann's message says "parse error at line 1, column N: what"; the line is ours, the rest is its.
+      std::string what = e.what();
+      const size_t at = what.find("column ");
+      if (at != std::string::npos) what = what.substr(at);
+      fail("input ", name, " line ", line_no, " is not valid JSON (", what,
+           "): each line of a JSON-lines file must be one JSON object");
+    }
+    NOPAD_CHECK(record.is_object(), "input ", name, " line ", line_no, " is a JSON ", record.type_name(),
+                ", not an object: each line of a JSON-lines file must be one record {\"", field, "\": \"...\", ...}");
+    const auto it = record.find(field);
+    if (it == record.end())
+      fail("input ", name, " line ", line_no, " has no field \"", field, "\" (its fields: ", json_field_names(line),
+           "): name the field that holds the text with --text-field NAME");
+    NOPAD_CHECK(it->is_string(), "input ", name, " line ", line_no, ": field \"", field, "\" is a JSON ",
+                it->type_name(), ", not a string: name a field that holds the text with --text-field NAME");
+    const std::string& s = it->get_ref<const std::string&>();
+    records.emplace_back(decoded.size(), decoded.size() + s.size());
+    decoded += s;
+    decoded += '\n';
+  }
+  std::vector<TextDocument> docs;
+  const std::string_view all(decoded);
+  for (const auto& [begin, end] : records) {
+    TextDocument doc;
+    size_t p = begin;
+    while (p < end) {
+      size_t e = all.find('\n', p);
+      if (e == std::string_view::npos || e > end) e = end;
+      const std::string_view paragraph = trim(all.substr(p, e - p));
+      if (!paragraph.empty()) split_sentences(paragraph, doc.sentences);
+      p = e + 1;
+    }
+    if (!doc.sentences.empty()) docs.push_back(std::move(doc));
+  }
+  return docs;
+}
+
 std::vector<TextDocument> split_documents(std::string_view text, TextFormat format) {
+  NOPAD_CHECK(format != TextFormat::kJsonLines && (format != TextFormat::kAuto || !looks_like_json_lines(text)),
+              "JSON lines are read with split_json_lines, which decodes their texts");
   if (format == TextFormat::kAuto)
     format = looks_like_wikiextractor(text) ? TextFormat::kWikiExtractor : TextFormat::kSentenceLines;
   std::vector<TextDocument> docs;

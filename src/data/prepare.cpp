@@ -11,9 +11,9 @@
 #include "core/io.h"
 #include "core/progress.h"
 #include "core/threads.h"
-#include "core/utf8.h"
 #include "data/dataset_folder.h"
 #include "data/shard.h"
+#include "data/text_input.h"
 #include "data/tokenizer.h"
 #include "data/tokenizer_files.h"
 #include "data/vocab.h"
@@ -90,12 +90,17 @@ uint64_t write_dataset(DatasetFolderWriter& out, const std::vector<Instance>& in
 }  // namespace
 
 std::vector<fs::path> expand_inputs(const std::vector<fs::path>& inputs) {
-  NOPAD_CHECK(!inputs.empty(), "no input given: pass text files or folders with --input");
+  NOPAD_CHECK(!inputs.empty(), "no input given: pass text files, folders or - (standard input) with --input");
   std::vector<fs::path> files;
+  bool stdin_seen = false;
   for (const fs::path& in : inputs) {
     std::error_code ec;
-    if (fs::is_regular_file(in, ec)) {
+    if (in == "-") {
+      NOPAD_CHECK(!stdin_seen, "--input - is given twice: standard input can be read only once");
+      stdin_seen = true;
       files.push_back(in);
+    } else if (fs::is_regular_file(in, ec) || fs::is_fifo(in, ec) || fs::is_character_file(in, ec)) {
+      files.push_back(in);  // a pipe: a process substitution such as <(zcat FILE), or a named pipe
     } else if (fs::is_directory(in, ec)) {
       std::vector<fs::path> found;
       for (const auto& e : fs::recursive_directory_iterator(in))
@@ -154,18 +159,23 @@ PrepareResult prepare_dataset(const PrepareOptions& opt) {
     eval_out.emplace(opt.eval_output, opt.overwrite, "--eval-output");
   }
 
-  // 1. Read and split into documents (views into the file texts, which stay alive until tokenised).
+  // 1. Read (decompressing), check the format of each file on its own, and split into documents (views into the
+  // texts, which stay alive until tokenised: the file's text, or for JSON lines the records' decoded texts).
   auto t0 = std::chrono::steady_clock::now();
-  std::vector<std::string> texts(files.size());
+  std::vector<std::string> texts(files.size()), names(files.size());
   std::vector<std::vector<TextDocument>> file_docs(files.size());
   parallel_for(files.size(), r.threads, [&](size_t f) {
-    texts[f] = read_file(files[f]);
-    const size_t bad = find_invalid_utf8(texts[f]);
-    NOPAD_CHECK(bad == std::string::npos, "input ", files[f].string(), " is not UTF-8 text: invalid byte 0x",
-                std::hex, static_cast<int>(static_cast<unsigned char>(texts[f][bad])), std::dec, " at offset ", bad,
-                " (convert it to UTF-8, e.g. with iconv)");
-    file_docs[f] = split_documents(texts[f], opt.format);
-    NOPAD_CHECK(!file_docs[f].empty(), "input ", files[f].string(), " contains no text");
+    TextInput in = read_text_input(files[f]);
+    names[f] = in.name;
+    const TextFormat format = detect_text_format(in, opt.format);
+    if (format == TextFormat::kJsonLines) {
+      // Decoded into texts[f] in place: it does not move again, so the views stay valid.
+      file_docs[f] = split_json_lines(in.text, opt.text_field, in.name, texts[f]);
+    } else {
+      texts[f] = std::move(in.text);
+      file_docs[f] = split_documents(texts[f], format);
+    }
+    NOPAD_CHECK(!file_docs[f].empty(), "input ", in.name, " contains no text");
   });
   std::vector<const TextDocument*> docs;
   for (size_t f = 0; f < files.size(); ++f) {
@@ -284,7 +294,7 @@ PrepareResult prepare_dataset(const PrepareOptions& opt) {
                             {"dupe_factor", opt.instances.dupe_factor},
                             {"seed", opt.instances.seed}};
   nlohmann::json inputs = nlohmann::json::array();
-  for (const fs::path& f : files) inputs.push_back(f.string());
+  for (const std::string& name : names) inputs.push_back(name);
   const size_t per_shard = static_cast<size_t>(opt.seqs_per_shard);
   if (held_out) {
     nlohmann::json eval_options = options;

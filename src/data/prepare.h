@@ -1,4 +1,5 @@
-// `nopad prepare`: text files -> documents -> sentences -> WordPiece -> pre-training instances -> shards.
+// `nopad prepare`: text files (plain or compressed, or standard input; data/text_input.h) -> documents -> sentences
+// -> WordPiece -> pre-training instances -> shards.
 // Parallel over all cores and deterministic: the same inputs, vocabulary, options and seed give byte-identical
 // shards whatever the thread count (each stage writes its results by index; randomness is keyed, see instances.h).
 #pragma once
@@ -13,11 +14,12 @@
 namespace nopad {
 
 struct PrepareOptions {
-  std::vector<std::filesystem::path> inputs;  // files, or folders (every regular file below, sorted)
+  std::vector<std::filesystem::path> inputs;  // files, folders (every regular file below, sorted), or "-" (stdin)
   std::filesystem::path vocab;
   std::filesystem::path output;
   InstanceOptions instances;
-  TextFormat format = TextFormat::kAuto;
+  TextFormat format = TextFormat::kAuto;  // kAuto: detected per file (detect_text_format)
+  std::string text_field = "text";        // the field of a JSON-lines record that holds its text
   // Casing of the tokenizer: "auto" follows the vocabulary (data/tokenizer_files.h), "true"/"false" force it.
   std::string lower_case = "auto";
   int threads = 0;  // <= 0: all cores
@@ -34,7 +36,7 @@ struct PrepareOptions {
 };
 
 struct PrepareResult {
-  uint64_t input_files = 0, input_bytes = 0;
+  uint64_t input_files = 0, input_bytes = 0;  // bytes of text read (decompressed; JSON lines: the records' texts)
   uint64_t documents = 0, sentences = 0, text_tokens = 0;
   uint64_t instances = 0, instance_tokens = 0, masked = 0, random_next = 0;
   uint64_t shards = 0, output_bytes = 0;
@@ -45,7 +47,8 @@ struct PrepareResult {
 
 PrepareResult prepare_dataset(const PrepareOptions& options);
 
-// Expands files and folders into the sorted list of input files; throws when a path is missing or nothing is found.
+// Expands files and folders into the list of input files (each folder's files sorted; hidden ones skipped); "-"
+// (standard input, at most once) and named pipes stay as given. Throws when a path is missing or nothing is found.
 std::vector<std::filesystem::path> expand_inputs(const std::vector<std::filesystem::path>& inputs);
 
 }  // namespace nopad
