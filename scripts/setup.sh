@@ -20,12 +20,14 @@ if [ "${NOPAD_SKIP_INSTALL:-0}" != 1 ]; then
     as_root apt-get update -qq
     DEBIAN_FRONTEND=noninteractive as_root apt-get install -y -qq "${missing[@]}" >/dev/null
   fi
-  # Python packages for the parity and format tests: numpy, h5py, tokenizers (Hugging Face's tokenizer, offline), and
-  # mlperf-logging (MLCommons' compliance checker, run on nopad's MLPerf log).
-  if ! python3 -c 'import numpy, h5py, tokenizers, mlperf_logging' 2>/dev/null; then
-    echo "setup: installing Python packages numpy h5py tokenizers mlperf-logging"
-    python3 -m pip install -q numpy h5py tokenizers mlperf-logging 2>/dev/null ||
-      python3 -m pip install -q --break-system-packages numpy h5py tokenizers mlperf-logging
+  # Python packages for the parity and format tests: numpy, h5py, tokenizers (Hugging Face's tokenizer, offline),
+  # mlperf-logging (MLCommons' compliance checker, run on nopad's MLPerf log) and tensorboard (its event readers, run
+  # on nopad's event files).
+  py_packages=(numpy h5py tokenizers mlperf-logging tensorboard)
+  if ! python3 -c 'import numpy, h5py, tokenizers, mlperf_logging, tensorboard' 2>/dev/null; then
+    echo "setup: installing Python packages ${py_packages[*]}"
+    python3 -m pip install -q "${py_packages[@]}" 2>/dev/null ||
+      python3 -m pip install -q --break-system-packages "${py_packages[@]}"
   fi
 fi
 
