@@ -35,13 +35,14 @@ TRAIN_DEFAULTS = {
     "optim.name": "lamb", "optim.lr": 1e-3, "optim.beta1": 0.9, "optim.beta2": 0.999, "optim.eps": 1e-6,
     "optim.weight_decay": 0.01, "optim.max_grad_norm": 1.0,
     "schedule.warmup_steps": 0, "schedule.start_warmup_step": 0, "schedule.total_steps": 0, "schedule.power": 1.0,
-    "eval.interval_samples": 0, "eval.max_samples": 0, "log.interval_steps": 10,
+    "eval.interval_samples": 0, "eval.max_samples": 0, "log.interval_steps": 10, "log.tensorboard": True,
+    "log.tensorboard_dir": "",
     "checkpoint.interval_steps": 0, "checkpoint.keep": 3,
 }
 
 # Keys naming files or folders: relative values from a config file are relative to its folder, from --set to the
 # working directory; both are made absolute (as nopad's Config does).
-PATH_KEYS = {"run_dir", "init_from", "model.config", "data.train", "data.eval", "data.vocab"}
+PATH_KEYS = {"run_dir", "init_from", "model.config", "data.train", "data.eval", "data.vocab", "log.tensorboard_dir"}
 
 
 class ConfigError(Exception):

@@ -13,7 +13,7 @@ as_root() { if [ "$(id -u)" -eq 0 ]; then "$@"; else sudo "$@"; fi; }
 if [ "${NOPAD_SKIP_INSTALL:-0}" != 1 ]; then
   packages=(build-essential cmake ninja-build pkg-config libhdf5-dev nlohmann-json3-dev libcli11-dev libgtest-dev
             python3 python3-pip python3-venv xz-utils openmpi-bin libopenmpi-dev zlib1g-dev liblzma-dev libzstd-dev
-            zstd)
+            zstd librsvg2-bin fonts-dejavu-core)
   missing=()
   for p in "${packages[@]}"; do dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p"); done
   if [ ${#missing[@]} -gt 0 ]; then
@@ -22,10 +22,11 @@ if [ "${NOPAD_SKIP_INSTALL:-0}" != 1 ]; then
     DEBIAN_FRONTEND=noninteractive as_root apt-get install -y -qq "${missing[@]}" >/dev/null
   fi
   # Python packages for the parity and format tests: numpy, h5py, tokenizers (Hugging Face's tokenizer, offline),
-  # transformers (AutoTokenizer on nopad's model folders; no torch needed for the tokenizer), and mlperf-logging
-  # (MLCommons' compliance checker, run on nopad's MLPerf log).
-  py_packages=(numpy h5py tokenizers transformers mlperf-logging)
-  if ! python3 -c 'import numpy, h5py, tokenizers, transformers, mlperf_logging' 2>/dev/null; then
+  # transformers (AutoTokenizer on nopad's model folders; no torch needed for the tokenizer), mlperf-logging
+  # (MLCommons' compliance checker, run on nopad's MLPerf log), tensorboard (its event readers, run on nopad's event
+  # files) and pillow (reads the PNGs rsvg-convert renders of nopad report's plots).
+  py_packages=(numpy h5py tokenizers transformers mlperf-logging tensorboard pillow)
+  if ! python3 -c 'import numpy, h5py, tokenizers, transformers, mlperf_logging, tensorboard, PIL' 2>/dev/null; then
     echo "setup: installing Python packages ${py_packages[*]}"
     python3 -m pip install -q "${py_packages[@]}" 2>/dev/null ||
       python3 -m pip install -q --break-system-packages "${py_packages[@]}"

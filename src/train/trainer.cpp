@@ -102,6 +102,10 @@ ConfigSchema train_config_schema() {
         "BERT's rule, floor(0.05 (230.23 global_batch + 3,000,000) / 25,000) x 25,000)");
   s.add("eval.max_samples", 0, "evaluate on the first this many samples of data.eval (0 = all)");
   s.add("log.interval_steps", 10, "write a metrics.jsonl line (and a plain log line) every this many steps");
+  s.add("log.tensorboard", true, "also write every metrics.jsonl line as TensorBoard scalars (train/<key>, eval/<key>) "
+        "into an event file of log.tensorboard_dir: `tensorboard --logdir RUN_DIR` shows them (docs/training.md)");
+  s.add_path("log.tensorboard_dir", "", "folder of the run's TensorBoard event files ('' = RUN_DIR/tensorboard); give each "
+        "run a folder of its own (a resumed run's event file tells TensorBoard to drop the folder's later steps)");
   s.add("checkpoint.interval_steps", 0, "write a checkpoint every this many steps (0 = only at the end)");
   s.add("checkpoint.keep", 3, "newest checkpoints to keep (0 = all)");
   return s;
@@ -692,7 +696,14 @@ void Trainer::Impl::setup() {
       if (e.path().filename().string().find(".tmp") != std::string::npos) fs::remove_all(e.path(), ec);
 
   write_file_atomic(run_dir / "config.toml", cfg.dump());
-  metrics = std::make_unique<MetricsLog>(run_dir / "metrics.jsonl", state.step);
+  std::unique_ptr<EventWriter> events;  // log.tensorboard: the metrics lines as TensorBoard scalars too
+  if (cfg.get_bool("log.tensorboard")) {
+    const std::string tb_dir = cfg.get_string("log.tensorboard_dir");
+    // --overwrite deletes the run's own event files, never those in a folder named by log.tensorboard_dir.
+    if (mode == StartMode::kOverwrite && tb_dir.empty()) remove_nopad_event_files(run_dir / "tensorboard");
+    events = std::make_unique<EventWriter>(tb_dir.empty() ? run_dir / "tensorboard" : fs::path(tb_dir));
+  }
+  metrics = std::make_unique<MetricsLog>(run_dir / "metrics.jsonl", state.step, std::move(events));
 
   // The MLPerf log: submission and hyper-parameter keys (closed-division BERT), then the end of initialisation.
   const std::string platform = cfg.get_string("mllog.submission_platform");

@@ -1,7 +1,7 @@
 """`nopad report RUN_DIR` on a real (short, CPU) training run: the summary's numbers are the run's (steps, samples,
-first/last loss, evaluation count and best accuracy, the MLPerf status), the three SVG plots parse as XML with one
+first/last loss, evaluation count and best accuracy, the MLPerf status), the six SVG plots parse as XML with one
 polyline per series whose point count matches the logged lines, a missing run_dir fails with one clear error line
-and writes nothing. Run by CTest with NOPAD_BINARY and NOPAD_SOURCE_DIR set."""
+and writes nothing (test_report_plots.py checks several runs and the legends). Run by CTest with NOPAD_BINARY and NOPAD_SOURCE_DIR set."""
 import json
 import os
 import shutil
@@ -55,7 +55,8 @@ def main():
         rep = os.path.join(run, "report")
         check(open(os.path.join(rep, "report.md")).read() in out, "report.md is the printed summary")
         for name, series in (("loss.svg", [len(steps)]), ("accuracy.svg", [len(steps), len(evals)]),
-                             ("throughput.svg", [len(steps)])):
+                             ("throughput.svg", [len(steps)]), ("eval_loss.svg", [len(evals)]),
+                             ("learning_rate.svg", [len(steps)]), ("grad_norm.svg", [len(steps)])):
             doc = xml.dom.minidom.parse(os.path.join(rep, name))
             polys = doc.getElementsByTagName("polyline")
             counts = [len(p.getAttribute("points").split()) for p in polys]
