@@ -6,7 +6,8 @@
 #              read compressed by nopad prepare at MLPerf's settings): every line's seq/s against the samples over
 #              the elapsed time between the lines
 #   sweep      quickstart recipes for the CPU (bert-tiny) trained on the GPU for the samples the CPU gets through in
-#              about 4 minutes, each ending with nopad fill-mask on probe sentences
+#              about 4 minutes, each ending with nopad fill-mask on probe sentences (SWEEP_SET=1); SWEEP_SET=2: the
+#              same much longer, larger batches and lower rates, and bert-mini
 #   quickstart configs/quickstart-gpu.toml as scripts/quickstart.sh runs it on a GPU, timed, with its fill-mask
 # Logs go to $OUT (or out/first-hour). NOPAD=path of the nopad binary (default build-fp8/nopad, which
 # scripts/dev/fp8-groundwork.sh builds; `cmake --build build-fp8 --target nopad` first).
@@ -30,6 +31,32 @@ prepare_quickstart_data() {
     --output "$work/qs/train" --max-seq-length "${1:-128}" --dupe-factor 5 --overwrite --quiet > /dev/null &&
   $nopad prepare --input data/wiki-sample/wiki_03 --vocab $vocab --output "$work/qs/eval" --max-seq-length 128 \
     --dupe-factor 1 --seed 4321 --overwrite --quiet > /dev/null
+}
+
+# Quickstart recipes for the sweep stage, one per line: name | train data | steps | --set overrides.
+recipes() {
+  case $1 in
+  1) cat <<EOF
+base|$work/qs/train|700|
+lr02|$work/qs/train|700|--set optim.lr=0.02 --set schedule.warmup_steps=100
+nodrop|$work/qs/train|700|--set model.config=$work/bert-tiny-nodrop.json
+nodrop-lr02|$work/qs/train|700|--set model.config=$work/bert-tiny-nodrop.json --set optim.lr=0.02 --set schedule.warmup_steps=100
+len64|$work/qs64/train|1400|
+len64-nodrop-lr02|$work/qs64/train|1400|--set model.config=$work/bert-tiny-nodrop.json --set optim.lr=0.02 --set schedule.warmup_steps=100
+nodrop-lr04|$work/qs/train|700|--set model.config=$work/bert-tiny-nodrop.json --set optim.lr=0.04 --set schedule.warmup_steps=150
+long-nodrop-lr02|$work/qs/train|3000|--set model.config=$work/bert-tiny-nodrop.json --set optim.lr=0.02 --set schedule.warmup_steps=100
+EOF
+  ;;
+  2) cat <<EOF
+lamb01-long|$work/qs/train|20000|--set eval.interval_samples=64000
+lamb01-b128-long|$work/qs/train|10000|--set train.global_batch=128 --set eval.interval_samples=128000
+lamb005|$work/qs/train|700|--set optim.lr=0.005
+lamb002|$work/qs/train|700|--set optim.lr=0.002
+mini-lamb01|$work/qs/train|700|--set model.config=$PWD/data/configs/bert-mini.json
+mini-lamb005|$work/qs/train|700|--set model.config=$PWD/data/configs/bert-mini.json --set optim.lr=0.005
+EOF
+  ;;
+  esac
 }
 
 for stage in $stages; do
@@ -71,7 +98,10 @@ PY
   logcheck)
     xzf=$(ls .carry/*.txt.xz 2>/dev/null | head -1)
     [ -n "$xzf" ] || { note "logcheck: no .carry/*.txt.xz"; status=1; continue; }
-    $nopad prepare --input "$xzf" --vocab $vocab --output "$work/enwiki" --overwrite --quiet > "$out/logcheck.log" 2>&1 ||
+    # Through standard input: the GPU machine's nopad may be built without liblzma.
+    { command -v xz > /dev/null && xz -dc "$xzf" ||
+        python3 -c 'import lzma, shutil, sys; shutil.copyfileobj(lzma.open(sys.argv[1]), sys.stdout.buffer)' "$xzf"; } |
+      $nopad prepare --input - --vocab $vocab --output "$work/enwiki" --overwrite --quiet > "$out/logcheck.log" 2>&1 ||
       { note "logcheck: prepare failed"; tail -3 "$out/logcheck.log"; status=1; continue; }
     note "logcheck: prepared $xzf in $(( $(date +%s) - t0 )) s ($(python3 -c "import json; print(json.load(open('$work/enwiki/dataset.json'))['num_seqs'])") sequences)"
     $nopad train --config configs/mlperf-phase2.toml --overwrite --set run_dir="$work/large" \
@@ -111,7 +141,7 @@ PY
       [ -n "$name" ] || continue
       run=$work/sweep-$name
       # shellcheck disable=SC2086
-      timeout 120 $nopad train --config configs/quickstart.toml --overwrite --set run_dir="$run" --set data.train="$data" \
+      timeout 150 $nopad train --config configs/quickstart.toml --overwrite --set run_dir="$run" --set data.train="$data" \
         --set data.eval="$work/qs/eval" --set train.device=cuda --set train.max_steps="$steps" \
         --set checkpoint.interval_steps=0 $sets > "$out/sweep-$name.log" 2>&1 || { note "sweep $name: train failed"; continue; }
       acc=$(grep "^eval at" "$out/sweep-$name.log" | sed -E 's/.*mlm accuracy ([0-9.]+).*/\1/' | tr '\n' ' ')
@@ -119,16 +149,7 @@ PY
       note "sweep $name ($steps steps, $sets): eval acc $acc"
       $nopad fill-mask --checkpoint "$ck" --device cuda --top-k 4 "${probes[@]}" 2>/dev/null | grep "\[MASK\]" |
         sed "s/^/sweep $name: /" | tee -a "$out/summary.txt" > /dev/null
-    done <<EOF
-base|$work/qs/train|700|
-lr02|$work/qs/train|700|--set optim.lr=0.02 --set schedule.warmup_steps=100
-nodrop|$work/qs/train|700|--set model.config=$work/bert-tiny-nodrop.json
-nodrop-lr02|$work/qs/train|700|--set model.config=$work/bert-tiny-nodrop.json --set optim.lr=0.02 --set schedule.warmup_steps=100
-len64|$work/qs64/train|1400|
-len64-nodrop-lr02|$work/qs64/train|1400|--set model.config=$work/bert-tiny-nodrop.json --set optim.lr=0.02 --set schedule.warmup_steps=100
-nodrop-lr04|$work/qs/train|700|--set model.config=$work/bert-tiny-nodrop.json --set optim.lr=0.04 --set schedule.warmup_steps=150
-long-nodrop-lr02|$work/qs/train|3000|--set model.config=$work/bert-tiny-nodrop.json --set optim.lr=0.02 --set schedule.warmup_steps=100
-EOF
+    done < <(recipes "${SWEEP_SET:-1}")
     ;;
   quickstart)
     prepare_quickstart_data || { note "quickstart: prepare failed"; status=1; continue; }
