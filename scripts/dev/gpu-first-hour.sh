@@ -8,6 +8,9 @@
 #   sweep      quickstart recipes for the CPU (bert-tiny) trained on the GPU for the samples the CPU gets through in
 #              about 4 minutes, each ending with nopad fill-mask on probe sentences (SWEEP_SET=1); SWEEP_SET=2: the
 #              same much longer, larger batches and lower rates, and bert-mini
+#   emerge     how many samples bert-tiny and bert-mini need before fill-mask answers with content words: recipes at
+#              the sample counts 2 CPU cores reach in ~4 minutes (64- and 128-token data), and longer ones with a
+#              checkpoint every 200 steps, each checkpoint asked the probe sentences
 #   quickstart configs/quickstart-gpu.toml as scripts/quickstart.sh runs it on a GPU, timed, with its fill-mask
 # Logs go to $OUT (or out/first-hour). NOPAD=path of the nopad binary (default build-fp8/nopad, which
 # scripts/dev/fp8-groundwork.sh builds; `cmake --build build-fp8 --target nopad` first).
@@ -150,6 +153,47 @@ PY
       $nopad fill-mask --checkpoint "$ck" --device cuda --top-k 4 "${probes[@]}" 2>/dev/null | grep "\[MASK\]" |
         sed "s/^/sweep $name: /" | tee -a "$out/summary.txt" > /dev/null
     done < <(recipes "${SWEEP_SET:-1}")
+    ;;
+  emerge)
+    prepare_quickstart_data || { note "emerge: prepare failed"; status=1; continue; }
+    for split in train eval; do
+      [ -f "$work/e64/$split/dataset.json" ] && continue
+      files="data/wiki-sample/wiki_00 data/wiki-sample/wiki_01 data/wiki-sample/wiki_02"; dupe=5; seed=12345
+      [ $split = eval ] && { files=data/wiki-sample/wiki_03; dupe=1; seed=4321; }
+      # shellcheck disable=SC2086
+      $nopad prepare --input $files --vocab $vocab --output "$work/e64/$split" --max-seq-length 64 \
+        --max-predictions 10 --dupe-factor $dupe --seed $seed --overwrite --quiet > /dev/null
+    done
+    # name | length | steps | checkpoint every | --set overrides
+    while IFS='|' read -r name len steps every sets; do
+      [ -n "$name" ] || continue
+      run=$work/emerge-$name
+      data=$work/qs; [ "$len" = 64 ] && data=$work/e64
+      # shellcheck disable=SC2086
+      timeout 150 $nopad train --config configs/quickstart.toml --overwrite --set run_dir="$run" \
+        --set data.train="$data/train" --set data.eval="$data/eval" --set train.device=cuda \
+        --set train.max_steps="$steps" --set checkpoint.interval_steps="$every" --set checkpoint.keep=0 \
+        --set eval.interval_samples=0 $sets > "$out/emerge-$name.log" 2>&1 || { note "emerge $name: train failed"; continue; }
+      for ck in "$run"/checkpoints/step_*; do
+        $nopad fill-mask --checkpoint "$ck" --device cuda --json --top-k 3 "${probes[@]}" 2>/dev/null |
+          python3 -c '
+import json, sys
+function = set("the , . of and in a to \" is was ( ) - his her its as by for on at an which that with".split())
+tops = [json.loads(l)["masks"][0][0]["token_str"] for l in sys.stdin]
+print(f"{sum(t not in function for t in tops)}/{len(tops)} content:", " ".join(tops))' |
+          sed "s|^|emerge $name $(basename "$ck"): |" | tee -a "$out/summary.txt" > /dev/null
+      done
+      note "emerge $name: $(grep '^final' "$out/emerge-$name.log")"
+    done <<EOF
+t128-b128|128|200|200|--set train.global_batch=128 --set schedule.warmup_steps=30
+t64-b128|64|420|420|--set train.global_batch=128 --set schedule.warmup_steps=40
+t64-b128-lr02|64|420|420|--set train.global_batch=128 --set schedule.warmup_steps=40 --set optim.lr=0.02
+t64-b64|64|840|840|--set train.global_batch=64
+m64-b64|64|230|230|--set model.config=$PWD/data/configs/bert-mini.json --set train.global_batch=64 --set optim.lr=0.005 --set schedule.warmup_steps=40
+m64-b32|64|460|460|--set model.config=$PWD/data/configs/bert-mini.json --set optim.lr=0.005 --set schedule.warmup_steps=40
+t64-b128-long|64|1600|200|--set train.global_batch=128 --set schedule.warmup_steps=40
+m64-b128-long|64|800|200|--set model.config=$PWD/data/configs/bert-mini.json --set train.global_batch=128 --set optim.lr=0.006 --set schedule.warmup_steps=100
+EOF
     ;;
   quickstart)
     prepare_quickstart_data || { note "quickstart: prepare failed"; status=1; continue; }

@@ -91,7 +91,8 @@ def main():
     for key, value in tf_config.items():
         check(config.get(key) == value, f"config.json {key}: {config.get(key)} vs bert_config.json {value}")
     check(config.get("architectures") == ["BertForPreTraining"], f"config.json architectures: {config}")
-    check(sorted(os.listdir(out)) == ["config.json", "model.safetensors"], f"output folder: {os.listdir(out)}")
+    check(sorted(os.listdir(out)) == ["config.json", "model.safetensors", "special_tokens_map.json", "tokenizer.json",
+                                      "tokenizer_config.json", "vocab.txt"], f"output folder: {os.listdir(out)}")
 
     # nopad eval loads the converted folder (the fixture's config fits shards of up to 128 tokens).
     data = os.path.join(tmp, "data")

@@ -136,7 +136,7 @@ def main():
         check(r.returncode == 0, f"partition-shards.sh: {r.stderr}")
         for rank in (0, 1):
             got_files = sorted(os.listdir(os.path.join(tmp, "part", f"rank{rank}")))
-            want_files = sorted(["dataset.json"] + [f for i, f in enumerate(shards) if i % 2 == rank])
+            want_files = sorted(["dataset.json", "vocab.txt"] + [f for i, f in enumerate(shards) if i % 2 == rank])
             check(got_files == want_files, f"partition-shards.sh: rank{rank} holds {got_files}, want {want_files}")
         r = subprocess.run(["bash", os.path.join(SRC, "scripts/partition-shards.sh"), multi,
                             os.path.join(tmp, "part"), "2"], capture_output=True, text=True)
