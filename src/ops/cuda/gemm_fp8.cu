@@ -65,7 +65,7 @@ void Fp8Gemm::check_supported(const char* what) const {
 
 bool Fp8Gemm::heuristic_has(cublasLtMatmulDesc_t desc, cublasLtMatrixLayout_t a, cublasLtMatrixLayout_t b,
                             cublasLtMatrixLayout_t d, const std::array<uint32_t, 3>& alignments,
-                            cublasLtMatmulAlgo_t* algo, Plan* more) {
+                            cublasLtMatmulAlgo_t* algo) {
   cublasLtMatmulPreference_t pref = nullptr;
   NOPAD_CUBLAS_CHECK(cublasLtMatmulPreferenceCreate(&pref));
   const uint64_t ws = kWorkspaceBytes;
@@ -79,12 +79,10 @@ bool Fp8Gemm::heuristic_has(cublasLtMatmulDesc_t desc, cublasLtMatrixLayout_t a,
     const uint32_t al = alignments[static_cast<size_t>(i < 3 ? i : 2)];
     st = cublasLtMatmulPreferenceSetAttribute(pref, attrs[i], &al, sizeof al);
   }
-  constexpr int kCandidates = 8;
-  cublasLtMatmulHeuristicResult_t results[kCandidates]{};
+  cublasLtMatmulHeuristicResult_t result{};
   int found = 0;
   if (st == CUBLAS_STATUS_SUCCESS)
-    st = cublasLtMatmulAlgoGetHeuristic(handle_, desc, a, b, d, d, pref, more ? kCandidates : 1, results, &found);
-  const cublasLtMatmulHeuristicResult_t& result = results[0];
+    st = cublasLtMatmulAlgoGetHeuristic(handle_, desc, a, b, d, d, pref, 1, &result, &found);
   cublasLtMatmulPreferenceDestroy(pref);
   // NOT_SUPPORTED (an unsupported combination) and INVALID_VALUE (an attribute this type combination rejects) both
   // mean "no algorithm" here; anything else is an error.
@@ -92,10 +90,6 @@ bool Fp8Gemm::heuristic_has(cublasLtMatmulDesc_t desc, cublasLtMatrixLayout_t a,
   if (st != CUBLAS_STATUS_SUCCESS) throw_cublas_error(st, "cublasLtMatmulAlgoGetHeuristic", __FILE__, __LINE__);
   if (found == 0 || result.state != CUBLAS_STATUS_SUCCESS) return false;
   if (algo) *algo = result.algo;
-  if (more)
-    for (int i = found - 1; i >= 1; --i)  // stored last-first: run() takes them from the back
-      if (results[i].state == CUBLAS_STATUS_SUCCESS && more->num_fallbacks < static_cast<int>(more->fallbacks.size()))
-        more->fallbacks[static_cast<size_t>(more->num_fallbacks++)] = results[i].algo;
   return true;
 }
 
@@ -132,7 +126,7 @@ Fp8Gemm::Plan& Fp8Gemm::plan_for(const Problem& p) {
   NOPAD_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&plan.b, p.b_type, p.k, p.n, p.ldb));
   NOPAD_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&plan.d, p.d_type, p.m, p.n, p.ldd));
   plan.found = heuristic_has(plan.desc, plan.a, plan.b, plan.d,
-                             {alignment_of(p.a), alignment_of(p.b), alignment_of(p.d)}, &plan.algo, &plan);
+                             {alignment_of(p.a), alignment_of(p.b), alignment_of(p.d)}, &plan.algo);
   if (!plan.found) {
     cublasLtMatrixLayoutDestroy(plan.a);
     cublasLtMatrixLayoutDestroy(plan.b);
@@ -158,15 +152,8 @@ void Fp8Gemm::run(const Problem& p, cudaStream_t stream) {
     NOPAD_CUBLAS_CHECK(
         cublasLtMatmulDescSetAttribute(plan.desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &p.bias, sizeof p.bias));
   const float alpha = 1.0f, beta = p.beta;
-  for (;;) {
-    const cublasStatus_t st = cublasLtMatmul(handle_, plan.desc, &alpha, p.a, plan.a, p.b, plan.b, &beta, p.d,
-                                             plan.d, p.d, plan.d, &plan.algo, workspace_, kWorkspaceBytes, stream);
-    if (st == CUBLAS_STATUS_SUCCESS) return;
-    // A refusal is found at the launch, before anything runs: the next candidate is tried (an allocation-free pop).
-    if (st != CUBLAS_STATUS_NOT_SUPPORTED || plan.num_fallbacks == 0)
-      throw_cublas_error(st, "cublasLtMatmul (FP8)", __FILE__, __LINE__);
-    plan.algo = plan.fallbacks[static_cast<size_t>(--plan.num_fallbacks)];
-  }
+  NOPAD_CUBLAS_CHECK(cublasLtMatmul(handle_, plan.desc, &alpha, p.a, plan.a, p.b, plan.b, &beta, p.d, plan.d, p.d,
+                                    plan.d, &plan.algo, workspace_, kWorkspaceBytes, stream));
 }
 
 void Fp8Gemm::forward(const Fp8ForwardArgs& a, cudaStream_t stream) {

@@ -150,19 +150,13 @@ class Fp8Gemm {
     cublasLtMatrixLayout_t a = nullptr, b = nullptr, d = nullptr;
     cublasLtMatmulAlgo_t algo{};
     bool found = false;
-    // The heuristic's other candidates, best first: cuBLASLt 13.1 on an H200 returned an algorithm for a 93,000-row
-    // scaled E4M3 product with the bias epilogue that cublasLtMatmul then refused (NOT_SUPPORTED); run() moves on to
-    // the next candidate once, and the plan keeps the one that ran.
-    std::array<cublasLtMatmulAlgo_t, 7> fallbacks{};
-    int num_fallbacks = 0;
   };
   void check_supported(const char* what) const;
   void run(const Problem& p, cudaStream_t stream);
   Plan& plan_for(const Problem& p);
   // Whether the heuristic has an algorithm (stored in *algo when not null); alignments of A, B and C = D in bytes.
   bool heuristic_has(cublasLtMatmulDesc_t desc, cublasLtMatrixLayout_t a, cublasLtMatrixLayout_t b,
-                     cublasLtMatrixLayout_t d, const std::array<uint32_t, 3>& alignments, cublasLtMatmulAlgo_t* algo,
-                     Plan* more = nullptr);
+                     cublasLtMatrixLayout_t d, const std::array<uint32_t, 3>& alignments, cublasLtMatmulAlgo_t* algo);
 
   int cc_major_ = 0, cc_minor_ = 0;
   cublasLtHandle_t handle_ = nullptr;
