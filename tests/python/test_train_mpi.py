@@ -182,6 +182,12 @@ def main():
         check("the config (with its --set overrides) differs between ranks: rank(s) 1" in r.stderr,
               f"the mismatch error names rank 1: {r.stderr[-600:]!r}")
         check(not os.path.exists(os.path.join(bad, "metrics.jsonl")), "nothing trained after a mismatch")
+
+        # train.threads = 0 under mpirun: each rank takes its share of the node's cores, not all of them.
+        r = train(2, os.path.join(tmp, "threads"), data, ("--set", "train.threads=0"))
+        want = max(1, (os.cpu_count() or 1) // 2)
+        check(r.returncode == 0 and f"device: cpu ({want} threads)" in r.stderr,
+              f"2 ranks on {os.cpu_count()} cores take {want} threads each: {r.stderr[:300]!r}")
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     if failures:
