@@ -15,8 +15,11 @@
 #include "core/error.h"
 #include "core/io.h"
 #include "core/rng.h"
+#include "data/dataset.h"
 #include "data/shard.h"
+#include "data/stats.h"
 #include "fuzz/shard_fuzz_body.h"
+#include "test_util.h"
 
 namespace nopad {
 namespace {
@@ -199,6 +202,47 @@ TEST_F(ShardCorruption, InconsistentHeaderCountsAreRejected) {
     put_header(bad, h);
     EXPECT_NE(error_of(bad), "") << "field at offset " << field;
   }
+}
+
+// Header fields that later code sizes tables from are bounded by the reader, with a valid header CRC: before, `nopad
+// stats` sized its length histogram from max_seq_length (0xFFFFFFFF + 1 wrapped to 0 and crashed; 2^31 took 17 GB).
+TEST_F(ShardCorruption, HeaderFieldsAreBoundedBeforeUse) {
+  const ShardFileHeader good = header_of(bytes_);
+  ASSERT_GT(good.max_seq_length, 64u);
+  struct Case {
+    size_t field;
+    uint32_t value;
+  };
+  for (const Case c : {Case{offsetof(ShardFileHeader, max_seq_length), 0xFFFFFFFFu},
+                       Case{offsetof(ShardFileHeader, max_seq_length), 1u << 31},
+                       Case{offsetof(ShardFileHeader, max_seq_length), 65536},
+                       Case{offsetof(ShardFileHeader, max_seq_length), good.max_seq_length + 1},
+                       Case{offsetof(ShardFileHeader, vocab_size), 0},
+                       Case{offsetof(ShardFileHeader, vocab_size), 65537},  // with 2-byte token ids
+                       Case{offsetof(ShardFileHeader, vocab_size), 0xFFFFFFFFu}}) {
+    std::string bad = bytes_;
+    ShardFileHeader h = good;
+    std::memcpy(reinterpret_cast<char*>(&h) + c.field, &c.value, 4);
+    put_header(bad, h);
+    const std::string field = c.field == offsetof(ShardFileHeader, vocab_size) ? "vocab_size" : "max_seq_length";
+    SCOPED_TRACE(field + " = " + std::to_string(c.value));
+    const std::string msg = error_of(bad);
+    EXPECT_NE(msg.find("bad.nopad"), std::string::npos) << msg;
+    EXPECT_NE(msg.find("header field " + field + " is " + std::to_string(c.value)), std::string::npos) << msg;
+    // What nopad stats does, through a dataset folder.
+    const fs::path folder = dir_ / "folder";
+    fs::create_directories(folder);
+    spit(folder / "shard_00000.nopad", bad);
+    NOPAD_EXPECT_ERROR_HAS(compute_stats(Dataset(folder)), "header field " + field);
+    fs::remove_all(folder);
+  }
+  // The length histogram spans the longest sample, whatever the header says (it must say the truth now).
+  const fs::path folder = dir_ / "folder";
+  fs::create_directories(folder);
+  spit(folder / "shard_00000.nopad", bytes_);
+  const DatasetStats st = compute_stats(Dataset(folder));
+  EXPECT_EQ(st.length_counts.size(), good.max_seq_length + 1u);
+  EXPECT_EQ(st.max_length, good.max_seq_length);
 }
 
 TEST(ShardWriterFailure, NoFileWithoutFinishOrAfterAnError) {

@@ -33,7 +33,7 @@ void ShardWriter::add(const Instance& inst) {
   const size_t n = inst.tokens.size();
   const size_t index = a_lengths_.size();
   auto bad = [&](const auto&... what) { fail("shard ", path_.string(), ", sample ", index, ": ", what...); };
-  if (n < 2 || n > 65535) bad("length ", n, " outside [2, 65535]");
+  if (n < 2 || n > kShardMaxSeqLength) bad("length ", n, " outside [2, ", kShardMaxSeqLength, "]");
   if (inst.a_length < 2 || static_cast<size_t>(inst.a_length) > n) bad("segment A length ", inst.a_length, " invalid");
   if (inst.nsp_label != 0 && inst.nsp_label != 1) bad("next-sentence label ", inst.nsp_label, " is not 0 or 1");
   if (inst.mlm_positions.size() != inst.mlm_labels.size()) bad("masked positions and labels differ in count");
@@ -165,6 +165,19 @@ ShardReader::ShardReader(const std::filesystem::path& path, const Options& optio
               "shard ", name, " has an unexpected header layout");
   NOPAD_CHECK(header_.token_bytes == 2 || header_.token_bytes == 4, "shard ", name, ": token width ",
               header_.token_bytes, " is not 2 or 4");
+  // Every header field is bounded before anything uses it (a valid CRC only says the header was written so): later
+  // code sizes buffers and tables from vocab_size and max_seq_length.
+  const auto bad_field = [&](const char* field, uint64_t value, const auto&... why) {
+    fail("shard ", name, " is corrupted: header field ", field, " is ", value, ", ", why...,
+         " (re-create it with nopad prepare or convert)");
+  };
+  const uint32_t max_vocab = header_.token_bytes == 2 ? 65536u : static_cast<uint32_t>(INT32_MAX);
+  if (header_.vocab_size < 1 || header_.vocab_size > max_vocab)
+    bad_field("vocab_size", header_.vocab_size, "outside [1, ", max_vocab, "] for ", header_.token_bytes,
+              "-byte token ids");
+  if (header_.max_seq_length > kShardMaxSeqLength)
+    bad_field("max_seq_length", header_.max_seq_length, "above the format's limit of ", kShardMaxSeqLength,
+              " tokens");
   if (options.expect_vocab_checksum >= 0)
     NOPAD_CHECK(header_.vocab_checksum == static_cast<uint32_t>(options.expect_vocab_checksum), "shard ", name,
                 " was built with another vocabulary (checksum ", header_.vocab_checksum, ", expected ",
@@ -209,6 +222,7 @@ ShardReader::ShardReader(const std::filesystem::path& path, const Options& optio
   // The index must be consistent before any sample is served (this reads only the index, not the payload).
   NOPAD_CHECK(token_offsets_[0] == 0 && token_offsets_[n] == t && mlm_offsets_[0] == 0 && mlm_offsets_[n] == m,
               "shard ", name, " is corrupted: offsets do not span the payload");
+  uint64_t longest = 0;
   for (uint64_t i = 0; i < n; ++i) {
     const uint64_t len = token_offsets_[i + 1] - token_offsets_[i];
     const uint64_t masked = mlm_offsets_[i + 1] - mlm_offsets_[i];
@@ -216,7 +230,11 @@ ShardReader::ShardReader(const std::filesystem::path& path, const Options& optio
         len > header_.max_seq_length || masked > len || a_lengths_[i] < 2 || a_lengths_[i] > len || nsp_labels_[i] > 1)
       fail("shard ", name, " is corrupted: index entry of sample ", i, " is inconsistent (length ", len, ", masked ",
            masked, ")");
+    longest = std::max(longest, len);
   }
+  // The writer stores the longest sample's length; readers size per-length tables and model positions from it.
+  if (header_.max_seq_length != longest)
+    bad_field("max_seq_length", header_.max_seq_length, "but its longest sample has ", longest, " tokens");
 }
 
 uint32_t ShardReader::max_num_masked() const {

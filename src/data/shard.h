@@ -30,6 +30,7 @@ enum class ShardSection : uint32_t {
   kMlmLabels = 7,     // u16[M] or u32[M]: original token ids
 };
 inline constexpr uint32_t kShardNumSections = 7;
+inline constexpr uint32_t kShardMaxSeqLength = 65535;  // masked positions are u16
 
 #pragma pack(push, 1)
 struct ShardFileHeader {
