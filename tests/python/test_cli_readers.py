@@ -1,0 +1,87 @@
+"""The readers and commands of nopad on input that used to crash, hang or mislead: each case ends with one clear error
+line (or the documented behaviour) and a non-zero exit where it is an error.
+  - `nopad stats` on a shard whose header claims max_seq_length 0xFFFFFFFF (valid checksums): an error, not a crash;
+  - `nopad tokenize` on invalid UTF-8: refused with line and byte offset, as `nopad prepare` refuses it.
+Run by CTest with NOPAD_BINARY and NOPAD_SOURCE_DIR set."""
+import os
+import shutil
+import struct
+import subprocess
+import sys
+import tempfile
+import zlib
+
+from nopad_checks import check, failures
+
+NOPAD = os.environ["NOPAD_BINARY"]
+SRC = os.environ["NOPAD_SOURCE_DIR"]
+VOCAB = os.path.join(SRC, "data/vocab/bert-uncased-vocab.txt")
+WIKI = os.path.join(SRC, "data/wiki-sample/wiki_00")
+
+
+def run(*args, stdin=None, timeout=120):
+    return subprocess.run([NOPAD, *args], input=stdin, capture_output=True, timeout=timeout)
+
+
+def expect_error(result, needles, what):
+    """Exit code 1 and one stderr line holding "error:" and every needle."""
+    err = result.stderr.decode("utf-8", "replace")
+    check(result.returncode == 1, f"{what}: exit code {result.returncode}, expected 1 (stderr {err!r})")
+    lines = [l for l in err.splitlines() if l.strip()]
+    check(len(lines) == 1 and "error:" in lines[0] and all(n in lines[0] for n in needles),
+          f"{what}: expected one error line containing {needles!r}, got {err!r}")
+
+
+def set_header_field(path, offset, fmt, value):
+    """Writes one header field of a shard and fixes the header CRC, so that only the field checks can catch it."""
+    raw = bytearray(open(path, "rb").read())
+    struct.pack_into("<" + fmt, raw, offset, value)
+    struct.pack_into("<I", raw, 124, 0)
+    struct.pack_into("<I", raw, 124, zlib.crc32(bytes(raw[:128])))
+    open(path, "wb").write(raw)
+
+
+def prepare_sample(tmp):
+    data = os.path.join(tmp, "data")
+    r = run("prepare", "--input", WIKI, "--vocab", VOCAB, "--output", data, "--dupe-factor", "1",
+            "--max-seq-length", "64", "--max-predictions", "10", "--quiet")
+    if r.returncode != 0:
+        sys.exit(f"FAIL: prepare of the sample: {r.stderr!r}")
+    return data
+
+
+def stats_on_lying_header(tmp, data):
+    bad = os.path.join(tmp, "bad")
+    os.makedirs(bad)
+    shard = os.path.join(bad, "shard_00000.nopad")
+    shutil.copy(os.path.join(data, "shard_00000.nopad"), shard)
+    set_header_field(shard, 48, "I", 0xFFFFFFFF)  # max_seq_length
+    expect_error(run("stats", bad), ["shard_00000.nopad", "max_seq_length is 4294967295"], "stats, max_seq_length")
+
+
+def tokenize_invalid_utf8():
+    good = "Hello world.\n".encode()
+    r = run("tokenize", "--vocab", VOCAB, stdin=good + b"Caf\xe9 au lait.\nmore\n")
+    expect_error(r, ["not UTF-8", "invalid byte 0xe9", "line 2", "byte offset 16"], "tokenize, Latin-1 byte")
+    check(r.stdout.decode().splitlines() == ["7592 2088 1012"], f"tokenize prints the lines before: {r.stdout!r}")
+    r = run("tokenize", "--vocab", VOCAB, "--pieces", stdin=b"ok\n\xed\xa0\x80 surrogate\n")
+    expect_error(r, ["invalid byte 0xed", "line 2", "byte offset 3"], "tokenize, encoded surrogate")
+    r = run("tokenize", "--vocab", VOCAB, stdin="caf\u00e9 \u4e2d\n".encode())
+    check(r.returncode == 0 and len(r.stdout.split()) == 2, f"tokenize of valid UTF-8: {r.stdout!r} {r.stderr!r}")
+
+
+def main():
+    tmp = tempfile.mkdtemp(prefix="nopad-cli-readers-")
+    try:
+        data = prepare_sample(tmp)
+        stats_on_lying_header(tmp, data)
+        tokenize_invalid_utf8()
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    if failures:
+        sys.exit(f"FAIL: {len(failures)} check(s) failed")
+    print("OK: test_cli_readers")
+
+
+if __name__ == "__main__":
+    main()
