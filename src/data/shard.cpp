@@ -277,12 +277,23 @@ void ShardReader::validate_samples() const {
 
 std::vector<std::filesystem::path> list_shards(const std::filesystem::path& dir_or_file) {
   std::error_code ec;
-  if (std::filesystem::is_regular_file(dir_or_file, ec)) return {dir_or_file};
-  NOPAD_CHECK(std::filesystem::is_directory(dir_or_file, ec), "dataset ", dir_or_file.string(),
+  const std::filesystem::file_status st = std::filesystem::status(dir_or_file, ec);
+  if (ec && !is_missing_path_error(ec)) fail_unreadable_path("dataset", dir_or_file, ec);
+  if (std::filesystem::is_regular_file(st)) return {dir_or_file};
+  NOPAD_CHECK(std::filesystem::is_directory(st), "dataset ", dir_or_file.string(),
               " does not exist (expected a folder of .nopad shards made by nopad prepare or nopad convert)");
   std::vector<std::filesystem::path> out;
-  for (const auto& e : std::filesystem::directory_iterator(dir_or_file))
-    if (e.is_regular_file() && e.path().extension() == kShardExtension) out.push_back(e.path());
+  std::filesystem::directory_iterator it(dir_or_file, ec);
+  if (ec) fail_unreadable_path("dataset folder", dir_or_file, ec);
+  for (const std::filesystem::directory_iterator end; it != end;) {
+    if (it->path().extension() == kShardExtension) {
+      const bool regular = it->is_regular_file(ec);  // a shard may be a link; one that loops is named
+      if (ec && !is_missing_path_error(ec)) fail_unreadable_path("shard", it->path(), ec);
+      if (regular) out.push_back(it->path());
+    }
+    it.increment(ec);
+    if (ec) fail_unreadable_path("dataset folder", dir_or_file, ec);
+  }
   std::sort(out.begin(), out.end());
   NOPAD_CHECK(!out.empty(), "dataset folder ", dir_or_file.string(), " holds no .nopad shards");
   return out;

@@ -1,7 +1,8 @@
 """The readers and commands of nopad on input that used to crash, hang or mislead: each case ends with one clear error
 line (or the documented behaviour) and a non-zero exit where it is an error.
   - `nopad stats` on a shard whose header claims max_seq_length 0xFFFFFFFF (valid checksums): an error, not a crash;
-  - `nopad tokenize` on invalid UTF-8: refused with line and byte offset, as `nopad prepare` refuses it.
+  - `nopad tokenize` on invalid UTF-8: refused with line and byte offset, as `nopad prepare` refuses it;
+  - a symbolic link that loops, inside an input folder, given as the input, or among a dataset's shards: named.
 Run by CTest with NOPAD_BINARY and NOPAD_SOURCE_DIR set."""
 import os
 import shutil
@@ -70,12 +71,42 @@ def tokenize_invalid_utf8():
     check(r.returncode == 0 and len(r.stdout.split()) == 2, f"tokenize of valid UTF-8: {r.stdout!r} {r.stderr!r}")
 
 
+def symlink_loops(tmp, data):
+    folder = os.path.join(tmp, "texts")
+    os.makedirs(os.path.join(folder, "sub"))
+    shutil.copy(WIKI, os.path.join(folder, "sub", "wiki_00"))
+    os.symlink("b", os.path.join(folder, "sub", "a"))  # a -> b -> a
+    os.symlink("a", os.path.join(folder, "sub", "b"))
+    os.symlink("..", os.path.join(folder, "sub", "up"))  # a link to a folder: not followed, so no loop
+    out = os.path.join(tmp, "loop-out")
+    r = run("prepare", "--input", folder, "--vocab", VOCAB, "--output", out, "--quiet")
+    expect_error(r, ["symbolic link that loops", os.path.join(folder, "sub", "")], "prepare, link loop in a folder")
+    check(not os.path.exists(out), "a failed prepare left its output folder")
+    os.remove(os.path.join(folder, "sub", "a"))
+    os.remove(os.path.join(folder, "sub", "b"))
+    r = run("prepare", "--input", folder, "--vocab", VOCAB, "--output", out, "--quiet", "--dupe-factor", "1",
+            "--max-seq-length", "64", "--max-predictions", "10")
+    check(r.returncode == 0, f"prepare of a folder with a link to a folder above: {r.stderr!r}")
+    self_link = os.path.join(tmp, "self")
+    os.symlink("self", self_link)
+    expect_error(run("prepare", "--input", self_link, "--vocab", VOCAB, "--output", out + "2", "--quiet"),
+                 ["input " + self_link + " is a symbolic link that loops"], "prepare, input is a link loop")
+    expect_error(run("stats", self_link), ["dataset " + self_link + " is a symbolic link that loops"],
+                 "stats, dataset is a link loop")
+    shards = os.path.join(tmp, "shards-with-loop")
+    shutil.copytree(data, shards)
+    os.symlink("x.nopad", os.path.join(shards, "x.nopad"))
+    expect_error(run("stats", shards), ["shard " + os.path.join(shards, "x.nopad") + " is a symbolic link that loops"],
+                 "stats, a shard is a link loop")
+
+
 def main():
     tmp = tempfile.mkdtemp(prefix="nopad-cli-readers-")
     try:
         data = prepare_sample(tmp)
         stats_on_lying_header(tmp, data)
         tokenize_invalid_utf8()
+        symlink_loops(tmp, data)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     if failures:
