@@ -2,7 +2,8 @@
 line (or the documented behaviour) and a non-zero exit where it is an error.
   - `nopad stats` on a shard whose header claims max_seq_length 0xFFFFFFFF (valid checksums): an error, not a crash;
   - `nopad tokenize` on invalid UTF-8: refused with line and byte offset, as `nopad prepare` refuses it;
-  - a symbolic link that loops, inside an input folder, given as the input, or among a dataset's shards: named.
+  - a symbolic link that loops, inside an input folder, given as the input, or among a dataset's shards: named;
+  - the staging folder a killed `prepare` left is removed by the next one, with a message; a live one stays.
 Run by CTest with NOPAD_BINARY and NOPAD_SOURCE_DIR set."""
 import os
 import shutil
@@ -100,6 +101,26 @@ def symlink_loops(tmp, data):
                  "stats, a shard is a link loop")
 
 
+def dead_staging_folders(tmp):
+    out = os.path.join(tmp, "staged")
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait()  # its pid belongs to no process now
+    dead = os.path.join(out, f".staging-{child.pid}")
+    alive = os.path.join(out, f".staging-{os.getpid()}")
+    for d in (dead, alive):
+        os.makedirs(d)
+        open(os.path.join(d, "shard_00000.nopad"), "wb").write(b"\0" * 4096)
+    r = run("prepare", "--input", WIKI, "--vocab", VOCAB, "--output", out, "--dupe-factor", "1",
+            "--max-seq-length", "64", "--max-predictions", "10", "--quiet")
+    err = r.stderr.decode()
+    check(r.returncode == 0, f"prepare beside staging folders: {err!r}")
+    check(not os.path.exists(dead), "the staging folder of a dead process is still there")
+    check(f"removed {dead}" in err and "no longer running" in err, f"no message on the removal: {err!r}")
+    check(os.path.exists(alive) and alive not in err, "the staging folder of a live process was touched")
+    leftovers = [n for n in os.listdir(out) if n.startswith(".staging-")]
+    check(leftovers == [os.path.basename(alive)], f"staging folders left: {leftovers}")
+
+
 def main():
     tmp = tempfile.mkdtemp(prefix="nopad-cli-readers-")
     try:
@@ -107,6 +128,7 @@ def main():
         stats_on_lying_header(tmp, data)
         tokenize_invalid_utf8()
         symlink_loops(tmp, data)
+        dead_staging_folders(tmp)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     if failures:
