@@ -245,6 +245,33 @@ TEST_F(ShardCorruption, HeaderFieldsAreBoundedBeforeUse) {
   EXPECT_EQ(st.max_length, good.max_seq_length);
 }
 
+// A token id or masked label outside the vocabulary, with the section checksum repaired: named by shard and sample
+// when the shard is opened (before, it reached the model: "token id 30522 at row 17 outside vocab", or nothing on a
+// GPU).
+TEST_F(ShardCorruption, TokenIdsOutsideTheVocabularyNameShardAndSample) {
+  const ShardReader good(good_);
+  const uint64_t sample = 7;
+  for (const int s : {4, 6}) {  // tokens, masked labels
+    std::string bad = bytes_;
+    ShardSectionEntry e = entry_of(bad, s);
+    const uint64_t index = s == 4 ? good.sample(sample).length / 2 : 0;
+    const uint64_t offset = s == 4 ? (static_cast<const uint16_t*>(good.sample(sample).tokens) -
+                                      static_cast<const uint16_t*>(good.sample(0).tokens))
+                                   : (static_cast<const uint16_t*>(good.sample(sample).mlm_labels) -
+                                      static_cast<const uint16_t*>(good.sample(0).mlm_labels));
+    ASSERT_GT(good.sample(sample).num_masked, 0u);
+    const uint16_t id = 30522;  // the vocabulary's size: one past its last id
+    std::memcpy(bad.data() + e.offset + 2 * (offset + index), &id, 2);
+    e.crc32 = crc32(bad.data() + e.offset, e.size_bytes);
+    std::memcpy(bad.data() + sizeof(ShardFileHeader) + s * sizeof e, &e, sizeof e);
+    const std::string msg = error_of(bad);
+    const std::string what = s == 4 ? "token id 30522" : "masked label 30522";
+    EXPECT_NE(msg.find("bad.nopad, sample 7: " + what + " (entry " + std::to_string(index) + " of the sample)"),
+              std::string::npos) << msg;
+    EXPECT_NE(msg.find("vocabulary of 30522 tokens"), std::string::npos) << msg;
+  }
+}
+
 TEST(ShardWriterFailure, NoFileWithoutFinishOrAfterAnError) {
   const fs::path dir = fresh_dir("failed_write");
   const auto insts = random_instances(3, 10, 30522);

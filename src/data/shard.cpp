@@ -19,6 +19,22 @@ uint32_t header_crc(ShardFileHeader h) {
   return crc32(&h, sizeof h);
 }
 
+// Index of the first of `count` ids (T: u16 or u32) that is >= limit, or `count` when there is none. Blocks of ids
+// are scanned for their maximum first (a loop the compiler vectorises), so a good section costs about a memory pass.
+template <class T>
+uint64_t first_id_at_or_above(const T* ids, uint64_t count, uint64_t limit) {
+  constexpr uint64_t kBlock = 4096;
+  for (uint64_t b = 0; b < count; b += kBlock) {
+    const uint64_t e = std::min(count, b + kBlock);
+    T most = 0;
+    for (uint64_t i = b; i < e; ++i) most = std::max(most, ids[i]);
+    if (most < limit) continue;
+    for (uint64_t i = b; i < e; ++i)
+      if (ids[i] >= limit) return i;
+  }
+  return count;
+}
+
 }  // namespace
 
 // ---------------------------------------------------------------------------------------------------------- writer
@@ -235,6 +251,25 @@ ShardReader::ShardReader(const std::filesystem::path& path, const Options& optio
   // The writer stores the longest sample's length; readers size per-length tables and model positions from it.
   if (header_.max_seq_length != longest)
     bad_field("max_seq_length", header_.max_seq_length, "but its longest sample has ", longest, " tokens");
+
+  // Token ids and masked labels index the model's embeddings: with the payload read anyway for its checksums, every
+  // one is checked against vocab_size here, so a bad one is named by shard and sample, not met inside the model.
+  if (options.verify_checksums && (header_.token_bytes == 4 || header_.vocab_size < 65536)) {
+    const auto check_ids = [&](const uint8_t* ids, uint64_t count, const uint64_t* offsets, const char* what) {
+      const uint64_t k = header_.token_bytes == 2
+                             ? first_id_at_or_above(reinterpret_cast<const uint16_t*>(ids), count, header_.vocab_size)
+                             : first_id_at_or_above(reinterpret_cast<const uint32_t*>(ids), count, header_.vocab_size);
+      if (k == count) return;
+      const uint64_t i = static_cast<uint64_t>(std::upper_bound(offsets, offsets + n + 1, k) - offsets) - 1;
+      const uint64_t id = header_.token_bytes == 2 ? reinterpret_cast<const uint16_t*>(ids)[k]
+                                                   : reinterpret_cast<const uint32_t*>(ids)[k];
+      fail("shard ", name, ", sample ", i, ": ", what, " ", id, " (entry ", k - offsets[i], " of the sample) is outside "
+           "the shard's vocabulary of ", header_.vocab_size, " tokens: the shard is corrupted or was not made with "
+           "this vocabulary (re-create it with nopad prepare or convert)");
+    };
+    check_ids(tokens_, t, token_offsets_, "token id");
+    check_ids(mlm_labels_, m, mlm_offsets_, "masked label");
+  }
 }
 
 uint32_t ShardReader::max_num_masked() const {

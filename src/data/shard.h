@@ -107,6 +107,7 @@ struct SampleRef {
 class ShardReader {
  public:
   struct Options {
+    // Every section's CRC-32, and every token id and masked label < vocab_size (both read the whole payload).
     bool verify_checksums = true;
     // When set (>= 0), the shard's vocabulary checksum must equal it.
     int64_t expect_vocab_checksum = -1;
