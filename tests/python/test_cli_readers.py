@@ -3,8 +3,12 @@ line (or the documented behaviour) and a non-zero exit where it is an error.
   - `nopad stats` on a shard whose header claims max_seq_length 0xFFFFFFFF (valid checksums): an error, not a crash;
   - `nopad tokenize` on invalid UTF-8: refused with line and byte offset, as `nopad prepare` refuses it;
   - a symbolic link that loops, inside an input folder, given as the input, or among a dataset's shards: named;
-  - the staging folder a killed `prepare` left is removed by the next one, with a message; a live one stays.
+  - the staging folder a killed `prepare` left is removed by the next one, with a message; a live one stays;
+  - `nopad eval --batch 10000` on 100 samples sizes its buffers to the 100 (it allocated for 10000: about 40 GB,
+    and the kernel killed it without a word), and a batch that cannot fit in memory is refused with the memory it
+    needs and the batch that fits.
 Run by CTest with NOPAD_BINARY and NOPAD_SOURCE_DIR set."""
+import json
 import os
 import shutil
 import struct
@@ -121,6 +125,51 @@ def dead_staging_folders(tmp):
     check(leftovers == [os.path.basename(alive)], f"staging folders left: {leftovers}")
 
 
+def eval_batch_memory(tmp, data):
+    run_dir = os.path.join(tmp, "tiny-run")
+    r = subprocess.run([NOPAD, "train", "--config", os.path.join(SRC, "configs/bert-tiny-sample.toml"), "--overwrite",
+                        "--set", f"run_dir={run_dir}", "--set", f"data.train={data}", "--set", "data.eval=",
+                        "--set", "train.device=cpu", "--set", "train.threads=1", "--set", "train.global_batch=8",
+                        "--set", "train.max_steps=1", "--set", "checkpoint.interval_steps=0"],
+                       capture_output=True, cwd=SRC)
+    if r.returncode != 0:
+        sys.exit(f"FAIL: a one-step bert-tiny run for the eval checks: {r.stderr!r}")
+    ckpt = os.path.join(run_dir, "checkpoints", "step_00000001")
+
+    def evaluate(*args):
+        """The finished eval and its peak resident memory in KiB (wait4 gives that one child's)."""
+        p = subprocess.Popen([NOPAD, "eval", "--checkpoint", ckpt, "--data", data, "--threads", "1", "--quiet", *args],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        out, err = p.stdout.read(), p.stderr.read()
+        _, status, usage = os.wait4(p.pid, 0)
+        p.returncode = os.waitstatus_to_exitcode(status)
+        return subprocess.CompletedProcess(p.args, p.returncode, out, err), usage.ru_maxrss
+
+    small, _ = evaluate("--batch", "32", "--max-samples", "100")
+    big, peak_kib = evaluate("--batch", "10000", "--max-samples", "100")
+    check(small.returncode == 0 and big.returncode == 0, f"eval: {small.stderr!r} {big.stderr!r}")
+    if small.returncode == 0 and big.returncode == 0:
+        a, b = json.loads(small.stdout), json.loads(big.stdout)
+        check(a["samples"] == b["samples"] == 100 and a["masked"] == b["masked"], f"eval counts {a} {b}")
+        check(abs(a["loss"] - b["loss"]) <= 1e-6 * abs(a["loss"]), f"eval loss by batch: {a['loss']} {b['loss']}")
+    check(peak_kib < 1_500_000,
+          f"eval --batch 10000 of 100 samples peaked at {peak_kib} KiB: its buffers are not sized to the 100")
+
+    # Up to 460 masked positions of 512 per sequence: the MLM head's probabilities take 460 x 30522 x 4 bytes
+    # (56 MB) a sequence, so a batch of all 12,000 sequences (670 GB) needs more memory than machines have.
+    heavy = os.path.join(tmp, "heavy")
+    r = run("prepare", "--input", os.path.dirname(WIKI), "--vocab", VOCAB, "--output", heavy, "--dupe-factor", "10",
+            "--max-seq-length", "512", "--max-predictions", "460", "--masked-lm-prob", "0.9", "--quiet")
+    check(r.returncode == 0, f"prepare of the heavily masked data: {r.stderr!r}")
+    r = run("eval", "--checkpoint", ckpt, "--data", heavy, "--batch", "1000000", "--quiet", timeout=60)
+    expect_error(r, ["--batch 1000000 needs about ", " GiB of memory", " is available (", "use --batch "],
+                 "eval --batch beyond the memory")
+    err = r.stderr.decode()
+    if "use --batch " in err:
+        fits = int(err.split("use --batch ")[1].split()[0])
+        check(1 <= fits < 1000000, f"the batch that fits: {fits}")
+
+
 def main():
     tmp = tempfile.mkdtemp(prefix="nopad-cli-readers-")
     try:
@@ -129,6 +178,7 @@ def main():
         tokenize_invalid_utf8()
         symlink_loops(tmp, data)
         dead_staging_folders(tmp)
+        eval_batch_memory(tmp, data)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     if failures:
