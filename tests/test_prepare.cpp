@@ -186,6 +186,16 @@ TEST(Prepare, MillionCharacterLineIsLinearAndUnchanged) {
   EXPECT_GT(r.text_tokens, 500'000u);
   const std::string shard = read_file(list_shards(dir / "out").at(0));
   EXPECT_EQ(crc32(shard.data(), shard.size()), 1748319357u) << "the instances changed";
+
+  // The same run as a WikiExtractor paragraph, through the sentence splitter as well.
+  write_file_atomic(dir / "long.wiki", "<doc id=\"1\" url=\"u\" title=\"Long\">\nLong\n" + text + "</doc>\n");
+  o.inputs = {dir / "long.wiki"};
+  o.format = TextFormat::kWikiExtractor;
+  o.overwrite = true;
+  const auto t1 = std::chrono::steady_clock::now();
+  prepare_dataset(o);
+  const double wiki_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t1).count();
+  EXPECT_LT(wiki_seconds, 5.0) << "prepare of a 1M-character paragraph took " << wiki_seconds << " s";
 }
 
 }  // namespace
