@@ -38,6 +38,7 @@ SECTIONS = {
     7: "mlm_labels",
 }
 NUM_SECTIONS = len(SECTIONS)
+MAX_SEQ_LENGTH = 65535  # masked positions are u16
 
 
 class ShardError(Exception):
@@ -65,6 +66,13 @@ class Shard:
             raise ShardError(f"shard {self.path} is corrupted: header checksum mismatch (offset 0..127)")
         if header_bytes != HEADER_BYTES or num_sections != NUM_SECTIONS or self.token_bytes not in (2, 4):
             raise ShardError(f"shard {self.path} has an unexpected header layout")
+        max_vocab = 65536 if self.token_bytes == 2 else 2**31 - 1
+        if not 1 <= self.vocab_size <= max_vocab:
+            raise ShardError(f"shard {self.path} is corrupted: header field vocab_size is {self.vocab_size}, outside "
+                             f"[1, {max_vocab}] for {self.token_bytes}-byte token ids")
+        if self.max_seq_length > MAX_SEQ_LENGTH:
+            raise ShardError(f"shard {self.path} is corrupted: header field max_seq_length is {self.max_seq_length}, "
+                             f"above the format's limit of {MAX_SEQ_LENGTH} tokens")
         if expect_vocab_checksum is not None and self.vocab_checksum != expect_vocab_checksum:
             raise ShardError(f"shard {self.path} was built with another vocabulary (checksum {self.vocab_checksum}, "
                              f"expected {expect_vocab_checksum})")
@@ -108,6 +116,10 @@ class Shard:
         if bad.any():
             i = int(np.argmax(bad))
             raise ShardError(f"shard {self.path} is corrupted: index entry of sample {i} is inconsistent")
+        longest = int(self.lengths.max()) if n else 0
+        if self.max_seq_length != longest:
+            raise ShardError(f"shard {self.path} is corrupted: header field max_seq_length is {self.max_seq_length}, "
+                             f"but its longest sample has {longest} tokens")
 
     def verify(self):
         """Checks every section's CRC-32; raises ShardError naming the first bad section."""

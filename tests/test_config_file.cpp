@@ -125,6 +125,33 @@ TEST(ConfigFile, GettersRejectUnknownKeysAndWrongTypes) {
   EXPECT_THROW(c.get_bool("seed"), Error);
 }
 
+// An integer read into a narrower type is range-checked, from a file and from --set: 2^40 read as an int was 0.
+TEST(ConfigFile, NarrowIntegersAreRangeChecked) {
+  const Config c = Config::parse("seed = 1099511627776\n[data]\nmax_seq_length = -3000000000\n", test_schema(),
+                                 "run.toml");
+  EXPECT_EQ(c.get<int64_t>("seed"), 1099511627776);
+  const std::string msg = error_of([&] { c.get<int32_t>("seed"); });
+  EXPECT_NE(msg.find("seed = 1099511627776 (run.toml line 1) is out of range: it must be in [-2147483648, 2147483647]"),
+            std::string::npos) << msg;
+  EXPECT_NE(error_of([&] { c.get<int>("data.max_seq_length"); }).find("line 3) is out of range"), std::string::npos);
+  EXPECT_NE(error_of([&] { c.get<uint32_t>("data.max_seq_length"); }).find("must be in [0, 4294967295]"),
+            std::string::npos);
+  Config o(test_schema());
+  o.apply_override("seed=1099511627776");
+  EXPECT_NE(error_of([&] { o.get<int>("seed"); }).find("seed = 1099511627776 (--set) is out of range"),
+            std::string::npos);
+  o.apply_override("seed=-7");
+  EXPECT_EQ(o.get<int>("seed"), -7);
+  // Beyond 64 bits, parsing already refuses, naming the range.
+  EXPECT_NE(error_of([&] { o.apply_override("seed=100000000000000000000"); })
+                .find("is out of range: it must be in [-9223372036854775808, 9223372036854775807]"),
+            std::string::npos);
+  // A fraction for an integer key is refused.
+  EXPECT_NE(error_of([&] { Config::parse("seed = 128.5\n", test_schema(), "run.toml"); })
+                .find("expected an integer for seed, got 128.5"),
+            std::string::npos);
+}
+
 TEST(ConfigFile, DumpRoundTrips) {
   Config c = Config::parse("seed = 3\n[optim]\nlr = 0.1\nkind = \"a \\\"b\\\" \\\\ c\\n\"\n", test_schema());
   c.apply_override("optim.start_warmup_step=-5");

@@ -90,6 +90,28 @@ TEST(Config, ValidationErrorsNameTheProblem) {
   EXPECT_EQ(error_of(hf), "");
 }
 
+// An integer field takes only JSON integers that fit it: nlohmann would turn 128.5 into 128 and 2^40 into 0 (then
+// reported as "hidden_size must be positive, got 0").
+TEST(Config, IntegerFieldsTakeOnlyIntegersThatFit) {
+  const nlohmann::json base = BertConfig{}.to_json();
+  auto with = [&](const char* key, nlohmann::json value) {
+    nlohmann::json j = base;
+    j[key] = value;
+    return error_of(j);
+  };
+  EXPECT_NE(with("hidden_size", 128.5).find("field \"hidden_size\" must be an integer, got 128.5"), std::string::npos)
+      << with("hidden_size", 128.5);
+  EXPECT_NE(with("num_hidden_layers", 2.0).find("must be an integer"), std::string::npos);
+  const std::string big = with("hidden_size", 1099511627776ll);
+  EXPECT_NE(big.find("field \"hidden_size\" = 1099511627776 is out of range: it must be in [-2147483648, 2147483647]"),
+            std::string::npos) << big;
+  EXPECT_NE(with("vocab_size", 18446744073709551615ull).find("out of range"), std::string::npos);
+  EXPECT_NE(with("intermediate_size", -4294967296ll).find("out of range"), std::string::npos);
+  // In range but invalid: the field's own rule speaks.
+  EXPECT_NE(with("num_hidden_layers", -5).find("num_hidden_layers must be positive, got -5"), std::string::npos);
+  EXPECT_EQ(with("hidden_size", 768), "");
+}
+
 TEST(Config, ToJsonRoundTripsAndIsHuggingFaceShaped) {
   const BertConfig c = BertConfig::from_file(config_path("bert-large-mlperf.json"));
   const nlohmann::json j = c.to_json();

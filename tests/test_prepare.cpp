@@ -2,9 +2,11 @@
 // and bad inputs that fail cleanly without leaving files behind.
 #include <gtest/gtest.h>
 
+#include <chrono>
 #include <fstream>
 #include <nlohmann/json.hpp>
 
+#include "core/crc32.h"
 #include "core/error.h"
 #include "core/io.h"
 #include "data/dataset.h"
@@ -156,6 +158,44 @@ TEST(Prepare, BadInputsFailCleanly) {
   // Missing vocabulary.
   o.vocab = dir / "missing-vocab.txt";
   expect_error(o, "missing-vocab.txt");
+}
+
+// One line of a million characters without spaces (about 600,000 word pieces: short words between punctuation).
+// Truncating the pair to max_seq_length took O(n^2) (62 s for this input); the instances must stay exactly what the
+// token-by-token truncation gave (the shard's CRC-32 below is that of the quadratic version's output).
+TEST(Prepare, MillionCharacterLineIsLinearAndUnchanged) {
+  test::TempDir dir("preplong");
+  std::string text = "Hello there.\n";
+  const std::string_view pattern = "ab.cd,ef-gh;";
+  while (text.size() < 1'000'013) text += pattern[text.size() % pattern.size()];
+  text += "\nAnother line here.\n";
+  write_file_atomic(dir / "long.txt", text);
+  PrepareOptions o;
+  o.inputs = {dir / "long.txt"};
+  o.vocab = test::vocab_path();
+  o.output = dir / "out";
+  o.format = TextFormat::kSentenceLines;
+  o.instances.max_seq_length = 128;
+  o.instances.dupe_factor = 2;
+  o.threads = 1;
+  o.progress = false;
+  const auto t0 = std::chrono::steady_clock::now();
+  const PrepareResult r = prepare_dataset(o);
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  EXPECT_LT(seconds, 5.0) << "prepare of one 1M-character line took " << seconds << " s";
+  EXPECT_GT(r.text_tokens, 500'000u);
+  const std::string shard = read_file(list_shards(dir / "out").at(0));
+  EXPECT_EQ(crc32(shard.data(), shard.size()), 1748319357u) << "the instances changed";
+
+  // The same run as a WikiExtractor paragraph, through the sentence splitter as well.
+  write_file_atomic(dir / "long.wiki", "<doc id=\"1\" url=\"u\" title=\"Long\">\nLong\n" + text + "</doc>\n");
+  o.inputs = {dir / "long.wiki"};
+  o.format = TextFormat::kWikiExtractor;
+  o.overwrite = true;
+  const auto t1 = std::chrono::steady_clock::now();
+  prepare_dataset(o);
+  const double wiki_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t1).count();
+  EXPECT_LT(wiki_seconds, 5.0) << "prepare of a 1M-character paragraph took " << wiki_seconds << " s";
 }
 
 }  // namespace

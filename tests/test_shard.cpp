@@ -15,8 +15,11 @@
 #include "core/error.h"
 #include "core/io.h"
 #include "core/rng.h"
+#include "data/dataset.h"
 #include "data/shard.h"
+#include "data/stats.h"
 #include "fuzz/shard_fuzz_body.h"
+#include "test_util.h"
 
 namespace nopad {
 namespace {
@@ -198,6 +201,74 @@ TEST_F(ShardCorruption, InconsistentHeaderCountsAreRejected) {
     std::memcpy(reinterpret_cast<char*>(&h) + field, &v, 8);
     put_header(bad, h);
     EXPECT_NE(error_of(bad), "") << "field at offset " << field;
+  }
+}
+
+// Header fields that later code sizes tables from are bounded by the reader, with a valid header CRC: before, `nopad
+// stats` sized its length histogram from max_seq_length (0xFFFFFFFF + 1 wrapped to 0 and crashed; 2^31 took 17 GB).
+TEST_F(ShardCorruption, HeaderFieldsAreBoundedBeforeUse) {
+  const ShardFileHeader good = header_of(bytes_);
+  ASSERT_GT(good.max_seq_length, 64u);
+  struct Case {
+    size_t field;
+    uint32_t value;
+  };
+  for (const Case c : {Case{offsetof(ShardFileHeader, max_seq_length), 0xFFFFFFFFu},
+                       Case{offsetof(ShardFileHeader, max_seq_length), 1u << 31},
+                       Case{offsetof(ShardFileHeader, max_seq_length), 65536},
+                       Case{offsetof(ShardFileHeader, max_seq_length), good.max_seq_length + 1},
+                       Case{offsetof(ShardFileHeader, vocab_size), 0},
+                       Case{offsetof(ShardFileHeader, vocab_size), 65537},  // with 2-byte token ids
+                       Case{offsetof(ShardFileHeader, vocab_size), 0xFFFFFFFFu}}) {
+    std::string bad = bytes_;
+    ShardFileHeader h = good;
+    std::memcpy(reinterpret_cast<char*>(&h) + c.field, &c.value, 4);
+    put_header(bad, h);
+    const std::string field = c.field == offsetof(ShardFileHeader, vocab_size) ? "vocab_size" : "max_seq_length";
+    SCOPED_TRACE(field + " = " + std::to_string(c.value));
+    const std::string msg = error_of(bad);
+    EXPECT_NE(msg.find("bad.nopad"), std::string::npos) << msg;
+    EXPECT_NE(msg.find("header field " + field + " is " + std::to_string(c.value)), std::string::npos) << msg;
+    // What nopad stats does, through a dataset folder.
+    const fs::path folder = dir_ / "folder";
+    fs::create_directories(folder);
+    spit(folder / "shard_00000.nopad", bad);
+    NOPAD_EXPECT_ERROR_HAS(compute_stats(Dataset(folder)), "header field " + field);
+    fs::remove_all(folder);
+  }
+  // The length histogram spans the longest sample, whatever the header says (it must say the truth now).
+  const fs::path folder = dir_ / "folder";
+  fs::create_directories(folder);
+  spit(folder / "shard_00000.nopad", bytes_);
+  const DatasetStats st = compute_stats(Dataset(folder));
+  EXPECT_EQ(st.length_counts.size(), good.max_seq_length + 1u);
+  EXPECT_EQ(st.max_length, good.max_seq_length);
+}
+
+// A token id or masked label outside the vocabulary, with the section checksum repaired: named by shard and sample
+// when the shard is opened (before, it reached the model: "token id 30522 at row 17 outside vocab", or nothing on a
+// GPU).
+TEST_F(ShardCorruption, TokenIdsOutsideTheVocabularyNameShardAndSample) {
+  const ShardReader good(good_);
+  const uint64_t sample = 7;
+  for (const int s : {4, 6}) {  // tokens, masked labels
+    std::string bad = bytes_;
+    ShardSectionEntry e = entry_of(bad, s);
+    const uint64_t index = s == 4 ? good.sample(sample).length / 2 : 0;
+    const uint64_t offset = s == 4 ? (static_cast<const uint16_t*>(good.sample(sample).tokens) -
+                                      static_cast<const uint16_t*>(good.sample(0).tokens))
+                                   : (static_cast<const uint16_t*>(good.sample(sample).mlm_labels) -
+                                      static_cast<const uint16_t*>(good.sample(0).mlm_labels));
+    ASSERT_GT(good.sample(sample).num_masked, 0u);
+    const uint16_t id = 30522;  // the vocabulary's size: one past its last id
+    std::memcpy(bad.data() + e.offset + 2 * (offset + index), &id, 2);
+    e.crc32 = crc32(bad.data() + e.offset, e.size_bytes);
+    std::memcpy(bad.data() + sizeof(ShardFileHeader) + s * sizeof e, &e, sizeof e);
+    const std::string msg = error_of(bad);
+    const std::string what = s == 4 ? "token id 30522" : "masked label 30522";
+    EXPECT_NE(msg.find("bad.nopad, sample 7: " + what + " (entry " + std::to_string(index) + " of the sample)"),
+              std::string::npos) << msg;
+    EXPECT_NE(msg.find("vocabulary of 30522 tokens"), std::string::npos) << msg;
   }
 }
 

@@ -246,7 +246,8 @@ void run_convert_tf(const ConvertOptions& opt) {
   if (existing && !opt.overwrite)
     fail("output folder ", out_dir.string(), " already holds a model (model.safetensors or config.json): pass "
          "--overwrite to replace it, or choose an empty folder");
-  StagingDir staging{out_dir / (".convert-staging-" + std::to_string(::getpid()))};
+  nopad::remove_dead_staging_folders(out_dir, ".convert-staging-");
+  StagingDir staging{out_dir / nopad::staging_folder_name(".convert-staging-")};
   fs::remove_all(staging.path);
   fs::create_directories(staging.path);
   nopad::write_hf_model_file(staging.path / "model.safetensors", layout, params.data());

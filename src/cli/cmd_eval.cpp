@@ -3,6 +3,8 @@
 // line on stdout (progress goes to stderr); `loss` is mean MLM cross-entropy + mean NSP cross-entropy, what Hugging
 // Face BertForPreTraining returns for the same samples evaluated as one batch (labels -100 outside the masked
 // positions).
+#include <algorithm>
+#include <climits>
 #include <cstdio>
 #include <memory>
 
@@ -10,8 +12,10 @@
 
 #include "cli/command.h"
 #include "core/error.h"
+#include "core/host_memory.h"
 #include "core/progress.h"
 #include "dist/launch.h"
+#include "model/bert.h"
 #include "train/checkpoint.h"
 #include "train/engine.h"
 #include "train/trainer.h"
@@ -38,22 +42,42 @@ void run(const EvalArgs& a) {
               " is smaller than the longest sequence of ", a.data, " (", data.max_seq_length(), ")");
   std::string note;
   const std::string device = nopad::resolve_device(a.device, &note);
+  const uint64_t n = a.max_samples > 0 ? std::min<uint64_t>(a.max_samples, data.size()) : data.size();
+  // A forward pass never holds more sequences than are evaluated; its buffers are sized for that many.
+  const int32_t batch = static_cast<int32_t>(std::min<uint64_t>(static_cast<uint64_t>(a.batch), std::max<uint64_t>(n, 1)));
+  const int64_t max_len = data.max_seq_length(), max_masked = nopad::max_masked_per_sample(data);
+  NOPAD_CHECK(batch * max_len <= INT32_MAX, "--batch ", a.batch, " of sequences of up to ", max_len, " tokens is ",
+              batch * max_len, " tokens, more than a forward pass can hold (", INT32_MAX, "): use --batch ",
+              INT32_MAX / std::max<int64_t>(max_len, 1), " or less");
   nopad::EngineOptions eo;
   eo.config = config;
-  eo.max_tokens = a.batch * static_cast<int32_t>(data.max_seq_length());
-  eo.max_seqs = a.batch;
-  eo.max_masked = a.batch * static_cast<int32_t>(nopad::max_masked_per_sample(data));
   eo.precision = nopad::resolve_precision("auto", device);
   eo.threads = a.threads > 0 ? a.threads : nopad::dist::default_cpu_threads();
-  const std::unique_ptr<nopad::TrainEngine> engine = nopad::make_engine(device, eo);
+  if (device == "cpu")
+    nopad::check_cpu_batch_fits(eo, a.batch, batch, max_len, max_masked, nopad::host_memory_available());
+  std::unique_ptr<nopad::TrainEngine> engine;
+  try {
+    engine = nopad::make_engine(device, nopad::with_batch(eo, batch, max_len, max_masked));
+  } catch (const nopad::OutOfMemory& e) {
+    if (device == "cpu") throw;
+    // The GPU's message ends with advice for training; eval's knob is --batch.
+    std::string what = e.what();
+    if (const size_t at = what.find(". Lower train.global_batch"); at != std::string::npos) what.resize(at);
+    const uint64_t per_seq = nopad::BertModel<nopad::ops::GpuBf16>::planned_bytes(config, 2 * max_len, 2, 2 * max_masked,
+                                                                                    config.vocab_size) -
+                             nopad::BertModel<nopad::ops::GpuBf16>::planned_bytes(config, max_len, 1, max_masked,
+                                                                                    config.vocab_size);
+    throw nopad::OutOfMemory(nopad::str_cat("--batch ", batch, " does not fit on the GPU: ", what, ". Each sequence of "
+                                            "up to ", max_len, " tokens takes about ", nopad::format_bytes(per_seq),
+                                            " of activations there: use a smaller --batch"));
+  }
   engine->set_params(params.data());
-  const uint64_t n = a.max_samples > 0 ? std::min<uint64_t>(a.max_samples, data.size()) : data.size();
   if (!a.quiet)
     std::fprintf(stderr, "eval: %s on %llu samples of %s, %s %s\n", a.checkpoint.c_str(),
                  static_cast<unsigned long long>(n), a.data.c_str(), engine->device_name().c_str(),
                  engine->precision().c_str());
   nopad::Progress progress("eval", static_cast<double>(n), "seqs", !a.quiet, 5.0);
-  const nopad::EvalResult r = nopad::evaluate(*engine, data, a.max_samples, a.batch, &progress);
+  const nopad::EvalResult r = nopad::evaluate(*engine, data, a.max_samples, batch, &progress);
   progress.finish();
   const nlohmann::json j = {{"mlm_accuracy", r.mlm_accuracy}, {"nsp_accuracy", r.nsp_accuracy},
                             {"mlm_loss", r.mlm_loss},         {"nsp_loss", r.nsp_loss},

@@ -1,5 +1,6 @@
 // nopad tokenize: one line of token ids (or word pieces with --pieces, or the words before WordPiece with --words)
-// per input line, stdin -> stdout, tokens separated by single spaces.
+// per input line, stdin -> stdout, tokens separated by single spaces. Input that is not UTF-8 is refused at its first
+// bad byte, as nopad prepare refuses it (the lines before are printed).
 #include <charconv>
 #include <iostream>
 #include <memory>
@@ -7,6 +8,9 @@
 #include <vector>
 
 #include "cli/command.h"
+#include "core/error.h"
+#include "core/utf8.h"
+#include "data/text_input.h"
 #include "data/tokenizer.h"
 #include "data/tokenizer_files.h"
 
@@ -34,7 +38,17 @@ void setup(CLI::App& sub) {
     std::ios::sync_with_stdio(false);
     std::string line, out;
     std::vector<int32_t> ids;
+    uint64_t line_no = 0, line_offset = 0;  // of the line, in the bytes of standard input
     while (std::getline(std::cin, line)) {
+      ++line_no;
+      // Refused as nopad prepare refuses it: the tokenizer would drop the bytes silently.
+      if (const size_t bad = nopad::find_invalid_utf8(line); bad != std::string::npos) {
+        std::cout.flush();
+        nopad::fail("input ", nopad::kStdinName, " is not UTF-8 text: invalid byte 0x", std::hex,
+                    static_cast<int>(static_cast<unsigned char>(line[bad])), std::dec, " on line ", line_no,
+                    " at byte offset ", line_offset + bad, " (convert it to UTF-8, e.g. with iconv -f LATIN1 -t UTF-8)");
+      }
+      line_offset += line.size() + 1;
       out.clear();
       if (opt->words) {
         for (const std::string& w : tok.basic_tokens(line)) {

@@ -146,4 +146,11 @@ void ensure_writable_dir(const fs::path& dir) {
   ::unlink(probe.c_str());
 }
 
+void fail_unreadable_path(std::string_view what, const fs::path& path, std::error_code ec) {
+  if (ec == std::errc::too_many_symbolic_link_levels)
+    fail(what, " ", path.string(), " is a symbolic link that loops (it leads back to itself, or through more than 40 "
+         "links): fix or remove the link, or give its target instead");
+  fail("cannot read ", what, " ", path.string(), ": ", ec.message());
+}
+
 }  // namespace nopad

@@ -69,4 +69,12 @@ class MappedFile {
 // otherwise. Used before long work so that an unwritable output is found at once, not after an hour.
 void ensure_writable_dir(const fs::path& dir);
 
+// Throws the error for a path that could not be read (`what` names its role: "input", "dataset folder"): a symbolic
+// link that loops (ELOOP) is called that, anything else gives the system's reason.
+// True when `ec` (from fs::status and the like) only says that the path is not there.
+inline bool is_missing_path_error(std::error_code ec) {
+  return ec == std::errc::no_such_file_or_directory || ec == std::errc::not_a_directory;
+}
+[[noreturn]] void fail_unreadable_path(std::string_view what, const fs::path& path, std::error_code ec);
+
 }  // namespace nopad

@@ -1,15 +1,33 @@
 // Reads NVIDIA / MLPerf BERT HDF5 files (fixed, variable-length and packed layouts) into Instances; see hdf5_import.h.
-// Every HDF5 call's status is checked; data is read in blocks of rows through native int32 memory types, so any
-// integer width converts (out-of-range values saturate and then fail the range checks below).
+// Every HDF5 call's status is checked, and a failure's message carries the library's own error stack (its printer is
+// silenced). Fixed-size data is read in blocks of rows through native int32 memory types, so any integer width
+// converts (out-of-range values saturate and then fail the range checks below).
+//
+// Variable-length data is never handed to libhdf5's conversion, which trusts the lengths and heap addresses stored in
+// the file and faults on damaged ones. libhdf5 gives only the metadata (types, shapes, layout, filters) and the raw
+// bytes of each chunk; the sequence descriptors (length, global-heap collection address, object index) and the global
+// heap collections they point into are then parsed here, every length, address and size checked against the file
+// (HDF5 file format specification, "Global Heap" and "Variable-length Datatype" storage), so damage is an error
+// naming the file, dataset and row.
 #include "data/hdf5_import.h"
 
+#include <fcntl.h>
 #include <hdf5.h>
+#include <unistd.h>
 
 #include <algorithm>
+#include <cerrno>
+#include <climits>
+#include <cstring>
+#include <map>
 #include <mutex>
 #include <optional>
 #include <span>
 #include <utility>
+
+#if NOPAD_HAVE_ZLIB
+#include <zlib.h>
+#endif
 
 #include "core/error.h"
 #include "data/record_check.h"
@@ -37,6 +55,29 @@ class QuietHdf5 {
   H5E_auto2_t func_ = nullptr;
   void* data_ = nullptr;
 };
+
+// The library's error stack for the call that just failed (its printer is off), for nopad's message: "; HDF5 says:
+// H5Dopen2(): unable to open dataset <- H5O__chunk_deserialize(): bad object header version number".
+herr_t collect_hdf5_error(unsigned, const H5E_error2_t* e, void* data) {
+  auto* out = static_cast<std::vector<std::string>*>(data);
+  char minor[160] = "";
+  if (H5Eget_msg(e->min_num, nullptr, minor, sizeof minor) < 0) minor[0] = '\0';
+  std::string entry = str_cat(e->func_name ? e->func_name : "?", "(): ", e->desc ? e->desc : "");
+  if (minor[0] != '\0' && (e->desc == nullptr || std::strstr(e->desc, minor) == nullptr)) entry += str_cat(" (", minor, ")");
+  out->push_back(std::move(entry));
+  return 0;
+}
+std::string hdf5_says() {
+  std::vector<std::string> entries;
+  if (H5Ewalk2(H5E_DEFAULT, H5E_WALK_DOWNWARD, collect_hdf5_error, &entries) < 0 || entries.empty()) return "";
+  // Downward: from the API function called to where it failed; the first and the deepest four say most (e.g.
+  // "H5Z_pipeline(): required filter 'lzf' is not registered" and the plugin search behind it).
+  std::string out = "; HDF5 says: " + entries.front();
+  for (size_t i = std::max<size_t>(1, entries.size() >= 5 ? entries.size() - 4 : 1); i < entries.size(); ++i)
+    out += " <- " + entries[i];
+  H5Eclear2(H5E_DEFAULT);
+  return out;
+}
 
 // Owns one HDF5 identifier and closes it with the matching H5*close.
 class Handle {
@@ -76,11 +117,40 @@ struct Rows {
   }
 };
 
+// An HDF5 filter of a chunked dataset's pipeline (filter_mask bit k skips entry k for a chunk).
+struct Filter {
+  H5Z_filter_t id = 0;
+  std::vector<unsigned> cd;  // client data (the shuffle's element size)
+};
+
 struct Dataset {
   std::string name;
   Handle id;
   bool vlen = false;
   std::vector<hsize_t> dims;
+  // Variable-length datasets: where their descriptors are and what their elements are.
+  H5D_layout_t layout = H5D_CONTIGUOUS;
+  uint64_t contiguous_offset = 0;  // file offset of the descriptors (contiguous layout)
+  hsize_t chunk_rows = 0;          // rows per chunk (chunked layout)
+  std::vector<Filter> filters;
+  size_t elem_bytes = 0;  // an element's width in the file: 1, 2, 4 or 8 bytes
+  bool elem_signed = true, elem_big_endian = false;
+  // The last chunk's decoded descriptors (rows are read in order, so each chunk is decoded once).
+  hsize_t cached_chunk = ~hsize_t{0};
+  std::vector<uint8_t> chunk_bytes;
+};
+
+// Little-endian unsigned integer of `n` (<= 8) bytes: the byte order of HDF5's own structures.
+uint64_t read_le(const uint8_t* p, size_t n) {
+  uint64_t v = 0;
+  for (size_t i = n; i-- > 0;) v = (v << 8) | p[i];
+  return v;
+}
+
+// One global heap collection ("GCOL"): its bytes and where each object's data lies in them.
+struct HeapCollection {
+  std::vector<uint8_t> bytes;
+  std::map<uint32_t, std::pair<size_t, uint64_t>> objects;  // index -> (offset of the data in bytes, size)
 };
 
 class Hdf5Reader {
@@ -91,14 +161,33 @@ class Hdf5Reader {
     const htri_t is_h5 = H5Fis_hdf5(name_.c_str());
     NOPAD_CHECK(is_h5 > 0, "file ", name_, " is not an HDF5 file (or cannot be read)", kHint);
     file_ = Handle(H5Fopen(name_.c_str(), H5F_ACC_RDONLY, H5P_DEFAULT), H5Fclose);
-    NOPAD_CHECK(file_.get() >= 0, "cannot open HDF5 file ", name_, " for reading");
+    NOPAD_CHECK(file_.get() >= 0, "cannot open HDF5 file ", name_, " for reading", hdf5_says());
+    // For the variable-length data, parsed here from the file's bytes: its size, and the widths and base of the
+    // addresses in it (addresses count from the end of the user block).
+    file_size_ = std::filesystem::file_size(path, ec);
+    NOPAD_CHECK(!ec, "HDF5 file ", name_, ": cannot read its size: ", ec.message());
+    Handle fcpl(H5Fget_create_plist(file_.get()), H5Pclose);
+    hsize_t userblock = 0;
+    NOPAD_CHECK(fcpl.get() >= 0 && H5Pget_sizes(fcpl.get(), &sizeof_addr_, &sizeof_size_) >= 0 &&
+                    H5Pget_userblock(fcpl.get(), &userblock) >= 0,
+                "HDF5 file ", name_, ": cannot read its creation properties", hdf5_says());
+    NOPAD_CHECK(sizeof_addr_ >= 2 && sizeof_addr_ <= 8 && sizeof_size_ >= 2 && sizeof_size_ <= 8, "HDF5 file ", name_,
+                ": unsupported address or length width (", sizeof_addr_, ", ", sizeof_size_, " bytes)");
+    base_ = userblock;
+    fd_ = ::open(name_.c_str(), O_RDONLY | O_CLOEXEC);
+    NOPAD_CHECK(fd_ >= 0, "cannot open HDF5 file ", name_, ": ", std::strerror(errno));
   }
+  ~Hdf5Reader() {
+    if (fd_ >= 0) ::close(fd_);
+  }
+  Hdf5Reader(const Hdf5Reader&) = delete;
+  Hdf5Reader& operator=(const Hdf5Reader&) = delete;
 
   const std::string& name() const { return name_; }
 
   bool has(const char* field) const {
     const htri_t e = H5Lexists(file_.get(), field, H5P_DEFAULT);
-    NOPAD_CHECK(e >= 0, "HDF5 file ", name_, ": cannot look up dataset '", field, "'");
+    NOPAD_CHECK(e >= 0, "HDF5 file ", name_, ": cannot look up dataset '", field, "'", hdf5_says());
     return e > 0;
   }
 
@@ -108,17 +197,26 @@ class Hdf5Reader {
     Dataset d;
     d.name = field;
     d.id = Handle(H5Dopen2(file_.get(), field, H5P_DEFAULT), H5Dclose);
-    NOPAD_CHECK(d.id.get() >= 0, "HDF5 file ", name_, ": cannot open dataset '", field, "'");
+    NOPAD_CHECK(d.id.get() >= 0, "HDF5 file ", name_, ": cannot open dataset '", field, "'", hdf5_says());
     Handle type(H5Dget_type(d.id.get()), H5Tclose);
-    NOPAD_CHECK(type.get() >= 0, "HDF5 file ", name_, ": cannot read the type of dataset '", field, "'");
+    NOPAD_CHECK(type.get() >= 0, "HDF5 file ", name_, ": cannot read the type of dataset '", field, "'", hdf5_says());
     const H5T_class_t cls = H5Tget_class(type.get());
-    NOPAD_CHECK(cls != H5T_NO_CLASS, "HDF5 file ", name_, ": cannot read the type class of dataset '", field, "'");
+    NOPAD_CHECK(cls != H5T_NO_CLASS, "HDF5 file ", name_, ": cannot read the type class of dataset '", field, "'",
+                hdf5_says());
     H5T_class_t elem_cls = cls;
     d.vlen = cls == H5T_VLEN;
     if (d.vlen) {
       Handle super(H5Tget_super(type.get()), H5Tclose);
-      NOPAD_CHECK(super.get() >= 0, "HDF5 file ", name_, ": cannot read the element type of dataset '", field, "'");
+      NOPAD_CHECK(super.get() >= 0, "HDF5 file ", name_, ": cannot read the element type of dataset '", field, "'",
+                  hdf5_says());
       elem_cls = H5Tget_class(super.get());
+      if (elem_cls == H5T_INTEGER) {
+        d.elem_bytes = H5Tget_size(super.get());
+        d.elem_signed = H5Tget_sign(super.get()) == H5T_SGN_2;
+        d.elem_big_endian = H5Tget_order(super.get()) == H5T_ORDER_BE;
+        NOPAD_CHECK(d.elem_bytes == 1 || d.elem_bytes == 2 || d.elem_bytes == 4 || d.elem_bytes == 8, "HDF5 file ",
+                    name_, ": dataset '", field, "' has ", d.elem_bytes, "-byte integers; expected 1, 2, 4 or 8", kHint);
+      }
     }
     NOPAD_CHECK(elem_cls == H5T_INTEGER, "HDF5 file ", name_, ": dataset '", field, "' has ",
                 elem_cls == H5T_FLOAT ? "a floating-point" : "a non-integer", " element type; expected integers",
@@ -134,55 +232,251 @@ class Hdf5Reader {
                 kHint);
     d.dims.resize(static_cast<size_t>(rank));
     NOPAD_CHECK(H5Sget_simple_extent_dims(space.get(), d.dims.data(), nullptr) == rank, "HDF5 file ", name_,
-                ": cannot read the dimensions of dataset '", field, "'");
+                ": cannot read the dimensions of dataset '", field, "'", hdf5_says());
+    // A row of a fixed dataset is one sequence (or its masks): the shard format's limit bounds what is read at once.
+    if (rank == 2)
+      NOPAD_CHECK(d.dims[1] >= 1 && d.dims[1] <= 65536, "HDF5 file ", name_, ": dataset '", field, "' has ", d.dims[1],
+                  " columns; a sequence holds 1 to 65535 tokens", kHint);
+    if (d.vlen) locate_vlen(d);
     return d;
   }
 
+  // Where a variable-length dataset's descriptors are (16 bytes a row with 8-byte addresses), checked against the
+  // file: contiguous storage, or chunks through the filters nopad can undo (deflate, shuffle, Fletcher-32).
+  void locate_vlen(Dataset& d) const {
+    Handle dcpl(H5Dget_create_plist(d.id.get()), H5Pclose);
+    NOPAD_CHECK(dcpl.get() >= 0, "HDF5 file ", name_, ": cannot read the storage of dataset '", d.name, "'",
+                hdf5_says());
+    d.layout = H5Pget_layout(dcpl.get());
+    const uint64_t rows = d.dims[0], desc = descriptor_bytes();
+    NOPAD_CHECK(rows <= file_size_ / desc, "HDF5 file ", name_, ": dataset '", d.name, "' claims ", rows,
+                " rows, more than the ", file_size_, "-byte file can hold (the file is damaged)");
+    if (d.layout == H5D_CONTIGUOUS) {
+      const haddr_t offset = H5Dget_offset(d.id.get());  // from the start of the file, user block included
+      NOPAD_CHECK(rows == 0 || (offset != HADDR_UNDEF && offset <= file_size_ && rows * desc <= file_size_ - offset),
+                  "HDF5 file ", name_, ": the rows of dataset '", d.name, "' lie outside the file (the file is damaged)");
+      d.contiguous_offset = offset;
+      return;
+    }
+    NOPAD_CHECK(d.layout == H5D_CHUNKED, "HDF5 file ", name_, ": dataset '", d.name, "' uses ",
+                d.layout == H5D_COMPACT ? "compact" : "virtual or unknown", " storage, which nopad does not read for "
+                "variable-length data; rewrite it with h5repack -l CHUNK=4096 (or from h5py with compression=\"gzip\")");
+    hsize_t chunk = 0;
+    NOPAD_CHECK(H5Pget_chunk(dcpl.get(), 1, &chunk) == 1 && chunk >= 1 && chunk <= file_size_, "HDF5 file ", name_,
+                ": cannot read the chunk shape of dataset '", d.name, "'", hdf5_says());
+    d.chunk_rows = chunk;
+    const int n = H5Pget_nfilters(dcpl.get());
+    NOPAD_CHECK(n >= 0 && n <= 32, "HDF5 file ", name_, ": cannot read the filters of dataset '", d.name, "'",
+                hdf5_says());
+    for (int k = 0; k < n; ++k) {
+      Filter f;
+      unsigned flags = 0, config = 0;
+      size_t cd_count = 8;
+      f.cd.resize(cd_count);
+      char fname[64] = "";
+      f.id = H5Pget_filter2(dcpl.get(), static_cast<unsigned>(k), &flags, &cd_count, f.cd.data(), sizeof fname, fname,
+                            &config);
+      NOPAD_CHECK(f.id >= 0, "HDF5 file ", name_, ": cannot read filter ", k, " of dataset '", d.name, "'",
+                  hdf5_says());
+      f.cd.resize(std::min<size_t>(cd_count, 8));
+      NOPAD_CHECK(f.id == H5Z_FILTER_DEFLATE || f.id == H5Z_FILTER_SHUFFLE || f.id == H5Z_FILTER_FLETCHER32,
+                  "HDF5 file ", name_, ": dataset '", d.name, "' is compressed with the HDF5 filter ", f.id, " (",
+                  fname, "), which nopad does not read for variable-length data: rewrite the file with gzip, e.g. "
+                  "h5repack -f GZIP=4 IN OUT");
+#if !NOPAD_HAVE_ZLIB
+      NOPAD_CHECK(f.id != H5Z_FILTER_DEFLATE, "HDF5 file ", name_, ": dataset '", d.name, "' is gzip-compressed, but "
+                  "this nopad was built without zlib: install zlib1g-dev and rebuild (bash scripts/setup.sh)");
+#endif
+      d.filters.push_back(std::move(f));
+    }
+  }
+
+  uint64_t descriptor_bytes() const { return 4 + sizeof_addr_ + 4; }  // length, collection address, object index
+
+  [[noreturn]] void damaged(const Dataset& d, uint64_t row, const std::string& what) const {
+    fail("HDF5 file ", name_, ", dataset '", d.name, "', row ", row, ": damaged variable-length data (", what,
+         "); the file is damaged: copy or re-create it");
+  }
+
+  void pread_exact(uint64_t offset, void* out, size_t bytes) const {
+    size_t done = 0;
+    while (done < bytes) {
+      const ssize_t got = ::pread(fd_, static_cast<char*>(out) + done, bytes - done, static_cast<off_t>(offset + done));
+      if (got < 0 && errno == EINTR) continue;
+      NOPAD_CHECK(got > 0, "HDF5 file ", name_, ": cannot read ", bytes, " bytes at offset ", offset, ": ",
+                  got < 0 ? std::strerror(errno) : "the file ends before");
+      done += static_cast<size_t>(got);
+    }
+  }
+
+  // The descriptors of chunk `k` (chunk_rows of them), its stored bytes with the filters undone, last first.
+  const std::vector<uint8_t>& chunk_descriptors(Dataset& d, hsize_t k) const {
+    if (d.cached_chunk == k) return d.chunk_bytes;
+    d.cached_chunk = ~hsize_t{0};
+    const uint64_t row0 = k * d.chunk_rows;
+    const uint64_t want = d.chunk_rows * descriptor_bytes();
+    hsize_t offset = row0, stored = 0;
+    NOPAD_CHECK(H5Dget_chunk_storage_size(d.id.get(), &offset, &stored) >= 0, "HDF5 file ", name_,
+                ": cannot find the chunk of dataset '", d.name, "' at row ", row0, hdf5_says());
+    if (stored == 0 || stored > file_size_)
+      damaged(d, row0, str_cat("its chunk ", stored == 0 ? "is not stored" : "claims more bytes than the file has"));
+    std::vector<uint8_t> bytes(stored);
+    uint32_t mask = 0;
+#if defined(H5Dread_chunk_vers) && H5Dread_chunk_vers >= 2
+    size_t size = bytes.size();
+    const herr_t read = H5Dread_chunk(d.id.get(), H5P_DEFAULT, &offset, &mask, bytes.data(), &size);
+#else
+    const herr_t read = H5Dread_chunk(d.id.get(), H5P_DEFAULT, &offset, &mask, bytes.data());
+#endif
+    NOPAD_CHECK(read >= 0, "HDF5 file ", name_, ": cannot read the chunk of dataset '", d.name, "' at row ", row0,
+                hdf5_says());
+    for (size_t f = d.filters.size(); f-- > 0;) {
+      if (mask & (1u << f)) continue;  // not applied to this chunk
+      const Filter& filter = d.filters[f];
+      if (filter.id == H5Z_FILTER_FLETCHER32) {
+        if (bytes.size() < 4) damaged(d, row0, "its chunk is shorter than its checksum");
+        bytes.resize(bytes.size() - 4);
+      } else if (filter.id == H5Z_FILTER_SHUFFLE) {
+        const size_t es = filter.cd.empty() ? 0 : filter.cd[0];
+        if (es < 1 || es > 64) damaged(d, row0, str_cat("shuffle element size ", es));
+        const size_t n = bytes.size() / es;
+        std::vector<uint8_t> out(bytes.size());
+        for (size_t b = 0; b < es; ++b)
+          for (size_t i = 0; i < n; ++i) out[i * es + b] = bytes[b * n + i];
+        std::copy(bytes.begin() + static_cast<std::ptrdiff_t>(n * es), bytes.end(),
+                  out.begin() + static_cast<std::ptrdiff_t>(n * es));
+        bytes = std::move(out);
+      } else {
+#if NOPAD_HAVE_ZLIB
+        // Inflated into at most what the chunk must hold (plus checksums of filters before this one): a damaged
+        // stream cannot make it allocate more.
+        std::vector<uint8_t> out(want + 4 * d.filters.size());
+        z_stream zs{};
+        NOPAD_CHECK(inflateInit(&zs) == Z_OK, "zlib could not start a decoder for HDF5 file ", name_);
+        zs.next_in = bytes.data();
+        zs.avail_in = static_cast<uInt>(bytes.size());
+        zs.next_out = out.data();
+        zs.avail_out = static_cast<uInt>(out.size());
+        const int rc = inflate(&zs, Z_FINISH);
+        const size_t produced = out.size() - zs.avail_out;
+        inflateEnd(&zs);
+        if (rc != Z_STREAM_END) damaged(d, row0, "its compressed chunk does not decompress");
+        out.resize(produced);
+        bytes = std::move(out);
+#endif
+      }
+    }
+    if (bytes.size() != want)
+      damaged(d, row0, str_cat("its chunk holds ", bytes.size(), " bytes of descriptors, not ", want));
+    d.chunk_bytes = std::move(bytes);
+    d.cached_chunk = k;
+    return d.chunk_bytes;
+  }
+
+  // The global heap collection at file address `addr` (from the descriptors), parsed and bounded by the file.
+  const HeapCollection& collection(const Dataset& d, uint64_t row, uint64_t addr) const {
+    if (auto it = heaps_.find(addr); it != heaps_.end()) return it->second;
+    const uint64_t header = 8 + sizeof_size_;  // "GCOL", version, 3 reserved bytes, collection size
+    if (addr > file_size_ || base_ > file_size_ - addr || header > file_size_ - addr - base_)
+      damaged(d, row, str_cat("heap collection address ", addr, " is outside the file"));
+    const uint64_t at = base_ + addr;
+    uint8_t head[16];
+    pread_exact(at, head, header);
+    if (std::memcmp(head, "GCOL", 4) != 0 || head[4] != 1)
+      damaged(d, row, str_cat("no global heap collection at address ", addr));
+    const uint64_t size = read_le(head + 8, sizeof_size_);
+    if (size < header || size > file_size_ - at)
+      damaged(d, row, str_cat("heap collection at address ", addr, " claims ", size, " bytes"));
+    if (heaps_.size() >= 64) heaps_.clear();  // rows point into a few collections at a time
+    HeapCollection& c = heaps_[addr];
+    c.bytes.resize(size);
+    pread_exact(at, c.bytes.data(), size);
+    // Objects: index (2 bytes), reference count (2), reserved (4), size, data padded to 8 bytes; index 0 is the
+    // free space and ends the list.
+    const uint64_t object_header = 8 + sizeof_size_;
+    for (uint64_t pos = header; pos + object_header <= size;) {
+      const uint32_t index = static_cast<uint32_t>(read_le(c.bytes.data() + pos, 2));
+      if (index == 0) break;
+      const uint64_t bytes = read_le(c.bytes.data() + pos + 8, sizeof_size_);
+      const uint64_t data = pos + object_header;
+      if (bytes > size - data) {
+        heaps_.erase(addr);
+        damaged(d, row, str_cat("object ", index, " of the heap collection at address ", addr, " runs past its end"));
+      }
+      c.objects[index] = {static_cast<size_t>(data), bytes};
+      pos = data + (bytes + 7) / 8 * 8;
+    }
+    return c;
+  }
+
+  // Rows [row0, row0 + count) of a variable-length dataset, each element converted to int32 (saturating).
+  Rows read_vlen(Dataset& d, hsize_t row0, hsize_t count) const {
+    Rows out;
+    out.offsets.reserve(count + 1);
+    const uint64_t desc = descriptor_bytes();
+    std::vector<uint8_t> contiguous;
+    if (d.layout == H5D_CONTIGUOUS && count > 0) {
+      contiguous.resize(count * desc);
+      pread_exact(d.contiguous_offset + row0 * desc, contiguous.data(), contiguous.size());
+    }
+    for (hsize_t i = 0; i < count; ++i) {
+      const uint64_t row = row0 + i;
+      const uint8_t* p = d.layout == H5D_CONTIGUOUS
+                             ? contiguous.data() + i * desc
+                             : chunk_descriptors(d, row / d.chunk_rows).data() + (row % d.chunk_rows) * desc;
+      const uint64_t length = read_le(p, 4), addr = read_le(p + 4, sizeof_addr_);
+      const uint32_t index = static_cast<uint32_t>(read_le(p + 4 + sizeof_addr_, 4));
+      if (length > 0) {
+        const HeapCollection& c = collection(d, row, addr);
+        const auto it = c.objects.find(index);
+        if (it == c.objects.end())
+          damaged(d, row, str_cat("heap collection at address ", addr, " has no object ", index));
+        if (it->second.second != length * d.elem_bytes)
+          damaged(d, row, str_cat(length, " elements of ", d.elem_bytes, " bytes, but heap object ", index, " holds ",
+                                  it->second.second, " bytes"));
+        const uint8_t* e = c.bytes.data() + it->second.first;
+        for (uint64_t k = 0; k < length; ++k, e += d.elem_bytes) {
+          uint64_t u = 0;
+          for (size_t b = 0; b < d.elem_bytes; ++b) u |= uint64_t{e[d.elem_big_endian ? d.elem_bytes - 1 - b : b]} << (8 * b);
+          int64_t v;
+          if (d.elem_signed && d.elem_bytes < 8 && (u >> (8 * d.elem_bytes - 1)) != 0)
+            v = static_cast<int64_t>(u | (~uint64_t{0} << (8 * d.elem_bytes)));  // sign-extended
+          else if (!d.elem_signed && u > static_cast<uint64_t>(INT64_MAX))
+            v = INT64_MAX;
+          else
+            v = static_cast<int64_t>(u);
+          out.flat.push_back(static_cast<int32_t>(std::clamp<int64_t>(v, INT32_MIN, INT32_MAX)));
+        }
+      }
+      out.offsets.push_back(out.flat.size());
+    }
+    return out;
+  }
+
   // Rows [row0, row0 + count) of `d`: a fixed dataset gives dims[1] (or 1) values per row, a vlen one its row.
-  Rows read(const Dataset& d, hsize_t row0, hsize_t count) const {
+  Rows read(Dataset& d, hsize_t row0, hsize_t count) const {
+    if (d.vlen) return read_vlen(d, row0, count);
     Rows out;
     Handle fspace(H5Dget_space(d.id.get()), H5Sclose);
-    NOPAD_CHECK(fspace.get() >= 0, "HDF5 file ", name_, ": cannot read the shape of dataset '", d.name, "'");
+    NOPAD_CHECK(fspace.get() >= 0, "HDF5 file ", name_, ": cannot read the shape of dataset '", d.name, "'",
+                hdf5_says());
     const hsize_t cols = d.dims.size() == 2 ? d.dims[1] : 1;
     std::vector<hsize_t> start(d.dims.size(), 0), cnt = d.dims;
     start[0] = row0;
     cnt[0] = count;
     NOPAD_CHECK(H5Sselect_hyperslab(fspace.get(), H5S_SELECT_SET, start.data(), nullptr, cnt.data(), nullptr) >= 0,
-                "HDF5 file ", name_, ": cannot select rows ", row0, "..", row0 + count, " of dataset '", d.name, "'");
+                "HDF5 file ", name_, ": cannot select rows ", row0, "..", row0 + count, " of dataset '", d.name, "'",
+                hdf5_says());
     Handle mspace(H5Screate_simple(static_cast<int>(cnt.size()), cnt.data(), nullptr), H5Sclose);
-    NOPAD_CHECK(mspace.get() >= 0, "HDF5 file ", name_, ": cannot create a memory space for '", d.name, "'");
-    if (!d.vlen) {
-      out.flat.resize(static_cast<size_t>(count * cols));
-      if (count > 0)
-        NOPAD_CHECK(H5Dread(d.id.get(), H5T_NATIVE_INT32, mspace.get(), fspace.get(), H5P_DEFAULT, out.flat.data()) >= 0,
-                    "HDF5 file ", name_, ": cannot read rows ", row0, "..", row0 + count, " of dataset '", d.name,
-                    "' (damaged file or unsupported compression filter?)");
-      out.offsets.resize(static_cast<size_t>(count + 1));
-      for (hsize_t i = 0; i <= count; ++i) out.offsets[i] = i * cols;
-      return out;
-    }
-    Handle mtype(H5Tvlen_create(H5T_NATIVE_INT32), H5Tclose);
-    NOPAD_CHECK(mtype.get() >= 0, "HDF5 file ", name_, ": cannot create a vlen memory type");
-    std::vector<hvl_t> buf(static_cast<size_t>(count));
-    if (count == 0) return out;
-    NOPAD_CHECK(H5Dread(d.id.get(), mtype.get(), mspace.get(), fspace.get(), H5P_DEFAULT, buf.data()) >= 0,
-                "HDF5 file ", name_, ": cannot read rows ", row0, "..", row0 + count, " of dataset '", d.name,
-                "' (damaged file or unsupported compression filter?)");
-    size_t total = 0;
-    for (const hvl_t& v : buf) total += v.len;
-    out.flat.reserve(total);
-    out.offsets.reserve(buf.size() + 1);
-    for (const hvl_t& v : buf) {
-      const auto* p = static_cast<const int32_t*>(v.p);
-      out.flat.insert(out.flat.end(), p, p + v.len);
-      out.offsets.push_back(out.flat.size());
-    }
-#if H5_VERSION_GE(1, 12, 0)
-    const herr_t freed = H5Treclaim(mtype.get(), mspace.get(), H5P_DEFAULT, buf.data());
-#else
-    const herr_t freed = H5Dvlen_reclaim(mtype.get(), mspace.get(), H5P_DEFAULT, buf.data());
-#endif
-    NOPAD_CHECK(freed >= 0, "HDF5 file ", name_, ": cannot release vlen rows of dataset '", d.name, "'");
+    NOPAD_CHECK(mspace.get() >= 0, "HDF5 file ", name_, ": cannot create a memory space for '", d.name, "'",
+                hdf5_says());
+    out.flat.resize(static_cast<size_t>(count * cols));
+    if (count > 0)
+      NOPAD_CHECK(H5Dread(d.id.get(), H5T_NATIVE_INT32, mspace.get(), fspace.get(), H5P_DEFAULT, out.flat.data()) >= 0,
+                  "HDF5 file ", name_, ": cannot read rows ", row0, "..", row0 + count, " of dataset '", d.name,
+                  "' (damaged file or unsupported compression filter?)", hdf5_says());
+    out.offsets.resize(static_cast<size_t>(count + 1));
+    for (hsize_t i = 0; i <= count; ++i) out.offsets[i] = i * cols;
     return out;
   }
 
@@ -195,6 +489,10 @@ class Hdf5Reader {
  private:
   std::string name_;
   Handle file_;
+  int fd_ = -1;
+  uint64_t file_size_ = 0, base_ = 0;
+  size_t sizeof_addr_ = 8, sizeof_size_ = 8;
+  mutable std::map<uint64_t, HeapCollection> heaps_;  // by address, a bounded cache
 };
 
 }  // namespace
@@ -278,7 +576,10 @@ Hdf5FileSummary read_hdf5_instances(const std::filesystem::path& path, const Hdf
     sink(std::move(inst));
   };
 
-  const hsize_t block = static_cast<hsize_t>(opt.rows_per_block);
+  // Rows per block, fewer for wide rows: a block's fixed-size values stay under 16M int32 (64 MB) a field.
+  const hsize_t widest = fixed ? std::max(ds[0].dims[1], ds[2].dims[1]) : 1;
+  const hsize_t block = std::max<hsize_t>(1, std::min<hsize_t>(static_cast<hsize_t>(opt.rows_per_block),
+                                                              (hsize_t{1} << 24) / widest));
   for (hsize_t row0 = 0; row0 < num_rows; row0 += block) {
     const hsize_t count = std::min(block, num_rows - row0);
     if (!lock.owns_lock()) {
@@ -286,7 +587,7 @@ Hdf5FileSummary read_hdf5_instances(const std::filesystem::path& path, const Hdf
       quiet.emplace();
     }
     std::vector<Rows> rows;
-    for (const Dataset& d : ds) rows.push_back(r.read(d, row0, count));
+    for (Dataset& d : ds) rows.push_back(r.read(d, row0, count));
     // Parse and validate without holding the HDF5 lock, so other files' reads proceed meanwhile.
     quiet.reset();
     lock.unlock();

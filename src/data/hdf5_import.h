@@ -5,8 +5,9 @@
 //   packed    vlen rows as "variable" holding up to 3 sequences each, plus vlen packed_input_len,
 //             packed_masked_lm_len and next_sentence_labels (one entry per packed sequence); a sequence's masked
 //             positions are offset by the lengths of the sequences before it in the row.
-// Any integer dtype is accepted (read through a native int32 memory type); float dtypes, wrong ranks, missing
-// fields, mismatched row counts and inconsistent content throw one nopad::Error naming the file, field and row.
+// Any integer dtype is accepted (converted to int32, saturating); float dtypes, wrong ranks, missing fields, mismatched
+// row counts, inconsistent content and damaged variable-length data (parsed by nopad, bounded by the file, never by
+// libhdf5's conversion) throw one nopad::Error naming the file, field and row.
 #pragma once
 #include <cstdint>
 #include <filesystem>

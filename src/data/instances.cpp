@@ -30,15 +30,21 @@ void TokenizedCorpus::add_document(const std::vector<std::vector<int32_t>>& sent
 
 namespace {
 
-// Removes tokens from the longer side, at its front or back with equal probability, until the pair fits.
+// Removes tokens from the longer side, at its front or back with equal probability, until the pair fits. The draws
+// are those of Google BERT's loop (one per token removed); the removals are counted first and done once, so a
+// sentence of n tokens costs O(n), not the O(n^2) of erasing its front token by token.
 void truncate_seq_pair(std::vector<int32_t>& a, std::vector<int32_t>& b, size_t max_num_tokens, Rng& rng) {
-  while (a.size() + b.size() > max_num_tokens) {
-    std::vector<int32_t>& t = a.size() > b.size() ? a : b;
-    if (rng.uniform() < 0.5)
-      t.erase(t.begin());
-    else
-      t.pop_back();
+  size_t len_a = a.size(), len_b = b.size();
+  size_t front_a = 0, front_b = 0;
+  while (len_a + len_b > max_num_tokens) {
+    const bool from_a = len_a > len_b;
+    if (rng.uniform() < 0.5) ++(from_a ? front_a : front_b);
+    --(from_a ? len_a : len_b);
   }
+  a.erase(a.begin(), a.begin() + static_cast<std::ptrdiff_t>(front_a));
+  a.resize(len_a);
+  b.erase(b.begin(), b.begin() + static_cast<std::ptrdiff_t>(front_b));
+  b.resize(len_b);
 }
 
 }  // namespace

@@ -99,12 +99,28 @@ std::vector<fs::path> expand_inputs(const std::vector<fs::path>& inputs) {
       NOPAD_CHECK(!stdin_seen, "--input - is given twice: standard input can be read only once");
       stdin_seen = true;
       files.push_back(in);
-    } else if (fs::is_regular_file(in, ec) || fs::is_fifo(in, ec) || fs::is_character_file(in, ec)) {
+      continue;
+    }
+    const fs::file_status st = fs::status(in, ec);
+    if (ec && !is_missing_path_error(ec)) fail_unreadable_path("input", in, ec);
+    if (fs::is_regular_file(st) || fs::is_fifo(st) || fs::is_character_file(st)) {
       files.push_back(in);  // a pipe: a process substitution such as <(zcat FILE), or a named pipe
-    } else if (fs::is_directory(in, ec)) {
+    } else if (fs::is_directory(st)) {
+      // Every file below, hidden ones skipped; links to folders are not followed (so a link cannot loop the walk),
+      // and an entry that cannot be read (a link that loops, a folder without permission) is an error naming it.
       std::vector<fs::path> found;
-      for (const auto& e : fs::recursive_directory_iterator(in))
-        if (e.is_regular_file() && e.path().filename().string().rfind('.', 0) != 0) found.push_back(e.path());
+      fs::recursive_directory_iterator it(in, ec);
+      if (ec) fail_unreadable_path("input folder", in, ec);
+      for (const fs::recursive_directory_iterator end; it != end;) {
+        const fs::path entry = it->path();
+        if (entry.filename().string().rfind('.', 0) != 0) {
+          const bool regular = it->is_regular_file(ec);
+          if (ec && !is_missing_path_error(ec)) fail_unreadable_path("input", entry, ec);
+          if (regular) found.push_back(entry);
+        }
+        it.increment(ec);  // descends into `entry` when it is a folder
+        if (ec) fail_unreadable_path("input folder", entry, ec);
+      }
       NOPAD_CHECK(!found.empty(), "input folder ", in.string(), " holds no files");
       std::sort(found.begin(), found.end());
       files.insert(files.end(), found.begin(), found.end());

@@ -19,6 +19,22 @@ uint32_t header_crc(ShardFileHeader h) {
   return crc32(&h, sizeof h);
 }
 
+// Index of the first of `count` ids (T: u16 or u32) that is >= limit, or `count` when there is none. Blocks of ids
+// are scanned for their maximum first (a loop the compiler vectorises), so a good section costs about a memory pass.
+template <class T>
+uint64_t first_id_at_or_above(const T* ids, uint64_t count, uint64_t limit) {
+  constexpr uint64_t kBlock = 4096;
+  for (uint64_t b = 0; b < count; b += kBlock) {
+    const uint64_t e = std::min(count, b + kBlock);
+    T most = 0;
+    for (uint64_t i = b; i < e; ++i) most = std::max(most, ids[i]);
+    if (most < limit) continue;
+    for (uint64_t i = b; i < e; ++i)
+      if (ids[i] >= limit) return i;
+  }
+  return count;
+}
+
 }  // namespace
 
 // ---------------------------------------------------------------------------------------------------------- writer
@@ -33,7 +49,7 @@ void ShardWriter::add(const Instance& inst) {
   const size_t n = inst.tokens.size();
   const size_t index = a_lengths_.size();
   auto bad = [&](const auto&... what) { fail("shard ", path_.string(), ", sample ", index, ": ", what...); };
-  if (n < 2 || n > 65535) bad("length ", n, " outside [2, 65535]");
+  if (n < 2 || n > kShardMaxSeqLength) bad("length ", n, " outside [2, ", kShardMaxSeqLength, "]");
   if (inst.a_length < 2 || static_cast<size_t>(inst.a_length) > n) bad("segment A length ", inst.a_length, " invalid");
   if (inst.nsp_label != 0 && inst.nsp_label != 1) bad("next-sentence label ", inst.nsp_label, " is not 0 or 1");
   if (inst.mlm_positions.size() != inst.mlm_labels.size()) bad("masked positions and labels differ in count");
@@ -165,6 +181,19 @@ ShardReader::ShardReader(const std::filesystem::path& path, const Options& optio
               "shard ", name, " has an unexpected header layout");
   NOPAD_CHECK(header_.token_bytes == 2 || header_.token_bytes == 4, "shard ", name, ": token width ",
               header_.token_bytes, " is not 2 or 4");
+  // Every header field is bounded before anything uses it (a valid CRC only says the header was written so): later
+  // code sizes buffers and tables from vocab_size and max_seq_length.
+  const auto bad_field = [&](const char* field, uint64_t value, const auto&... why) {
+    fail("shard ", name, " is corrupted: header field ", field, " is ", value, ", ", why...,
+         " (re-create it with nopad prepare or convert)");
+  };
+  const uint32_t max_vocab = header_.token_bytes == 2 ? 65536u : static_cast<uint32_t>(INT32_MAX);
+  if (header_.vocab_size < 1 || header_.vocab_size > max_vocab)
+    bad_field("vocab_size", header_.vocab_size, "outside [1, ", max_vocab, "] for ", header_.token_bytes,
+              "-byte token ids");
+  if (header_.max_seq_length > kShardMaxSeqLength)
+    bad_field("max_seq_length", header_.max_seq_length, "above the format's limit of ", kShardMaxSeqLength,
+              " tokens");
   if (options.expect_vocab_checksum >= 0)
     NOPAD_CHECK(header_.vocab_checksum == static_cast<uint32_t>(options.expect_vocab_checksum), "shard ", name,
                 " was built with another vocabulary (checksum ", header_.vocab_checksum, ", expected ",
@@ -209,6 +238,7 @@ ShardReader::ShardReader(const std::filesystem::path& path, const Options& optio
   // The index must be consistent before any sample is served (this reads only the index, not the payload).
   NOPAD_CHECK(token_offsets_[0] == 0 && token_offsets_[n] == t && mlm_offsets_[0] == 0 && mlm_offsets_[n] == m,
               "shard ", name, " is corrupted: offsets do not span the payload");
+  uint64_t longest = 0;
   for (uint64_t i = 0; i < n; ++i) {
     const uint64_t len = token_offsets_[i + 1] - token_offsets_[i];
     const uint64_t masked = mlm_offsets_[i + 1] - mlm_offsets_[i];
@@ -216,6 +246,29 @@ ShardReader::ShardReader(const std::filesystem::path& path, const Options& optio
         len > header_.max_seq_length || masked > len || a_lengths_[i] < 2 || a_lengths_[i] > len || nsp_labels_[i] > 1)
       fail("shard ", name, " is corrupted: index entry of sample ", i, " is inconsistent (length ", len, ", masked ",
            masked, ")");
+    longest = std::max(longest, len);
+  }
+  // The writer stores the longest sample's length; readers size per-length tables and model positions from it.
+  if (header_.max_seq_length != longest)
+    bad_field("max_seq_length", header_.max_seq_length, "but its longest sample has ", longest, " tokens");
+
+  // Token ids and masked labels index the model's embeddings: with the payload read anyway for its checksums, every
+  // one is checked against vocab_size here, so a bad one is named by shard and sample, not met inside the model.
+  if (options.verify_checksums && (header_.token_bytes == 4 || header_.vocab_size < 65536)) {
+    const auto check_ids = [&](const uint8_t* ids, uint64_t count, const uint64_t* offsets, const char* what) {
+      const uint64_t k = header_.token_bytes == 2
+                             ? first_id_at_or_above(reinterpret_cast<const uint16_t*>(ids), count, header_.vocab_size)
+                             : first_id_at_or_above(reinterpret_cast<const uint32_t*>(ids), count, header_.vocab_size);
+      if (k == count) return;
+      const uint64_t i = static_cast<uint64_t>(std::upper_bound(offsets, offsets + n + 1, k) - offsets) - 1;
+      const uint64_t id = header_.token_bytes == 2 ? reinterpret_cast<const uint16_t*>(ids)[k]
+                                                   : reinterpret_cast<const uint32_t*>(ids)[k];
+      fail("shard ", name, ", sample ", i, ": ", what, " ", id, " (entry ", k - offsets[i], " of the sample) is outside "
+           "the shard's vocabulary of ", header_.vocab_size, " tokens: the shard is corrupted or was not made with "
+           "this vocabulary (re-create it with nopad prepare or convert)");
+    };
+    check_ids(tokens_, t, token_offsets_, "token id");
+    check_ids(mlm_labels_, m, mlm_offsets_, "masked label");
   }
 }
 
@@ -259,12 +312,23 @@ void ShardReader::validate_samples() const {
 
 std::vector<std::filesystem::path> list_shards(const std::filesystem::path& dir_or_file) {
   std::error_code ec;
-  if (std::filesystem::is_regular_file(dir_or_file, ec)) return {dir_or_file};
-  NOPAD_CHECK(std::filesystem::is_directory(dir_or_file, ec), "dataset ", dir_or_file.string(),
+  const std::filesystem::file_status st = std::filesystem::status(dir_or_file, ec);
+  if (ec && !is_missing_path_error(ec)) fail_unreadable_path("dataset", dir_or_file, ec);
+  if (std::filesystem::is_regular_file(st)) return {dir_or_file};
+  NOPAD_CHECK(std::filesystem::is_directory(st), "dataset ", dir_or_file.string(),
               " does not exist (expected a folder of .nopad shards made by nopad prepare or nopad convert)");
   std::vector<std::filesystem::path> out;
-  for (const auto& e : std::filesystem::directory_iterator(dir_or_file))
-    if (e.is_regular_file() && e.path().extension() == kShardExtension) out.push_back(e.path());
+  std::filesystem::directory_iterator it(dir_or_file, ec);
+  if (ec) fail_unreadable_path("dataset folder", dir_or_file, ec);
+  for (const std::filesystem::directory_iterator end; it != end;) {
+    if (it->path().extension() == kShardExtension) {
+      const bool regular = it->is_regular_file(ec);  // a shard may be a link; one that loops is named
+      if (ec && !is_missing_path_error(ec)) fail_unreadable_path("shard", it->path(), ec);
+      if (regular) out.push_back(it->path());
+    }
+    it.increment(ec);
+    if (ec) fail_unreadable_path("dataset folder", dir_or_file, ec);
+  }
   std::sort(out.begin(), out.end());
   NOPAD_CHECK(!out.empty(), "dataset folder ", dir_or_file.string(), " holds no .nopad shards");
   return out;

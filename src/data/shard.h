@@ -30,6 +30,7 @@ enum class ShardSection : uint32_t {
   kMlmLabels = 7,     // u16[M] or u32[M]: original token ids
 };
 inline constexpr uint32_t kShardNumSections = 7;
+inline constexpr uint32_t kShardMaxSeqLength = 65535;  // masked positions are u16
 
 #pragma pack(push, 1)
 struct ShardFileHeader {
@@ -106,6 +107,7 @@ struct SampleRef {
 class ShardReader {
  public:
   struct Options {
+    // Every section's CRC-32, and every token id and masked label < vocab_size (both read the whole payload).
     bool verify_checksums = true;
     // When set (>= 0), the shard's vocabulary checksum must equal it.
     int64_t expect_vocab_checksum = -1;

@@ -10,12 +10,14 @@ namespace nopad {
 
 DatasetStats compute_stats(const Dataset& dataset, uint32_t padded_length) {
   DatasetStats s;
-  s.length_counts.assign(dataset.max_seq_length() + 1, 0);
+  // The tables grow with the lengths seen, never from a header's claim.
+  s.length_counts.assign(1, 0);
   s.min_length = UINT32_MAX;
   for (size_t sh = 0; sh < dataset.num_shards(); ++sh) {
     const ShardReader& r = dataset.shard(sh);
     for (uint64_t i = 0; i < r.num_seqs(); ++i) {
       const uint32_t len = r.length(i), masked = r.num_masked(i);
+      if (len >= s.length_counts.size()) s.length_counts.resize(len + 1, 0);
       ++s.length_counts[len];
       if (masked >= s.masked_counts.size()) s.masked_counts.resize(masked + 1, 0);
       ++s.masked_counts[masked];

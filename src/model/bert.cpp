@@ -16,7 +16,49 @@ template <class U>
 U* BertModel<P>::alloc(size_t count) {
   void* p = backend_.allocate_bytes(std::max<size_t>(count, 1) * sizeof(U));
   allocations_.push_back(p);
+  allocated_bytes_ += std::max<size_t>(count, 1) * sizeof(U);
   return static_cast<U*>(p);
+}
+
+// Mirrors the constructor's alloc calls below, in the same order (keep the two together).
+template <class P>
+uint64_t BertModel<P>::planned_bytes(const BertConfig& config, int64_t max_tokens, int64_t max_seqs,
+                                     int64_t max_masked, int64_t probs_ld) {
+  const uint64_t T = static_cast<uint64_t>(std::max<int64_t>(max_tokens, 0)),
+                 B = static_cast<uint64_t>(std::max<int64_t>(max_seqs, 0)),
+                 M = static_cast<uint64_t>(std::max<int64_t>(max_masked, 0)),
+                 H = static_cast<uint64_t>(config.hidden_size), I = static_cast<uint64_t>(config.intermediate_size),
+                 NH = static_cast<uint64_t>(config.num_attention_heads), L = static_cast<uint64_t>(config.num_hidden_layers),
+                 V = static_cast<uint64_t>(probs_ld);
+  const uint64_t a = sizeof(A), st = sizeof(St), i32 = sizeof(int32_t);
+  uint64_t bytes = 0;
+  const auto add = [&](uint64_t count, uint64_t size) { bytes += std::max<uint64_t>(count, 1) * size; };
+  const uint64_t numel = ParamLayout(config).total_numel();
+  add(numel, sizeof(W));
+  add(numel, sizeof(G));
+  for (uint64_t l = 0; l < L; ++l) {
+    for (const uint64_t n : {T * 3 * H, T * H}) add(n, a);  // qkv, ctx
+    add(NH * T, st);                                         // lse
+    for (const uint64_t n : {T * H, T * H}) add(n, a);       // attn_dense, out1
+    add(T, st), add(T, st);                                  // ln1
+    for (const uint64_t n : {T * I, T * I, T * H, T * H}) add(n, a);  // inter_grad, inter_act, ffn_dense, out2
+    add(T, st), add(T, st);                                           // ln2
+  }
+  const uint64_t N = std::min(T, B + M);
+  for (int slot = 0; slot < 2; ++slot) add(N, i32), add(N, i32), add(B + 1, i32), add(M, i32);
+  for (const uint64_t n : {N * H, N * H, N * H, N * 3 * H}) add(n, a);  // last_ctx, last_h, d_last_h, last_qkv
+  for (int slot = 0; slot < 2; ++slot) {
+    for (const uint64_t n : {T, T, T, B + 1, M, M, B}) add(n, i32);  // tokens .. nsp_labels
+    add(B, sizeof(uint64_t));                                       // sample_ids
+    add(B, i32);                                                    // by_length
+  }
+  add(T * H, a), add(T, st), add(T, st);                            // embeddings' output and LayerNorm
+  for (const uint64_t n : {M * H, M * H, M * H}) add(n, a);         // MLM gathered, transform_act_grad, _act
+  add(M, st), add(M, st), add(M * H, a), add(M * V, a);             // MLM LayerNorm, ln_out, probs
+  add(B * H, a), add(B * H, a), add(B * 2, a);                      // NSP
+  add(2, st), add(2, i32);                                          // loss sums, correct counts
+  for (const uint64_t n : {T * H, T * H, T * H, T * H, T * 3 * H, T * I}) add(n, a);  // backward's buffers
+  return bytes;
 }
 
 template <class P>

@@ -84,6 +84,12 @@ class BertModel {
   BertModel(const BertConfig& config, ops::Backend<P>& backend, int32_t max_tokens, int32_t max_seqs,
             int32_t max_masked);
   ~BertModel();
+  // The bytes of backend memory the constructor takes for this capacity (parameters, gradients, activations, batch
+  // copies), without allocating: what a caller sizes a batch to memory with. probs_ld is the backend's
+  // mlm_logits_row_stride(vocab_size). Equal to allocated_bytes() of a model built so (a test holds them together).
+  static uint64_t planned_bytes(const BertConfig& config, int64_t max_tokens, int64_t max_seqs, int64_t max_masked,
+                                int64_t probs_ld);
+  uint64_t allocated_bytes() const { return allocated_bytes_; }  // requested from the backend by the constructor
   BertModel(const BertModel&) = delete;
   BertModel& operator=(const BertModel&) = delete;
 
@@ -178,6 +184,7 @@ class BertModel {
   ParamLayout layout_;
   int32_t max_tokens_, max_seqs_, max_masked_;
   std::vector<void*> allocations_;
+  uint64_t allocated_bytes_ = 0;
   W* params_ = nullptr;
   G* grads_ = nullptr;
   std::vector<Layer> layers_;

@@ -3,7 +3,9 @@
 
 #include <filesystem>
 #include <fstream>
+#include <limits>
 #include <set>
+#include <type_traits>
 
 #include "core/error.h"
 #include "core/philox.h"
@@ -28,10 +30,23 @@ const std::set<std::string>& ignored_hf_keys() {
 
 template <class T>
 T get_field(const nlohmann::json& j, const char* key, const std::string& source) {
-  try {
-    return j.at(key).get<T>();
-  } catch (const nlohmann::json::exception& e) {
-    fail(source, ": field \"", key, "\" has the wrong type (", e.what(), ")");
+  if constexpr (std::is_integral_v<T> && !std::is_same_v<T, bool>) {
+    // nlohmann converts 128.5 to 128 and 2^40 to 0 when asked for an int32: an integer field takes only integers
+    // that fit.
+    const nlohmann::json& v = j.at(key);
+    NOPAD_CHECK(v.is_number_integer(), source, ": field \"", key, "\" must be an integer, got ", v.dump());
+    constexpr int64_t lo = std::numeric_limits<T>::min(), hi = std::numeric_limits<T>::max();
+    const bool fits = v.is_number_unsigned() ? v.get<uint64_t>() <= static_cast<uint64_t>(hi)
+                                             : v.get<int64_t>() >= lo && v.get<int64_t>() <= hi;
+    NOPAD_CHECK(fits, source, ": field \"", key, "\" = ", v.dump(), " is out of range: it must be in [", lo, ", ",
+                hi, "]");
+    return static_cast<T>(v.get<int64_t>());
+  } else {
+    try {
+      return j.at(key).get<T>();
+    } catch (const nlohmann::json::exception& e) {
+      fail(source, ": field \"", key, "\" has the wrong type (", e.what(), ")");
+    }
   }
 }
 

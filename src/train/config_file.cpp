@@ -201,7 +201,8 @@ void Config::set(const std::string& key, ConfigValue v, const std::string& where
       NOPAD_CHECK(v.type == ConfigType::kInt, where, ": expected an integer for ", key, ", got ",
                   v.type == ConfigType::kString ? quote(v.text) : v.text);
       int64_t i;
-      NOPAD_CHECK(parse_int(v.text, &i), where, ": integer ", v.text, " for ", key, " is out of range");
+      NOPAD_CHECK(parse_int(v.text, &i), where, ": integer ", v.text, " for ", key,
+                  " is out of range: it must be in [", INT64_MIN, ", ", INT64_MAX, "]");
       break;
     case ConfigType::kFloat:
       NOPAD_CHECK(v.type == ConfigType::kInt || v.type == ConfigType::kFloat, where, ": expected a number for ", key,
@@ -309,6 +310,10 @@ int64_t Config::get_int(std::string_view key) const {
   NOPAD_CHECK(v.type == ConfigType::kInt && parse_int(v.text, &i), "config: expected an integer for ", key,
               ", got ", v.text, " (", v.source, ")");
   return i;
+}
+
+void Config::fail_out_of_range(std::string_view key, int64_t v, int64_t lo, int64_t hi) const {
+  fail("config: ", key, " = ", v, " (", value(key).source, ") is out of range: it must be in [", lo, ", ", hi, "]");
 }
 
 double Config::get_double(std::string_view key) const {

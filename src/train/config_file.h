@@ -15,6 +15,7 @@
 // records where everything was.
 #pragma once
 #include <cstdint>
+#include <limits>
 #include <map>
 #include <string>
 #include <string_view>
@@ -100,12 +101,25 @@ class Config {
   int64_t get_int(std::string_view key) const;
   double get_double(std::string_view key) const;
   bool get_bool(std::string_view key) const;
+  // An integral T narrower than int64 is range-checked: a value outside T's range is an error naming the key, the
+  // value, where it was set and the range (never a silent wrap-around, 2^40 read as 0).
   template <class T>
   T get(std::string_view key) const {
-    if constexpr (std::is_same_v<T, bool>) return get_bool(key);
-    else if constexpr (std::is_integral_v<T>) return static_cast<T>(get_int(key));
-    else if constexpr (std::is_floating_point_v<T>) return static_cast<T>(get_double(key));
-    else return get_string(key);
+    if constexpr (std::is_same_v<T, bool>) {
+      return get_bool(key);
+    } else if constexpr (std::is_integral_v<T>) {
+      const int64_t v = get_int(key);
+      constexpr int64_t lo = std::is_signed_v<T> ? static_cast<int64_t>(std::numeric_limits<T>::min()) : 0;
+      constexpr int64_t hi = static_cast<uint64_t>(std::numeric_limits<T>::max()) > uint64_t{INT64_MAX}
+                                 ? INT64_MAX
+                                 : static_cast<int64_t>(std::numeric_limits<T>::max());
+      if (v < lo || v > hi) fail_out_of_range(key, v, lo, hi);
+      return static_cast<T>(v);
+    } else if constexpr (std::is_floating_point_v<T>) {
+      return static_cast<T>(get_double(key));
+    } else {
+      return get_string(key);
+    }
   }
 
   bool is_set(std::string_view key) const { return values_.count(std::string(key)) != 0; }
@@ -118,6 +132,7 @@ class Config {
 
  private:
   const ConfigValue& value(std::string_view key) const;
+  [[noreturn]] void fail_out_of_range(std::string_view key, int64_t v, int64_t lo, int64_t hi) const;
   void set(const std::string& key, ConfigValue v, const std::string& where, const fs::path& base_dir = {});
 
   ConfigSchema schema_;

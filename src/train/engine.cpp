@@ -196,6 +196,49 @@ std::string resolve_precision(const std::string& precision, const std::string& d
   return precision;
 }
 
+uint64_t cpu_engine_bytes(const EngineOptions& o) {
+  const BertConfig& c = o.config;
+  const uint64_t V = static_cast<uint64_t>(c.vocab_size), H = static_cast<uint64_t>(c.hidden_size),
+                 I = static_cast<uint64_t>(c.intermediate_size);
+  const uint64_t model = BertModel<ops::CpuF32>::planned_bytes(c, o.max_tokens, o.max_seqs, o.max_masked, c.vocab_size);
+  const uint64_t moments = (2 * ParamLayout(c).total_numel() + 1) * sizeof(float);
+  // The backend's grow-only scratch in a forward: the transposed weight of the widest dense layer (the MLM decoder,
+  // [V, H]), each row's sequence and the masked rows' losses.
+  const uint64_t scratch = (std::max({V, I, 3 * H}) * H + static_cast<uint64_t>(o.max_tokens) +
+                            2 * static_cast<uint64_t>(o.max_masked)) * sizeof(float);
+  return model + moments + scratch;
+}
+
+EngineOptions with_batch(EngineOptions o, int32_t batch, int64_t max_len, int64_t max_masked) {
+  o.max_tokens = static_cast<int32_t>(batch * max_len);
+  o.max_seqs = batch;
+  o.max_masked = static_cast<int32_t>(batch * max_masked);
+  return o;
+}
+
+void check_cpu_batch_fits(const EngineOptions& options, int32_t asked, int32_t batch, int64_t max_len,
+                          int64_t max_masked, const HostMemory& memory) {
+  const auto need = [&](int32_t b) {
+    const uint64_t host_batch = static_cast<uint64_t>(b) * static_cast<uint64_t>(12 * max_len + 8 * max_masked + 40);
+    return cpu_engine_bytes(with_batch(options, b, max_len, max_masked)) + host_batch;
+  };
+  const uint64_t usable = memory.available_bytes / 10 * 9;  // a margin for the allocator and everything else
+  if (need(batch) <= usable) return;
+  int32_t lo = 0, hi = batch;  // need(lo) fits (0: nothing does yet), need(hi) does not
+  while (hi - lo > 1) {
+    const int32_t mid = lo + (hi - lo) / 2;
+    (need(mid) <= usable ? lo : hi) = mid;
+  }
+  const std::string what = str_cat("--batch ", asked, " needs about ", format_bytes(need(batch)),
+                                   " of memory (the model, its optimizer state and the activations of ", batch,
+                                   " sequences of up to ", max_len, " tokens), but ",
+                                   format_bytes(memory.available_bytes), " is available (", memory.limited_by, ")");
+  if (lo == 0)
+    fail(what, "; even --batch 1 needs ", format_bytes(need(1)),
+         ": free memory, or evaluate on a larger machine or on a GPU (--device cuda)");
+  fail(what, ": use --batch ", lo, " or less");
+}
+
 std::unique_ptr<TrainEngine> make_engine(const std::string& device, const EngineOptions& options) {
   if (device == "cpu") return make_cpu_engine(options);
 #ifdef NOPAD_HAVE_CUDA

@@ -23,6 +23,7 @@
 #include <string>
 #include <vector>
 
+#include "core/host_memory.h"
 #include "data/batch.h"
 #include "dist/comm.h"
 #include "model/bert.h"
@@ -122,6 +123,17 @@ void accumulate(StepResult& sum, const StepResult& r);
 
 // CpuBackend<CpuF32> + BertModel + the CPU optimizer: exactly the CPU trainer's arithmetic.
 std::unique_ptr<TrainEngine> make_cpu_engine(const EngineOptions& options);
+// The host memory make_cpu_engine(options) and a forward take, in bytes: the model's (BertModel::planned_bytes), the
+// optimizer's two moments and the backend's forward scratch. For sizing a batch to memory before building it.
+uint64_t cpu_engine_bytes(const EngineOptions& options);
+// `options` with room for a batch of `batch` sequences of up to max_len tokens and max_masked masked positions each.
+EngineOptions with_batch(EngineOptions options, int32_t batch, int64_t max_len, int64_t max_masked);
+// Refuses (nopad::Error), before anything is allocated, a CPU batch (`batch` sequences as with_batch) whose engine
+// and host batch take more than 90% of `memory`: a process that allocates past what is available is killed by the
+// kernel without a word. The error names the memory needed, the memory available and the largest batch that fits;
+// `asked` is the batch as the user gave it (--batch).
+void check_cpu_batch_fits(const EngineOptions& options, int32_t asked, int32_t batch, int64_t max_len,
+                          int64_t max_masked, const HostMemory& memory);
 
 // "auto", "cpu" or "cuda" -> "cpu" or "cuda". auto: cuda when the build has CUDA and a device is visible. "cuda"
 // without either throws ("no CUDA device: ... use --set train.device=cpu"); anything else throws naming the choices.

@@ -375,7 +375,7 @@ void Trainer::Impl::setup() {
               target_accuracy);
   NOPAD_CHECK(target_accuracy == 0 || !eval_path.empty(),
               "train.target_mlm_accuracy is set but data.eval is not: the target is measured on the eval data");
-  threads = static_cast<int>(cfg.get_int("train.threads"));
+  threads = cfg.get<int>("train.threads");
   NOPAD_CHECK(threads >= 0, "train.threads must be >= 0, got ", threads);
   if (threads == 0) threads = dist::default_cpu_threads(rank_info, hardware_threads());
   device = resolve_device(cfg.get_string("train.device"), &device_note);
@@ -614,7 +614,7 @@ void Trainer::Impl::setup() {
   eo.device = rank_info.local_rank;  // one GPU per process (modulo the GPUs visible)
   eo.dist_timeout_s = dist_timeout_s;
   eo.overlap_grad_reduce = cfg.get_bool("dist.overlap");
-  eo.nccl_max_ctas = static_cast<int>(cfg.get_int("dist.nccl_max_ctas"));
+  eo.nccl_max_ctas = cfg.get<int>("dist.nccl_max_ctas");
   NOPAD_CHECK(eo.nccl_max_ctas >= 0, "dist.nccl_max_ctas must be >= 0 (0 = NCCL's default), got ", eo.nccl_max_ctas);
   {
     const std::string clip = cfg.get_string("dist.clip");

@@ -10,6 +10,7 @@
 #include <limits>
 
 #include "core/error.h"
+#include "core/host_memory.h"
 #include "core/philox.h"
 #include "core/threads.h"
 #include "ops/cpu/cpu_gelu.h"
@@ -139,8 +140,17 @@ CpuBackend<P>::CpuBackend(int num_threads) : threads_(num_threads <= 0 ? hardwar
 template <class P>
 void* CpuBackend<P>::allocate_bytes(size_t bytes) {
   const size_t rounded = (std::max<size_t>(bytes, 1) + 63) / 64 * 64;
+  // The poisoning below touches every page: past the memory available, the kernel's OOM killer would end the process
+  // without a word, so a large buffer that cannot fit is refused here, with the numbers.
+  if (rounded >= (size_t{64} << 20)) {
+    const HostMemory mem = host_memory_available(/*with_swap=*/true);
+    if (rounded > mem.available_bytes)
+      throw OutOfMemory(str_cat("out of host memory: a buffer of ", format_bytes(rounded), " does not fit in the ",
+                                format_bytes(mem.available_bytes), " available (", mem.limited_by,
+                                "); use a smaller batch"));
+  }
   void* p = std::aligned_alloc(64, rounded);
-  NOPAD_CHECK(p != nullptr, "out of host memory allocating ", bytes, " bytes");
+  if (p == nullptr) throw OutOfMemory(str_cat("out of host memory allocating ", bytes, " bytes"));
   // Poison: all-ones bytes are NaN in float and double, so anything read before it is written shows up in results.
   std::memset(p, 0xFF, rounded);
   return p;
