@@ -13,7 +13,8 @@ as_root() { if [ "$(id -u)" -eq 0 ]; then "$@"; else sudo "$@"; fi; }
 if [ "${NOPAD_SKIP_INSTALL:-0}" != 1 ]; then
   packages=(build-essential cmake ninja-build pkg-config libhdf5-dev nlohmann-json3-dev libcli11-dev libgtest-dev
             python3 python3-pip python3-venv xz-utils openmpi-bin libopenmpi-dev zlib1g-dev liblzma-dev libzstd-dev
-            zstd librsvg2-bin fonts-dejavu-core)
+            zstd librsvg2-bin fonts-dejavu-core
+            clang-16 libclang-rt-16-dev)  # the fuzz build (scripts/fuzz.sh): clang with libFuzzer and sanitizers
   missing=()
   for p in "${packages[@]}"; do dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p"); done
   if [ ${#missing[@]} -gt 0 ]; then

@@ -357,6 +357,11 @@ TEST(Documents, JsonLinesErrorsNameTheLine) {
   EXPECT_NE(e.find("input in.jsonl line 3: field \"text\" is a JSON number, not a string"), std::string::npos) << e;
   e = error(good + "{\"text\": \"unterminated}\n");
   EXPECT_NE(e.find("input in.jsonl line 3 is not valid JSON (column"), std::string::npos) << e;
+  // Valid JSON, but a number beyond double's range: an error naming the line, not an internal error.
+  e = error(good + "{\"text\": \"Big.\", \"n\": 1e999}\n");
+  EXPECT_NE(e.find("input in.jsonl line 3 holds a number too large to read (number overflow parsing '1e999')"),
+            std::string::npos)
+      << e;
   // A nested field is not a path: "meta" holds an object, "meta.text" is no key.
   const std::string nested = "{\"meta\": {\"text\": \"Inner.\"}}\n";
   e = error(nested, "meta");

@@ -175,6 +175,13 @@ std::vector<TextDocument> split_json_lines(std::string_view text, std::string_vi
       if (at != std::string::npos) what = what.substr(at);
       fail("input ", name, " line ", line_no, " is not valid JSON (", what,
            "): each line of a JSON-lines file must be one JSON object");
+    } catch (const nlohmann::json::out_of_range& e) {
+      // A number beyond double's range (1e999) is valid JSON that nlohmann refuses with out_of_range.406.
+      std::string what = e.what();
+      const size_t at = what.find("] ");
+      if (at != std::string::npos) what = what.substr(at + 2);
+      fail("input ", name, " line ", line_no, " holds a number too large to read (", what,
+           "): write it as a string, or leave the field out of the records");
     }
     NOPAD_CHECK(record.is_object(), "input ", name, " line ", line_no, " is a JSON ", record.type_name(),
                 ", not an object: each line of a JSON-lines file must be one record {\"", field, "\": \"...\", ...}");

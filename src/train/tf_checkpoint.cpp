@@ -244,7 +244,10 @@ TfCheckpoint::TfCheckpoint(const fs::path& path) {
         }
       }
       e.numel = 1;
-      for (int64_t d : e.shape) e.numel *= static_cast<size_t>(d);
+      bool overflow = false;
+      for (int64_t d : e.shape) overflow |= __builtin_mul_overflow(e.numel, static_cast<size_t>(d), &e.numel);
+      NOPAD_CHECK(!overflow, where, ": tensor ", key, " has shape ", shape_str(e.shape),
+                  ", more elements than fit in memory (the index is corrupt)");
       e.known_dtype = dtype_of(e.tf_dtype, e.dtype);
       NOPAD_CHECK(entries_.empty() || entries_.back().name < key, where, ": tensor names out of order at ", key,
                   " (the index is corrupt)");
@@ -270,8 +273,9 @@ TfCheckpoint::TfCheckpoint(const fs::path& path) {
     NOPAD_CHECK(e.offset <= data.size() && e.size <= data.size() - e.offset, data.path().string(), ": tensor ", e.name,
                 " (bytes ", e.offset, "..", e.offset + e.size, ") runs past the end of the file (", data.size(),
                 " bytes): the data file is truncated or belongs to another index");
+    // numel <= size / width first: a huge numel must not wrap the product around to the stored size.
     if (e.known_dtype)
-      NOPAD_CHECK(e.size == e.numel * dtype_size(e.dtype), where, ": tensor ", e.name, " of shape ", shape_str(e.shape),
+      NOPAD_CHECK(e.numel <= e.size / dtype_size(e.dtype) && e.size == e.numel * dtype_size(e.dtype), where, ": tensor ", e.name, " of shape ", shape_str(e.shape),
                   " and dtype ", tf_dtype_name(e.tf_dtype), " is stored in ", e.size, " bytes");
   }
 }
