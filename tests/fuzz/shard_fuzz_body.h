@@ -1,7 +1,8 @@
 // The shard-reader fuzz body, shared by the libFuzzer target (fuzz_shard_reader.cpp), the deterministic mutation
 // loop in tests/test_shard.cpp and the seed and regression replay (tests/test_fuzz_regressions.cpp): arbitrary bytes
 // are written to a file and opened with ShardReader, with and without checksum verification; every sample of an
-// accepted file is read. A file whose header checksum is wrong is also opened with that checksum repaired
+// accepted file is read, and its statistics computed and formatted as `nopad stats` does. A file whose header
+// checksum is wrong is also opened with that checksum repaired
 // (verification off), so that mutated header fields reach the checks behind it, as a lying but well-formed header
 // would. Contract: nopad::Error is the only way to reject a file; anything else (a crash, an out-of-bounds read,
 // another exception type) is a bug.
@@ -16,7 +17,9 @@
 
 #include "core/crc32.h"
 #include "core/error.h"
+#include "data/dataset.h"
 #include "data/shard.h"
+#include "data/stats.h"
 
 namespace nopad::fuzz {
 
@@ -42,6 +45,9 @@ inline bool shard_read_all(const std::filesystem::path& scratch_file, bool verif
       sink += s.a_length + s.nsp_label;
     }
     reader.validate_samples();
+    const Dataset dataset(scratch_file, Dataset::Options{verify, -1});
+    const DatasetStats stats = compute_stats(dataset);
+    sink += format_stats(stats).size() + stats_json(stats).size();
     if (sink == 0xFFFFFFFFFFFFFFFFull) std::fputs("", stderr);  // keeps the reads observable
     return true;
   } catch (const Error&) {
