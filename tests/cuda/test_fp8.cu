@@ -368,7 +368,9 @@ TEST(Fp8Scaling, DeviceUpdateMatchesCpuRecipe) {
             : k < 22 ? 3e38f
                      : std::exp2(log_amax(rng));
       }
-      ASSERT_EQ(cudaMemcpy(t.amax, amax.data(), n * sizeof(float), cudaMemcpyHostToDevice), cudaSuccess);
+      for (int i = 0; i < n; ++i)  // each tensor's slot (kFp8ScalarStride apart)
+        ASSERT_EQ(cudaMemcpy(sc.amax(i), &amax[static_cast<size_t>(i)], sizeof(float), cudaMemcpyHostToDevice),
+                  cudaSuccess);
       sc.update(nullptr);
       ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
       for (int i = 0; i < n; ++i) {
@@ -376,8 +378,19 @@ TEST(Fp8Scaling, DeviceUpdateMatchesCpuRecipe) {
         ops::fp8_update_scaling(r, amax[static_cast<size_t>(i)], twin[static_cast<size_t>(i)]);
         checked_kept += twin[static_cast<size_t>(i)].scale == before;
       }
-      const auto scale = download<float>(t.scale, n), inv = download<float>(t.scale_inv, n);
-      const auto reset = download<float>(t.amax, n);
+      const size_t slots = static_cast<size_t>(n) * kFp8ScalarStride;
+      const auto scale_all = download<float>(t.scale, slots), inv_all = download<float>(t.scale_inv, slots);
+      const auto reset_all = download<float>(t.amax, slots);
+      std::vector<float> scale(n), inv(n), reset(n);
+      for (size_t i = 0; i < static_cast<size_t>(n); ++i) {
+        scale[i] = scale_all[i * kFp8ScalarStride];
+        inv[i] = inv_all[i * kFp8ScalarStride];
+        reset[i] = reset_all[i * kFp8ScalarStride];
+        // cuBLASLt needs each scale pointer on its own 256 bytes (fp8_cast.h)
+        ASSERT_EQ(reinterpret_cast<uintptr_t>(sc.scale_inv(static_cast<int>(i))) % 256, 0u);
+        ASSERT_EQ(reinterpret_cast<uintptr_t>(sc.scale(static_cast<int>(i))) % 256, 0u);
+        ASSERT_EQ(reinterpret_cast<uintptr_t>(sc.amax(static_cast<int>(i))) % 256, 0u);
+      }
       const auto hist = download<float>(t.history, static_cast<size_t>(n) * r.history_len);
       const auto head = download<int32_t>(t.head, n);
       for (int i = 0; i < n; ++i) {
@@ -681,6 +694,82 @@ TEST(Fp8Gemm, ForwardDgradWgradMatchTheTwin) {
   }
 }
 
+// The engine keeps every tensor's scale in one Fp8Scalings table; the products must run from its pointers (cuBLASLt
+// refused them when the scales were packed 4 bytes apart) and give the same bits as with one table per operand.
+TEST(Fp8Gemm, ScalesFromOneTable) {
+  ASSERT_TRUE(have_gpu()) << "no CUDA device";
+  Fp8Gemm gemm;
+  if (!gemm.supported()) return;  // the refusal on such GPUs: ForwardDgradWgradMatchTheTwin
+  std::mt19937 rng(5);
+  const int64_t rows = 200, in = 256, out = 192;
+  const Quantised qx = quantise(random_bf16(static_cast<size_t>(rows * in), rng, 3.0f), rows, in, Fp8Format::kE4M3,
+                                true, true);
+  const Quantised qw = quantise(random_bf16(static_cast<size_t>(out * in), rng, 0.05f), out, in, Fp8Format::kE4M3,
+                                true, true);
+  const Quantised qdy = quantise(random_bf16(static_cast<size_t>(rows * out), rng, 1e-3f), rows, out,
+                                 Fp8Format::kE5M2, true, true);
+  Fp8Scalings table({Fp8Format::kE4M3, Fp8Format::kE4M3, Fp8Format::kE5M2, Fp8Format::kE4M3}, ops::Fp8Recipe{});
+  const Quantised* ops3[3] = {&qx, &qw, &qdy};
+  for (int i = 0; i < 3; ++i)  // slots 1..3: none at the allocation's start
+    CK(cudaMemcpy(table.scale_inv(i + 1), ops3[i]->d_scale_inv(), sizeof(float), cudaMemcpyDeviceToDevice));
+  Dev y_own(static_cast<size_t>(rows * out) * 2), y_tab(y_own.bytes);
+  Dev dx_own(static_cast<size_t>(rows * in) * 2), dx_tab(dx_own.bytes);
+  Dev dw_own(static_cast<size_t>(out * in) * 4), dw_tab(dw_own.bytes);
+  for (const bool shared : {false, true}) {
+    const float* sx = shared ? table.scale_inv(1) : qx.d_scale_inv();
+    const float* sw = shared ? table.scale_inv(2) : qw.d_scale_inv();
+    const float* sdy = shared ? table.scale_inv(3) : qdy.d_scale_inv();
+    Dev& y = shared ? y_tab : y_own;
+    Dev& dx = shared ? dx_tab : dx_own;
+    Dev& dw = shared ? dw_tab : dw_own;
+    CK(cudaMemset(y.p, 0xFF, y.bytes));  // poison: NaN
+    CK(cudaMemset(dx.p, 0xFF, dx.bytes));
+    CK(cudaMemset(dw.p, 0xFF, dw.bytes));
+    Fp8ForwardArgs f;
+    f.rows = rows;
+    f.n = out;
+    f.k = in;
+    f.x = qx.q->as<uint8_t>();
+    f.x_scale_inv = sx;
+    f.w = qw.q->as<uint8_t>();
+    f.w_scale_inv = sw;
+    f.y = y.as<bf16>();
+    gemm.forward(f, nullptr);
+    Fp8DgradArgs d;
+    d.rows = rows;
+    d.n = out;
+    d.k = in;
+    d.dy = qdy.q->as<uint8_t>();
+    d.dy_scale_inv = sdy;
+    d.w_t = qw.q_t->as<uint8_t>();
+    d.w_scale_inv = sw;
+    d.dx = dx.as<bf16>();
+    gemm.dgrad(d, nullptr);
+    Fp8WgradArgs g;
+    g.rows = rows;
+    g.n = out;
+    g.k = in;
+    g.ld_t = qx.ld_t;
+    g.dy_t = qdy.q_t->as<uint8_t>();
+    g.dy_scale_inv = sdy;
+    g.x_t = qx.q_t->as<uint8_t>();
+    g.x_scale_inv = sx;
+    g.dw = dw.as<float>();
+    g.beta = 0.0f;
+    gemm.wgrad(g, nullptr);
+    CK(cudaDeviceSynchronize());
+  }
+  const auto same = [](const Dev& a, const Dev& b, const char* what) {
+    const std::vector<uint8_t> u = download<uint8_t>(a.p, a.bytes), v = download<uint8_t>(b.p, b.bytes);
+    EXPECT_TRUE(u == v) << what << ": the products from one table differ from those with a table per operand";
+    const std::vector<uint8_t> poison(u.size(), 0xFF);
+    EXPECT_FALSE(u == poison) << what << " was not written";
+  };
+  same(y_own, y_tab, "forward");
+  same(dx_own, dx_tab, "dgrad");
+  same(dw_own, dw_tab, "wgrad");
+}
+
 TEST(Fp8Gemm, RefusesBadShapesAndLayouts) {
   ASSERT_TRUE(have_gpu()) << "no CUDA device";
   Fp8Gemm gemm;
@@ -714,6 +803,9 @@ TEST(Fp8Gemm, RefusesBadShapesAndLayouts) {
   f.x_format = f.w_format = Fp8Format::kE4M3;
   f.x_scale_inv = nullptr;
   expect_refusal([&] { gemm.forward(f, nullptr); }, "scale_inv");
+  f.x_scale_inv = s.as<float>() + 1;  // the next float of an array: cuBLASLt would say only "not supported"
+  expect_refusal([&] { gemm.forward(f, nullptr); }, "256-byte aligned");
+  f.x_scale_inv = s.as<float>();
   Fp8DgradArgs d;
   d.rows = 10;
   d.n = 1000;  // the reduction, not a multiple of 16

@@ -131,8 +131,9 @@ __global__ void fp8_update_scales_kernel(Fp8ScalingTable t, ops::AmaxAlgo algo, 
                                          float scaled_max_e5m2) {
   const int i = static_cast<int>(blockIdx.x * blockDim.x + threadIdx.x);
   if (i >= t.n) return;
-  const float step_amax = t.amax[i];
-  t.amax[i] = 0.0f;  // the next step's casts start their running maximum from zero
+  const int64_t at = static_cast<int64_t>(i) * kFp8ScalarStride;  // amax, scale, scale_inv
+  const float step_amax = t.amax[at];
+  t.amax[at] = 0.0f;  // the next step's casts start their running maximum from zero
   float* ring = t.history + static_cast<int64_t>(i) * t.history_len;
   if (isfinite(step_amax) && step_amax > 0.0f) {
     const int head = t.head[i];
@@ -144,14 +145,14 @@ __global__ void fp8_update_scales_kernel(Fp8ScalingTable t, ops::AmaxAlgo algo, 
     amax = 0.0f;
     for (int j = 0; j < t.history_len; ++j) amax = fmaxf(amax, ring[j]);  // finite, >= 0: exact, order-free
   }
-  float scale = t.scale[i];
+  float scale = t.scale[at];
   if (isfinite(amax) && amax > 0.0f) {
     scale = __fdiv_rn(t.format[i] == static_cast<uint8_t>(Fp8Format::kE4M3) ? scaled_max_e4m3 : scaled_max_e5m2,
                       amax);
     if (isinf(scale)) scale = FLT_MAX;
   }
-  t.scale[i] = scale;
-  t.scale_inv[i] = __fdiv_rn(1.0f, scale);
+  t.scale[at] = scale;
+  t.scale_inv[at] = __fdiv_rn(1.0f, scale);
 }
 
 }  // namespace
@@ -198,7 +199,7 @@ Fp8Scalings::Fp8Scalings(const std::vector<Fp8Format>& formats, const ops::Fp8Re
     : recipe_(recipe), formats_(formats) {
   ops::validate(recipe);
   const size_t n = formats.size(), len = static_cast<size_t>(recipe.history_len);
-  const size_t f_bytes = round256(n * sizeof(float)), h_bytes = round256(n * len * sizeof(float));
+  const size_t f_bytes = n * kFp8ScalarStride * sizeof(float), h_bytes = round256(n * len * sizeof(float));
   const size_t i_bytes = round256(n * sizeof(int32_t)), u_bytes = round256(n);
   memory_ = cuda_malloc_or_throw(4 * f_bytes + h_bytes + i_bytes + u_bytes, "the FP8 scaling table");
   char* p = static_cast<char*>(memory_);
@@ -220,14 +221,15 @@ Fp8Scalings::~Fp8Scalings() {
 void Fp8Scalings::reset() {
   const size_t n = formats_.size();
   if (n == 0) return;
-  const std::vector<float> ones(n, 1.0f);
+  std::vector<float> ones(n * kFp8ScalarStride, 0.0f);  // scale = scale_inv = 1 at each tensor's slot
+  for (size_t i = 0; i < n; ++i) ones[i * kFp8ScalarStride] = 1.0f;
   std::vector<uint8_t> fmt(n);
   for (size_t i = 0; i < n; ++i) fmt[i] = static_cast<uint8_t>(formats_[i]);
-  NOPAD_CUDA_CHECK(cudaMemset(table_.amax, 0, n * sizeof(float)));
+  NOPAD_CUDA_CHECK(cudaMemset(table_.amax, 0, n * kFp8ScalarStride * sizeof(float)));
   NOPAD_CUDA_CHECK(cudaMemset(table_.history, 0, n * static_cast<size_t>(table_.history_len) * sizeof(float)));
   NOPAD_CUDA_CHECK(cudaMemset(table_.head, 0, n * sizeof(int32_t)));
-  NOPAD_CUDA_CHECK(cudaMemcpy(table_.scale, ones.data(), n * sizeof(float), cudaMemcpyHostToDevice));
-  NOPAD_CUDA_CHECK(cudaMemcpy(table_.scale_inv, ones.data(), n * sizeof(float), cudaMemcpyHostToDevice));
+  NOPAD_CUDA_CHECK(cudaMemcpy(table_.scale, ones.data(), ones.size() * sizeof(float), cudaMemcpyHostToDevice));
+  NOPAD_CUDA_CHECK(cudaMemcpy(table_.scale_inv, ones.data(), ones.size() * sizeof(float), cudaMemcpyHostToDevice));
   NOPAD_CUDA_CHECK(cudaMemcpy(const_cast<uint8_t*>(table_.format), fmt.data(), n, cudaMemcpyHostToDevice));
   NOPAD_CUDA_CHECK(cudaDeviceSynchronize());
 }

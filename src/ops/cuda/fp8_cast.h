@@ -55,21 +55,28 @@ inline int64_t fp8_transposed_ld(int64_t rows) { return (rows + 15) / 16 * 16; }
 // Throws nopad::Error (what is wrong, with the values) for a missing scale, negative sizes, or a bad ld_t / q_t.
 void launch_fp8_cast(const Fp8CastArgs& a, cudaStream_t stream);
 
+// Tensor i's amax, scale and scale_inv are at [i * kFp8ScalarStride] of their arrays: each on its own 256 bytes.
+// cuBLASLt refuses (CUBLAS_STATUS_NOT_SUPPORTED, every candidate algorithm) FP8 products whose scale pointers lie at
+// 4-byte offsets of one array, and runs them when each pointer is 256-byte aligned (dev/fp8/gemm_bench.cu
+// --scale-offset-bytes, docs/fp8.md); gemm_fp8.h checks the alignment.
+inline constexpr int kFp8ScalarStride = 64;  // floats (256 bytes)
+
 // The delayed-scaling state of n tensors on the device (struct of arrays).
 struct Fp8ScalingTable {
   int n = 0;
   int history_len = 1;
-  float* amax = nullptr;          // [n] the step's amax (the casts' running maximum); zeroed by the update
+  float* amax = nullptr;          // [n * kFp8ScalarStride] the step's amax (the casts' running maximum); zeroed by
+                                  // the update
   float* history = nullptr;       // [n * history_len], tensor i's ring at i * history_len
   int32_t* head = nullptr;        // [n] next ring slot
-  float* scale = nullptr;         // [n]
-  float* scale_inv = nullptr;     // [n]
+  float* scale = nullptr;         // [n * kFp8ScalarStride]
+  float* scale_inv = nullptr;     // [n * kFp8ScalarStride]
   const uint8_t* format = nullptr;  // [n] Fp8Format
 };
 // One update step; r.history_len must equal t.history_len (checked, with the recipe validated).
 void launch_fp8_update_scales(const Fp8ScalingTable& t, const ops::Fp8Recipe& r, cudaStream_t stream);
 
-// Owns a table's device arrays (one allocation), initialised like make_fp8_scaling: scale = scale_inv = 1, rings and
+// Owns a table's device arrays (one allocation, every array 256-byte aligned), initialised like make_fp8_scaling: scale = scale_inv = 1, rings and
 // amaxes zero. The constructor and reset() wait for the device (setup only).
 class Fp8Scalings {
  public:
@@ -79,9 +86,9 @@ class Fp8Scalings {
   Fp8Scalings& operator=(const Fp8Scalings&) = delete;
   const Fp8ScalingTable& table() const { return table_; }
   const ops::Fp8Recipe& recipe() const { return recipe_; }
-  float* amax(int i) const { return table_.amax + i; }
-  float* scale(int i) const { return table_.scale + i; }
-  float* scale_inv(int i) const { return table_.scale_inv + i; }
+  float* amax(int i) const { return table_.amax + static_cast<ptrdiff_t>(i) * kFp8ScalarStride; }
+  float* scale(int i) const { return table_.scale + static_cast<ptrdiff_t>(i) * kFp8ScalarStride; }
+  float* scale_inv(int i) const { return table_.scale_inv + static_cast<ptrdiff_t>(i) * kFp8ScalarStride; }
   void update(cudaStream_t stream) const { launch_fp8_update_scales(table_, recipe_, stream); }
   void reset();
 

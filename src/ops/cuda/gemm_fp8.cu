@@ -25,6 +25,14 @@ void check_aligned(const void* p, const char* product, const char* name) {
   NOPAD_CHECK(alignment_of(p) >= 16, "FP8 ", product, ": ", name, " is not 16-byte aligned (address % 16 = ",
               reinterpret_cast<uintptr_t>(p) % 16, "); cuBLASLt's FP8 kernels need 16-byte-aligned matrices");
 }
+// cuBLASLt refuses FP8 products (CUBLAS_STATUS_NOT_SUPPORTED from every candidate algorithm) whose scale pointers
+// lie at 4-byte offsets of one array, and runs them with each pointer 256-byte aligned (as cudaMalloc gives and
+// Fp8Scalings keeps them; docs/fp8.md). Refused here with the reason rather than as "not supported".
+void check_scale_aligned(const float* p, const char* product, const char* name) {
+  NOPAD_CHECK(reinterpret_cast<uintptr_t>(p) % 256 == 0, "FP8 ", product, ": ", name, " is not 256-byte aligned "
+              "(address % 256 = ", reinterpret_cast<uintptr_t>(p) % 256, "); cuBLASLt refuses FP8 scale pointers at "
+              "small offsets of one array: keep each scale on its own 256 bytes (Fp8Scalings::scale_inv does)");
+}
 void check_multiple(int64_t v, int64_t of, const char* product, const char* name, const char* why) {
   NOPAD_CHECK(v % of == 0, "FP8 ", product, ": ", name, " = ", v, " is not a multiple of ", of, " (", why, ")");
 }
@@ -163,6 +171,8 @@ void Fp8Gemm::forward(const Fp8ForwardArgs& a, cudaStream_t stream) {
   check_multiple(a.k, 16, what, "k", kLd);
   check_multiple(a.n, 8, what, "n", kOut);
   NOPAD_CHECK(a.x_scale_inv && a.w_scale_inv, "FP8 ", what, ": a scale_inv pointer is missing");
+  check_scale_aligned(a.x_scale_inv, what, "x_scale_inv");
+  check_scale_aligned(a.w_scale_inv, what, "w_scale_inv");
   if (a.rows == 0) return;
   check_aligned(a.x, what, "x");
   check_aligned(a.w, what, "W");
@@ -198,6 +208,8 @@ void Fp8Gemm::dgrad(const Fp8DgradArgs& a, cudaStream_t stream) {
   check_multiple(a.n, 16, what, "n (the reduction)", kLd);
   check_multiple(a.k, 8, what, "k", kOut);
   NOPAD_CHECK(a.dy_scale_inv && a.w_scale_inv, "FP8 ", what, ": a scale_inv pointer is missing");
+  check_scale_aligned(a.dy_scale_inv, what, "dy_scale_inv");
+  check_scale_aligned(a.w_scale_inv, what, "w_scale_inv");
   if (a.rows == 0) return;
   check_aligned(a.dy, what, "dy");
   check_aligned(a.w_t, what, "the transposed copy of W");
@@ -232,6 +244,8 @@ void Fp8Gemm::wgrad(const Fp8WgradArgs& a, cudaStream_t stream) {
   check_multiple(a.ld_t, 16, what, "ld_t (the copies' padded row count)", kLd);
   check_multiple(a.k, 4, what, "k", kOut);
   NOPAD_CHECK(a.dy_scale_inv && a.x_scale_inv, "FP8 ", what, ": a scale_inv pointer is missing");
+  check_scale_aligned(a.dy_scale_inv, what, "dy_scale_inv");
+  check_scale_aligned(a.x_scale_inv, what, "x_scale_inv");
   if (a.ld_t == 0) {  // no rows: dW = beta dW
     NOPAD_CHECK(a.beta == 1.0f, "FP8 ", what, ": no rows with beta = ", a.beta, " would leave dW unscaled");
     return;

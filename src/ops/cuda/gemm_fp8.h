@@ -22,7 +22,8 @@
 // Alignment (refused with a message naming the product and the value): every matrix pointer 16-byte aligned, FP8
 // leading dimensions (k for the forward, n for dgrad, ld_t for wgrad) multiples of 16 (TE checks lda/ldb % 16 for FP8;
 // PyTorch's scaled_mm the same), output leading dimensions of 16 bytes (n % 8 for bf16 y, k % 8 for bf16 dx, k % 4
-// for fp32 dW), bias 16-byte aligned. rows is free in the forward and dgrad (the column count of the column-major
+// for fp32 dW), bias 16-byte aligned, each scale_inv pointer 256-byte aligned (cuBLASLt refuses scale pointers at
+// small offsets of one array; ops/cuda/fp8_cast.h's kFp8ScalarStride). rows is free in the forward and dgrad (the column count of the column-major
 // problem); the weight gradient's reduction over rows is padded by the copies instead.
 //
 // Epilogues: the forward takes CUBLASLT_EPILOGUE_BIAS with a bf16 bias (cuBLAS has no FP8 product with an fp32 bias:
